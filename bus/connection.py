@@ -1,0 +1,343 @@
+"""The Bus: the one object services use to talk to NATS (they never import nats themselves).
+
+It owns the connection (reconnect forever, time-budgeted publish retries), JetStream
+publishing with dedup ids, core pub/sub, KV access and durable pull consumers whose loop
+turns unusable messages into dead letters instead of endless redeliveries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import nats
+from nats.errors import ConnectionClosedError, NoRespondersError, NoServersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import api
+from nats.js.errors import APIError, KeyNotFoundError, NoStreamResponseError, ServiceUnavailableError
+
+from bus import subjects as S
+from bus.errors import ConnectError, MessageError
+from bus.provision import ProvisionSettings, provision
+from bus.schema import DeadLetter, Reply, Schema
+from bus.server import DEFAULT_URL
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = (NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError, asyncio.TimeoutError)
+
+
+class Delivery:
+    """One JetStream message handed to a consumer handler, with its ack verbs."""
+
+    __slots__ = ("_msg", "subject", "data", "headers")
+
+    def __init__(self, msg: Any) -> None:
+        self._msg = msg
+        self.subject: str = msg.subject
+        self.data: bytes = msg.data
+        self.headers: dict[str, str] = msg.headers or {}
+
+    @property
+    def num_delivered(self) -> int:
+        return self._msg.metadata.num_delivered
+
+    @property
+    def stream_seq(self) -> int:
+        return self._msg.metadata.sequence.stream
+
+    @property
+    def timestamp(self) -> float:
+        return self._msg.metadata.timestamp.timestamp()
+
+    async def ack(self) -> None:
+        await self._msg.ack()
+
+    async def nak(self, delay: float | None = None) -> None:
+        await self._msg.nak(delay=delay)
+
+    async def term(self) -> None:
+        await self._msg.term()
+
+    async def in_progress(self) -> None:
+        await self._msg.in_progress()
+
+
+Handler = Callable[[Delivery], Awaitable[None]]
+
+
+@dataclass
+class ConsumerSpec:
+    """A durable pull consumer: who reads what, how long a message may stay un-acked."""
+
+    stream: str
+    durable: str
+    filter_subject: str | None = None
+    ack_wait_s: float = 30.0
+    max_deliver: int = 5
+    max_ack_pending: int = 1000
+    batch: int = 64
+    deliver_new: bool = False  # start at new messages instead of the whole stream
+    redeliver_delay_s: float = 1.0
+
+
+class Bus:
+    """A connected NATS client with JetStream, used by every natsched service and producer."""
+
+    def __init__(self, nc: Any, name: str, publish_budget_s: float) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.name = name
+        self.publish_budget_s = publish_budget_s
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str = DEFAULT_URL,
+        name: str = "natsched",
+        connect_budget_s: float = 10.0,
+        publish_budget_s: float = 10.0,
+        **options: Any,
+    ) -> "Bus":
+        """Connect, retrying until ``connect_budget_s``; afterwards reconnect forever."""
+        deadline = time.monotonic() + connect_budget_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                nc = await nats.connect(
+                    url,
+                    name=name,
+                    connect_timeout=min(2.0, connect_budget_s),
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    allow_reconnect=True,
+                    error_cb=_log_error,
+                    **options,
+                )
+                return cls(nc, name, publish_budget_s)
+            except (NoServersError, OSError, NatsTimeout, asyncio.TimeoutError) as exc:
+                last = exc
+                await asyncio.sleep(0.2)
+        raise ConnectError(f"could not reach NATS at {url} within {connect_budget_s:.0f}s: {last}")
+
+    async def provision(self, settings: ProvisionSettings | None = None) -> None:
+        await provision(self.js, settings)
+
+    async def close(self, budget_s: float = 3.0) -> None:
+        """Flush what is buffered within a budget, then close: a dead server never hangs us.
+
+        (Not ``drain()``: with pull subscriptions it waits on queues nats-py never marks done.)
+        """
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self.nc.is_closed:
+            return
+        try:
+            if self.nc.is_connected:
+                await self.nc.flush(timeout=budget_s)
+        except Exception:  # closing anyway
+            pass
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+    # --- publishing ---------------------------------------------------------------------
+    async def publish(self, subject: str, msg: Schema | bytes, headers: dict[str, str] | None = None) -> None:
+        """Core NATS publish (at most once): replies, heartbeats, cache events."""
+        data = msg if isinstance(msg, bytes) else msg.encode()
+        await self.nc.publish(subject, data, headers=headers)
+
+    async def jpublish(
+        self,
+        subject: str,
+        msg: Schema | bytes,
+        msg_id: str | None = None,
+        headers: dict[str, str] | None = None,
+        budget_s: float | None = None,
+    ) -> api.PubAck:
+        """JetStream publish with an ack, retried within a time budget.
+
+        ``msg_id`` becomes ``Nats-Msg-Id``: a retry after a lost ack (or a leader change) is
+        then deduplicated by the server instead of stored twice.
+        """
+        data = msg if isinstance(msg, bytes) else msg.encode()
+        hdrs = dict(headers or {})
+        if msg_id:
+            hdrs[S.HDR_MSG_ID] = msg_id
+        deadline = time.monotonic() + (budget_s if budget_s is not None else self.publish_budget_s)
+        delay = 0.05
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return await self.js.publish(subject, data, timeout=max(0.5, min(2.0, remaining)), headers=hdrs or None)
+            except _RETRYABLE as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise
+                log.warning("publish to %s failed (%s); retrying", subject, type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        msg = await self.nc.request(subject, data, timeout=timeout)
+        return msg.data
+
+    # --- subscribing --------------------------------------------------------------------
+    async def subscribe(self, subject: str, handler: Callable[[str, bytes, dict], Awaitable[None]], queue: str = ""):
+        """Core subscription; the handler gets (subject, data, headers) and must not raise."""
+
+        async def cb(msg: Any) -> None:
+            try:
+                await handler(msg.subject, msg.data, msg.headers or {})
+            except Exception:
+                log.exception("handler for %s failed", msg.subject)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=cb)
+
+    async def inbox(self, subject: str, max_pending: int = 100_000):
+        """A subscription read with ``await sub.next_msg(timeout)`` (producers' reply streams)."""
+        return await self.nc.subscribe(subject, pending_msgs_limit=max_pending)
+
+    # --- durable consumers --------------------------------------------------------------
+    async def consume(self, spec: ConsumerSpec, handler: Handler, source: str) -> asyncio.Task:
+        """Run ``handler`` on every message of a durable pull consumer until the Bus closes.
+
+        A handler raising :class:`MessageError` (bad input) gets the message dead-lettered,
+        an error reply sent when a reply subject is known, and the message terminated.
+        Any other exception is a transient failure: redelivered after a delay, and
+        dead-lettered once ``max_deliver`` is reached, so nothing loops or vanishes.
+        """
+        config = api.ConsumerConfig(
+            durable_name=spec.durable,
+            filter_subject=spec.filter_subject,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=spec.ack_wait_s,
+            max_deliver=spec.max_deliver,
+            max_ack_pending=spec.max_ack_pending,
+            deliver_policy=api.DeliverPolicy.NEW if spec.deliver_new else api.DeliverPolicy.ALL,
+        )
+        psub = await self.js.pull_subscribe(
+            spec.filter_subject or "", durable=spec.durable, stream=spec.stream, config=config
+        )
+        task = asyncio.create_task(self._consume_loop(psub, spec, handler, source), name=f"consume:{spec.durable}")
+        self._tasks.append(task)
+        return task
+
+    async def _consume_loop(self, psub: Any, spec: ConsumerSpec, handler: Handler, source: str) -> None:
+        while True:
+            try:
+                msgs = await psub.fetch(spec.batch, timeout=1.0)
+            except NatsTimeout:
+                continue
+            except (ConnectionClosedError, asyncio.CancelledError):
+                return
+            except Exception as exc:  # server hiccup, leader change: back off and fetch again
+                log.warning("fetch on %s failed: %s", spec.durable, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                await self._handle_one(Delivery(msg), spec, handler, source)
+
+    async def _handle_one(self, d: Delivery, spec: ConsumerSpec, handler: Handler, source: str) -> None:
+        try:
+            await handler(d)
+        except MessageError as exc:
+            await self.dead_letter(d, source, exc.code, str(exc))
+            await d.term()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if d.num_delivered >= spec.max_deliver:
+                log.error("giving up on %s after %d deliveries: %s", d.subject, d.num_delivered, exc)
+                await self.dead_letter(d, source, "max_deliver", f"{type(exc).__name__}: {exc}")
+                await d.term()
+            else:
+                log.exception("handler %s failed on %s (delivery %d)", source, d.subject, d.num_delivered)
+                await d.nak(delay=spec.redeliver_delay_s)
+
+    async def dead_letter(self, d: Delivery, source: str, reason: str, error: str) -> None:
+        """Keep the message on ``dead.<source>`` and tell its producer, when we know who that is."""
+        record = DeadLetter(
+            subject=d.subject, reason=reason, error=error, ts=time.time(), data=d.data, headers=d.headers, by=self.name
+        )
+        await self.jpublish(S.deadletter(source), record)
+        reply_to = d.headers.get(S.HDR_REPLY)
+        request_id = d.headers.get(S.HDR_MSG_ID, "unknown")
+        if reply_to:
+            await self.publish(reply_to, Reply(request_id=request_id, kind="error", reason=reason, message=error))
+        log.warning("dead-lettered %s from %s: %s: %s", request_id, d.subject, reason, error)
+
+    # --- KV -----------------------------------------------------------------------------
+    async def kv_get(self, bucket: str, key: str) -> tuple[bytes, int] | None:
+        kv = await self.js.key_value(bucket)
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            return None
+        return (entry.value or b"", entry.revision)
+
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
+        kv = await self.js.key_value(bucket)
+        return await kv.put(key, value)
+
+    async def kv_update(self, bucket: str, key: str, value: bytes, last: int) -> int:
+        """Compare-and-swap: raises if the key's revision is no longer ``last``."""
+        kv = await self.js.key_value(bucket)
+        return await kv.update(key, value, last=last)
+
+    async def kv_keys(self, bucket: str) -> list[str]:
+        kv = await self.js.key_value(bucket)
+        try:
+            return await kv.keys()
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            return []
+
+    async def kv_watch(self, bucket: str, keys: str = ">") -> AsyncIterator[tuple[str, bytes | None, int]]:
+        """Current values, then every change: (key, value or None when deleted, revision)."""
+        kv = await self.js.key_value(bucket)
+        watcher = await kv.watch(keys)
+        try:
+            async for entry in watcher:
+                if entry is None:  # end of initial values marker
+                    continue
+                deleted = entry.operation in ("DEL", "PURGE")
+                yield entry.key, (None if deleted else entry.value), entry.revision
+        finally:
+            await watcher.stop()
+
+    # --- streams (audit, tests) -------------------------------------------------------------
+    async def stream_messages(self, stream: str, subject: str | None = None) -> list[tuple[str, bytes]]:
+        """Every stored message of a stream (optionally one subject filter), oldest first."""
+        info = await self.js.stream_info(stream)
+        if info.state.messages == 0:
+            return []
+        sub = await self.js.subscribe(
+            subject or ">", stream=stream, ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL
+        )
+        out: list[tuple[str, bytes]] = []
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=0.5)
+                except NatsTimeout:
+                    break
+                out.append((msg.subject, msg.data))
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return out
+
+    def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task:
+        """A background task that ends with the Bus."""
+        task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
+        self._tasks.append(task)
+        return task
+
+
+async def _log_error(exc: Exception) -> None:
+    log.warning("nats: %s", exc)

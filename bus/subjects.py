@@ -1,0 +1,142 @@
+"""Every subject, stream, consumer and bucket name on the bus — built here and nowhere else.
+
+``subjects.md`` documents each name below; ``tests/test_subjects_doc.py`` keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import re
+
+from bus.schema import RequestId, TenantId, WorkerId
+
+# --- request classes (priority subjects) -------------------------------------------------
+ONLINE = "online"
+BATCH = "batch"
+OFFLINE = "offline"
+CLASSES = (ONLINE, BATCH, OFFLINE)
+
+# --- streams -----------------------------------------------------------------------------
+STREAM_REQUESTS = "REQUESTS"
+STREAM_ADMITTED = "ADMITTED"
+STREAM_WORK = "WORK"
+STREAM_DECISIONS = "DECISIONS"
+STREAM_COMPLETIONS = "COMPLETIONS"
+STREAM_OFFLINE = "OFFLINE"
+STREAM_DEADLETTER = "DEADLETTER"
+STREAMS = (
+    STREAM_REQUESTS,
+    STREAM_ADMITTED,
+    STREAM_WORK,
+    STREAM_DECISIONS,
+    STREAM_COMPLETIONS,
+    STREAM_OFFLINE,
+    STREAM_DEADLETTER,
+)
+
+# --- subject patterns each stream captures ------------------------------------------------
+REQUESTS_ALL = "req.>"
+ADMITTED_ALL = "adm.>"
+WORK_ALL = "work.>"
+DECISIONS_ALL = "decision.>"
+COMPLETIONS_ALL = "done.>"
+OFFLINE_ALL = "offline.>"
+DEADLETTER_ALL = "dead.>"
+HEARTBEATS_ALL = "worker.*.hb"
+CACHE_EVENTS_ALL = "worker.*.kv"
+
+# --- durable consumers --------------------------------------------------------------------
+CONSUMER_ADMITTER = "admitter"
+CONSUMER_ADMITTER_COMPLETIONS = "admitter-completions"
+CONSUMER_ROUTER = "router"
+CONSUMER_WORKER_PREFIX = "worker-"  # + worker id
+
+# --- KV buckets ---------------------------------------------------------------------------
+BUCKET_QUOTAS = "quotas"
+BUCKET_WORKERS = "workers"
+BUCKET_CONFIG = "config"
+BUCKETS = (BUCKET_QUOTAS, BUCKET_WORKERS, BUCKET_CONFIG)
+
+#: key in ``quotas`` holding the cluster total of runtime tokens
+KEY_CLUSTER_TOTAL = "cluster.total"
+
+# --- headers ------------------------------------------------------------------------------
+HDR_MSG_ID = "Nats-Msg-Id"  # JetStream dedup: the request id
+HDR_REPLY = "Natsched-Reply"  # reply subject, readable even when the body is not
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def token(value: str, what: str = "token") -> str:
+    """Check that ``value`` is one subject token (no dots, wildcards or spaces)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} is not a valid subject token ([A-Za-z0-9_-], 1-128 chars)")
+    return value
+
+
+def request(cls: str, tenant: TenantId) -> str:
+    """Where a producer publishes a request: ``req.<class>.<tenant>``."""
+    return f"req.{token(cls, 'class')}.{token(tenant, 'tenant')}"
+
+
+def admitted(cls: str, tenant: TenantId) -> str:
+    """Where the admitter forwards an allowed request: ``adm.<class>.<tenant>``."""
+    return f"adm.{token(cls, 'class')}.{token(tenant, 'tenant')}"
+
+
+def work(worker: WorkerId) -> str:
+    """A worker's own input subject: ``work.<worker>``."""
+    return f"work.{token(worker, 'worker id')}"
+
+
+def reply(request_id: RequestId) -> str:
+    """The default reply subject for a request: ``resp.<request_id>``."""
+    return f"resp.{token(request_id, 'request id')}"
+
+
+def decision(stage: str, tenant: TenantId) -> str:
+    """An audit record: ``decision.<stage>.<tenant>`` (stage = admission | routing)."""
+    return f"decision.{token(stage, 'stage')}.{token(tenant, 'tenant')}"
+
+
+def completion(tenant: TenantId) -> str:
+    """A completion record: ``done.<tenant>``."""
+    return f"done.{token(tenant, 'tenant')}"
+
+
+def offline(tenant: TenantId) -> str:
+    """Degraded / offline work: ``offline.<tenant>``."""
+    return f"offline.{token(tenant, 'tenant')}"
+
+
+def deadletter(source: str) -> str:
+    """A message no handler could use: ``dead.<source>`` (source = the service that gave up)."""
+    return f"dead.{token(source, 'source')}"
+
+
+def heartbeat(worker: WorkerId) -> str:
+    return f"worker.{token(worker, 'worker id')}.hb"
+
+
+def cache_events(worker: WorkerId) -> str:
+    return f"worker.{token(worker, 'worker id')}.kv"
+
+
+def control(worker: WorkerId) -> str:
+    """Control messages to one worker (drain, snapshot): ``worker.<id>.ctl``."""
+    return f"worker.{token(worker, 'worker id')}.ctl"
+
+
+def worker_consumer(worker: WorkerId) -> str:
+    return CONSUMER_WORKER_PREFIX + token(worker, "worker id")
+
+
+def tenant_quota_key(tenant: TenantId) -> str:
+    return f"tenant.{token(tenant, 'tenant')}"
+
+
+def parse_request_subject(subject: str) -> tuple[str, str] | None:
+    """``req.<class>.<tenant>`` -> (class, tenant), or None if it is not one."""
+    parts = subject.split(".")
+    if len(parts) != 3 or parts[0] != "req":
+        return None
+    return parts[1], parts[2]

@@ -1,0 +1,5 @@
+import sys
+
+from natsched.cli import main
+
+sys.exit(main())

@@ -1,0 +1,108 @@
+"""The ``natsched`` command line. Settings dataclasses are built here, once, from the flags."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import orjson
+
+from bus.server import DEFAULT_PORT, DEFAULT_URL
+from natsched.runtime import setup_logging
+
+ENV_URL = "NATSCHED_NATS_URL"
+
+
+def _url_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats-url", default=os.environ.get(ENV_URL, DEFAULT_URL),
+                   help=f"NATS server URL (default: ${ENV_URL} or {DEFAULT_URL})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="natsched",
+        description="Admission control and cache-aware routing for LLM inference on NATS JetStream.",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run nats-server (embedded unless --nats-url), admitter, router and N workers",
+                        description="Start the whole system in the foreground; Ctrl-C or SIGTERM stops it cleanly.")
+    up.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    up.add_argument("--engine", choices=["sim", "vllm"], default="sim", help="worker engine (default sim)")
+    up.add_argument("--nats-url", default=os.environ.get(ENV_URL),
+                    help=f"use this NATS server instead of the embedded one (default: ${ENV_URL})")
+    up.add_argument("--port", type=int, default=DEFAULT_PORT, help="embedded server port (default 4222)")
+    up.add_argument("--data-dir", type=Path, default=None,
+                    help="embedded server data dir (default ~/.local/share/natsched)")
+    up.add_argument("--policy", default="least_loaded", help="routing policy (default least_loaded)")
+    up.add_argument("--time-scale", type=float, default=1.0, help="sim engine: multiply step times (default 1)")
+
+    adm = sub.add_parser("admitter", help="run one admitter replica", description="Run one admitter replica.")
+    _url_flag(adm)
+    adm.add_argument("--name", default="admitter", help="replica name in audit records")
+
+    rt = sub.add_parser("router", help="run one router replica", description="Run one router replica.")
+    _url_flag(rt)
+    rt.add_argument("--name", default="router", help="replica name in audit records")
+    rt.add_argument("--policy", default="least_loaded", help="routing policy (default least_loaded)")
+    rt.add_argument("--block-size", type=int, default=32, help="prefix block size in tokens (default 32)")
+
+    wk = sub.add_parser("worker", help="run a worker (or: worker drain ID)",
+                        description="Run one worker agent with its engine, or send it a control command.")
+    wk_sub = wk.add_subparsers(dest="action", metavar="ACTION")
+    drain = wk_sub.add_parser("drain", help="stop sending a worker new work; it leaves when idle")
+    drain.add_argument("worker_id")
+    _url_flag(drain)
+    _url_flag(wk)
+    wk.add_argument("--id", help="worker id (a subject token: letters, digits, - and _)")
+    wk.add_argument("--engine", choices=["sim", "vllm"], default="sim")
+    wk.add_argument("--model", default="default", help="model name this worker serves")
+    wk.add_argument("--concurrency", type=int, default=64, help="max requests in the engine at once")
+    wk.add_argument("--time-scale", type=float, default=1.0, help="sim engine: multiply step times")
+    wk.add_argument("--profile", default="h100-llama8b", help="sim engine profile")
+    wk.add_argument("--block-size", type=int, default=32, help="KV block size in tokens (default 32)")
+    wk.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval seconds (default 1)")
+
+    sm = sub.add_parser("submit", help="submit one request and print its result",
+                        description="Submit one request and print the completion (or stream it).")
+    _url_flag(sm)
+    sm.add_argument("--tenant", required=True)
+    sm.add_argument("--class", dest="cls", default="online", help="online | batch | offline (default online)")
+    sm.add_argument("--prompt", required=True)
+    sm.add_argument("--system-prompt", default=None)
+    sm.add_argument("--model", default="default")
+    sm.add_argument("--max-tokens", type=int, default=64)
+    sm.add_argument("--id", default=None, help="request id (default: random); resubmitting an id is refused")
+    sm.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    sm.add_argument("--json", action="store_true", help="print the result as JSON")
+    sm.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for admission (default 30)")
+
+    qt = sub.add_parser("quota", help="show or edit quotas", description="Read and edit quotas live.")
+    qt_sub = qt.add_subparsers(dest="action", required=True, metavar="ACTION")
+    qs = qt_sub.add_parser("show", help="print the quotas")
+    _url_flag(qs)
+    qs.add_argument("--json", action="store_true")
+    qset = qt_sub.add_parser("set", help="change a quota")
+    _url_flag(qset)
+    qset.add_argument("--total", type=int, required=True, help="cluster total of runtime tokens")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    from natsched import commands
+
+    handler = getattr(commands, f"cmd_{args.command}")
+    try:
+        return handler(args) or 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

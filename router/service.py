@@ -1,0 +1,120 @@
+"""The router service: decode -> RouterCore.route -> publish. All I/O lives here."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from bus import subjects as S
+from bus.connection import Bus, ConsumerSpec, Delivery
+from bus.errors import MessageError
+from bus.schema import Admitted, Assignment, CacheEvent, Completion, Control, Decision, Heartbeat, Reply
+from router.core import RouterCore, RouterSettings
+from router.policy import RouteDecision, RouteRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterServiceSettings:
+    name: str = "router"
+    core: RouterSettings = field(default_factory=RouterSettings)
+    no_worker_wait_s: float = 10.0  # how long an admitted request waits for a healthy worker
+    retry_delay_s: float = 1.0
+
+
+class RouterService:
+    def __init__(self, bus: Bus, settings: RouterServiceSettings | None = None) -> None:
+        self.bus = bus
+        self.settings = settings or RouterServiceSettings()
+        self.core = RouterCore(self.settings.core)
+
+    async def start(self) -> None:
+        await self.bus.provision()
+        await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
+        await self.bus.subscribe(S.CACHE_EVENTS_ALL, self._on_cache_event)
+        await self.bus.consume(
+            ConsumerSpec(S.STREAM_COMPLETIONS, "router-completions", S.COMPLETIONS_ALL, deliver_new=True),
+            self._on_completion, source="router",
+        )
+        attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
+        await self.bus.consume(
+            ConsumerSpec(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL, max_deliver=attempts + 3,
+                         redeliver_delay_s=self.settings.retry_delay_s),
+            self._on_admitted, source="router",
+        )
+        log.info("router ready (policy %s)", self.core.policy.name)
+
+    async def _on_heartbeat(self, subject: str, data: bytes, headers: dict) -> None:
+        try:
+            hb = Heartbeat.decode(data)
+        except MessageError as exc:
+            log.warning("ignoring bad heartbeat on %s: %s", subject, exc)
+            return
+        self.core.on_heartbeat(hb, time.time())
+
+    async def _on_cache_event(self, subject: str, data: bytes, headers: dict) -> None:
+        try:
+            ev = CacheEvent.decode(data)
+        except MessageError as exc:
+            log.warning("ignoring bad cache event on %s: %s", subject, exc)
+            return
+        if not self.core.on_cache_event(ev, time.time()):
+            log.info("cache events of %s have a gap at seq %d; asking for a snapshot", ev.worker, ev.seq)
+            await self.bus.publish(S.control(ev.worker), Control(kind="snapshot", ts=time.time(), by=self.settings.name))
+
+    async def _on_completion(self, d: Delivery) -> None:
+        self.core.on_completion(Completion.decode(d.data), time.time())
+        await d.ack()
+
+    async def _on_admitted(self, d: Delivery) -> None:
+        adm = Admitted.decode(d.data)
+        req = adm.request
+        started = time.perf_counter()
+        rr = RouteRequest.from_request(req, self.core.settings.block_size, adm.runtime_tokens)
+        decision = self.core.route(rr, time.time())
+        latency_ms = (time.perf_counter() - started) * 1000
+        if decision.worker is None:
+            waited = time.time() - adm.admitted_at
+            if waited < self.settings.no_worker_wait_s:
+                await d.nak(delay=self.settings.retry_delay_s)
+                return
+            await self._fail(adm, decision, "no_worker", f"no healthy worker for {waited:.0f}s")
+            await d.ack()
+            return
+        assignment = Assignment(request=req, worker=decision.worker, runtime_tokens=adm.runtime_tokens,
+                                admitted_at=adm.admitted_at, routed_at=time.time(), policy=decision.policy,
+                                expected_cached_tokens=decision.expected_cached_tokens)
+        # one id per request: a router that crashes after this publish and re-routes on
+        # redelivery is deduplicated by the server instead of running the request twice
+        await self.bus.jpublish(S.work(decision.worker), assignment, msg_id=f"{req.id}:work")
+        await self._record(adm, decision, "assign", latency_ms)
+        if req.reply:
+            await self.bus.publish(req.reply, Reply(request_id=req.id, kind="status", status="assigned",
+                                                    worker=decision.worker))
+        await d.ack()
+        log.info("request %s assigned to %s by %s (expected cached %d)", req.id, decision.worker, decision.policy,
+                 decision.expected_cached_tokens)
+
+    async def _fail(self, adm: Admitted, decision: RouteDecision, reason: str, message: str) -> None:
+        """Close an admitted request that cannot run: its completion releases the reservation."""
+        req = adm.request
+        completion = Completion(request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model, status="error",
+                                runtime_tokens=adm.runtime_tokens, reason=reason, ts=time.time())
+        await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
+        await self._record(adm, decision, "fail", 0.0, reason)
+        if req.reply:
+            await self.bus.publish(req.reply, Reply(request_id=req.id, kind="error", status="failed", reason=reason,
+                                                    message=message))
+        log.warning("request %s failed in routing: %s", req.id, message)
+
+    async def _record(self, adm: Admitted, decision: RouteDecision, what: str, latency_ms: float,
+                      reason: str | None = None) -> None:
+        req = adm.request
+        record = Decision(request_id=req.id, tenant=req.tenant, cls=req.cls, stage="routing", decision=what,
+                          ts=time.time(), reason=reason or decision.reason, worker=decision.worker,
+                          policy=decision.policy, scores={str(k): v for k, v in decision.scores.items()},
+                          expected_cached_tokens=decision.expected_cached_tokens, by=self.settings.name,
+                          latency_ms=latency_ms, runtime_tokens=adm.runtime_tokens)
+        await self.bus.jpublish(S.decision("routing", req.tenant), record, msg_id=f"{req.id}:routing")

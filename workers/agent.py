@@ -1,0 +1,221 @@
+"""The worker agent: the bus side of one engine.
+
+It takes assignments from its own subject ``work.<id>`` through a durable JetStream consumer
+(max ack pending = its concurrency, so a restarted worker loses nothing), runs them on the
+engine, streams tokens to each producer, publishes one completion per request, and reports
+load (heartbeats) and cache contents (sequenced cache events) for the admitter and router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from bus import subjects as S
+from bus.blocks import estimate_prompt_tokens, request_block_hashes
+from bus.connection import Bus, ConsumerSpec, Delivery
+from bus.errors import MessageError
+from bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
+from workers.engine import Engine, EngineOutput, EngineRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSettings:
+    id: str
+    model: str = "default"
+    concurrency: int = 64  # max un-acked assignments = requests running or queued in the engine
+    heartbeat_interval_s: float = 1.0
+    ack_wait_s: float = 30.0  # kept alive with in_progress while a request runs
+    capacity_tokens: int | None = None  # runtime-token capacity; default: the engine's KV size
+
+
+class WorkerAgent:
+    def __init__(self, bus: Bus, engine: Engine, settings: WorkerSettings) -> None:
+        self.bus = bus
+        self.engine = engine
+        self.settings = settings
+        self.id = WorkerId(settings.id)
+        self.state = "healthy"
+        self.started_at = time.time()
+        self.inflight: dict[str, asyncio.Task] = {}
+        self._hb_seq = 0
+        self._kv_seq = 0
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self.engine.set_cache_listener(self._on_cache_change)
+        await self.bus.subscribe(S.control(self.id), self._on_control)
+        spec = ConsumerSpec(
+            stream=S.STREAM_WORK,
+            durable=S.worker_consumer(self.id),
+            filter_subject=S.work(self.id),
+            ack_wait_s=self.settings.ack_wait_s,
+            max_deliver=3,
+            max_ack_pending=self.settings.concurrency,
+            batch=self.settings.concurrency,
+        )
+        await self.bus.consume(spec, self._on_assignment, source="worker")
+        self.bus.spawn(self._heartbeat_loop(), "heartbeat")
+        await self._publish_cache("snapshot", self.engine.cached_hashes())
+        await self._heartbeat()
+        log.info("worker %s ready (model %s, concurrency %d)", self.id, self.settings.model, self.settings.concurrency)
+
+    async def stop(self) -> None:
+        for task in list(self.inflight.values()):
+            task.cancel()
+        await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+        await self.engine.stop()
+
+    async def wait_drained(self) -> None:
+        await self._stopped.wait()
+
+    # --- assignments ------------------------------------------------------------------
+    async def _on_assignment(self, d: Delivery) -> None:
+        assignment = Assignment.decode(d.data)  # MessageError -> dead letter (by the Bus)
+        rid = assignment.request.id
+        if rid in self.inflight:
+            return  # a redelivery of something we are running: its task acks it
+        if self.state == "quiescing":
+            await d.nak(delay=1.0)  # not ours to run any more; redelivered to us or re-routed later
+            return
+        self.inflight[rid] = asyncio.create_task(self._run(assignment, d), name=f"run:{rid}")
+
+    async def _run(self, a: Assignment, d: Delivery) -> None:
+        req = a.request
+        started = time.time()
+        keepalive = asyncio.create_task(self._keep_alive(d))
+        log.info("request %s running on %s", req.id, self.id)
+        try:
+            if req.deadline is not None and started > req.deadline:
+                final = EngineOutput(0, finished=True, finish_reason="error", error="deadline_exceeded")
+                await self._finish(a, final, started, None)
+            else:
+                await self._generate(a, started)
+            await d.ack()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # engine failure: recorded as an outcome, never dropped
+            log.exception("request %s failed on %s", req.id, self.id)
+            await self._finish(a, EngineOutput(0, finished=True, finish_reason="error", error=f"engine_error: {exc}"),
+                               started, None)
+            await d.ack()
+        finally:
+            keepalive.cancel()
+            self.inflight.pop(req.id, None)
+            if self.state == "quiescing" and not self.inflight:
+                self._stopped.set()
+
+    async def _generate(self, a: Assignment, started: float) -> None:
+        req = a.request
+        engine_req = EngineRequest(
+            id=req.id,
+            prompt_tokens=estimate_prompt_tokens(req),
+            hashes=request_block_hashes(req, self.engine.block_size),
+            max_tokens=req.max_tokens,
+            prompt=((req.system_prompt or "") + (req.prompt or "")) if req.prompt is not None else None,
+            prompt_token_ids=req.prompt_token_ids,
+            output_tokens_hint=req.expected_output_tokens,
+        )
+        first_at = None
+        texts: list[str] = []
+        async for out in self.engine.generate(engine_req):
+            if first_at is None and not out.error:
+                first_at = time.time()
+            texts.append(out.text)
+            if req.stream and req.reply and (out.text or out.token_ids) and not out.error:
+                await self.bus.publish(req.reply, Reply(request_id=req.id, kind="token", text=out.text,
+                                                        token_ids=out.token_ids, index=out.index))
+            if out.finished:
+                await self._finish(a, out, started, first_at, "".join(texts))
+                return
+        raise RuntimeError("engine stream ended without a final output")
+
+    async def _finish(
+        self, a: Assignment, out: EngineOutput, started: float, first_at: float | None, text: str = ""
+    ) -> None:
+        req, now = a.request, time.time()
+        ok = out.error is None
+        ttft = (first_at - started) if first_at else None
+        tpot = ((now - first_at) / (out.output_tokens - 1)) if first_at and out.output_tokens > 1 else None
+        completion = Completion(
+            request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model, status="ok" if ok else "error",
+            runtime_tokens=a.runtime_tokens, worker=self.id, finish_reason=out.finish_reason,
+            reason=None if ok else out.error.split(":")[0], prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot,
+            e2e=now - (req.created or started), expected_cached_tokens=a.expected_cached_tokens, ts=now,
+        )
+        await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
+        if req.reply:
+            if ok:
+                reply = Reply(request_id=req.id, kind="result", text=None if req.stream else text,
+                              worker=self.id, finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
+                              cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot)
+            else:
+                reason, _, message = (out.error or "").partition(": ")
+                reply = Reply(request_id=req.id, kind="error", status="failed", reason=reason or "engine_error",
+                              message=message or out.error, worker=self.id)
+            await self.bus.publish(req.reply, reply)
+        log.info("request %s %s on %s: %d prompt (%d cached), %d out", req.id, completion.status, self.id,
+                 out.prompt_tokens, out.cached_tokens, out.output_tokens)
+
+    async def _keep_alive(self, d: Delivery) -> None:
+        while True:
+            await asyncio.sleep(self.settings.ack_wait_s / 3)
+            await d.in_progress()
+
+    # --- reports --------------------------------------------------------------------------
+    def _on_cache_change(self, kind: str, hashes: list) -> None:
+        self.bus.spawn(self._publish_cache(kind, hashes), "cache-event")
+
+    async def _publish_cache(self, kind: str, hashes: list) -> None:
+        self._kv_seq += 1
+        ev = CacheEvent(worker=self.id, seq=self._kv_seq, kind=kind, ts=time.time(), hashes=list(hashes),
+                        block_size=self.engine.block_size)
+        await self.bus.publish(S.cache_events(self.id), ev)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                await self._heartbeat()
+            except Exception:
+                log.exception("heartbeat failed")
+
+    async def _heartbeat(self) -> None:
+        st = self.engine.stats()
+        self._hb_seq += 1
+        hb = Heartbeat(
+            worker=self.id, seq=self._hb_seq, ts=time.time(), state=self.state, model=self.settings.model,
+            running=st.running, waiting=st.waiting, kv_used_blocks=st.kv_used_blocks,
+            kv_total_blocks=st.kv_total_blocks, runtime_tokens=st.runtime_tokens,
+            capacity_tokens=self.settings.capacity_tokens or st.capacity_tokens,
+            queued_prefill_tokens=st.queued_prefill_tokens, block_size=self.engine.block_size,
+            started_at=self.started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
+            inflight=list(self.inflight),
+        )
+        await self.bus.publish(S.heartbeat(self.id), hb)
+
+    async def _on_control(self, subject: str, data: bytes, headers: dict) -> None:
+        try:
+            ctl = Control.decode(data)
+        except MessageError as exc:
+            log.warning("ignoring bad control message on %s: %s", subject, exc)
+            return
+        if ctl.kind == "snapshot":
+            await self._publish_cache("snapshot", self.engine.cached_hashes())
+        elif ctl.kind == "drain":
+            log.info("worker %s quiescing (drain requested by %s)", self.id, ctl.by or "?")
+            self.state = "quiescing"
+            await self._heartbeat()
+            if not self.inflight:
+                self._stopped.set()
+        elif ctl.kind == "resume":
+            self.state = "healthy"
+            await self._heartbeat()
+        else:
+            log.warning("unknown control kind %r on %s", ctl.kind, subject)
