@@ -108,21 +108,28 @@ class Bus:
         last: Exception | None = None
         while time.monotonic() < deadline:
             try:
-                nc = await nats.connect(
-                    url,
-                    name=name,
-                    connect_timeout=min(2.0, connect_budget_s),
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    allow_reconnect=True,
-                    error_cb=_log_error,
-                    **options,
+                # the first connection is bounded by our budget, not nats-py's retry loop
+                remaining = max(0.1, deadline - time.monotonic())
+                nc = await asyncio.wait_for(
+                    nats.connect(
+                        url,
+                        name=name,
+                        connect_timeout=min(2.0, remaining),
+                        allow_reconnect=False,
+                        max_reconnect_attempts=1,
+                        reconnect_time_wait=0.2,
+                        error_cb=_log_error,
+                        **options,
+                    ),
+                    remaining,
                 )
+                nc.options["allow_reconnect"] = True  # once connected, reconnect forever
+                nc.options["max_reconnect_attempts"] = -1
                 return cls(nc, name, publish_budget_s)
             except (NoServersError, OSError, NatsTimeout, asyncio.TimeoutError) as exc:
                 last = exc
                 await asyncio.sleep(0.2)
-        raise ConnectError(f"could not reach NATS at {url} within {connect_budget_s:.0f}s: {last}")
+        raise ConnectError(f"could not reach NATS at {url} within {connect_budget_s:g}s: {last}")
 
     async def provision(self, settings: ProvisionSettings | None = None) -> None:
         await provision(self.js, settings)

@@ -48,6 +48,7 @@ CACHE_EVENTS_ALL = "worker.*.kv"
 CONSUMER_ADMITTER = "admitter"
 CONSUMER_ADMITTER_COMPLETIONS = "admitter-completions"
 CONSUMER_ROUTER = "router"
+CONSUMER_ROUTER_COMPLETIONS = "router-completions"
 CONSUMER_WORKER_PREFIX = "worker-"  # + worker id
 
 # --- KV buckets ---------------------------------------------------------------------------
@@ -58,6 +59,8 @@ BUCKETS = (BUCKET_QUOTAS, BUCKET_WORKERS, BUCKET_CONFIG)
 
 #: key in ``quotas`` holding the cluster total of runtime tokens
 KEY_CLUSTER_TOTAL = "cluster.total"
+#: key in ``config`` holding the routing policy, its weights and the canary (JSON)
+KEY_ROUTER_CONFIG = "router"
 
 # --- headers ------------------------------------------------------------------------------
 HDR_MSG_ID = "Nats-Msg-Id"  # JetStream dedup: the request id
@@ -132,6 +135,24 @@ def worker_consumer(worker: WorkerId) -> str:
 
 def tenant_quota_key(tenant: TenantId) -> str:
     return f"tenant.{token(tenant, 'tenant')}"
+
+
+#: every subject builder's shape, as written in subjects.md (the doc test renders each one)
+PATTERNS = {
+    "request": "req.<class>.<tenant>",
+    "admitted": "adm.<class>.<tenant>",
+    "work": "work.<worker>",
+    "reply": "resp.<request_id>",
+    "decision": "decision.<stage>.<tenant>",
+    "completion": "done.<tenant>",
+    "offline": "offline.<tenant>",
+    "deadletter": "dead.<source>",
+    "heartbeat": "worker.<worker>.hb",
+    "cache_events": "worker.<worker>.kv",
+    "control": "worker.<worker>.ctl",
+    "worker_consumer": "worker-<worker>",
+    "tenant_quota_key": "tenant.<tenant>",
+}
 
 
 def parse_request_subject(subject: str) -> tuple[str, str] | None:

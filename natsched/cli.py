@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=DEFAULT_PORT, help="embedded server port (default 4222)")
     up.add_argument("--data-dir", type=Path, default=None,
                     help="embedded server data dir (default ~/.local/share/natsched)")
-    up.add_argument("--policy", default="least_loaded", help="routing policy (default least_loaded)")
+    up.add_argument("--policy", default="natsched", help="routing policy (default natsched)")
     up.add_argument("--time-scale", type=float, default=1.0, help="sim engine: multiply step times (default 1)")
 
     adm = sub.add_parser("admitter", help="run one admitter replica", description="Run one admitter replica.")
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt = sub.add_parser("router", help="run one router replica", description="Run one router replica.")
     _url_flag(rt)
     rt.add_argument("--name", default="router", help="replica name in audit records")
-    rt.add_argument("--policy", default="least_loaded", help="routing policy (default least_loaded)")
+    rt.add_argument("--policy", default="natsched", help="routing policy (default natsched)")
     rt.add_argument("--block-size", type=int, default=32, help="prefix block size in tokens (default 32)")
 
     wk = sub.add_parser("worker", help="run a worker (or: worker drain ID)",
@@ -89,6 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     qset = qt_sub.add_parser("set", help="change a quota")
     _url_flag(qset)
     qset.add_argument("--total", type=int, required=True, help="cluster total of runtime tokens")
+
+    ro = sub.add_parser("route", help="show or switch the routing policy live",
+                        description="Read and change the routers' policy, weights and canary (config bucket).")
+    ro_sub = ro.add_subparsers(dest="action", required=True, metavar="ACTION")
+    rshow = ro_sub.add_parser("show", help="print the routing config")
+    _url_flag(rshow)
+    rset = ro_sub.add_parser("set", help="switch policy / weights / canary (applied within a second)")
+    _url_flag(rset)
+    rset.add_argument("--policy", required=True, help="live policy name")
+    rset.add_argument("--weights", default=None, help='JSON object of policy weights, e.g. \'{"sticky_s": 20}\'')
+    rset.add_argument("--canary", default=None, help="second policy for a share of traffic")
+    rset.add_argument("--canary-share", type=float, default=0.0, help="share of requests for the canary (0..1)")
     return parser
 
 

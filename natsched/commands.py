@@ -177,10 +177,43 @@ async def _quota(args) -> int:
         await bus.close()
 
 
+def cmd_route(args) -> int:
+    return _run(_route(args))
+
+
+async def _route(args) -> int:
+    from bus.connection import Bus
+    from router.policies import make_policy
+
+    if args.action == "set":
+        weights = orjson.loads(args.weights) if args.weights else {}
+        if not isinstance(weights, dict):
+            return _fail("--weights must be a JSON object")
+        make_policy(args.policy, weights=weights or None)  # refuse unknown names/weights before writing
+        if args.canary:
+            make_policy(args.canary)
+            if not 0 < args.canary_share <= 1:
+                return _fail("--canary-share must be within (0, 1]")
+        config = {"policy": args.policy, "weights": weights, "canary": args.canary,
+                  "canary_share": args.canary_share if args.canary else 0.0}
+    bus = await Bus.connect(args.nats_url, name="natsched-cli", connect_budget_s=5.0)
+    try:
+        await bus.provision()
+        if args.action == "set":
+            await bus.kv_put(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG, orjson.dumps(config))
+            print(f"routing config set: {orjson.dumps(config).decode()}")
+            return 0
+        current = await bus.kv_get(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG)
+        print(current[0].decode() if current else "routing config not set (routers use their --policy)")
+        return 0
+    finally:
+        await bus.close()
+
+
 def _run(coro) -> int:
     try:
         return asyncio.run(coro) or 0
     except BusError as exc:
         return _fail(str(exc))
-    except ValueError as exc:
+    except (ValueError, orjson.JSONDecodeError) as exc:
         return _fail(str(exc))

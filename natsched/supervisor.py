@@ -31,7 +31,7 @@ class UpSettings:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     data_dir: Path | None = None
-    policy: str = "least_loaded"
+    policy: str = "natsched"
     time_scale: float = 1.0
     log_level: str = "info"
     ready_timeout_s: float = 60.0

@@ -1,68 +1,205 @@
 """RouterCore: the router's whole state and decision, without I/O.
 
 The service feeds it heartbeats, cache events and completions and asks it to route; the
-simulator does the same in virtual time.
+simulator does the same in virtual time. It owns the shared pieces and wires them together:
+
+- :class:`~router.registry.WorkerRegistry` — worker state machine and load view (+ the ledger of
+  our assignments);
+- :class:`~router.index.PrefixIndex` — which worker holds which prefix (events + our decisions);
+- :class:`~router.feedback.ClaimTracker` — are a worker's cache claims coming true;
+- the live policy and an optional canary policy, both built on the same :class:`PolicyDeps`.
+
+Time (``now``) is the caller's clock in seconds (wall time in the service, virtual time in the
+simulator) and must be >= 0 and non-decreasing.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
-from bus.schema import CacheEvent, Completion, Heartbeat, WorkerId
+from bus.schema import CacheEvent, Completion, Heartbeat, RequestId, WorkerId
+from router.costmodel import CostModel
+from router.deps import PolicyDeps, cached_tokens
+from router.errors import ConfigError
+from router.feedback import ClaimTracker, FeedbackSettings
+from router.index import IndexSettings, PrefixIndex
 from router.policies import make_policy
 from router.policy import RouteDecision, RouteRequest, RoutingPolicy, WorkerView
+from router.registry import Assignment, RegistrySettings, WorkerRegistry, WorkerState
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class RouterSettings:
-    policy: str = "least_loaded"
-    block_size: int = 32
+    policy: str = "natsched"
+    block_size: int = 32  # tokens per block of RouteRequest.hashes (the "block_tokens")
     heartbeat_timeout_s: float = 15.0  # a worker silent for longer is excluded
+    backoff_max_prompt_tokens: int = 1024  # a BACKOFF worker takes only prompts up to this
+    pending_grace_s: float = 2.0  # see router.registry
+    forget_after_s: float = 600.0
+    ledger_ttl_s: float = 3600.0
+    policy_weights: dict[str, dict[str, Any]] = field(default_factory=dict)  # per policy name
+    canary_policy: str | None = None
+    canary_share: float = 0.0  # share of requests (by request-id hash) the canary decides
+    index: IndexSettings = field(default_factory=IndexSettings)
+    feedback: FeedbackSettings = field(default_factory=FeedbackSettings)
+    cost: CostModel = field(default_factory=CostModel)
+
+    def registry_settings(self) -> RegistrySettings:
+        return RegistrySettings(
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            backoff_max_prompt_tokens=self.backoff_max_prompt_tokens,
+            pending_grace_s=self.pending_grace_s,
+            forget_after_s=self.forget_after_s,
+            ledger_ttl_s=self.ledger_ttl_s,
+        )
+
+
+def in_canary(request_id: str, share: float) -> bool:
+    """Deterministic: the same request id always lands on the same side (retries, replicas)."""
+    return zlib.crc32(request_id.encode()) % 10_000 < share * 10_000
 
 
 class RouterCore:
     def __init__(self, settings: RouterSettings | None = None, policy: RoutingPolicy | None = None) -> None:
-        self.settings = settings or RouterSettings()
-        self.policy = policy or make_policy(self.settings.policy)
-        self.workers: dict[WorkerId, WorkerView] = {}
+        s = self.settings = settings or RouterSettings()
+        self.index = PrefixIndex(s.index)
+        self.registry = WorkerRegistry(s.registry_settings())
+        self.claims = ClaimTracker(s.feedback)
+        self.deps = PolicyDeps(self.index, s.cost, s.block_size)
+        self.workers: dict[WorkerId, WorkerView] = self.registry.views
+        self.policy: RoutingPolicy = policy or make_policy(s.policy, self.deps, s.policy_weights.get(s.policy))
+        self.canary: RoutingPolicy | None = None
+        self.canary_share = 0.0
+        if s.canary_policy:
+            self.set_canary(s.canary_policy, s.canary_share, s.policy_weights.get(s.canary_policy))
+        self._snapshot_requests: dict[WorkerId, None] = {}
+
+    # ------------------------------------------------------------------ inputs
 
     def on_heartbeat(self, hb: Heartbeat, now: float) -> None:
-        view = self.workers.get(hb.worker)
-        if view is None:
-            view = self.workers[hb.worker] = WorkerView(id=hb.worker, joined_at=now)
-            log.info("worker %s joined (state %s)", hb.worker, hb.state)
-        view.state = hb.state
-        view.model = hb.model
-        view.running, view.waiting = hb.running, hb.waiting
-        view.kv_used_blocks, view.kv_total_blocks = hb.kv_used_blocks, hb.kv_total_blocks
-        view.runtime_tokens, view.capacity_tokens = hb.runtime_tokens, hb.capacity_tokens
-        view.queued_prefill_tokens = hb.queued_prefill_tokens
-        view.block_size = hb.block_size
-        view.last_heartbeat = now
-        view.pending = view.pending_tokens = 0  # the heartbeat now counts what we sent
+        if self.registry.on_heartbeat(hb, now):
+            self.index.reset_worker(hb.worker, now)
+            self.claims.reset(hb.worker)
+        self._check_fresh(hb.worker)
 
     def on_cache_event(self, ev: CacheEvent, now: float) -> bool:
         """Apply a cache delta; False when a sequence gap means a snapshot is needed."""
-        return True
+        ok = self.index.apply(ev, now)
+        if ev.kind == "snapshot":
+            self.claims.reset(ev.worker)
+            self._snapshot_requests.pop(ev.worker, None)
+        if ev.worker in self.registry.views:
+            self._check_fresh(ev.worker)
+        return ok
 
     def on_completion(self, c: Completion, now: float) -> None:
-        pass
+        """Release the request's load and score the cache claim it confirms or refutes."""
+        a = self.registry.on_completion(c.request_id, c.worker, c.runtime_tokens)
+        w = c.worker or (a.worker if a is not None else None)
+        if w is None or c.status != "ok":
+            return
+        expected = a.expected_cached if a is not None and a.worker == w else c.expected_cached_tokens
+        if expected and self.claims.observe(w, expected, c.cached_tokens):
+            reason = f"claims failing: accuracy {self.claims.accuracy(w):.2f}"
+            if self.index.distrust(w, reason) and self.index.needs_snapshot(w, now):
+                self._snapshot_requests[w] = None
+
+    def _check_fresh(self, w: WorkerId) -> None:
+        if self.registry.awaiting_fresh(w) and self.index.is_fresh(w, self.registry.views[w].kv_seq):
+            self.registry.mark_fresh(w)
+
+    # ------------------------------------------------------------------ routing
 
     def candidates(self, req: RouteRequest, now: float) -> list[WorkerView]:
-        limit = self.settings.heartbeat_timeout_s
-        return [
-            w
-            for w in self.workers.values()
-            if w.state == "healthy" and now - w.last_heartbeat <= limit and w.model == req.model
-        ]
+        """Workers that may take ``req`` now (state, heartbeat age, model, size for BACKOFF)."""
+        eligible = self.registry.eligible
+        return [w for w in self.workers.values() if eligible(w, req, now)]
 
     def route(self, req: RouteRequest, now: float) -> RouteDecision:
-        decision = self.policy.route(req, self.candidates(req, now), now)
-        if decision.worker is not None:
-            view = self.workers[decision.worker]
-            view.pending += 1
-            view.pending_tokens += req.runtime_tokens
+        """Ask the live (or canary) policy, then book the assignment: pending load, ledger entry
+        (with the index's cache prediction, for feedback) and an approximate index claim.
+
+        A policy's ``cache_belief`` says where its ``expected_cached_tokens`` comes from:
+        ``"index"`` (the shared index, reused as is), ``"own"`` (its private model; the index is
+        asked separately for feedback) or absent (cache-blind: filled from the index).
+        """
+        policy = self.canary if self.canary is not None and in_canary(req.id, self.canary_share) else self.policy
+        decision = policy.route(req, self.candidates(req, now), now)
+        w = decision.worker
+        if w is None:
+            return decision
+        prompt = req.prompt_tokens
+        belief = getattr(policy, "cache_belief", None)
+        if belief == "index":  # the policy already looked it up in the index
+            expected = decision.expected_cached_tokens
+        else:
+            expected = cached_tokens(self.index.match_one(req.hashes, w, now), self.deps.block_tokens, prompt)
+            if belief is None:  # cache-blind policy: still audit what the index predicted
+                decision.expected_cached_tokens = expected
+        self.index.record_route(req.hashes, w, now)
+        kv = req.runtime_tokens or prompt + req.expected_output
+        self.registry.on_assigned(req.id, Assignment(w, kv, prompt - expected, expected, now))
         return decision
+
+    # ------------------------------------------------------------------ run-time control
+
+    def set_policy(self, name: str, weights: Mapping[str, Any] | None = None) -> None:
+        """Switch the live policy (fresh state); raises ConfigError and keeps the old one on error."""
+        policy = make_policy(name, self.deps, weights)
+        log.info("routing policy %s -> %s (weights %s)", self.policy.name, name, dict(weights or {}))
+        self.policy = policy
+
+    def set_canary(self, name: str | None, share: float = 0.0, weights: Mapping[str, Any] | None = None) -> None:
+        """Let policy ``name`` decide ``share`` (0..1) of requests; ``None`` or 0 removes it."""
+        if not 0.0 <= share <= 1.0:
+            raise ConfigError(f"canary_share must be within [0, 1], got {share}")
+        if name is None or share == 0.0:
+            self.canary, self.canary_share = None, 0.0
+            log.info("routing canary off")
+            return
+        self.canary, self.canary_share = make_policy(name, self.deps, weights), share
+        log.info("routing canary %s on %.1f%% of requests", name, share * 100)
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def tick(self, now: float) -> None:
+        """Periodic upkeep (the service: every second or so; the simulator: on its clock)."""
+        for w in self.registry.tick(now):
+            self.index.forget_worker(w, now)
+            self.claims.reset(w)
+            self._snapshot_requests.pop(w, None)
+        self.index.expire(now)
+        for w in self.index.untrusted():
+            if w in self.registry.views and self.index.needs_snapshot(w, now):
+                self._snapshot_requests[w] = None
+
+    def pop_snapshot_requests(self) -> list[WorkerId]:
+        """Workers the service should send a ``snapshot`` control message to (drained)."""
+        out = list(self._snapshot_requests)
+        self._snapshot_requests.clear()
+        return out
+
+    def assignment(self, request_id: RequestId) -> Assignment | None:
+        """Our outstanding assignment of ``request_id``, if any (for re-routing and audits)."""
+        return self.registry.ledger.get(request_id)
+
+    def stats(self, now: float) -> dict[str, Any]:
+        """Gauges for metrics: workers per state, index size, untrusted workers, ledger size."""
+        states: dict[str, int] = {}
+        for w in self.workers:
+            st = self.registry.state(w, now)
+            key = st.value if isinstance(st, WorkerState) else st
+            states[key] = states.get(key, 0) + 1
+        return {
+            "workers": states,
+            "index": self.index.stats(),
+            "outstanding": len(self.registry.ledger),
+            "policy": self.policy.name,
+            "canary": self.canary.name if self.canary is not None else None,
+            "canary_share": self.canary_share,
+        }

@@ -68,14 +68,15 @@ class CostModel:
         """Seconds of prefill already queued ahead of a new request on ``w``."""
         return self.prefill_s(w.queued_prefill_tokens + w.pending_prefill_tokens)
 
-    def kv_wait_s(self, w: WorkerView, need_tokens: float) -> float:
+    def kv_wait_s(self, w: WorkerView, need_tokens: float, ctx: float | None = None) -> float:
         """Seconds a request needing ``need_tokens`` of KV waits for room on ``w``.
 
         Coarse on purpose: if the worker would overflow by ``over`` tokens, freeing them takes
         ``over / capacity`` of a typical request's remaining decode time.
         """
         cap = self.capacity_tokens(w)
-        ctx = w.load_tokens
+        if ctx is None:
+            ctx = w.load_tokens
         over = ctx + need_tokens - cap
         if over <= 0:
             return 0.0
@@ -89,11 +90,11 @@ class CostModel:
         running sequence's KV) + waiting for KV room. Only *uncached* tokens cost prefill, which
         is where the cache pays off.
         """
+        ctx = w.load_tokens
         need = prompt + output
-        step = self.step_s(w.load_tokens + need)
-        return (
-            self.backlog_s(w)
-            + self.prefill_s(uncached)
-            + output * step
-            + self.kv_wait_s(w, need)
-        )
+        tps = self.prefill_tokens_per_s
+        step = self.decode_step_s + self.decode_s_per_1k_ctx * (ctx + need) / 1000.0
+        est = (w.queued_prefill_tokens + w.pending_prefill_tokens + uncached) / tps + output * step
+        if w.capacity_tokens <= 0 or ctx + need > w.capacity_tokens:  # rare: maybe no KV room
+            est += self.kv_wait_s(w, need, ctx)
+        return est

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+
+import orjson
 
 from bus import subjects as S
 from bus.connection import Bus, ConsumerSpec, Delivery
 from bus.errors import MessageError
 from bus.schema import Admitted, Assignment, CacheEvent, Completion, Control, Decision, Heartbeat, Reply
 from router.core import RouterCore, RouterSettings
+from router.errors import ConfigError
 from router.policy import RouteDecision, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -22,6 +26,7 @@ class RouterServiceSettings:
     core: RouterSettings = field(default_factory=RouterSettings)
     no_worker_wait_s: float = 10.0  # how long an admitted request waits for a healthy worker
     retry_delay_s: float = 1.0
+    tick_s: float = 1.0  # upkeep: stale workers, index expiry, snapshot requests
 
 
 class RouterService:
@@ -32,10 +37,15 @@ class RouterService:
 
     async def start(self) -> None:
         await self.bus.provision()
+        current = await self.bus.kv_get(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG)
+        if current is not None:
+            self.apply_config(current[0])
+        self.bus.spawn(self._watch_config(), "router-config")
+        self.bus.spawn(self._tick_loop(), "router-tick")
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
         await self.bus.subscribe(S.CACHE_EVENTS_ALL, self._on_cache_event)
         await self.bus.consume(
-            ConsumerSpec(S.STREAM_COMPLETIONS, "router-completions", S.COMPLETIONS_ALL, deliver_new=True),
+            ConsumerSpec(S.STREAM_COMPLETIONS, S.CONSUMER_ROUTER_COMPLETIONS, S.COMPLETIONS_ALL, deliver_new=True),
             self._on_completion, source="router",
         )
         attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
@@ -45,6 +55,41 @@ class RouterService:
             self._on_admitted, source="router",
         )
         log.info("router ready (policy %s)", self.core.policy.name)
+
+    def apply_config(self, raw: bytes) -> bool:
+        """Apply ``{"policy", "weights", "canary", "canary_share"}`` from the config bucket.
+
+        A value that cannot be used is logged and ignored: the running policy stays.
+        """
+        try:
+            cfg = orjson.loads(raw)
+            if not isinstance(cfg, dict):
+                raise ConfigError("router config must be a JSON object")
+            weights = cfg.get("weights") or {}
+            if "policy" in cfg:
+                self.core.set_policy(str(cfg["policy"]), weights.get(cfg["policy"], weights))
+            if "canary" in cfg:
+                canary = cfg["canary"]
+                self.core.set_canary(canary, float(cfg.get("canary_share", 0.0)),
+                                     weights.get(canary) if canary else None)
+        except (orjson.JSONDecodeError, ConfigError, TypeError, ValueError, AttributeError) as exc:
+            log.error("ignoring router config %r: %s; keeping policy %s", raw[:120], exc, self.core.policy.name)
+            return False
+        return True
+
+    async def _watch_config(self) -> None:
+        async for _key, value, _rev in self.bus.kv_watch(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG):
+            if value is not None:
+                self.apply_config(value)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.tick_s)
+            self.core.tick(time.time())
+            for worker in self.core.pop_snapshot_requests():
+                log.info("asking worker %s for a cache snapshot", worker)
+                await self.bus.publish(S.control(worker), Control(kind="snapshot", ts=time.time(),
+                                                                  by=self.settings.name))
 
     async def _on_heartbeat(self, subject: str, data: bytes, headers: dict) -> None:
         try:

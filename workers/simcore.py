@@ -105,12 +105,18 @@ class SimCore:
             n += 1
         return n
 
+    def fits(self, prompt_tokens: int, output_tokens: int) -> bool:
+        """Whether one sequence alone can ever complete (vLLM refuses longer ones up front)."""
+        return _ceil(prompt_tokens + output_tokens, self.block_size) <= self.kv_blocks
+
     def cached_hashes(self) -> list[int]:
         return list(self.refs) + list(self.evictable)
 
     # --- requests -----------------------------------------------------------------------
     def add(self, seq_id: str, prompt_tokens: int, hashes: Sequence[int], output_tokens: int, now: float) -> SimSeq:
         seq = SimSeq(seq_id, max(1, prompt_tokens), list(hashes), max(1, output_tokens), now)
+        if not self.fits(seq.prompt_tokens, seq.output_tokens):
+            raise ValueError(f"sequence {seq_id} needs more than the engine's {self.kv_blocks} KV blocks")
         seq.target = seq.prompt_tokens
         self.seqs[seq_id] = seq
         self.waiting.append(seq)
@@ -154,14 +160,16 @@ class SimCore:
         bs = self.block_size
         matched = min(self.cached_prefix_blocks(seq.hashes), (seq.target - 1) // bs)
         need = _ceil(seq.target, bs) - matched
-        if not self._take(need, removed):
-            return False
+        reused_idle = sum(1 for h in seq.hashes[:matched] if h in self.evictable)
+        if self.free + len(self.evictable) - reused_idle < need:
+            return False  # checked first: evicting for this seq must never evict its own prefix
         for h in seq.hashes[:matched]:
             if h in self.evictable:
                 del self.evictable[h]
                 self.refs[h] = 1
             else:
                 self.refs[h] += 1
+        self._take(need, removed)
         seq.held = list(seq.hashes[:matched])
         seq.anon_blocks = need
         seq.computed = matched * bs

@@ -71,15 +71,15 @@ class SimEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if request.prompt_tokens + request.max_tokens > self.max_model_len:
             yield EngineOutput(0, finished=True, finish_reason="error", prompt_tokens=request.prompt_tokens,
-                               error=f"prompt ({request.prompt_tokens}) + max_tokens ({request.max_tokens}) "
+                               error=f"prompt_too_long: prompt ({request.prompt_tokens}) + max_tokens ({request.max_tokens}) "
                                      f"exceeds max_model_len {self.max_model_len}")
             return
-        blocks = -(-(request.prompt_tokens + 1) // self.block_size)
-        if blocks > self.core.kv_blocks:
-            yield EngineOutput(0, finished=True, finish_reason="error", prompt_tokens=request.prompt_tokens,
-                               error=f"prompt needs {blocks} KV blocks, the engine has {self.core.kv_blocks}")
-            return
         out_tokens = min(request.max_tokens, request.output_tokens_hint or request.max_tokens)
+        if not self.core.fits(request.prompt_tokens, request.max_tokens):
+            yield EngineOutput(0, finished=True, finish_reason="error", prompt_tokens=request.prompt_tokens,
+                               error=f"prompt_too_long: prompt + max_tokens need more than the engine's "
+                                     f"{self.core.kv_blocks} KV blocks of {self.block_size} tokens")
+            return
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._queues[request.id] = queue
         self.core.add(request.id, request.prompt_tokens, request.hashes, out_tokens, time.monotonic())

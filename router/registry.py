@@ -1,0 +1,241 @@
+"""Worker registry: each worker's state machine and load view, from heartbeats and our own routing.
+
+States (the worker reports the first three in ``Heartbeat.state``; the router derives the rest)::
+
+    HEALTHY     takes any new work
+    BACKOFF     overloaded or erroring: takes only short requests (cheap to run, cheap to lose)
+    QUIESCING   draining before shutdown: takes nothing new
+    REREGISTER  came back with a new ``started_at`` (or said "reregister"): its cache claims were
+                dropped and it takes nothing until the router's index has its fresh state
+    STALE       (derived) no heartbeat for ``heartbeat_timeout_s``: excluded, never trusted
+
+Load accounting, so a burst between two heartbeats does not pile onto one worker: every
+assignment is *pending* until a heartbeat lists its request id in ``inflight`` (or is older than
+``pending_grace_s``, for workers that do not list ids); a completion of a request that the last
+heartbeat still counted is subtracted until the next heartbeat. Pure, no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+
+from bus.schema import Heartbeat, RequestId, WorkerId
+from router.errors import ConfigError
+from router.policy import RouteRequest, WorkerView
+
+log = logging.getLogger(__name__)
+
+
+class WorkerState(str, enum.Enum):
+    HEALTHY = "healthy"
+    BACKOFF = "backoff"
+    QUIESCING = "quiescing"
+    REREGISTER = "reregister"
+    STALE = "stale"
+
+
+_REPORTED = {s.value for s in (WorkerState.HEALTHY, WorkerState.BACKOFF, WorkerState.QUIESCING, WorkerState.REREGISTER)}
+
+
+@dataclass
+class RegistrySettings:
+    heartbeat_timeout_s: float = 15.0  # a worker silent for longer is excluded
+    backoff_max_prompt_tokens: int = 1024  # what a BACKOFF worker still accepts
+    pending_grace_s: float = 2.0  # after this, a heartbeat surely counts our assignment
+    forget_after_s: float = 600.0  # a worker silent this long is removed altogether
+    ledger_ttl_s: float = 3600.0  # an assignment with no completion after this is dropped
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout_s <= 0 or self.forget_after_s < self.heartbeat_timeout_s:
+            raise ConfigError("registry: heartbeat_timeout_s > 0 and forget_after_s >= it")
+
+
+@dataclass(slots=True)
+class Assignment:
+    """One request this router sent, until its completion (the routing ledger)."""
+
+    worker: WorkerId
+    kv_tokens: int
+    prefill_tokens: int
+    expected_cached: int
+    routed_at: float
+    pending: bool = True  # not yet counted by a heartbeat of its worker
+
+
+class WorkerRegistry:
+    """Worker views plus the ledger of our assignments; the state machine lives here."""
+
+    def __init__(self, settings: RegistrySettings | None = None) -> None:
+        self.settings = settings or RegistrySettings()
+        self.views: dict[WorkerId, WorkerView] = {}
+        self.ledger: dict[RequestId, Assignment] = {}
+        self._pending: dict[WorkerId, dict[RequestId, Assignment]] = {}
+        self._inflight: dict[WorkerId, frozenset[str]] = {}  # ids the last heartbeat counted
+        self._reported: dict[WorkerId, str] = {}
+        self._awaiting: set[WorkerId] = set()  # re-registered, waiting for fresh cache state
+        self._stale: set[WorkerId] = set()
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def on_heartbeat(self, hb: Heartbeat, now: float) -> bool:
+        """Update ``hb.worker``'s view; True when it restarted (its cache claims must go)."""
+        w = hb.worker
+        view = self.views.get(w)
+        restarted = False
+        if view is None:
+            view = self.views[w] = WorkerView(id=w, joined_at=now, started_at=hb.started_at)
+            log.info("worker %s joined (state %s)", w, hb.state)
+        elif self._is_restart(view, hb):
+            restarted = True
+            self._on_restart(view, hb, now)
+        self._reported[w] = hb.state
+        if hb.state not in _REPORTED:
+            log.warning("worker %s reports unknown state %r: no new work", w, hb.state)
+        self._copy_load(view, hb, now)
+        self._settle_pending(view, hb, now)
+        if w in self._stale:
+            self._stale.discard(w)
+            log.info("worker %s heard again after %.1fs", w, now - view.last_heartbeat)
+        view.last_heartbeat = now
+        self._set_state(view)
+        return restarted
+
+    def _is_restart(self, view: WorkerView, hb: Heartbeat) -> bool:
+        if hb.started_at and view.started_at and hb.started_at != view.started_at:
+            return True
+        return hb.state == WorkerState.REREGISTER and self._reported.get(view.id) != WorkerState.REREGISTER
+
+    def _on_restart(self, view: WorkerView, hb: Heartbeat, now: float) -> None:
+        log.info("worker %s re-registers (started_at %s -> %s)", view.id, view.started_at, hb.started_at)
+        view.started_at = hb.started_at
+        view.joined_at = now  # a fresh, cold cache: warm-up starts again
+        self._awaiting.add(view.id)
+        for a in self._pending.pop(view.id, {}).values():
+            a.pending = False
+        view.pending = view.pending_tokens = view.pending_prefill_tokens = 0
+
+    @staticmethod
+    def _copy_load(view: WorkerView, hb: Heartbeat, now: float) -> None:
+        view.model = hb.model
+        view.running, view.waiting = hb.running, hb.waiting
+        view.kv_used_blocks, view.kv_total_blocks = hb.kv_used_blocks, hb.kv_total_blocks
+        view.runtime_tokens, view.capacity_tokens = hb.runtime_tokens, hb.capacity_tokens
+        view.queued_prefill_tokens = hb.queued_prefill_tokens
+        view.block_size = hb.block_size
+        view.kv_seq = hb.kv_seq
+        view.finished = view.finished_tokens = 0
+
+    def _settle_pending(self, view: WorkerView, hb: Heartbeat, now: float) -> None:
+        """Assignments the heartbeat counts stop being pending (by id, or by age)."""
+        inflight = frozenset(hb.inflight)
+        self._inflight[view.id] = inflight
+        pending = self._pending.get(view.id)
+        if not pending:
+            return
+        cutoff = now - self.settings.pending_grace_s
+        for rid, a in list(pending.items()):
+            if rid in inflight or a.routed_at <= cutoff:
+                del pending[rid]
+                a.pending = False
+                view.pending -= 1
+                view.pending_tokens -= a.kv_tokens
+                view.pending_prefill_tokens -= a.prefill_tokens
+
+    def _set_state(self, view: WorkerView) -> None:
+        state = WorkerState.REREGISTER.value if view.id in self._awaiting else self._reported[view.id]
+        if state != view.state:
+            log.info("worker %s state %s -> %s", view.id, view.state, state)
+            view.state = state
+
+    def mark_fresh(self, w: WorkerId) -> None:
+        """The index now has ``w``'s fresh cache state: leave REREGISTER."""
+        if w in self._awaiting:
+            self._awaiting.discard(w)
+            self._set_state(self.views[w])
+
+    def awaiting_fresh(self, w: WorkerId) -> bool:
+        return w in self._awaiting
+
+    # ------------------------------------------------------------------ assignments
+
+    def on_assigned(self, rid: RequestId, a: Assignment) -> None:
+        view = self.views[a.worker]
+        old = self.ledger.pop(rid, None)
+        if old is not None:  # re-routed: the old assignment no longer loads its worker
+            self._unpend(rid, old)
+        self.ledger[rid] = a
+        self._pending.setdefault(a.worker, {})[rid] = a
+        view.pending += 1
+        view.pending_tokens += a.kv_tokens
+        view.pending_prefill_tokens += a.prefill_tokens
+
+    def on_completion(self, rid: RequestId, worker: WorkerId | None, runtime_tokens: int) -> Assignment | None:
+        """Release a finished request's load; returns our assignment of it, if we made one."""
+        a = self.ledger.pop(rid, None)
+        w = a.worker if a is not None else worker
+        if a is not None and a.pending:
+            self._unpend(rid, a)
+        elif w is not None and rid in self._inflight.get(w, ()):
+            view = self.views.get(w)
+            if view is not None:
+                view.finished += 1
+                view.finished_tokens += a.kv_tokens if a is not None else runtime_tokens
+        return a
+
+    def _unpend(self, rid: RequestId, a: Assignment) -> None:
+        pending = self._pending.get(a.worker)
+        view = self.views.get(a.worker)
+        if pending is None or pending.pop(rid, None) is None or view is None:
+            return
+        a.pending = False
+        view.pending -= 1
+        view.pending_tokens -= a.kv_tokens
+        view.pending_prefill_tokens -= a.prefill_tokens
+
+    # ------------------------------------------------------------------ queries
+
+    def state(self, w: WorkerId, now: float) -> WorkerState | str:
+        """Effective state now: STALE when silent too long, else the machine's state."""
+        view = self.views[w]
+        if now - view.last_heartbeat > self.settings.heartbeat_timeout_s:
+            return WorkerState.STALE
+        return WorkerState(view.state) if view.state in _REPORTED else view.state
+
+    def eligible(self, view: WorkerView, req: RouteRequest, now: float) -> bool:
+        """May ``view`` take ``req`` now? Healthy: yes; Backoff: short prompts only; else no."""
+        if view.model != req.model or now - view.last_heartbeat > self.settings.heartbeat_timeout_s:
+            return False
+        if view.state == "healthy":
+            return True
+        return view.state == "backoff" and req.prompt_tokens <= self.settings.backoff_max_prompt_tokens
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def tick(self, now: float) -> list[WorkerId]:
+        """Log newly stale workers, forget long-gone ones (returned), age out the ledger."""
+        gone: list[WorkerId] = []
+        for w, view in list(self.views.items()):
+            silent = now - view.last_heartbeat
+            if silent > self.settings.forget_after_s:
+                gone.append(w)
+                self._forget(w)
+                log.info("worker %s forgotten after %.0fs of silence", w, silent)
+            elif silent > self.settings.heartbeat_timeout_s and w not in self._stale:
+                self._stale.add(w)
+                log.warning("worker %s stale: no heartbeat for %.1fs, excluded", w, silent)
+        cutoff = now - self.settings.ledger_ttl_s
+        for rid in [rid for rid, a in self.ledger.items() if a.routed_at < cutoff]:
+            a = self.ledger.pop(rid)
+            if a.pending:
+                self._unpend(rid, a)
+        return gone
+
+    def _forget(self, w: WorkerId) -> None:
+        self.views.pop(w, None)
+        self._pending.pop(w, None)
+        self._inflight.pop(w, None)
+        self._reported.pop(w, None)
+        self._awaiting.discard(w)
+        self._stale.discard(w)

@@ -1,0 +1,36 @@
+"""Factory helpers with keyword defaults, so a test names only what it is about."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from bus.schema import Completion, Heartbeat, Request, RequestId, TenantId, WorkerId
+
+_ids = itertools.count()
+
+
+def make_request(
+    prompt: str | None = "hello world",
+    *,
+    tenant: str = "t1",
+    cls: str = "online",
+    max_tokens: int = 8,
+    prompt_token_ids: list[int] | None = None,
+    **fields,
+) -> Request:
+    fields.setdefault("id", RequestId(f"r{next(_ids)}"))
+    if prompt_token_ids is not None:
+        prompt = None
+    return Request(tenant=TenantId(tenant), cls=cls, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                   max_tokens=max_tokens, created=time.time(), **fields)
+
+
+def make_heartbeat(worker: str = "w1", *, seq: int = 1, ts: float | None = None, **fields) -> Heartbeat:
+    return Heartbeat(worker=WorkerId(worker), seq=seq, ts=ts if ts is not None else time.time(), **fields)
+
+
+def make_completion(request_id: str, *, tenant: str = "t1", runtime_tokens: int = 10, **fields) -> Completion:
+    fields.setdefault("status", "ok")
+    return Completion(request_id=RequestId(request_id), tenant=TenantId(tenant), runtime_tokens=runtime_tokens,
+                      **fields)

@@ -1,0 +1,70 @@
+"""Run the real services in-process (each on its own connection) against the test server."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from admitter.service import AdmitterService, AdmitterServiceSettings
+from bus.client import Client, Timeouts
+from bus.connection import Bus
+from router.core import RouterSettings
+from router.service import RouterService, RouterServiceSettings
+from workers.agent import WorkerAgent, WorkerSettings
+from workers.profiles import H100_LLAMA8B
+from workers.simengine import SimEngine
+
+
+@dataclass
+class Stack:
+    admitter: AdmitterService
+    router: RouterService
+    workers: list[WorkerAgent]
+    client: Client
+    buses: list[Bus] = field(default_factory=list)
+
+    async def close(self) -> None:
+        for w in self.workers:
+            await w.stop()
+        for b in self.buses:
+            await b.close()
+
+
+async def start_stack(
+    url: str,
+    workers: int = 2,
+    *,
+    policy: str = "least_loaded",
+    time_scale: float = 0.05,
+    heartbeat_s: float = 0.2,
+    no_worker_wait_s: float = 10.0,
+    kv_blocks: int | None = None,
+    max_model_len: int = 131072,
+    timeouts: Timeouts | None = None,
+) -> Stack:
+    buses = []
+
+    async def connect(name: str) -> Bus:
+        b = await Bus.connect(url, name=name)
+        buses.append(b)
+        return b
+
+    admitter = AdmitterService(await connect("admitter"), AdmitterServiceSettings())
+    await admitter.start()
+    router = RouterService(await connect("router"), RouterServiceSettings(
+        core=RouterSettings(policy=policy), no_worker_wait_s=no_worker_wait_s, retry_delay_s=0.2))
+    await router.start()
+    agents = []
+    for i in range(1, workers + 1):
+        engine = SimEngine(H100_LLAMA8B, block_size=32, time_scale=time_scale, kv_blocks=kv_blocks,
+                           max_model_len=max_model_len)
+        agent = WorkerAgent(await connect(f"w{i}"), engine, WorkerSettings(id=f"w{i}", heartbeat_interval_s=heartbeat_s))
+        await agent.start()
+        agents.append(agent)
+    client = Client(await connect("producer"), timeouts or Timeouts(admission=10, idle=20))
+    stack = Stack(admitter, router, agents, client, buses)
+    for _ in range(100):  # the router has seen every worker's first heartbeat
+        if len(router.core.workers) == workers:
+            break
+        await asyncio.sleep(0.02)
+    return stack

@@ -1,0 +1,132 @@
+"""`natsched up` as a user runs it: a real process tree, the CLI against it, a clean stop."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bus.server import free_port
+
+PY = [sys.executable, "-m", "natsched"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+class Up:
+    def __init__(self, tmp_path, port):
+        self.port = port
+        self.url = f"nats://127.0.0.1:{port}"
+        self.data = tmp_path / "data"
+        self.proc = subprocess.Popen(
+            [*PY, "up", "--workers", "2", "--port", str(port), "--data-dir", str(self.data), "--time-scale", "0.05"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        self.lines: list[str] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if line.startswith("natsched is up"):
+                return
+        raise AssertionError(f"natsched up did not come up: {self.lines}")
+
+    @property
+    def pids(self) -> list[int]:
+        return [int(m.group(1)) for line in self.lines if (m := re.search(r"\(pid (\d+)\)", line))]
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        env = os.environ | {"NATSCHED_NATS_URL": self.url}
+        out = subprocess.run([*PY, *args], env=env, capture_output=True, text=True, timeout=60)
+        if check:
+            assert out.returncode == 0, out.stderr
+        return out
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=30)
+        self.lines += self.proc.stdout.readlines()
+        return code
+
+
+@pytest.fixture
+def up(tmp_path):
+    u = Up(tmp_path, free_port())
+    try:
+        yield u
+    finally:
+        if u.proc.poll() is None:
+            u.proc.kill()
+
+
+def test_up_serves_submit_and_stops_cleanly(up, tmp_path):
+    assert [l.split()[1] for l in up.lines if l.startswith("ready:")] == [
+        "nats-server", "admitter", "router", "worker", "worker"]
+    pids = up.pids
+    assert len(pids) == 4 and all(_alive(p) for p in pids)
+
+    result = json.loads(up.cli("submit", "--tenant", "demo", "--prompt", "hello there", "--max-tokens", "4",
+                               "--json").stdout)
+    assert result["status"] == "completed" and result["output_tokens"] == 4 and result["worker"] in ("w1", "w2")
+    streamed = up.cli("submit", "--tenant", "demo", "--prompt", "again", "--max-tokens", "3", "--stream").stdout
+    assert streamed.split() == ["tok0", "tok1", "tok2"]
+
+    up.cli("quota", "set", "--total", "123456")
+    assert json.loads(up.cli("quota", "show", "--json").stdout) == {"total": 123456}
+    up.cli("route", "set", "--policy", "least_loaded")
+    assert json.loads(up.cli("route", "show").stdout)["policy"] == "least_loaded"
+    assert "unknown routing policy" in up.cli("route", "set", "--policy", "nope", check=False).stderr
+    rejected = up.cli("submit", "--tenant", "demo", "--prompt", "x", "--max-tokens", "0", check=False)
+    assert rejected.returncode == 2 and "invalid_max_tokens" in rejected.stderr
+
+    assert up.stop() == 0
+    assert "natsched stopped" in up.lines[-1]
+    time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "a component outlived natsched up"
+    assert (up.data / "jetstream").is_dir()
+
+
+def test_data_dir_survives_a_restart(tmp_path):
+    port = free_port()
+    first = Up(tmp_path, port)
+    try:
+        first.cli("quota", "set", "--total", "4242")
+    finally:
+        assert first.stop() == 0
+    second = Up(tmp_path, port)
+    try:
+        assert json.loads(second.cli("quota", "show", "--json").stdout) == {"total": 4242}
+    finally:
+        assert second.stop() == 0
+
+
+def test_port_in_use_is_a_clear_error(up, tmp_path):
+    out = subprocess.run([*PY, "up", "--port", str(up.port), "--data-dir", str(tmp_path / "other")],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and f"port {up.port}" in out.stderr and "--port" in out.stderr
+
+
+def test_submit_without_a_server_says_so(tmp_path):
+    out = subprocess.run([*PY, "submit", "--tenant", "t", "--prompt", "x", "--nats-url",
+                          f"nats://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "could not reach NATS" in out.stderr
+
+
+def test_every_command_has_help():
+    for cmd in (["--help"], ["up", "--help"], ["submit", "--help"], ["worker", "--help"], ["quota", "set", "--help"],
+                ["route", "set", "--help"], ["admitter", "--help"], ["router", "--help"]):
+        out = subprocess.run([*PY, *cmd], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and "usage: natsched" in out.stdout

@@ -1,0 +1,101 @@
+import msgpack
+import pytest
+from hypothesis import given, strategies as st
+
+from bus import codec
+from bus.errors import DecodeError, SchemaError
+from bus.schema import Admitted, Completion, Heartbeat, Reply, Request
+from tests.factories import make_request
+
+
+def test_round_trip_keeps_every_field():
+    req = make_request("hi", system_prompt="sys", kb_version="kb7", expected_output_tokens=3, deadline=5.5,
+                       reply="resp.x", stream=True, degradable=True)
+    assert Request.decode(req.encode()) == req
+
+
+def test_wire_uses_class_key_and_omits_none():
+    wire = make_request("hi").to_wire()
+    assert wire["class"] == "online" and "cls" not in wire
+    assert "prompt_token_ids" not in wire and "deadline" not in wire
+
+
+def test_unknown_fields_are_ignored():
+    wire = make_request("hi").to_wire() | {"future_field": [1, 2], "v": 9}
+    req = Request.from_wire(wire)
+    assert req.prompt == "hi" and req.v == 9
+
+
+@pytest.mark.parametrize("field", ["id", "tenant", "class"])
+def test_missing_required_field_is_named(field):
+    wire = make_request("hi").to_wire()
+    del wire[field]
+    with pytest.raises(SchemaError) as err:
+        Request.from_wire(wire)
+    assert err.value.field == field and field in str(err.value)
+
+
+def test_prompt_or_token_ids_required():
+    wire = make_request("hi").to_wire()
+    del wire["prompt"]
+    with pytest.raises(SchemaError, match="prompt"):
+        Request.from_wire(wire)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("max_tokens", "5"), ("max_tokens", True), ("prompt", 5), ("prompt_token_ids", ["a"]), ("stream", 1)],
+)
+def test_mistyped_field_is_named(field, value):
+    wire = make_request("hi").to_wire() | {field: value}
+    with pytest.raises(SchemaError) as err:
+        Request.from_wire(wire)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("bad_id", ["a.b", "x>", "", "with space", "*"])
+def test_ids_must_be_subject_tokens(bad_id):
+    with pytest.raises(SchemaError, match="id"):
+        Request.from_wire(make_request("hi").to_wire() | {"id": bad_id})
+
+
+def test_nested_error_names_the_path():
+    with pytest.raises(SchemaError) as err:
+        Admitted.from_wire({"request": {"id": "a", "tenant": "t"}, "runtime_tokens": 1, "admitted_at": 0})
+    assert err.value.field == "request.class"
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", b"\x93\x01\x02\x03", msgpack.packb("str"), b"\x81\xa1a"])
+def test_codec_rejects_non_maps_and_garbage(data):
+    with pytest.raises(DecodeError):
+        codec.decode(data)
+
+
+def test_codec_rejects_oversize():
+    with pytest.raises(DecodeError, match="exceeds"):
+        codec.decode(b"\x80" * 100, max_bytes=10)
+
+
+@given(st.binary(max_size=256))
+def test_random_bytes_raise_only_typed_errors(data):
+    try:
+        Request.decode(data)
+    except (DecodeError, SchemaError):
+        pass
+
+
+@given(st.dictionaries(st.sampled_from(["id", "tenant", "class", "prompt", "max_tokens", "stream", "x"]),
+                       st.one_of(st.none(), st.integers(), st.text(max_size=5), st.booleans(),
+                                 st.lists(st.integers(), max_size=3))))
+def test_random_maps_raise_only_schema_errors(wire):
+    try:
+        Request.from_wire(wire)
+    except SchemaError:
+        pass
+
+
+def test_other_messages_round_trip():
+    for msg in (Completion(request_id="a", tenant="t", status="ok", runtime_tokens=3, cls="batch"),
+                Heartbeat(worker="w", seq=1, ts=1.0, inflight=["a", "b"]),
+                Reply(request_id="a", kind="token", text="x", token_ids=[1], index=0)):
+        assert type(msg).decode(msg.encode()) == msg

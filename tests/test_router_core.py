@@ -1,0 +1,213 @@
+"""RouterCore: wiring of registry, index, feedback, policies, canary and run-time switching."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from router.core import RouterCore, RouterSettings, in_canary
+from router.errors import ConfigError, UnknownPolicyError
+from router.index import IndexSettings
+from router.testing import chain, make_completion, make_core, make_event, make_hb, make_req
+
+NOW = 100.0
+PREFIX = chain(20, "sys")
+
+
+def req_with_prefix(rid: str, tail: str | None = None, **kw):
+    hashes = PREFIX + (chain(5, tail) if tail else [])
+    return make_req(rid, hashes=hashes, **kw)
+
+
+# ---------------------------------------------------------------- the service's API
+
+
+def test_route_books_pending_load_so_a_burst_spreads():
+    core = make_core(3, policy="least_loaded")
+    picks = [core.route(make_req(f"r{i}"), NOW).worker for i in range(6)]
+    assert Counter(picks) == {"w0": 2, "w1": 2, "w2": 2}
+    assert core.workers["w0"].pending == 2
+
+
+def test_route_records_own_decision_in_index():
+    core = make_core(4)
+    first = core.route(req_with_prefix("a", "u1"), NOW)
+    second = core.route(req_with_prefix("b", "u2"), NOW + 0.1)
+    assert second.worker == first.worker
+    assert second.expected_cached_tokens == 20 * 32
+    assert core.assignment("b").expected_cached == 20 * 32
+
+
+def test_cache_blind_policy_still_reports_index_prediction():
+    core = make_core(1, policy="round_robin")
+    core.route(req_with_prefix("a"), NOW)
+    d = core.route(req_with_prefix("b", "x"), NOW)
+    assert d.policy == "round_robin" and d.expected_cached_tokens == 20 * 32
+
+
+def test_no_candidate_gives_no_worker():
+    core = make_core(2)
+    d = core.route(make_req(), NOW + 60)  # every heartbeat is older than 15 s
+    assert d.worker is None and d.reason == "no_worker"
+
+
+def test_candidates_follow_worker_states():
+    core = make_core(4)
+    core.on_heartbeat(make_hb("w1", seq=3, state="quiescing"), NOW)
+    core.on_heartbeat(make_hb("w2", seq=3, state="backoff"), NOW)
+    short, long_ = make_req(prompt_tokens=100), make_req(prompt_tokens=5000)
+    assert {w.id for w in core.candidates(short, NOW)} == {"w0", "w2", "w3"}
+    assert {w.id for w in core.candidates(long_, NOW)} == {"w0", "w3"}
+
+
+# ---------------------------------------------------------------- cache events
+
+
+def test_sequence_gap_returns_false_then_snapshot_restores_trust():
+    core = make_core(2)
+    assert core.on_cache_event(make_event("w1", 1, hashes=PREFIX), NOW) is True
+    assert core.route(req_with_prefix("a", "x"), NOW).worker == "w1"
+    assert core.on_cache_event(make_event("w1", 3, hashes=chain(3, "z")), NOW) is False
+    assert core.index.match_one(PREFIX, "w1", NOW) == 0  # w1's claims are not trusted
+    d = core.route(req_with_prefix("b", "y"), NOW)
+    assert d.expected_cached_tokens == 0
+    assert core.on_cache_event(make_event("w1", 4, kind="snapshot", hashes=PREFIX), NOW) is True
+    assert core.index.is_trusted("w1")
+    assert core.index.match_one(PREFIX, "w1", NOW) == 20
+
+
+# ---------------------------------------------------------------- restart / re-register
+
+
+def test_restarted_worker_loses_claims_and_waits_for_fresh_state():
+    core = make_core(2)
+    core.on_cache_event(make_event("w1", 1, hashes=PREFIX), NOW)
+    core.on_heartbeat(make_hb("w1", seq=1, started_at=500.0, kv_seq=2), NOW + 1)  # restarted, 2 events out
+    assert core.workers["w1"].state == "reregister"
+    assert [w.id for w in core.candidates(make_req(), NOW + 1)] == ["w0"]
+    assert core.index.match_one(PREFIX, "w1", NOW + 1) == 0
+    core.on_cache_event(make_event("w1", 1, hashes=chain(3, "n")), NOW + 1.5)
+    assert core.workers["w1"].state == "reregister"  # kv_seq 2 not reached yet
+    core.on_cache_event(make_event("w1", 2, hashes=chain(3, "m")), NOW + 2)
+    assert core.workers["w1"].state == "healthy"
+    assert core.workers["w1"].joined_at == NOW + 1  # warm-up restarts
+
+
+def test_restarted_worker_with_no_events_is_fresh_at_once():
+    core = make_core(2)
+    core.on_cache_event(make_event("w1", 1, hashes=PREFIX), NOW)
+    core.on_heartbeat(make_hb("w1", seq=1, started_at=500.0, kv_seq=0), NOW + 1)
+    assert core.workers["w1"].state == "healthy"
+    assert core.index.match_one(PREFIX, "w1", NOW + 1) == 0
+
+
+# ---------------------------------------------------------------- feedback
+
+
+def feed(core: RouterCore, worker: str, n: int, expected: int, actual: int, start: int = 0):
+    for i in range(start, start + n):
+        core.on_completion(make_completion(f"c{i}", worker, cached=actual, expected=expected), NOW)
+
+
+def test_failing_claims_demote_worker_until_snapshot():
+    core = make_core(2)
+    core.on_cache_event(make_event("w0", 1, hashes=PREFIX), NOW)
+    feed(core, "w0", 4, expected=640, actual=0)
+    assert core.index.is_trusted("w0")  # fewer than min_samples: not judged yet
+    feed(core, "w0", 1, expected=640, actual=0, start=4)
+    assert not core.index.is_trusted("w0")
+    assert core.pop_snapshot_requests() == ["w0"]
+    assert core.pop_snapshot_requests() == []
+    assert core.index.match_one(PREFIX, "w0", NOW) == 0
+    core.on_cache_event(make_event("w0", 2, kind="snapshot", hashes=PREFIX), NOW)
+    assert core.index.is_trusted("w0") and core.claims.accuracy("w0") == 1.0
+
+
+def test_accurate_or_errored_completions_do_not_demote():
+    core = make_core(2)
+    feed(core, "w0", 20, expected=640, actual=600)
+    for i in range(20):
+        core.on_completion(make_completion(f"e{i}", "w0", cached=0, expected=640, status="error"), NOW)
+    assert core.index.is_trusted("w0")
+    assert core.claims.accuracy("w0") > 0.9
+
+
+def test_feedback_uses_the_ledger_prediction():
+    core = make_core(1)
+    core.route(req_with_prefix("a"), NOW)
+    for i in range(5):  # min_samples
+        rid = f"r{i}"
+        d = core.route(req_with_prefix(rid, f"t{i}"), NOW)
+        assert d.expected_cached_tokens == 640
+        core.on_completion(make_completion(rid, d.worker, cached=0, expected=None), NOW)
+    assert not core.index.is_trusted("w0")
+    assert core.route(req_with_prefix("z", "z"), NOW).expected_cached_tokens == 0
+
+
+def test_completion_releases_pending_load():
+    core = make_core(1)
+    core.route(make_req("a"), NOW)
+    assert core.workers["w0"].pending == 1
+    core.on_completion(make_completion("a", "w0"), NOW)
+    assert core.workers["w0"].pending == 0 and core.assignment("a") is None
+
+
+# ---------------------------------------------------------------- switching and canary
+
+
+def test_set_policy_switches_and_bad_input_keeps_old_policy():
+    core = make_core(2)
+    core.set_policy("dynamo_kv", {"overlap_score_weight": 2.0})
+    assert core.route(make_req(), NOW).policy == "dynamo_kv"
+    assert core.policy.p.overlap_score_weight == 2.0
+    with pytest.raises(UnknownPolicyError):
+        core.set_policy("nope")
+    with pytest.raises(ConfigError):
+        core.set_policy("natsched", {"bogus": 1})
+    assert core.policy.name == "dynamo_kv"
+
+
+def test_canary_takes_its_share_deterministically():
+    core = make_core(3, policy="natsched", canary_policy="round_robin", canary_share=0.3)
+    decided = {f"r{i}": core.route(make_req(f"r{i}"), NOW).policy for i in range(2000)}
+    share = sum(p == "round_robin" for p in decided.values()) / len(decided)
+    assert 0.25 < share < 0.35
+    assert all((p == "round_robin") == in_canary(r, 0.3) for r, p in decided.items())
+    core.set_canary(None)
+    assert all(core.route(make_req(f"r{i}"), NOW).policy == "natsched" for i in range(50))
+
+
+def test_canary_share_must_be_a_fraction():
+    core = make_core(1)
+    with pytest.raises(ConfigError):
+        core.set_canary("round_robin", 1.5)
+
+
+def test_settings_weights_reach_the_policy():
+    core = RouterCore(RouterSettings(policy_weights={"natsched": {"min_gain": 0.6}}))
+    assert core.policy.p.min_gain == 0.6
+
+
+# ---------------------------------------------------------------- housekeeping
+
+
+def test_tick_forgets_silent_workers_and_reasks_snapshots():
+    core = make_core(2, forget_after_s=100.0, index=IndexSettings(snapshot_retry_s=5.0))
+    assert core.on_cache_event(make_event("w0", 7, hashes=PREFIX), NOW) is False  # history missing
+    core.tick(NOW + 2)
+    assert core.pop_snapshot_requests() == []  # asked 2 s ago
+    core.tick(NOW + 6)
+    assert core.pop_snapshot_requests() == ["w0"]
+    core.on_heartbeat(make_hb("w0", seq=3), NOW + 50)
+    core.tick(NOW + 120)
+    assert set(core.workers) == {"w0"}  # w1 silent for 120 s > 100 s: forgotten
+    assert core.stats(NOW + 120)["workers"] == {"stale": 1}
+
+
+def test_stats_counts_states():
+    core = make_core(3)
+    core.on_heartbeat(make_hb("w2", seq=3, state="backoff"), NOW)
+    st = core.stats(NOW + 10)
+    assert st["workers"] == {"healthy": 2, "backoff": 1} and st["policy"] == "natsched"
+    assert core.stats(NOW + 20)["workers"] == {"stale": 3}

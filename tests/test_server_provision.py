@@ -1,0 +1,65 @@
+"""The embedded server and stream provisioning."""
+
+import socket
+
+import pytest
+from nats.js import api
+
+from bus import subjects as S
+from bus.errors import ConnectError, PortInUseError, ProvisionError
+from bus.connection import Bus
+from bus.provision import ProvisionSettings, stream_config
+from bus.server import EmbeddedServer, free_port
+
+
+def test_port_in_use_gives_a_clear_message(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"port {port}.*--port"):
+            EmbeddedServer(port=port, data_dir=tmp_path).start()
+
+
+def test_embedded_server_starts_stops_and_keeps_data(tmp_path):
+    server = EmbeddedServer(port=free_port(), data_dir=tmp_path / "data")
+    with server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=2):
+            pass
+        proc = server.proc
+    assert proc.poll() is not None  # stopped
+    assert (tmp_path / "data" / "jetstream").is_dir()
+
+
+async def test_connect_budget_gives_a_clear_error():
+    with pytest.raises(ConnectError, match="could not reach NATS"):
+        await Bus.connect(f"nats://127.0.0.1:{free_port()}", connect_budget_s=0.5)
+
+
+async def test_provisioning_is_idempotent_with_explicit_limits(bus):
+    await bus.provision()
+    await bus.provision()
+    for name in S.STREAMS:
+        info = await bus.js.stream_info(name)
+        assert info.config.max_age > 0 and info.config.max_bytes > 0
+        assert info.config.duplicate_window == 120
+    for bucket in S.BUCKETS:
+        await bus.js.key_value(bucket)
+    work = await bus.js.stream_info(S.STREAM_WORK)
+    assert work.config.retention == api.RetentionPolicy.WORK_QUEUE
+
+
+async def test_changed_limits_are_applied_to_existing_streams(bus):
+    settings = ProvisionSettings()
+    settings.limits[S.STREAM_DECISIONS].max_age_s = 3600
+    await bus.provision(settings)
+    assert (await bus.js.stream_info(S.STREAM_DECISIONS)).config.max_age == 3600
+
+
+async def test_incompatible_existing_stream_is_refused(bus):
+    await bus.js.delete_stream(S.STREAM_ADMITTED)
+    cfg = stream_config(S.STREAM_ADMITTED, ProvisionSettings())
+    cfg.retention = api.RetentionPolicy.LIMITS
+    await bus.js.add_stream(cfg)
+    with pytest.raises(ProvisionError, match="ADMITTED exists with retention"):
+        await bus.provision()

@@ -1,0 +1,129 @@
+"""The engine model: batching, prefix cache, KV limits and preemption behave like vLLM's."""
+
+from workers.profiles import H100_LLAMA8B, H100_27B_INT4
+from workers.simcore import SimCore
+
+
+def make_core(**kw) -> SimCore:
+    kw.setdefault("block_size", 16)
+    return SimCore(H100_LLAMA8B, **kw)
+
+
+def run(core: SimCore, now: float = 0.0, limit: int = 100_000):
+    """Step until idle; return (finished seqs, end time, all stored, all removed)."""
+    finished, stored, removed = [], [], []
+    for _ in range(limit):
+        if not core.has_work():
+            break
+        r = core.step(now)
+        now += r.duration
+        finished += r.finished
+        stored += r.stored
+        removed += r.removed
+    return finished, now, stored, removed
+
+
+def chain(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_profile_arithmetic_matches_the_design_numbers():
+    p = H100_LLAMA8B
+    assert p.kv_bytes_per_token == 128 * 1024
+    assert 400_000 < p.kv_capacity_tokens < 450_000
+    assert 0.005 < p.memory_seconds(0) < 0.007  # ≈ 6 ms per decode step
+    assert 30_000 < 1000 / p.prefill_seconds(1000) < 40_000  # ≈ 35k prefill tokens/s
+    assert H100_27B_INT4.kv_capacity_tokens < p.kv_capacity_tokens / 2
+
+
+def test_generates_exactly_the_requested_tokens():
+    core = make_core()
+    core.add("a", 100, chain(6), 7, 0)
+    finished, _, stored, _ = run(core)
+    assert [(s.id, s.generated, s.cached_tokens) for s in finished] == [("a", 7, 0)]
+    assert stored == chain(6)  # every full prompt block became cacheable
+
+
+def test_repeated_prefix_hits_cache_except_last_token():
+    core = make_core()
+    core.add("a", 96, chain(6), 2, 0)
+    run(core)
+    core.add("b", 96, chain(6), 2, 0)
+    (b,), *_ = run(core)
+    assert b.cached_tokens == 80  # 5 of 6 blocks: the last prompt token is always recomputed
+    core.add("c", 200, chain(6) + chain(6, 100), 2, 0)
+    (c,), *_ = run(core)
+    assert c.cached_tokens == 96
+
+
+def test_cached_prefix_makes_first_token_faster():
+    core = make_core()
+    core.add("a", 8000, chain(500), 1, 0)
+    (a,), t1, *_ = run(core)
+    core.add("b", 8000, chain(500), 1, t1)
+    (b,), t2, *_ = run(core, now=t1)
+    assert (b.first_token_at - t1) < (a.first_token_at - 0) / 5
+
+
+def test_lru_eviction_when_kv_is_full():
+    core = make_core(kv_blocks=10)
+    core.add("a", 64, chain(4), 1, 0)
+    run(core)
+    core.add("b", 64, chain(4, 100), 1, 0)
+    run(core)
+    assert len(core.evictable) == 8 and core.free == 2
+    core.add("c", 64, chain(4, 200), 1, 0)
+    _, _, _, removed = run(core)
+    assert removed[:2] == [0, 1]  # a's blocks, least recently used, go first
+    assert core.cached_prefix_blocks(chain(4, 100)) == 4
+
+
+def test_waits_when_kv_cannot_hold_the_prompt():
+    core = make_core(kv_blocks=10)
+    core.add("a", 100, chain(6), 50, 0)
+    core.add("b", 100, chain(6, 50), 1, 0)
+    r = core.step(0)
+    assert [s.id for s in core.running] == ["a"] and [s.id for s in core.waiting] == ["b"]
+    finished, *_ = run(core, now=r.duration)
+    assert {s.id for s in finished} == {"a", "b"}
+
+
+def test_decode_growth_preempts_the_youngest():
+    core = make_core(kv_blocks=6)
+    core.add("a", 32, chain(2), 40, 0)
+    core.add("b", 32, chain(2, 10), 40, 0)
+    finished, *_ = run(core)
+    assert {s.id: s.generated for s in finished} == {"a": 40, "b": 40}
+    assert core.preemptions >= 1
+    assert core.free + len(core.evictable) == core.kv_blocks  # nothing leaked
+
+
+def test_chunked_prefill_respects_token_budget():
+    core = make_core(max_batched_tokens=512)
+    core.add("a", 2000, chain(125), 1, 0)
+    r = core.step(0)
+    assert core.running[0].computed == 512 and not r.tokens
+
+
+def test_abort_frees_blocks():
+    core = make_core(kv_blocks=20)
+    core.add("a", 100, chain(6), 100, 0)
+    core.step(0)
+    assert core.abort("a") and not core.abort("a")
+    assert core.free + len(core.evictable) == 20 and not core.has_work()
+
+
+def test_runtime_tokens_and_queue_stats():
+    core = make_core()
+    core.add("a", 100, chain(6), 5, 0)
+    assert core.queued_prefill_tokens() == 100 and core.runtime_tokens() == 100
+    core.step(0)
+    assert core.queued_prefill_tokens() == 0 and core.runtime_tokens() == 101
+
+
+def test_a_sequence_that_can_never_fit_is_refused_up_front():
+    core = make_core(kv_blocks=8)
+    import pytest
+
+    with pytest.raises(ValueError, match="KV blocks"):
+        core.add("a", 100, chain(6), 50, 0)
