@@ -1,17 +1,33 @@
-"""The admitter service: decode -> AdmitterCore.decide -> publish. All I/O lives here."""
+"""The admitter service: decode -> AdmitterCore -> shared-state commit -> publish.
+
+All I/O of admission lives here; every decision is the pure core's. A replica:
+- decides each request against the shared usage and commits *allow* by compare-and-swap
+  (:mod:`admitter.shared`), so replicas never over-admit together;
+- holds *queued* requests as un-acked JetStream messages kept alive with ``in_progress``: if
+  this replica dies they are redelivered to another one, nothing is lost;
+- releases reservations on completions (once, even if a completion is seen twice), reclaims
+  those of workers that miss their heartbeats, and reconciles drift periodically;
+- follows the quotas bucket live and the workers' measured capacity (dynamic total).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
 
-import orjson
-
+from admitter.dynamic import DynamicTotal, DynamicTotalSettings
+from admitter.errors import AdmitterError, QuotaError
+from admitter.leases import LeaseTracker, reconcile
+from admitter.metrics import AdmitterMetrics
+from admitter.policy import ALLOW, DEGRADE, QUEUE, REJECT, AdmissionDecision, AdmissionSettings, AdmitterCore
+from admitter.quotas import Quotas
+from admitter.shared import Reservation, SharedState
 from bus import subjects as S
 from bus.connection import Bus, ConsumerSpec, Delivery
-from bus.schema import Admitted, Completion, Decision, Reply, Request
-from admitter.policy import ALLOW, REJECT, AdmissionDecision, AdmissionSettings, AdmitterCore
+from bus.errors import MessageError
+from bus.schema import Admitted, Completion, Decision, Heartbeat, Reply, Request
 
 log = logging.getLogger(__name__)
 
@@ -21,83 +37,325 @@ class AdmitterServiceSettings:
     name: str = "admitter"
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     ack_wait_s: float = 30.0
+    keepalive_s: float = 10.0  # in_progress for held (queued) messages, well inside ack_wait
+    dequeue_interval_s: float = 0.1
+    max_held: int = 100_000  # un-acked requests one replica may hold (max ack pending)
+    fetch_batch: int = 256  # requests pulled per fetch
+    lease_missed: int = 3  # heartbeats a worker may miss before its reservations are reclaimed
+    reconcile_interval_s: float = 10.0
+    orphan_after_s: float = 120.0  # a reservation no live worker reports after this is leaked
+    dynamic: DynamicTotalSettings = field(default_factory=DynamicTotalSettings)
+    metrics_port: int | None = None
+
+
+@dataclass
+class Held:
+    delivery: Delivery
+    request: Request
+    since: float
 
 
 class AdmitterService:
-    def __init__(self, bus: Bus, settings: AdmitterServiceSettings | None = None) -> None:
+    def __init__(self, bus: Bus, settings: AdmitterServiceSettings | None = None,
+                 metrics: AdmitterMetrics | None = None) -> None:
         self.bus = bus
-        self.settings = settings or AdmitterServiceSettings()
-        self.core = AdmitterCore(self.settings.admission)
+        self.settings = s = settings or AdmitterServiceSettings()
+        self.core = AdmitterCore(s.admission)
+        self.shared = SharedState(bus, s.name)
+        self.leases = LeaseTracker(s.lease_missed)
+        self.dynamic = DynamicTotal(s.dynamic)
+        self.metrics = metrics or AdmitterMetrics()
+        self.held: dict[str, Held] = {}
+        self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
+        self.quota_entries: dict[str, bytes] = {}
+        self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
+        self._wake = asyncio.Event()
+        self._suspect: object = None  # drift seen on the previous reconciliation
+        self.total = self.core.quotas.total  # the total in force (configured, or capacity-following)
 
     async def start(self) -> None:
         await self.bus.provision()
-        current = await self.bus.kv_get(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL)
-        if current is not None:
-            self._apply_total(current[0])
-        self.bus.spawn(self._watch_quotas(), "quota-watch")
+        await self.shared.start()
+        quotas_ready = asyncio.Event()
+        self.bus.spawn(self._watch_quotas(quotas_ready), "quota-watch")
+        await asyncio.wait_for(quotas_ready.wait(), 10)
+        self.apply_quotas()  # the bucket's content at start; the watch applies every later change
+        await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
         await self.bus.consume(
             ConsumerSpec(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS, S.COMPLETIONS_ALL, deliver_new=True),
-            self._on_completion, source="admitter",
-        )
+            self._on_completion, source="admitter")
         await self.bus.consume(
-            ConsumerSpec(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER, S.REQUESTS_ALL, ack_wait_s=self.settings.ack_wait_s),
-            self._on_request, source="admitter",
-        )
-        log.info("admitter ready (total %d runtime tokens)", self.core.total)
+            ConsumerSpec(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER, S.REQUESTS_ALL, ack_wait_s=self.settings.ack_wait_s,
+                         max_ack_pending=self.settings.max_held, batch=self.settings.fetch_batch),
+            self._on_request, source="admitter")
+        for loop in (self._dequeue_loop, self._keepalive_loop, self._lease_loop, self._reconcile_loop,
+                     self._dynamic_loop):
+            self.bus.spawn(loop(), loop.__name__)
+        if self.settings.metrics_port is not None:
+            from prometheus_client import start_http_server
 
-    def _apply_total(self, raw: bytes) -> None:
+            start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
+        log.info("admitter %s ready (total %d runtime tokens)", self.settings.name, self.total)
+
+    # --- quotas ---------------------------------------------------------------------------
+    async def _watch_quotas(self, ready: asyncio.Event) -> None:
+        async for key, value, _rev in self.bus.kv_watch(S.BUCKET_QUOTAS, ">", ready=ready):
+            if key == S.KEY_DYNAMIC_TOTAL:
+                continue  # ours, informational
+            if value is None:
+                self.quota_entries.pop(key, None)
+            else:
+                self.quota_entries[key] = value
+            if ready.is_set():
+                self.apply_quotas()
+        # (the loop ends only when the Bus closes)
+
+    def apply_quotas(self) -> None:
+        quotas, errors = Quotas.from_kv(self.quota_entries, previous=self.core.quotas)
+        for err in errors:
+            self.metrics.bad_quota_entries.inc()
+            log.error("quota entry ignored, last good value kept: %s", err)
         try:
-            total = int(orjson.loads(raw))
-        except (orjson.JSONDecodeError, TypeError, ValueError):
-            log.error("ignoring corrupted %s value %r; keeping total %d", S.KEY_CLUSTER_TOTAL, raw[:64], self.core.total)
+            self.core.set_quotas(quotas)
+        except QuotaError as exc:
+            log.error("quota change refused, old quotas kept: %s", exc)
             return
-        self.core.set_total(total)
-        log.info("cluster total set to %d runtime tokens", total)
+        self.total = quotas.total
+        if self.worker_load:
+            self.update_dynamic_total()  # the new ceiling applies now, not at the next interval
+        self._wake.set()
 
-    async def _watch_quotas(self) -> None:
-        async for key, value, _rev in self.bus.kv_watch(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL):
-            if value is not None:
-                self._apply_total(value)
-
+    # --- requests -------------------------------------------------------------------------
     async def _on_request(self, d: Delivery) -> None:
-        request = Request.decode(d.data)  # MessageError -> reply + dead letter + term (Bus)
+        request = Request.decode(d.data)  # MessageError -> error reply + dead letter + term (Bus)
+        held = self.held.get(request.id)
+        if held is not None:  # our own held message, redelivered: keep holding the newest
+            held.delivery = d
+            return
         started = time.perf_counter()
-        decision = self.core.decide(request, time.time(), d.subject)
-        latency_ms = (time.perf_counter() - started) * 1000
-        if decision.decision == ALLOW:
-            admitted = Admitted(request=request, runtime_tokens=decision.runtime_tokens, admitted_at=time.time(),
-                                admitter=self.settings.name)
-            await self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=f"{request.id}:adm")
-        await self._record(request, decision, latency_ms)
-        await self._tell_producer(request, decision)
-        await d.ack()
-        log.info("request %s %s tenant=%s class=%s tokens=%d%s", request.id, decision.decision, request.tenant,
-                 request.cls, decision.runtime_tokens, f" reason={decision.reason}" if decision.reason else "")
+        now = time.time()
 
-    async def _record(self, request: Request, decision: AdmissionDecision, latency_ms: float) -> None:
+        def attempt(usage):
+            self.core.usage = usage
+            dec = self.core.evaluate(request, now, d.subject)
+            new = (usage.plus(request.tenant, request.model, dec.runtime_tokens, self.core.is_long(dec.runtime_tokens))
+                   if dec.decision == ALLOW else None)
+            return new, dec
+
+        async with self._lock:
+            dec = await self.shared.change_usage(attempt)
+            if dec.decision != ALLOW:
+                self.core.apply(request, dec, now)
+            self.core.usage = self.shared.usage
+        self.metrics.latency.observe(time.perf_counter() - started)
+        await self._act(request, dec, d, 0.0, (time.perf_counter() - started) * 1000)
+
+    async def _act(self, request: Request, dec: AdmissionDecision, d: Delivery, queue_wait: float,
+                   latency_ms: float) -> None:
+        rid = request.id
+        if dec.decision == ALLOW:
+            now = time.time()
+            await self.shared.record(Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now,
+                                                 self.settings.name))
+            admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
+                                admitter=self.settings.name, queue_wait=queue_wait)
+            await self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=f"{rid}:adm")
+        elif dec.decision == DEGRADE:
+            await self.bus.jpublish(S.offline(request.tenant), request, msg_id=f"{rid}:offline")
+        elif dec.decision == QUEUE:
+            self.held[rid] = Held(d, request, time.time())
+        await self._record(request, dec, queue_wait, latency_ms)
+        await self._tell_producer(request, dec)
+        if dec.decision != QUEUE:
+            await d.ack()
+        self.metrics.decisions.labels(request.tenant, request.cls, dec.decision, dec.reason or "").inc()
+        log.info("request %s %s tenant=%s class=%s tokens=%d%s%s", rid, dec.decision, request.tenant, request.cls,
+                 dec.runtime_tokens, f" reason={dec.reason}" if dec.reason else "",
+                 f" waited={queue_wait:.3f}s" if queue_wait else "")
+
+    async def _record(self, request: Request, dec: AdmissionDecision, queue_wait: float, latency_ms: float) -> None:
         record = Decision(
             request_id=request.id, tenant=request.tenant, cls=request.cls, stage="admission",
-            decision=decision.decision, ts=time.time(), reason=decision.reason, retry_after=decision.retry_after,
-            runtime_tokens=decision.runtime_tokens, budget=decision.budget, by=self.settings.name,
-            latency_ms=latency_ms,
+            decision=dec.decision, ts=time.time(), reason=dec.reason, retry_after=dec.retry_after,
+            runtime_tokens=dec.runtime_tokens, budget=dec.budget, queue_wait=queue_wait or None,
+            by=self.settings.name, latency_ms=latency_ms,
         )
-        await self.bus.jpublish(S.decision("admission", request.tenant), record, msg_id=f"{request.id}:admission")
+        # a queued request is decided twice (queue, then allow/reject): one record each
+        suffix = "queue" if dec.decision == QUEUE else "admission"
+        await self.bus.jpublish(S.decision("admission", request.tenant), record, msg_id=f"{request.id}:{suffix}")
 
-    async def _tell_producer(self, request: Request, decision: AdmissionDecision) -> None:
+    async def _tell_producer(self, request: Request, dec: AdmissionDecision) -> None:
         if not request.reply:
             return
-        if decision.decision == ALLOW:
-            reply = Reply(request_id=request.id, kind="status", status="admitted")
-        elif decision.decision == REJECT:
-            reply = Reply(request_id=request.id, kind="error", status="rejected", reason=decision.reason,
-                          message=decision.message, retry_after=decision.retry_after)
+        rid = request.id
+        if dec.decision == ALLOW:
+            reply = Reply(request_id=rid, kind="status", status="admitted")
+        elif dec.decision == QUEUE:
+            reply = Reply(request_id=rid, kind="status", status="queued", est_wait=dec.est_wait)
+        elif dec.decision == DEGRADE:
+            reply = Reply(request_id=rid, kind="status", status="degraded", job_id=rid)
         else:
-            reply = Reply(request_id=request.id, kind="status", status=decision.decision)
+            reply = Reply(request_id=rid, kind="error", status="rejected", reason=dec.reason, message=dec.message,
+                          retry_after=dec.retry_after)
         await self.bus.publish(request.reply, reply)
 
+    # --- the queue ----------------------------------------------------------------------
+    async def _dequeue_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.settings.dequeue_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            if self.core.queued():
+                try:
+                    await self.dequeue_once()
+                except AdmitterError as exc:
+                    log.warning("dequeue deferred: %s", exc)
+            self._refresh_gauges()
+
+    async def dequeue_once(self) -> int:
+        now = time.time()
+        started = time.perf_counter()
+
+        def attempt(usage):
+            self.core.usage = usage
+            picks = self.core.plan_dequeue(now)
+            new = usage
+            for req, dec in picks:
+                if dec.decision == ALLOW:
+                    new = new.plus(req.tenant, req.model, dec.runtime_tokens, self.core.is_long(dec.runtime_tokens))
+            return (new if new is not usage else None), picks
+
+        async with self._lock:
+            picks = await self.shared.change_usage(attempt)
+            self.core.usage = self._usage_before(picks)
+            self.core.commit_dequeue(picks, now)
+            self.core.usage = self.shared.usage
+        latency_ms = (time.perf_counter() - started) * 1000
+        for req, dec in picks:
+            held = self.held.pop(req.id, None)
+            if held is None:
+                log.warning("dequeued %s but its message is no longer held", req.id)
+                continue
+            wait = now - held.since
+            self.metrics.queue_wait.labels(req.cls).observe(wait)
+            await self._act(req, dec, held.delivery, wait, latency_ms)
+        return len(picks)
+
+    def _usage_before(self, picks):
+        """The usage the committed picks were planned on (shared minus what they added)."""
+        usage = self.shared.usage
+        for req, dec in picks:
+            if dec.decision == ALLOW:
+                usage = usage.minus(req.tenant, req.model, dec.runtime_tokens, self.core.is_long(dec.runtime_tokens))
+        return usage
+
+    async def _keepalive_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.keepalive_s)
+            for held in list(self.held.values()):
+                try:
+                    await held.delivery.in_progress()
+                except Exception as exc:  # connection blip: ack_wait still leaves room
+                    log.warning("in_progress for %s failed: %s", held.request.id, exc)
+
+    # --- completions, leases, reconciliation ----------------------------------------------
     async def _on_completion(self, d: Delivery) -> None:
-        completion = Completion.decode(d.data)
-        freed = self.core.release(completion.request_id)
+        c = Completion.decode(d.data)
+        await self.release(c.request_id, completion=c)
         await d.ack()
-        if freed:
-            log.debug("released %d runtime tokens of %s", freed, completion.request_id)
+
+    async def release(self, request_id: str, completion: Completion | None = None, why: str = "completion") -> int:
+        res = await self.shared.take(request_id)
+        self.leases.forget(request_id)
+        if res is None:
+            return 0  # already released (duplicate completion, another replica, or a lease reclaim)
+        async with self._lock:
+            long = self.core.is_long(res.tokens)
+            await self.shared.change_usage(lambda u: (u.minus(res.tenant, res.model, res.tokens, long), None))
+            if completion is not None:
+                self.core.release(completion, time.time())
+            self.core.usage = self.shared.usage
+        self._wake.set()
+        log.info("request %s released %d runtime tokens (%s)", request_id, res.tokens, why)
+        return res.tokens
+
+    async def _on_heartbeat(self, subject: str, data: bytes, headers: dict) -> None:
+        try:
+            hb = Heartbeat.decode(data)
+        except MessageError as exc:
+            log.warning("ignoring bad heartbeat on %s: %s", subject, exc)
+            return
+        now = time.time()
+        self.leases.on_heartbeat(hb.worker, now, hb.interval, hb.inflight)
+        self.worker_load[hb.worker] = (hb.capacity_tokens, hb.runtime_tokens, now)
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            for worker, held in self.leases.expired(time.time()).items():
+                log.warning("worker %s missed %d heartbeats: reclaiming %d reservations", worker,
+                            self.settings.lease_missed, len(held))
+                self.worker_load.pop(worker, None)
+                for rid in held:
+                    if await self.release(rid, why=f"lease of {worker} expired"):
+                        self.metrics.repairs.labels("lease").inc()
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reconcile_interval_s)
+            try:
+                await self.reconcile_once()
+            except AdmitterError as exc:
+                log.warning("reconciliation deferred: %s", exc)
+
+    async def reconcile_once(self) -> int:
+        """Repair drift seen twice in a row (once may be a commit between its two writes)."""
+        now = time.time()
+        records = dict(self.shared.reservations)
+        ages = {rid: now - r.ts for rid, r in records.items()}
+        repair = reconcile(self.shared.usage, records, self.shared.drift(self.core.is_long), self.leases, now,
+                           self.settings.orphan_after_s, ages)
+        repaired = 0
+        for rid in repair.orphans:
+            if await self.release(rid, why="orphan: no worker reports it"):
+                self.metrics.repairs.labels("orphan").inc()
+                repaired += 1
+        seen = (self.shared.revision, repair.usage)
+        if repair.usage is not None and self._suspect == seen:
+            async with self._lock:
+                expected = self.shared.drift(self.core.is_long)
+                await self.shared.change_usage(lambda u: ((expected if u != expected else None), None))
+                self.core.usage = self.shared.usage
+            self.metrics.repairs.labels("aggregate").inc()
+            log.warning("usage drift repaired: aggregate now %d runtime tokens", self.shared.usage.used)
+            repaired += 1
+            self._suspect = None
+        else:
+            self._suspect = seen if repair.usage is not None else None
+        return repaired
+
+    async def _dynamic_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.dynamic.interval_s)
+            self.update_dynamic_total()
+
+    def update_dynamic_total(self) -> int:
+        now = time.time()
+        live = [(cap, used) for cap, used, seen in self.worker_load.values() if now - seen < 10.0]
+        q = self.core.quotas
+        total = self.dynamic.next_total(q.total, q.hard_cap, sum(c for c, _ in live), sum(u for _, u in live))
+        if total != self.total:
+            log.info("dynamic total %d runtime tokens (factor %.2f)", total, self.dynamic.factor)
+        self.total = total
+        self.core.set_total(total)
+        self._wake.set()
+        return total
+
+    def _refresh_gauges(self) -> None:
+        for tenant, used in self.shared.usage.tenants.items():
+            self.metrics.inflight.labels(tenant).set(used)
+        for cls, depth in self.core.queue_depths().items():
+            self.metrics.queue_depth.labels(cls).set(depth)
+        self.metrics.total.set(self.total)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -17,10 +18,17 @@ import nats
 from nats.errors import ConnectionClosedError, NoRespondersError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
-from nats.js.errors import APIError, KeyNotFoundError, NoStreamResponseError, ServiceUnavailableError
+from nats.js.errors import (
+    APIError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
 from bus import subjects as S
-from bus.errors import ConnectError, MessageError
+from bus.errors import ConflictError, ConnectError, MessageError
 from bus.provision import ProvisionSettings, provision
 from bus.schema import DeadLetter, Reply, Schema
 from bus.server import DEFAULT_URL
@@ -93,6 +101,8 @@ class Bus:
         self.name = name
         self.publish_budget_s = publish_budget_s
         self._tasks: list[asyncio.Task] = []
+        self._kv: dict[str, Any] = {}
+        self.closing = False  # loops check it: nats-py's fetch can swallow a cancellation
 
     @classmethod
     async def connect(
@@ -139,9 +149,14 @@ class Bus:
 
         (Not ``drain()``: with pull subscriptions it waits on queues nats-py never marks done.)
         """
+        self.closing = True
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=budget_s)
+            for task in pending:  # a task that ignores cancellation must not hang the shutdown
+                log.warning("task %s did not stop within %.0fs: %s", task.get_name(), budget_s,
+                            "".join(traceback.format_stack(task.get_stack()[-1])) if task.get_stack() else "?")
         self._tasks.clear()
         if self.nc.is_closed:
             return
@@ -235,10 +250,10 @@ class Bus:
         return task
 
     async def _consume_loop(self, psub: Any, spec: ConsumerSpec, handler: Handler, source: str) -> None:
-        while True:
+        while not self.closing:
             try:
                 msgs = await psub.fetch(spec.batch, timeout=1.0)
-            except NatsTimeout:
+            except (NatsTimeout, asyncio.TimeoutError):  # nats-py raises either when nothing came
                 continue
             except (ConnectionClosedError, asyncio.CancelledError):
                 return
@@ -247,6 +262,8 @@ class Bus:
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
+                if self.closing:
+                    return  # left un-acked: redelivered to whoever consumes next
                 await self._handle_one(Delivery(msg), spec, handler, source)
 
     async def _handle_one(self, d: Delivery, spec: ConsumerSpec, handler: Handler, source: str) -> None:
@@ -279,8 +296,15 @@ class Bus:
         log.warning("dead-lettered %s from %s: %s: %s", request_id, d.subject, reason, error)
 
     # --- KV -----------------------------------------------------------------------------
+    async def _bucket(self, bucket: str) -> Any:
+        kv = self._kv.get(bucket)
+        if kv is None:  # key_value() costs a round trip: look each bucket up once
+            kv = self._kv[bucket] = await self.js.key_value(bucket)
+        return kv
+
     async def kv_get(self, bucket: str, key: str) -> tuple[bytes, int] | None:
-        kv = await self.js.key_value(bucket)
+        """(value, revision), or None when the key does not exist (or was deleted)."""
+        kv = await self._bucket(bucket)
         try:
             entry = await kv.get(key)
         except KeyNotFoundError:
@@ -288,31 +312,57 @@ class Bus:
         return (entry.value or b"", entry.revision)
 
     async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
-        kv = await self.js.key_value(bucket)
-        return await kv.put(key, value)
+        return await (await self._bucket(bucket)).put(key, value)
+
+    async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
+        """Write only if the key does not exist; :class:`ConflictError` otherwise."""
+        try:
+            return await (await self._bucket(bucket)).create(key, value)
+        except KeyWrongLastSequenceError as exc:
+            raise ConflictError(f"{bucket}/{key} already exists") from exc
 
     async def kv_update(self, bucket: str, key: str, value: bytes, last: int) -> int:
-        """Compare-and-swap: raises if the key's revision is no longer ``last``."""
-        kv = await self.js.key_value(bucket)
-        return await kv.update(key, value, last=last)
+        """Compare-and-swap: :class:`ConflictError` if the key's revision is no longer ``last``."""
+        try:
+            return await (await self._bucket(bucket)).update(key, value, last=last)
+        except KeyWrongLastSequenceError as exc:
+            raise ConflictError(f"{bucket}/{key} changed since revision {last}") from exc
+
+    async def kv_delete(self, bucket: str, key: str, last: int | None = None) -> None:
+        """Delete (conditioned on revision ``last`` when given: :class:`ConflictError` if it moved)."""
+        try:
+            await (await self._bucket(bucket)).delete(key, last=last)
+        except APIError as exc:
+            if exc.err_code in (10071, 10164):
+                raise ConflictError(f"{bucket}/{key} changed since revision {last}") from exc
+            raise
 
     async def kv_keys(self, bucket: str) -> list[str]:
-        kv = await self.js.key_value(bucket)
+        kv = await self._bucket(bucket)
         try:
             return await kv.keys()
         except Exception:  # nats-py raises NoKeysError on an empty bucket
             return []
 
-    async def kv_watch(self, bucket: str, keys: str = ">") -> AsyncIterator[tuple[str, bytes | None, int]]:
-        """Current values, then every change: (key, value or None when deleted, revision)."""
-        kv = await self.js.key_value(bucket)
+    async def kv_watch(
+        self, bucket: str, keys: str = ">", ready: asyncio.Event | None = None
+    ) -> AsyncIterator[tuple[str, bytes | None, int]]:
+        """Current values, then every change: (key, value or None when deleted, revision).
+
+        ``ready`` is set once the current values have all been yielded.
+        """
+        kv = await self._bucket(bucket)
         watcher = await kv.watch(keys)
         try:
             async for entry in watcher:
-                if entry is None:  # end of initial values marker
+                if entry is None:  # end of the initial values
+                    if ready is not None:
+                        ready.set()
                     continue
                 deleted = entry.operation in ("DEL", "PURGE")
                 yield entry.key, (None if deleted else entry.value), entry.revision
+                if ready is not None and not ready.is_set() and entry.delta == 0:
+                    ready.set()
         finally:
             await watcher.stop()
 
@@ -322,6 +372,8 @@ class Bus:
         info = await self.js.stream_info(stream)
         if info.state.messages == 0:
             return []
+        if info.config.retention == api.RetentionPolicy.WORK_QUEUE:  # no second consumer allowed
+            return await self._direct_messages(stream, info.state.first_seq, info.state.last_seq, subject)
         sub = await self.js.subscribe(
             subject or ">", stream=stream, ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL
         )
@@ -337,6 +389,17 @@ class Bus:
                     break
         finally:
             await sub.unsubscribe()
+        return out
+
+    async def _direct_messages(self, stream: str, first: int, last: int, subject: str | None):
+        out = []
+        for seq in range(first, last + 1):
+            try:
+                raw = await self.js.get_msg(stream, seq)
+            except NotFoundError:
+                continue
+            if subject is None or raw.subject == subject:
+                out.append((raw.subject, raw.data or b""))
         return out
 
     def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task:

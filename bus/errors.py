@@ -10,6 +10,7 @@ Every error here derives from :class:`BusError`, so a caller can catch the whole
     ├── ServerError             the embedded nats-server could not be run
     │   └── PortInUseError      its port is already taken
     ├── ProvisionError          a stream or bucket exists with an incompatible config
+    ├── ConflictError           a compare-and-swap lost: the key changed since it was read
     └── RequestError            a producer-side request did not end in a result
         ├── RequestTimeout      a wait ran out (publish ack, admission, first token, result)
         ├── DuplicateRequest    the request id was already accepted within the dedup window
@@ -60,6 +61,10 @@ class PortInUseError(ServerError):
 
 class ProvisionError(BusError):
     """A stream or bucket could not be created or updated to the expected config."""
+
+
+class ConflictError(BusError):
+    """A conditional KV write lost the race: re-read and decide again."""
 
 
 class RequestError(BusError):

@@ -70,6 +70,7 @@ _BUCKETS: dict[str, tuple[int, float | None]] = {
     S.BUCKET_QUOTAS: (10, None),  # quota edits keep 10 revisions for rollback/audit
     S.BUCKET_WORKERS: (1, None),  # calibrated capacities per model/deployment
     S.BUCKET_CONFIG: (10, None),  # routing policy and weights, switchable live
+    S.BUCKET_INFLIGHT: (1, None),  # shared usage + one key per reservation (admitter replicas)
 }
 
 

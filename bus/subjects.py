@@ -44,6 +44,17 @@ DEADLETTER_ALL = "dead.>"
 HEARTBEATS_ALL = "worker.*.hb"
 CACHE_EVENTS_ALL = "worker.*.kv"
 
+# --- benchmark-only names (natsched bench pipeline) ---------------------------------------
+STREAM_BENCH = "BENCH"  # reference JetStream publish round trips, deleted after the run
+BENCH_JS_ALL = "bench.js.>"
+BENCH_ECHO = "bench.echo"  # reference core request/reply round trips
+
+
+def bench_reply(run: str) -> str:
+    """Where the pipeline benchmark asks for replies: ``bench.resp.<run>`` (one subscription)."""
+    return f"bench.resp.{token(run, 'run id')}"
+
+
 # --- durable consumers --------------------------------------------------------------------
 CONSUMER_ADMITTER = "admitter"
 CONSUMER_ADMITTER_COMPLETIONS = "admitter-completions"
@@ -55,10 +66,16 @@ CONSUMER_WORKER_PREFIX = "worker-"  # + worker id
 BUCKET_QUOTAS = "quotas"
 BUCKET_WORKERS = "workers"
 BUCKET_CONFIG = "config"
-BUCKETS = (BUCKET_QUOTAS, BUCKET_WORKERS, BUCKET_CONFIG)
+BUCKET_INFLIGHT = "inflight"
+BUCKETS = (BUCKET_QUOTAS, BUCKET_WORKERS, BUCKET_CONFIG, BUCKET_INFLIGHT)
 
 #: key in ``quotas`` holding the cluster total of runtime tokens
 KEY_CLUSTER_TOTAL = "cluster.total"
+#: key in ``inflight`` holding the shared aggregate usage (updated by compare-and-swap)
+KEY_USAGE = "usage"
+#: key in ``quotas`` holding the capacity-following total the admitters computed
+KEY_DYNAMIC_TOTAL = "cluster.dynamic_total"
+
 #: key in ``config`` holding the routing policy, its weights and the canary (JSON)
 KEY_ROUTER_CONFIG = "router"
 
@@ -137,6 +154,11 @@ def tenant_quota_key(tenant: TenantId) -> str:
     return f"tenant.{token(tenant, 'tenant')}"
 
 
+def reservation_key(request_id: RequestId) -> str:
+    """One in-flight reservation in the ``inflight`` bucket: ``res.<request_id>``."""
+    return f"res.{token(request_id, 'request id')}"
+
+
 #: every subject builder's shape, as written in subjects.md (the doc test renders each one)
 PATTERNS = {
     "request": "req.<class>.<tenant>",
@@ -152,6 +174,8 @@ PATTERNS = {
     "control": "worker.<worker>.ctl",
     "worker_consumer": "worker-<worker>",
     "tenant_quota_key": "tenant.<tenant>",
+    "reservation_key": "res.<request_id>",
+    "bench_reply": "bench.resp.<run>",
 }
 
 

@@ -1,15 +1,13 @@
 """``natsched bench ...``: benchmarks are commands, not timed tests (ARCHITECTURE.md, "Benchmarks").
 
-Wiring (natsched/cli.py)::
-
-    from natsched.bench_cli import add_bench_parser, cmd_bench
-    add_bench_parser(sub)            # in build_parser(), ``sub`` = the subcommand action
-    ...                              # and dispatch args.command == "bench" to cmd_bench(args)
-
 ``natsched bench routing --trace FILE [--workers N] [--policies LIST|all] [--speedup X |
 --target-busy F] [--limit N] [--profile P] [--json OUT] [--plot OUT.png]`` replays the trace in the
 discrete-event simulator for every chosen policy on identical arrivals, prints a table and
 optionally writes JSON and a PNG (the PNG needs matplotlib: the ``bench`` extra).
+
+``natsched bench pipeline --rate R --duration S [--admitters K] [--routers K] [--find-max]
+[--json OUT]`` runs the real services on a real nats-server with a zero-compute engine and
+measures the scheduler's own cost (:mod:`natsched.bench_pipeline`).
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from pathlib import Path
 import orjson
 
 from workers.profiles import DEFAULT_PROFILE, PROFILES
-
 
 def _fail(message: str, code: int = 1) -> int:
     print(f"natsched: error: {message}", file=sys.stderr)
@@ -89,12 +86,31 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     rt.add_argument("--hb-interval", type=_positive_float, default=1.0,
                     help="virtual seconds between worker heartbeats (default 1)")
     rt.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    _add_pipeline_parser(bsub)
     return bench
 
 
+def _add_pipeline_parser(bsub) -> None:
+    pp = bsub.add_parser("pipeline", help="the scheduler's own cost on real services (zero-compute engine)",
+                         description="Start a fresh system (embedded nats-server, admitters, routers, null-engine "
+                                     "workers), publish requests open-loop and measure publish -> assignment.")
+    pp.add_argument("--rate", type=_positive_float, default=1000.0, help="requests per second (default 1000)")
+    pp.add_argument("--duration", type=_positive_float, default=10.0, help="seconds of load (default 10)")
+    pp.add_argument("--admitters", type=_positive_int, default=1, help="admitter replicas (default 1)")
+    pp.add_argument("--routers", type=_positive_int, default=1, help="router replicas (default 1)")
+    pp.add_argument("--workers", type=_positive_int, default=2, help="null-engine workers (default 2)")
+    pp.add_argument("--find-max", action="store_true",
+                    help="ramp the rate and report the highest with p99 <= 10 ms and nothing lost")
+    pp.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
+    pp.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+
+
 def cmd_bench(args) -> int:
-    if getattr(args, "bench", None) == "routing":
+    name = getattr(args, "bench", None)
+    if name == "routing":
         return _cmd_routing(args)
+    if name == "pipeline":
+        return _cmd_pipeline(args)
     return _fail(f"unknown benchmark {getattr(args, 'bench', None)!r}")
 
 
@@ -133,16 +149,27 @@ def _cmd_routing(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m natsched.bench_cli routing ...``) until ``natsched bench`` is wired."""
-    parser = argparse.ArgumentParser(prog="natsched")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
-    args = parser.parse_args(argv)
+def _cmd_pipeline(args) -> int:
+    from bus.errors import BusError
+    from natsched.bench_pipeline import PipelineRun, find_max, print_table, run_pipeline
+
+    base = PipelineRun(args.rate, args.duration, args.admitters, args.routers, args.workers)
     try:
-        return cmd_bench(args)
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        if args.find_max:
+            rates = [r for r in (250, 500, 1000, 1500, 2000, 2500, 3000, 4000, 5000, 6000, 8000) if r >= 250]
+            best, results = find_max(base, rates, args.nats_url)
+            out = {"find_max": True, "best": best, "runs": results}
+        else:
+            results = [run_pipeline(base, args.nats_url)]
+            out = results[0]
+    except BusError as exc:
+        return _fail(str(exc))
+    print_table(results)
+    if args.find_max:
+        print(f"highest rate with p99 <= 10 ms and nothing lost: {best['rate']:.0f}/s" if best else
+              "no rate met p99 <= 10 ms with nothing lost")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2) + b"\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0

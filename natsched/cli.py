@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run nats-server (embedded unless --nats-url), admitter, router and N workers",
                         description="Start the whole system in the foreground; Ctrl-C or SIGTERM stops it cleanly.")
     up.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
-    up.add_argument("--engine", choices=["sim", "vllm"], default="sim", help="worker engine (default sim)")
+    up.add_argument("--admitters", type=int, default=1, help="admitter replicas (default 1)")
+    up.add_argument("--routers", type=int, default=1, help="router replicas (default 1)")
+    up.add_argument("--engine", choices=["sim", "vllm", "null"], default="sim", help="worker engine (default sim)")
     up.add_argument("--nats-url", default=os.environ.get(ENV_URL),
                     help=f"use this NATS server instead of the embedded one (default: ${ENV_URL})")
     up.add_argument("--port", type=int, default=DEFAULT_PORT, help="embedded server port (default 4222)")
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     adm = sub.add_parser("admitter", help="run one admitter replica", description="Run one admitter replica.")
     _url_flag(adm)
     adm.add_argument("--name", default="admitter", help="replica name in audit records")
+    adm.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 
     rt = sub.add_parser("router", help="run one router replica", description="Run one router replica.")
     _url_flag(rt)
@@ -59,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     _url_flag(drain)
     _url_flag(wk)
     wk.add_argument("--id", help="worker id (a subject token: letters, digits, - and _)")
-    wk.add_argument("--engine", choices=["sim", "vllm"], default="sim")
+    wk.add_argument("--engine", choices=["sim", "vllm", "null"], default="sim",
+                    help="sim (calibrated model), vllm, or null (answers at once: for pipeline benchmarks)")
     wk.add_argument("--model", default="default", help="model name this worker serves")
     wk.add_argument("--concurrency", type=int, default=64, help="max requests in the engine at once")
     wk.add_argument("--time-scale", type=float, default=1.0, help="sim engine: multiply step times")
@@ -81,14 +85,27 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--json", action="store_true", help="print the result as JSON")
     sm.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for admission (default 30)")
 
-    qt = sub.add_parser("quota", help="show or edit quotas", description="Read and edit quotas live.")
+    qt = sub.add_parser("quota", help="show or edit quotas live",
+                        description="Read and edit the quotas in JetStream KV; running admitters apply them "
+                                    "within a second.")
     qt_sub = qt.add_subparsers(dest="action", required=True, metavar="ACTION")
-    qs = qt_sub.add_parser("show", help="print the quotas")
+    qs = qt_sub.add_parser("show", help="print quotas and current usage")
     _url_flag(qs)
     qs.add_argument("--json", action="store_true")
-    qset = qt_sub.add_parser("set", help="change a quota")
+    qset = qt_sub.add_parser("set", help="change quotas (validated before anything is written)")
     _url_flag(qset)
-    qset.add_argument("--total", type=int, required=True, help="cluster total of runtime tokens")
+    qset.add_argument("--total", type=int, help="cluster total of runtime tokens")
+    qset.add_argument("--hard-cap", type=int, help="the dynamic total never goes above this")
+    qset.add_argument("--tenant", help="tenant to edit (with --floor / --weight / --cap)")
+    qset.add_argument("--floor", type=float, help="tenant's guaranteed share of the total (0..1)")
+    qset.add_argument("--weight", type=float, help="tenant's elastic weight for idle capacity")
+    qset.add_argument("--cap", type=int, help="tenant's absolute cap in runtime tokens (-1 removes it)")
+    qset.add_argument("--model", help="model to limit (with --model-limit)")
+    qset.add_argument("--model-limit", type=int, help="runtime tokens the model may hold")
+    qset.add_argument("--class", dest="cls", help="request class (with --queue-limit)")
+    qset.add_argument("--queue-limit", type=int, help="max queued requests of the class")
+    qset.add_argument("--unknown-tenant", choices=["default", "reject"],
+                      help="unknown tenants get the default quota, or are rejected")
 
     ro = sub.add_parser("route", help="show or switch the routing policy live",
                         description="Read and change the routers' policy, weights and canary (config bucket).")
@@ -101,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     rset.add_argument("--weights", default=None, help='JSON object of policy weights, e.g. \'{"sticky_s": 20}\'')
     rset.add_argument("--canary", default=None, help="second policy for a share of traffic")
     rset.add_argument("--canary-share", type=float, default=0.0, help="share of requests for the canary (0..1)")
+
+    from natsched.bench_cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

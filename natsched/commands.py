@@ -22,7 +22,9 @@ def _fail(message: str, code: int = 1) -> int:
 def cmd_up(args) -> int:
     from natsched.supervisor import Supervisor, UpSettings
 
-    settings = UpSettings(workers=args.workers, engine=args.engine, nats_url=args.nats_url, port=args.port,
+    if min(args.workers, args.admitters, args.routers) < 0 or args.admitters < 1 or args.routers < 1:
+        return _fail("--admitters and --routers must be >= 1, --workers >= 0")
+    settings = UpSettings(workers=args.workers, admitters=args.admitters, routers=args.routers, engine=args.engine, nats_url=args.nats_url, port=args.port,
                           data_dir=args.data_dir, policy=args.policy, time_scale=args.time_scale,
                           log_level=args.log_level)
     try:
@@ -36,9 +38,9 @@ def cmd_admitter(args) -> int:
     from natsched.runtime import serve
 
     async def start(bus):
-        service = AdmitterService(bus, AdmitterServiceSettings(name=args.name))
+        service = AdmitterService(bus, AdmitterServiceSettings(name=args.name, metrics_port=args.metrics_port))
         await service.start()
-        return f"total={service.core.total}"
+        return f"total={service.total}"
 
     return _run(serve(args.nats_url, "admitter", start))
 
@@ -74,6 +76,7 @@ def cmd_worker(args) -> int:
         agent = WorkerAgent(bus, engine, WorkerSettings(id=args.id, model=args.model, concurrency=args.concurrency,
                                                         heartbeat_interval_s=args.heartbeat))
         holder["agent"] = agent
+        await bus.provision()  # its WORK stream may not exist yet when it starts first
         await agent.start()
         return f"id={args.id} engine={args.engine}"
 
@@ -89,6 +92,10 @@ def cmd_worker(args) -> int:
 
 
 def _make_engine(args):
+    if args.engine == "null":
+        from workers.nullengine import NullEngine
+
+        return NullEngine(block_size=args.block_size)
     if args.engine == "sim":
         from workers.profiles import get_profile
         from workers.simengine import SimEngine
@@ -154,27 +161,104 @@ def cmd_quota(args) -> int:
     return _run(_quota(args))
 
 
+async def _read_quotas(bus):
+    from admitter.quotas import Quotas
+
+    entries = {}
+    for key in await bus.kv_keys(S.BUCKET_QUOTAS):
+        current = await bus.kv_get(S.BUCKET_QUOTAS, key)
+        if current is not None:
+            entries[key] = current[0]
+    dynamic = entries.pop(S.KEY_DYNAMIC_TOTAL, None)
+    quotas, errors = Quotas.from_kv(entries)
+    return quotas, errors, (orjson.loads(dynamic) if dynamic else None), entries
+
+
+def _edit_quotas(quotas, args):
+    """Apply the flags to a copy of the quotas; raises QuotaError/ValueError on a bad edit."""
+    import copy
+
+    from admitter.quotas import TenantQuota
+
+    q = copy.deepcopy(quotas)
+    if args.total is not None:
+        q.total = args.total
+    if args.hard_cap is not None:
+        q.hard_cap = None if args.hard_cap < 0 else args.hard_cap
+    if args.tenant:
+        S.token(args.tenant, "tenant")
+        t = q.tenants.get(args.tenant) or TenantQuota()
+        if args.floor is not None:
+            t.floor = args.floor
+        if args.weight is not None:
+            t.weight = args.weight
+        if args.cap is not None:
+            t.cap = None if args.cap < 0 else args.cap
+        q.tenants[args.tenant] = t
+    elif any(v is not None for v in (args.floor, args.weight, args.cap)):
+        raise ValueError("--floor, --weight and --cap need --tenant")
+    if (args.model is None) != (args.model_limit is None):
+        raise ValueError("--model and --model-limit go together")
+    if args.model:
+        q.models[args.model] = args.model_limit
+    if (args.cls is None) != (args.queue_limit is None):
+        raise ValueError("--class and --queue-limit go together")
+    if args.cls:
+        q.queue_limits[args.cls] = args.queue_limit
+    if args.unknown_tenant:
+        q.unknown_tenant = args.unknown_tenant
+    q.validate()
+    return q
+
+
 async def _quota(args) -> int:
+    from admitter.errors import QuotaError
+    from admitter.usage import Usage
     from bus.connection import Bus
 
     bus = await Bus.connect(args.nats_url, name="natsched-cli", connect_budget_s=5.0)
     try:
         await bus.provision()
+        quotas, errors, dynamic, entries = await _read_quotas(bus)
+        for err in errors:
+            print(f"natsched: warning: {err}", file=sys.stderr)
         if args.action == "set":
-            if args.total < 0:
-                return _fail("--total must be >= 0")
-            await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(args.total))
-            print(f"cluster total set to {args.total} runtime tokens")
+            try:
+                new = _edit_quotas(quotas, args)
+            except (QuotaError, ValueError) as exc:
+                return _fail(f"quota change refused, nothing written: {exc}")
+            changed = {k: v for k, v in new.to_kv().items() if entries.get(k) != v}
+            for key, value in changed.items():
+                await bus.kv_put(S.BUCKET_QUOTAS, key, value)
+            print(f"quotas updated ({len(changed)} entries): " + ", ".join(sorted(changed)) if changed
+                  else "quotas unchanged")
             return 0
-        current = await bus.kv_get(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL)
-        total = orjson.loads(current[0]) if current else None
+        usage_raw = await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
+        usage = Usage.from_json(usage_raw[0]) if usage_raw else Usage()
+        view = {"total": quotas.total, "hard_cap": quotas.hard_cap, "dynamic_total": dynamic,
+                "unknown_tenant": quotas.unknown_tenant, "default_tenant": asdict(quotas.default_tenant),
+                "tenants": {t: asdict(q) | {"used": usage.tenants.get(t, 0)} for t, q in sorted(quotas.tenants.items())},
+                "models": dict(quotas.models), "queue_limits": dict(quotas.queue_limits),
+                "used": usage.used}
         if args.json:
-            print(orjson.dumps({"total": total}).decode())
-        else:
-            print(f"cluster total: {total if total is not None else 'not set (admitter default)'}")
+            print(orjson.dumps(view).decode())
+            return 0
+        print(f"cluster total {view['total']} runtime tokens (hard cap {view['hard_cap']}, dynamic {dynamic}); "
+              f"in use {usage.used}")
+        print(f"{'tenant':<16}{'floor':>8}{'weight':>8}{'cap':>12}{'used':>12}")
+        for name, t in view["tenants"].items():
+            print(f"{name:<16}{t['floor']:>8.2f}{t['weight']:>8.2f}{str(t['cap']):>12}{t['used']:>12}")
+        print(f"unknown tenants: {quotas.unknown_tenant}; models: {view['models'] or '-'}; "
+              f"queue limits: {view['queue_limits']}")
         return 0
     finally:
         await bus.close()
+
+
+def cmd_bench(args) -> int:
+    from natsched.bench_cli import cmd_bench as run
+
+    return run(args)
 
 
 def cmd_route(args) -> int:

@@ -7,6 +7,7 @@ The nats-server's data dir survives a stop; the next ``up`` finds its streams an
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -17,15 +18,26 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus.connection import Bus
 from bus.errors import ServerError
 from bus.server import DEFAULT_HOST, DEFAULT_PORT, EmbeddedServer, die_with_parent
 from natsched.runtime import READY_PREFIX
 
 log = logging.getLogger(__name__)
 
+
+async def _provision(url: str) -> None:
+    bus = await Bus.connect(url, name="natsched-up")
+    try:
+        await bus.provision()
+    finally:
+        await bus.close()
+
 @dataclass
 class UpSettings:
     workers: int = 2
+    admitters: int = 1
+    routers: int = 1
     engine: str = "sim"
     nats_url: str | None = None  # None: run the embedded server
     host: str = DEFAULT_HOST
@@ -59,10 +71,13 @@ class Supervisor:
 
     def plan(self, url: str) -> list[Child]:
         common = ["--nats-url", url]
-        kids = [
-            Child("admitter", self._cmd("admitter", *common)),
-            Child("router", self._cmd("router", *common, "--policy", self.s.policy)),
-        ]
+        kids = []
+        for i in range(1, self.s.admitters + 1):
+            name = "admitter" if self.s.admitters == 1 else f"admitter-{i}"
+            kids.append(Child(name, self._cmd("admitter", *common, "--name", name)))
+        for i in range(1, self.s.routers + 1):
+            name = "router" if self.s.routers == 1 else f"router-{i}"
+            kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy)))
         for i in range(1, self.s.workers + 1):
             args = ["worker", *common, "--id", f"w{i}", "--engine", self.s.engine,
                     "--time-scale", str(self.s.time_scale), *self.s.extra_worker_args]
@@ -86,13 +101,15 @@ class Supervisor:
             else:
                 sys.stdout.write(line)
 
-    def start(self) -> None:
+    def start(self, quiet: bool = False) -> str:
         started = time.monotonic()
+        say = (lambda *a, **k: None) if quiet else print
         url = self.s.nats_url
         if url is None:
             self.server = EmbeddedServer(self.s.port, self.s.data_dir, self.s.host).start()
             url = self.server.url
-            print(f"ready: nats-server {url} (JetStream, data {self.server.data_dir})", flush=True)
+            say(f"ready: nats-server {url} (JetStream, data {self.server.data_dir})", flush=True)
+        asyncio.run(_provision(url))  # once, before the components race to create streams
         self.children = self.plan(url)
         for child in self.children:
             self._spawn(child)
@@ -102,9 +119,10 @@ class Supervisor:
                 code = child.proc.poll() if child.proc else None
                 raise ServerError(f"{child.name} was not ready within {self.s.ready_timeout_s:.0f}s"
                                   + (f" (exited with code {code})" if code is not None else ""))
-            print(f"ready: {child.name} (pid {child.proc.pid}) {child.detail}".rstrip(), flush=True)
-        print(f"natsched is up in {time.monotonic() - started:.1f}s on {url}; "
+            say(f"ready: {child.name} (pid {child.proc.pid}) {child.detail}".rstrip(), flush=True)
+        say(f"natsched is up in {time.monotonic() - started:.1f}s on {url}; "
               "try: natsched submit --tenant demo --prompt 'hello'  (Ctrl-C stops)", flush=True)
+        return url
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -124,7 +142,7 @@ class Supervisor:
                 time.sleep(1.0)
                 self._spawn(child)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0, quiet: bool = False) -> None:
         """Workers first, then router and admitter, then the server: nothing is left running."""
         for child in reversed(self.children):
             if child.proc and child.proc.poll() is None:
@@ -140,7 +158,7 @@ class Supervisor:
                 child.proc.wait()
         if self.server is not None:
             self.server.stop()
-        if self.children or self.server:
+        if (self.children or self.server) and not quiet:
             print("natsched stopped", flush=True)
         self.children = []
         self.server = None

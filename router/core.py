@@ -68,7 +68,7 @@ class RouterCore:
     def __init__(self, settings: RouterSettings | None = None, policy: RoutingPolicy | None = None) -> None:
         s = self.settings = settings or RouterSettings()
         self.index = PrefixIndex(s.index)
-        self.registry = WorkerRegistry(s.registry_settings())
+        self.registry = WorkerRegistry(s.registry_settings(), s.cost)
         self.claims = ClaimTracker(s.feedback)
         self.deps = PolicyDeps(self.index, s.cost, s.block_size)
         self.workers: dict[WorkerId, WorkerView] = self.registry.views
@@ -100,14 +100,33 @@ class RouterCore:
     def on_completion(self, c: Completion, now: float) -> None:
         """Release the request's load and score the cache claim it confirms or refutes."""
         a = self.registry.on_completion(c.request_id, c.worker, c.runtime_tokens)
-        w = c.worker or (a.worker if a is not None else None)
-        if w is None or c.status != "ok":
-            return
-        expected = a.expected_cached if a is not None and a.worker == w else c.expected_cached_tokens
-        if expected and self.claims.observe(w, expected, c.cached_tokens):
+        if a is None or c.status != "ok" or (c.worker is not None and c.worker != a.worker):
+            return  # not routed by us (another replica judges it), failed, or re-routed
+        if self._claim_failed(a, c.cached_tokens):
+            w = a.worker
             reason = f"claims failing: accuracy {self.claims.accuracy(w):.2f}"
             if self.index.distrust(w, reason) and self.index.needs_snapshot(w, now):
                 self._snapshot_requests[w] = None
+
+    def _claim_failed(self, a: Assignment, actual: int) -> bool:
+        """Score one completion against the worker's own claim; True when it must be demoted.
+
+        Only ``claimed_cached`` is judged: what the worker's cache events said it held when we
+        routed. Our own approximate claims are not the worker's word — a request sent while an
+        earlier one with the same prefix is still queued or prefilling finds less cached than
+        predicted through no fault of the worker, and demoting it for that (then ignoring its
+        exact reports) made every busy worker untrusted. A shortfall the worker *reported* — it
+        said it evicted the first missing block after we routed — is cache churn, honestly
+        reported: not judged either.
+        """
+        claimed = a.claimed_cached
+        if claimed <= 0:
+            return False
+        if actual < claimed:
+            missed = actual // self.deps.block_tokens
+            if missed < len(a.hashes) and self.index.removed_since(a.worker, a.hashes[missed], a.mark):
+                return False
+        return self.claims.observe(a.worker, claimed, actual)
 
     def _check_fresh(self, w: WorkerId) -> None:
         if self.registry.awaiting_fresh(w) and self.index.is_fresh(w, self.registry.views[w].kv_seq):
@@ -141,10 +160,24 @@ class RouterCore:
             expected = cached_tokens(self.index.match_one(req.hashes, w, now), self.deps.block_tokens, prompt)
             if belief is None:  # cache-blind policy: still audit what the index predicted
                 decision.expected_cached_tokens = expected
+        claimed = self._claimed(req, w, now) if expected > 0 else 0  # precise <= any claim
         self.index.record_route(req.hashes, w, now)
         kv = req.runtime_tokens or prompt + req.expected_output
-        self.registry.on_assigned(req.id, Assignment(w, kv, prompt - expected, expected, now))
+        uncached = prompt - expected
+        self.registry.on_assigned(req.id, Assignment(
+            w, kv, uncached, expected, now, claimed_cached=claimed, hashes=req.hashes, mark=self.index.mark(),
+            prompt_tokens=prompt, prefill_s=self.deps.cost.prefill_ctx_s(uncached, expected)))
         return decision
+
+    def _claimed(self, req: RouteRequest, w: WorkerId, now: float) -> int:
+        """Prompt tokens ``w``'s own cache reports say it can serve, as an engine counts them: whole
+        blocks, and never the last prompt token (it must be computed to produce the first output)."""
+        blocks = self.index.match_one(req.hashes, w, now, precise=True)
+        if blocks <= 0:
+            return 0
+        bt = self.deps.block_tokens
+        most = (req.prompt_tokens - 1) // bt
+        return (blocks if blocks < most else most) * bt
 
     # ------------------------------------------------------------------ run-time control
 

@@ -30,6 +30,9 @@ class CostModel:
     kv_capacity_tokens: int = 400_000  # used when a heartbeat does not say (capacity 0)
     max_running: int = 256  # vLLM max_num_seqs: the batch slots of one engine
     typical_output_tokens: int = 256  # remaining decode of a running request, when unknown
+    # attention: 4 x layers x d_model FLOPs per token per token of context, against 2 x params
+    # for the weights: they are equal at 2 x 8e9 / (4 x 32 x 4096) ~ 30.5k tokens of context
+    attention_ctx_tokens: float = 30_500.0
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.decode_step_s <= 0 or self.max_running <= 0:
@@ -38,6 +41,17 @@ class CostModel:
     def prefill_s(self, tokens: float) -> float:
         """Seconds to prefill ``tokens`` uncached prompt tokens."""
         return tokens / self.prefill_tokens_per_s
+
+    def prefill_ctx_s(self, tokens: float, ctx_start: float = 0.0) -> float:
+        """Seconds to prefill ``tokens`` after ``ctx_start`` cached ones, attention included.
+
+        Each new token attends to everything before it, so a long prompt costs more per token
+        (x2 at ~30k tokens of mean context for the default model): the tail of the latency
+        distribution is made of exactly such prompts.
+        """
+        if tokens <= 0:
+            return 0.0
+        return tokens / self.prefill_tokens_per_s * (1.0 + (ctx_start + tokens / 2.0) / self.attention_ctx_tokens)
 
     def step_s(self, ctx_tokens: float) -> float:
         """Seconds of one decode step while ``ctx_tokens`` KV tokens are in the batch."""
@@ -67,6 +81,25 @@ class CostModel:
     def backlog_s(self, w: WorkerView) -> float:
         """Seconds of prefill already queued ahead of a new request on ``w``."""
         return self.prefill_s(w.queued_prefill_tokens + w.pending_prefill_tokens)
+
+    def wait_s(self, w: WorkerView, now: float) -> float:
+        """Seconds a new request waits on ``w`` *now* for the prefill queued ahead of it.
+
+        From the router's busy-until estimate (:mod:`router.backlog`) when it has one, else from
+        the token counts (:meth:`backlog_s`).
+        """
+        if w.busy_until is None:
+            return self.backlog_s(w)
+        wait = w.busy_until - now
+        return wait if wait > 0.0 else 0.0
+
+    def batch_kv_tokens(self, w: WorkerView) -> float:
+        """KV tokens in ``w``'s running batch: its used blocks, plus what we assigned since."""
+        return float(w.kv_used_blocks * w.block_size + w.pending_tokens)
+
+    def decode_s(self, w: WorkerView, output: float, need: float) -> float:
+        """Seconds to decode ``output`` tokens on ``w`` for a request holding ``need`` KV tokens."""
+        return output * self.step_s(self.batch_kv_tokens(w) + need)
 
     def kv_wait_s(self, w: WorkerView, need_tokens: float, ctx: float | None = None) -> float:
         """Seconds a request needing ``need_tokens`` of KV waits for room on ``w``.

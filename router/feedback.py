@@ -1,11 +1,11 @@
 """Claim accuracy: do a worker's cache claims come true? Pure, no I/O.
 
 Every completion says how many prompt tokens were actually served from cache
-(``Completion.cached_tokens``) next to what the router predicted (``expected_cached_tokens``).
-A worker whose predictions keep failing (its events lag, its cache evicts faster than the index
-knows, our approximate claims about it are wrong) would keep attracting traffic it cannot serve
-cheaply, so it is *demoted*: its claims are ignored until it sends a snapshot, which resets its
-score.
+(``Completion.cached_tokens``). The router compares it with what the worker's *own* cache reports
+claimed when the request was routed (see :meth:`router.core.RouterCore._claim_failed` for what is
+judged and what is not). A worker whose claims keep failing (its events lag or are wrong, its cache
+evicts without saying so) would keep attracting traffic it cannot serve cheaply, so it is
+*demoted*: its claims are ignored until it sends a snapshot, which resets its score.
 """
 
 from __future__ import annotations

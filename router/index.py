@@ -13,6 +13,13 @@ Trust: a gap in a worker's event sequence means we missed deltas, so its claims 
 (the worker is *untrusted*) until a snapshot resets its view; the router's claim-accuracy
 feedback can distrust a worker the same way.
 
+Eviction log: the feedback must tell a worker whose reports are wrong from one that reported,
+correctly, that it evicted a block after we routed to it (its cache churned while the request
+queued). So every removal (``removed`` event, ``cleared``, snapshot, reset) is stamped with a
+monotonic *mark*; :meth:`PrefixIndex.mark` taken at routing time and
+:meth:`PrefixIndex.removed_since` at completion answer "did the worker say it dropped this block
+since then?". The log is a bounded LRU of ``removed_log_entries`` (worker, block) pairs.
+
 Memory is bounded: entries live in one LRU (``OrderedDict``) of at most ``max_entries`` block
 hashes; a chain is touched leaf-first so its shared root is the last to go. Resetting a worker
 is O(1): its claims carry an *epoch* (precise) or a timestamp (approximate) and stale ones are
@@ -41,10 +48,11 @@ class IndexSettings:
     approx_ttl_s: float = 120.0  # life of a claim made by our own routing decision
     min_prefix_blocks: int = 2  # shorter matches / chains are not worth indexing
     snapshot_retry_s: float = 5.0  # while untrusted, ask for a snapshot at most this often
+    removed_log_entries: int = 65_536  # (worker, block) removals remembered for the feedback
 
     def __post_init__(self) -> None:
-        if self.max_entries < 1 or self.approx_ttl_s <= 0 or self.min_prefix_blocks < 1:
-            raise ConfigError("index: max_entries, approx_ttl_s, min_prefix_blocks must be positive")
+        if self.max_entries < 1 or self.approx_ttl_s <= 0 or self.min_prefix_blocks < 1 or self.removed_log_entries < 1:
+            raise ConfigError("index: max_entries, approx_ttl_s, min_prefix_blocks, removed_log_entries must be positive")
 
 
 class PrefixIndex:
@@ -59,6 +67,9 @@ class PrefixIndex:
         self._ts: dict[WorkerId, float] = {}  # its timestamp (worker clock)
         self._untrusted: set[WorkerId] = set()
         self._asked: dict[WorkerId, float] = {}  # last time we asked for a snapshot
+        self._mark = 0  # bumped by every removal, see "Eviction log"
+        self._removed: OrderedDict[tuple[WorkerId, BlockHash], int] = OrderedDict()
+        self._reset_mark: dict[WorkerId, int] = {}  # mark of the worker's last wholesale reset
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -100,10 +111,17 @@ class PrefixIndex:
             self._store(w, ev.hashes)
         elif ev.kind == "removed":
             entries = self._entries
+            self._mark += 1
+            mark, log_ = self._mark, self._removed
             for h in ev.hashes:
                 claims = entries.get(h)
                 if claims is not None and claims.pop(w, None) is not None and not claims:
                     del entries[h]
+                key = (w, h)
+                log_[key] = mark
+                log_.move_to_end(key)
+            while len(log_) > self.settings.removed_log_entries:
+                log_.popitem(last=False)
         elif ev.kind == "cleared":
             self._reset_claims(w, now)
         else:
@@ -162,12 +180,7 @@ class PrefixIndex:
         Workers holding fewer than ``min_prefix_blocks`` are left out of the answer.
         """
         untrusted = self._untrusted
-        pe: dict[WorkerId, float] = {}
-        fl: dict[WorkerId, float] = {}
-        for w in workers:
-            if w not in untrusted:
-                pe[w], fl[w] = self._validity(w, now)
-        alive = list(pe)
+        alive = [(w, *self._validity(w, now)) for w in workers if w not in untrusted]
         counts: dict[WorkerId, int] = {}
         get = self._entries.get
         depth = 0
@@ -175,25 +188,32 @@ class PrefixIndex:
             claims = get(h)
             if claims is None:
                 break
-            nxt = [w for w in alive if (v := claims.get(w)) is not None and (v >= fl[w] or v == pe[w])]
+            # a claim is valid when it is this epoch's precise one or a fresh enough routing time
+            nxt = [t for t in alive if (v := claims.get(t[0])) is not None and (v >= t[2] or v == t[1])]
             if len(nxt) != len(alive):
-                for w in alive:
-                    if w not in nxt:
-                        counts[w] = depth
+                for t in alive:
+                    if t not in nxt:
+                        counts[t[0]] = depth
+                alive = nxt
+                if not alive:
+                    break
             depth += 1
-            alive = nxt
-            if not alive:
-                break
-        for w in alive:
-            counts[w] = depth
+        for t in alive:
+            counts[t[0]] = depth
         least = self.settings.min_prefix_blocks
         return {w: n for w, n in counts.items() if n >= least}
 
-    def match_one(self, hashes: Sequence[int], w: WorkerId, now: float) -> int:
-        """Leading blocks of ``hashes`` that trusted worker ``w`` holds (0 if untrusted/short)."""
+    def match_one(self, hashes: Sequence[int], w: WorkerId, now: float, precise: bool = False) -> int:
+        """Leading blocks of ``hashes`` that trusted worker ``w`` holds (0 if untrusted/short).
+
+        ``precise=True`` counts only what the worker itself reported (cache events), not our own
+        routing decisions: the part of a prediction the worker can be held to.
+        """
         if w in self._untrusted:
             return 0
         pe, fl = self._validity(w, now)
+        if precise:
+            fl = float("inf")
         entries = self._entries
         depth = 0
         for h in hashes:
@@ -203,6 +223,23 @@ class PrefixIndex:
                 break
             depth += 1
         return depth if depth >= self.settings.min_prefix_blocks else 0
+
+    # ------------------------------------------------------------------ eviction log
+
+    def mark(self) -> int:
+        """The current removal mark: pass it to :meth:`removed_since` later."""
+        return self._mark
+
+    def removed_since(self, w: WorkerId, h: BlockHash, mark: int) -> bool:
+        """Did ``w`` report dropping block ``h`` (or its whole cache) after ``mark`` was taken?
+
+        Also True when the log no longer remembers that far back (benefit of the doubt).
+        """
+        if self._reset_mark.get(w, -1) > mark or self._removed.get((w, h), -1) > mark:
+            return True
+        if len(self._removed) >= self.settings.removed_log_entries:  # entries were dropped:
+            return next(iter(self._removed.values())) > mark  # some may have been after ``mark``
+        return False
 
     # ------------------------------------------------------------------ worker lifecycle
 
@@ -224,6 +261,8 @@ class PrefixIndex:
     def _reset_claims(self, w: WorkerId, now: float) -> None:
         self._epoch[w] = self._epoch.get(w, 0) + 1
         self._approx_after[w] = now
+        self._mark += 1
+        self._reset_mark[w] = self._mark
 
     def distrust(self, w: WorkerId, reason: str) -> bool:
         """Ignore ``w``'s claims until its next snapshot; True if it was trusted until now."""
@@ -282,4 +321,5 @@ class PrefixIndex:
         return dropped
 
     def stats(self) -> dict[str, int]:
-        return {"entries": len(self._entries), "untrusted": len(self._untrusted), "workers": len(self._seq)}
+        return {"entries": len(self._entries), "untrusted": len(self._untrusted), "workers": len(self._seq),
+                "removed_log": len(self._removed)}

@@ -74,6 +74,9 @@ class WorkerView:
     # finished since the last heartbeat, although that heartbeat still counted them
     finished: int = 0
     finished_tokens: int = 0
+    # router time at which the worker should have computed all prefill queued on it, ours
+    # included (router.backlog); None: not estimated (then the token counts above are used)
+    busy_until: float | None = None
 
     @property
     def inflight(self) -> int:

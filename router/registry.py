@@ -12,7 +12,8 @@ States (the worker reports the first three in ``Heartbeat.state``; the router de
 Load accounting, so a burst between two heartbeats does not pile onto one worker: every
 assignment is *pending* until a heartbeat lists its request id in ``inflight`` (or is older than
 ``pending_grace_s``, for workers that do not list ids); a completion of a request that the last
-heartbeat still counted is subtracted until the next heartbeat. Pure, no I/O.
+heartbeat still counted is subtracted until the next heartbeat. The same ledger turns the queued
+prefill a heartbeat reports into a busy-until time (:mod:`router.backlog`). Pure, no I/O.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
-from bus.schema import Heartbeat, RequestId, WorkerId
+from bus.schema import BlockHash, Heartbeat, RequestId, WorkerId
+from router.backlog import advance, queued_prefill_s
+from router.costmodel import CostModel
 from router.errors import ConfigError
 from router.policy import RouteRequest, WorkerView
 
@@ -59,16 +63,25 @@ class Assignment:
     worker: WorkerId
     kv_tokens: int
     prefill_tokens: int
-    expected_cached: int
+    expected_cached: int  # what the router predicted (worker reports + its own decisions)
     routed_at: float
     pending: bool = True  # not yet counted by a heartbeat of its worker
+    # for the claim feedback (router.core): the part of the prediction the worker itself reported,
+    # the request's chain and the index's removal mark at routing time
+    claimed_cached: int = 0
+    hashes: Sequence[BlockHash] = ()
+    mark: int = 0
+    # for the busy-until estimate (router.backlog)
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0  # estimated seconds to prefill its uncached tokens
 
 
 class WorkerRegistry:
     """Worker views plus the ledger of our assignments; the state machine lives here."""
 
-    def __init__(self, settings: RegistrySettings | None = None) -> None:
+    def __init__(self, settings: RegistrySettings | None = None, cost: CostModel | None = None) -> None:
         self.settings = settings or RegistrySettings()
+        self.cost = cost or CostModel()
         self.views: dict[WorkerId, WorkerView] = {}
         self.ledger: dict[RequestId, Assignment] = {}
         self._pending: dict[WorkerId, dict[RequestId, Assignment]] = {}
@@ -95,6 +108,7 @@ class WorkerRegistry:
             log.warning("worker %s reports unknown state %r: no new work", w, hb.state)
         self._copy_load(view, hb, now)
         self._settle_pending(view, hb, now)
+        self._estimate_busy_until(view, hb, now)
         if w in self._stale:
             self._stale.discard(w)
             log.info("worker %s heard again after %.1fs", w, now - view.last_heartbeat)
@@ -143,6 +157,17 @@ class WorkerRegistry:
                 view.pending_tokens -= a.kv_tokens
                 view.pending_prefill_tokens -= a.prefill_tokens
 
+    def _estimate_busy_until(self, view: WorkerView, hb: Heartbeat, now: float) -> None:
+        """Busy-until from the reported queue (in seconds, via our ledger), then our newer work."""
+        ledger = self.ledger
+        ours = [a for rid in hb.inflight if (a := ledger.get(rid)) is not None and not a.pending and a.worker == view.id]
+        ours.sort(key=lambda a: a.routed_at, reverse=True)
+        busy = now + queued_prefill_s(hb.queued_prefill_tokens, ((a.prompt_tokens, a.prefill_tokens) for a in ours),
+                                      self.cost)
+        for a in self._pending.get(view.id, {}).values():
+            busy = advance(busy, a.routed_at, a.prefill_s)
+        view.busy_until = busy
+
     def _set_state(self, view: WorkerView) -> None:
         state = WorkerState.REREGISTER.value if view.id in self._awaiting else self._reported[view.id]
         if state != view.state:
@@ -170,6 +195,7 @@ class WorkerRegistry:
         view.pending += 1
         view.pending_tokens += a.kv_tokens
         view.pending_prefill_tokens += a.prefill_tokens
+        view.busy_until = advance(view.busy_until or 0.0, a.routed_at, a.prefill_s)
 
     def on_completion(self, rid: RequestId, worker: WorkerId | None, runtime_tokens: int) -> Assignment | None:
         """Release a finished request's load; returns our assignment of it, if we made one."""

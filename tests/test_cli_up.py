@@ -85,7 +85,13 @@ def test_up_serves_submit_and_stops_cleanly(up, tmp_path):
     assert streamed.split() == ["tok0", "tok1", "tok2"]
 
     up.cli("quota", "set", "--total", "123456")
-    assert json.loads(up.cli("quota", "show", "--json").stdout) == {"total": 123456}
+    assert json.loads(up.cli("quota", "show", "--json").stdout)["total"] == 123456
+    up.cli("quota", "set", "--tenant", "acme", "--floor", "0.4", "--weight", "2", "--cap", "50000")
+    shown = json.loads(up.cli("quota", "show", "--json").stdout)
+    assert shown["tenants"]["acme"] | {"used": 0} == {"floor": 0.4, "weight": 2.0, "cap": 50000, "used": 0}
+    refused = up.cli("quota", "set", "--tenant", "other", "--floor", "0.7", check=False)
+    assert refused.returncode == 1 and "refused" in refused.stderr
+    assert "other" not in json.loads(up.cli("quota", "show", "--json").stdout)["tenants"]
     up.cli("route", "set", "--policy", "least_loaded")
     assert json.loads(up.cli("route", "show").stdout)["policy"] == "least_loaded"
     assert "unknown routing policy" in up.cli("route", "set", "--policy", "nope", check=False).stderr
@@ -108,7 +114,7 @@ def test_data_dir_survives_a_restart(tmp_path):
         assert first.stop() == 0
     second = Up(tmp_path, port)
     try:
-        assert json.loads(second.cli("quota", "show", "--json").stdout) == {"total": 4242}
+        assert json.loads(second.cli("quota", "show", "--json").stdout)["total"] == 4242
     finally:
         assert second.stop() == 0
 

@@ -47,7 +47,7 @@ async def test_requests_travel_every_stage(stack, bus):
     assert sorted(c.request_id for c in completions) == sorted(r.id for r in reqs)
     decisions = await stream_records(bus, S.STREAM_DECISIONS, Decision)
     assert sorted((d.stage, d.decision) for d in decisions) == [("admission", "allow")] * 6 + [("routing", "assign")] * 6
-    assert await wait_for(lambda: stack.admitter.core.used == 0)  # completions released every reservation
+    assert await wait_for(lambda: stack.admitter.shared.usage.used == 0)  # completions released every reservation
 
 
 async def test_streaming_yields_tokens_as_generated(stack):
@@ -70,27 +70,39 @@ async def test_repeated_prefix_is_served_from_cache(bus, nats_url):
         await stack.close()
 
 
-async def test_quota_exhausted_is_rejected_with_retry_after(stack, bus):
+async def test_over_budget_online_request_queues_then_runs(stack, bus):
     await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
-    assert await wait_for(lambda: stack.admitter.core.total == 300)
+    assert await wait_for(lambda: stack.admitter.total == 300)
     big = make_request("t1", prompt_token_ids=list(range(100)), max_tokens=50)  # 250 runtime tokens
-    slow = asyncio.create_task(stack.client.submit(big))
-    await wait_for(lambda: stack.admitter.core.used > 0)
-    with pytest.raises(Rejected) as err:
-        await stack.client.submit(make_request("t1", prompt_token_ids=list(range(100)), max_tokens=50))
-    assert err.value.reason == "quota_exhausted" and err.value.retry_after > 0
+    first = asyncio.create_task(stack.client.submit(big))
+    await wait_for(lambda: stack.admitter.shared.usage.used > 0)
+    second = await stack.client.submit(make_request("t1", prompt_token_ids=list(range(100)), max_tokens=50))
+    assert second.statuses == ["queued", "admitted", "assigned"]
+    assert (await first).status == "completed"
     with pytest.raises(Rejected) as err:
         await stack.client.submit(make_request("t1", prompt_token_ids=list(range(200)), max_tokens=50))
     assert err.value.reason == "too_large"
+
+
+async def test_quota_exhausted_is_rejected_with_retry_after_when_the_class_does_not_queue(stack, bus):
+    await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
+    await bus.kv_put(S.BUCKET_QUOTAS, "class.online.queue", orjson.dumps(0))
+    assert await wait_for(lambda: stack.admitter.total == 300 and stack.admitter.core.quotas.queue_limit("online") == 0)
+    slow = asyncio.create_task(stack.client.submit(make_request("t1", prompt_token_ids=list(range(100)),
+                                                                max_tokens=50)))
+    await wait_for(lambda: stack.admitter.shared.usage.used > 0)
+    with pytest.raises(Rejected) as err:
+        await stack.client.submit(make_request("t1", prompt_token_ids=list(range(100)), max_tokens=50))
+    assert err.value.reason == "quota_exhausted" and err.value.retry_after > 0
     assert (await slow).status == "completed"
 
 
 async def test_corrupted_quota_value_keeps_last_good_total(stack, bus):
     await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(5000))
-    assert await wait_for(lambda: stack.admitter.core.total == 5000)
+    assert await wait_for(lambda: stack.admitter.total == 5000)
     await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, b"{not json")
     await asyncio.sleep(0.3)
-    assert stack.admitter.core.total == 5000
+    assert stack.admitter.total == 5000
 
 
 @pytest.mark.parametrize(
@@ -102,7 +114,7 @@ async def test_invalid_requests_rejected_before_quota(stack, fields, reason):
     with pytest.raises(Rejected) as err:
         await stack.client.submit(make_request("t1", "x", **fields))
     assert err.value.reason == reason and err.value.retry_after is None
-    assert stack.admitter.core.used == 0
+    assert stack.admitter.shared.usage.used == 0
 
 
 async def _raw_publish(bus, payload: bytes, request_id: str):
@@ -154,7 +166,7 @@ async def test_engine_refusal_is_reported_and_releases_tokens(stack):
     with pytest.raises(RequestFailed) as err:
         await stack.client.submit(make_request("t1", prompt_token_ids=list(range(131_000)), max_tokens=5000))
     assert err.value.reason == "prompt_too_long"
-    assert await wait_for(lambda: stack.admitter.core.used == 0)
+    assert await wait_for(lambda: stack.admitter.shared.usage.used == 0)
 
 
 async def test_drained_worker_gets_no_new_work(stack, bus):
@@ -172,7 +184,7 @@ async def test_no_worker_fails_cleanly_and_releases(bus, nats_url):
         with pytest.raises(RequestFailed) as err:
             await stack.client.submit(make_request("t1", "anyone?", max_tokens=2))
         assert err.value.reason == "no_worker"
-        assert await wait_for(lambda: stack.admitter.core.used == 0)
+        assert await wait_for(lambda: stack.admitter.shared.usage.used == 0)
     finally:
         await stack.close()
 

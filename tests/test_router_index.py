@@ -198,3 +198,54 @@ def test_negative_time_is_rejected_and_bad_settings_raise():
         make_index().record_route(chain(3), "w0", -1.0)
     with pytest.raises(ConfigError):
         IndexSettings(max_entries=0)
+
+
+# ---------------------------------------------------------------- precise matches, eviction log
+
+
+def test_precise_match_ignores_our_own_routing_claims():
+    idx = make_index()
+    c = chain(6, "a")
+    idx.apply(make_event("w0", 1, hashes=c[:2]), 0.0)
+    idx.record_route(c, "w0", 1.0)
+    assert idx.match_one(c, "w0", 1.0) == 6
+    assert idx.match_one(c, "w0", 1.0, precise=True) == 2
+
+
+def test_removed_since_tells_evictions_after_a_mark_from_earlier_ones():
+    idx = make_index()
+    c = chain(4, "a")
+    idx.apply(make_event("w0", 1, hashes=c), 0.0)
+    idx.apply(make_event("w0", 2, kind="removed", hashes=c[:1]), 0.0)
+    m = idx.mark()
+    assert not idx.removed_since("w0", c[0], m)  # removed before the mark
+    idx.apply(make_event("w0", 3, kind="removed", hashes=c[2:3]), 0.0)
+    idx.apply(make_event("w1", 1, kind="removed", hashes=c[3:]), 0.0)
+    assert idx.removed_since("w0", c[2], m)
+    assert not idx.removed_since("w0", c[3], m)  # another worker's eviction
+    assert idx.removed_since("w1", c[3], m)
+
+
+def test_a_snapshot_or_reset_counts_as_removing_everything():
+    idx = make_index()
+    c = chain(3, "a")
+    idx.apply(make_event("w0", 1, hashes=c), 0.0)
+    m = idx.mark()
+    idx.apply(make_event("w0", 2, kind="snapshot", hashes=c), 1.0)
+    assert idx.removed_since("w0", c[1], m)
+    m2 = idx.mark()
+    assert not idx.removed_since("w0", c[1], m2)
+    idx.reset_worker("w0", 2.0)
+    assert idx.removed_since("w0", c[1], m2)
+
+
+def test_eviction_log_is_bounded_and_gives_the_benefit_of_the_doubt():
+    idx = make_index(removed_log_entries=4)
+    c = chain(10, "a")
+    m0 = idx.mark()
+    for i, h in enumerate(c):
+        idx.apply(make_event("w0", i + 1, kind="removed", hashes=[h]), 0.0)
+    assert idx.stats()["removed_log"] == 4
+    assert idx.removed_since("w0", c[0], m0)  # forgotten, but it may have been removed after m0
+    m = idx.mark()
+    assert not idx.removed_since("w0", c[0], m)  # nothing dropped after m could matter

@@ -75,26 +75,26 @@ def test_locality_favoured_at_low_load_balance_at_high_load(running, winner):
 
 
 def test_sticky_worker_keeps_prefix_despite_small_load_difference():
-    s = Setup()
+    s = Setup(churn_weight=0.0)  # isolate stickiness from the cache-pressure term
     s.hold("w0", REQ.hashes[:50])
     s.hold("w1", REQ.hashes[:50])
     assert s.route(REQ, make_view("w0"), make_view("w1")).worker == "w0"  # tie -> smaller id
-    views = (make_view("w0", queued_prefill_tokens=700), make_view("w1"))  # w0 now 20 ms worse
+    views = (make_view("w0", queued_prefill_tokens=300), make_view("w1"))  # w0 now 9 ms worse
     d = s.route(REQ, *views, now=NOW + 5)
     assert d.worker == "w0" and d.reason == "sticky"
     assert s.route(REQ, *views, now=NOW + 40).worker == "w1"  # window (30 s) is over
 
 
 def test_without_stickiness_small_difference_moves_the_prefix():
-    s = Setup(stickiness=0.0, stickiness_s=0.0)
+    s = Setup(stickiness=0.0, stickiness_s=0.0, churn_weight=0.0)
     s.hold("w0", REQ.hashes[:50])
     s.hold("w1", REQ.hashes[:50])
     s.route(REQ, make_view("w0"), make_view("w1"))
     assert s.route(REQ, make_view("w0", queued_prefill_tokens=700), make_view("w1"), now=NOW + 5).worker == "w1"
 
 
-def busy_holders(running: int = 0):
-    return [make_view(w, queued_prefill_tokens=5000, running=running) for w in ("w0", "w1", "w2")]
+def busy_holders(running: int = 0):  # 20k tokens queued: 0.57 s, more than the cache saves
+    return [make_view(w, queued_prefill_tokens=20_000, running=running) for w in ("w0", "w1", "w2")]
 
 
 def test_replica_cap_keeps_hot_prefix_on_its_replicas():
@@ -122,8 +122,8 @@ def test_higher_replica_cap_allows_new_replica():
 
 @pytest.mark.parametrize("joined_at, winner", [(NOW - 1, "w1"), (NOW - 120, "w0")])
 def test_newly_joined_worker_gets_warmup_boost(joined_at, winner):
-    s = Setup(warmup_boost=1.0, warmup_s=60.0)
-    s.hold("w0", REQ.hashes[:40])  # 1280 tokens: 73 ms advantage at idle
+    s = Setup(warmup_boost=1.0, warmup_s=60.0, locality_boost=1.0)
+    s.hold("w0", REQ.hashes[:40])  # 1280 tokens: ~75 ms advantage at idle; the boost is ~90 ms
     d = s.route(REQ, make_view("w0"), make_view("w1", joined_at=joined_at))
     assert d.worker == winner
 
@@ -151,13 +151,45 @@ def test_consistent_hash_home_respects_load_bound():
     assert s.route(make_req(hashes=chain(10, "x"), route_key=7), *views).worker != home
 
 
+def test_holder_busy_with_a_long_prefill_loses_to_an_idle_worker():
+    # the wait is the registry's busy-until estimate, in seconds, counting down with the clock
+    s = Setup()
+    s.hold("w0", REQ.hashes[:50])
+    holder = make_view("w0", busy_until=NOW + 3.0)  # e.g. a 60k-token prompt still prefilling
+    assert s.route(REQ, holder, make_view("w1")).worker == "w1"
+    assert s.route(REQ, holder, make_view("w1"), now=NOW + 2.95).worker == "w0"
+
+
+def test_cache_pressure_spreads_cold_requests():
+    views = [make_view(f"w{i}") for i in range(4)]  # identical, idle: only the policy's state differs
+    cold = [make_req(f"r{k}", hashes=chain(20, f"cold{k}")) for k in range(8)]
+    spread = Setup()
+    assert sorted(spread.route(r, *views).worker for r in cold) == ["w0", "w0", "w1", "w1", "w2", "w2", "w3", "w3"]
+    blind = Setup(churn_weight=0.0)
+    assert {blind.route(r, *views).worker for r in cold} == {"w0"}
+
+
+def test_cache_pressure_decays_with_time():
+    s = Setup(churn_window_s=60.0)
+    s.policy.churn.add("w0", 1000.0, NOW)
+    assert s.policy.churn.at("w0", NOW + 60.0) == pytest.approx(1000.0 / 2.718281828, rel=1e-6)
+    assert s.policy.churn.at("w1", NOW) == 0.0
+
+
+@pytest.mark.parametrize("decode_weight, winner", [(0.3, "w1"), (0.0, "w0")])
+def test_a_heavy_decode_batch_counts_with_the_decode_weight(decode_weight, winner):
+    s = Setup(decode_weight=decode_weight, churn_weight=0.0)
+    heavy = make_view("w0", kv_used_blocks=10_000)  # 320k KV tokens in its batch: +16 ms a step
+    assert s.route(REQ, heavy, make_view("w1")).worker == winner
+
+
 def test_no_worker():
     d = Setup().route(REQ)
     assert d.worker is None and d.reason == "no_worker"
 
 
 @pytest.mark.parametrize("bad", [dict(sticky_window_s=5.0), dict(sticky_window_s=61.0), dict(min_gain=1.5),
-                                 dict(replica_cap=0)])
+                                 dict(replica_cap=0), dict(decode_weight=-1.0), dict(churn_window_s=0.0)])
 def test_invalid_params_raise(bad):
     with pytest.raises(ConfigError):
         NatschedParams(**bad)
@@ -191,3 +223,21 @@ def test_capacity_falls_back_to_blocks_then_profile():
     m = CostModel(kv_capacity_tokens=1234)
     assert m.capacity_tokens(make_view("w0", capacity_tokens=0, kv_total_blocks=10, block_size=16)) == 160
     assert m.capacity_tokens(make_view("w0", capacity_tokens=0)) == 1234
+
+
+def test_prefill_at_long_context_costs_more_per_token():
+    m = CostModel()
+    assert m.prefill_ctx_s(0) == 0.0
+    short = m.prefill_ctx_s(1000)
+    assert short == pytest.approx(1000 / 35_000 * (1 + 500 / 30_500))
+    # the same 1000 tokens after 60k cached ones: attention roughly triples their cost
+    assert m.prefill_ctx_s(1000, 60_000) / short == pytest.approx((1 + 60_500 / 30_500) / (1 + 500 / 30_500))
+
+
+def test_wait_counts_down_from_busy_until_else_uses_tokens():
+    m = CostModel()
+    w = make_view("w0", busy_until=NOW + 2.0, queued_prefill_tokens=999_999)
+    assert m.wait_s(w, NOW) == pytest.approx(2.0)
+    assert m.wait_s(w, NOW + 1.5) == pytest.approx(0.5)
+    assert m.wait_s(w, NOW + 3.0) == 0.0
+    assert m.wait_s(make_view("w0", queued_prefill_tokens=35_000), NOW) == pytest.approx(1.0)

@@ -127,3 +127,29 @@ def test_a_sequence_that_can_never_fit_is_refused_up_front():
 
     with pytest.raises(ValueError, match="KV blocks"):
         core.add("a", 100, chain(6), 50, 0)
+
+
+def test_decode_takes_a_new_block_exactly_when_a_block_fills():
+    core = make_core(kv_blocks=100)
+    core.add("a", 32, chain(2), 20, 0)
+    core.step(0)  # prefill 32 tokens, first token sampled: its KV is written next step
+    assert core.used_blocks == 2
+    core.step(0)  # input position 32 starts block 3
+    assert core.used_blocks == 3
+    for _ in range(15):  # positions 33..47 stay in block 3
+        core.step(0)
+    assert core.used_blocks == 3
+    core.step(0)  # position 48 starts block 4
+    assert core.used_blocks == 4
+
+
+def test_preempted_sequence_counts_its_tokens_once():
+    core = make_core(kv_blocks=6)
+    core.add("a", 32, chain(2), 40, 0)
+    core.add("b", 32, chain(2, 10), 40, 0)
+    now = 0.0
+    while core.preemptions == 0:
+        now += core.step(now).duration
+    for seq in core.running + list(core.waiting):
+        assert seq.kv_tokens <= seq.prompt_tokens + seq.generated
+    assert core.runtime_tokens() <= sum(s.prompt_tokens + s.generated for s in core.seqs.values())

@@ -25,7 +25,7 @@ def _first_column_names() -> set[str]:
 
 
 def _constants() -> set[str]:
-    prefixes = ("STREAM_", "BUCKET_", "CONSUMER_", "HDR_", "KEY_")
+    prefixes = ("STREAM_", "BUCKET_", "CONSUMER_", "HDR_", "KEY_", "BENCH_")
     consts = {v for k, v in vars(S).items() if k.startswith(prefixes) and isinstance(v, str)}
     consts |= {v for k, v in vars(S).items() if k.endswith("_ALL") and isinstance(v, str)}
     consts.discard(S.CONSUMER_WORKER_PREFIX)  # documented through the worker-<worker> pattern

@@ -4,6 +4,19 @@ It takes assignments from its own subject ``work.<id>`` through a durable JetStr
 (max ack pending = its concurrency, so a restarted worker loses nothing), runs them on the
 engine, streams tokens to each producer, publishes one completion per request, and reports
 load (heartbeats) and cache contents (sequenced cache events) for the admitter and router.
+
+Its own state, announced in every heartbeat (only ``healthy`` workers get new work):
+
+- ``backoff`` — set by the agent itself while the engine is overloaded (KV nearly full, a
+  preemption storm; :mod:`workers.backoff` has the thresholds and the hysteresis); it keeps
+  running what it has and returns to ``healthy`` when the pressure is gone;
+- ``quiescing`` — after ``drain`` (``natsched worker drain ID``) or when the engine died
+  (``failure`` says why): it takes nothing new, finishes (or fails, reported) what it runs,
+  then :meth:`WorkerAgent.wait_drained` returns and the process leaves; :meth:`WorkerAgent.stop`
+  sends a last heartbeat with no in-flight requests and a ``cleared`` cache event.
+
+Capacity (``capacity_tokens`` in heartbeats): the operator's setting, else a calibration stored
+for (model, deployment) in bucket ``workers`` (:mod:`workers.calibrate`), else the engine's KV size.
 """
 
 from __future__ import annotations
@@ -11,14 +24,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bus import subjects as S
 from bus.blocks import estimate_prompt_tokens, request_block_hashes
 from bus.connection import Bus, ConsumerSpec, Delivery
 from bus.errors import MessageError
 from bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
-from workers.engine import Engine, EngineOutput, EngineRequest
+from workers.backoff import BackoffMonitor, BackoffSettings
+from workers.calibrate import load_calibration
+from workers.engine import Engine, EngineOutput, EngineRequest, EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +45,11 @@ class WorkerSettings:
     concurrency: int = 64  # max un-acked assignments = requests running or queued in the engine
     heartbeat_interval_s: float = 1.0
     ack_wait_s: float = 30.0  # kept alive with in_progress while a request runs
-    capacity_tokens: int | None = None  # runtime-token capacity; default: the engine's KV size
+    capacity_tokens: int | None = None  # runtime-token capacity; default: calibration, else the engine's KV size
+    deployment: str | None = None  # calibration lookup key part; default: the engine's ``deployment``
+    use_calibration: bool = True
+    calibration_timeout_s: float = 3.0
+    backoff: BackoffSettings = field(default_factory=BackoffSettings)
 
 
 class WorkerAgent:
@@ -45,10 +64,15 @@ class WorkerAgent:
         self._hb_seq = 0
         self._kv_seq = 0
         self._stopped = asyncio.Event()
+        self.capacity_tokens: int | None = settings.capacity_tokens
+        self.capacity_source = "settings" if settings.capacity_tokens else "engine"
+        self.failure: str | None = None  # why the engine can no longer serve
+        self.backoff = BackoffMonitor(settings.backoff)
 
     async def start(self) -> None:
         await self.engine.start()
         self.engine.set_cache_listener(self._on_cache_change)
+        await self._load_calibration()
         await self.bus.subscribe(S.control(self.id), self._on_control)
         spec = ConsumerSpec(
             stream=S.STREAM_WORK,
@@ -66,10 +90,19 @@ class WorkerAgent:
         log.info("worker %s ready (model %s, concurrency %d)", self.id, self.settings.model, self.settings.concurrency)
 
     async def stop(self) -> None:
+        """Leave: cancel what still runs, say so (last heartbeat, cache cleared), stop the engine."""
         for task in list(self.inflight.values()):
             task.cancel()
         await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+        self.state = "quiescing"
+        try:
+            await self._heartbeat()
+            await self._publish_cache("cleared", [])
+            await self.bus.nc.flush(timeout=2)
+        except Exception as exc:  # the bus may already be gone; leaving anyway
+            log.warning("worker %s could not announce its exit: %s", self.id, exc)
         await self.engine.stop()
+        log.info("worker %s stopped%s", self.id, f" (engine failure: {self.failure})" if self.failure else "")
 
     async def wait_drained(self) -> None:
         await self._stopped.wait()
@@ -107,6 +140,7 @@ class WorkerAgent:
         finally:
             keepalive.cancel()
             self.inflight.pop(req.id, None)
+            self._check_engine()
             if self.state == "quiescing" and not self.inflight:
                 self._stopped.set()
 
@@ -188,17 +222,62 @@ class WorkerAgent:
 
     async def _heartbeat(self) -> None:
         st = self.engine.stats()
+        self._update_state(st)
         self._hb_seq += 1
         hb = Heartbeat(
             worker=self.id, seq=self._hb_seq, ts=time.time(), state=self.state, model=self.settings.model,
             running=st.running, waiting=st.waiting, kv_used_blocks=st.kv_used_blocks,
             kv_total_blocks=st.kv_total_blocks, runtime_tokens=st.runtime_tokens,
-            capacity_tokens=self.settings.capacity_tokens or st.capacity_tokens,
+            capacity_tokens=self.capacity_tokens or st.capacity_tokens,
             queued_prefill_tokens=st.queued_prefill_tokens, block_size=self.engine.block_size,
             started_at=self.started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
             inflight=list(self.inflight),
         )
         await self.bus.publish(S.heartbeat(self.id), hb)
+
+    # --- state ----------------------------------------------------------------------------
+    def _check_engine(self) -> None:
+        """An engine that died makes the worker leave: quiescing now, gone once in-flight work ended."""
+        failure = getattr(self.engine, "failure", None)
+        if not failure or self.failure:
+            return
+        self.failure = str(failure)
+        log.error("worker %s leaving: engine failed: %s", self.id, self.failure)
+        self.state = "quiescing"
+        if not self.inflight:
+            self._stopped.set()
+
+    def _update_state(self, st: EngineStats) -> None:
+        self._check_engine()
+        if self.state not in ("healthy", "backoff"):
+            return
+        active = self.backoff.update(st, time.monotonic())
+        new = "backoff" if active else "healthy"
+        if new != self.state:
+            if active:
+                log.warning("worker %s backing off: %s", self.id, self.backoff.reason)
+            else:
+                log.info("worker %s healthy again", self.id)
+            self.state = new
+
+    async def _load_calibration(self) -> None:
+        """Use a stored calibration as capacity, unless the operator gave one (never fatal)."""
+        if self.capacity_tokens or not self.settings.use_calibration:
+            return
+        deployment = self.settings.deployment or getattr(self.engine, "deployment", None)
+        if not deployment:
+            return
+        try:
+            cal = await asyncio.wait_for(load_calibration(self.bus, self.settings.model, deployment),
+                                         self.settings.calibration_timeout_s)
+        except Exception as exc:  # no bucket yet, server slow: run on the engine's own figure
+            log.warning("worker %s: no calibration read for %s/%s: %s", self.id, self.settings.model, deployment,
+                        exc or type(exc).__name__)
+            return
+        if cal is not None and cal.capacity_tokens > 0:
+            self.capacity_tokens, self.capacity_source = cal.capacity_tokens, f"calibration {deployment}"
+            log.info("worker %s capacity %d runtime tokens from calibration %s/%s (%s)", self.id,
+                     cal.capacity_tokens, self.settings.model, deployment, cal.knee_reason)
 
     async def _on_control(self, subject: str, data: bytes, headers: dict) -> None:
         try:
@@ -215,6 +294,9 @@ class WorkerAgent:
             if not self.inflight:
                 self._stopped.set()
         elif ctl.kind == "resume":
+            if self.failure:
+                log.warning("worker %s cannot resume: its engine failed (%s)", self.id, self.failure)
+                return
             self.state = "healthy"
             await self._heartbeat()
         else:

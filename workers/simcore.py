@@ -23,7 +23,7 @@ from typing import Sequence
 from workers.profiles import EngineProfile
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-by-field: `seq in running` is on the hot path
 class SimSeq:
     id: str
     prompt_tokens: int
@@ -38,6 +38,11 @@ class SimSeq:
     anon_blocks: int = 0  # blocks it holds that carry no shareable hash
     first_token_at: float | None = None
     admitted_once: bool = False
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens whose KV this sequence holds (after a preemption, output is part of ``target``)."""
+        return self.computed if self.computed < self.target else self.prompt_tokens + self.generated
 
 
 @dataclass
@@ -89,7 +94,7 @@ class SimCore:
 
     def runtime_tokens(self) -> int:
         """KV held by running sequences plus prefill still owed by waiting ones."""
-        held = sum(s.computed + s.generated for s in self.running)
+        held = sum(s.kv_tokens for s in self.running)
         return held + self.queued_prefill_tokens()
 
     def queued_prefill_tokens(self) -> int:
@@ -221,7 +226,7 @@ class SimCore:
             prefill_s += self._prefill(seq, budget, stored)
             budget = self.max_batched_tokens - len(decoding) - self._spent
         self._spent = 0
-        kv_read = sum(s.computed + s.generated for s in self.running)
+        kv_read = sum(s.kv_tokens for s in self.running)
         duration = self.profile.step_seconds(prefill_s, kv_read) if (decoding or prefill_s) else 0.0
         end = now + duration
         for seq in self.running:
@@ -258,7 +263,9 @@ class SimCore:
         for seq in list(self.running):
             if seq not in self.running or seq.computed < seq.target:
                 continue
-            if (seq.computed + seq.generated) % self.block_size != 0:
+            # this step's input token sits at position prompt + generated - 1; the blocks
+            # allocated at admission cover positions below `target`
+            if seq.generated == 0 or (seq.prompt_tokens + seq.generated - 1) % self.block_size != 0:
                 continue
             while not self._take(1, removed):
                 victim = self.running[-1]

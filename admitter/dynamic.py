@@ -1,0 +1,43 @@
+"""The capacity-following total: pure arithmetic, run every 20-30 s by the service.
+
+The configured ``cluster.total`` (and ``cluster.hard_cap``) are ceilings. Below them the total
+follows what the workers report: their summed runtime-token capacity, times a factor that the
+workers' real utilisation moves — above the high watermark (0.8) the factor tightens, below the
+low watermark (0.5) it loosens. Admission estimates (max_tokens reservations, prefix caching)
+then correct themselves from measurement instead of a hand-tuned constant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DynamicTotalSettings:
+    enabled: bool = True
+    interval_s: float = 25.0
+    high: float = 0.8
+    low: float = 0.5
+    tighten: float = 0.9
+    loosen: float = 1.1
+    min_factor: float = 0.5
+    max_factor: float = 2.0
+
+
+@dataclass
+class DynamicTotal:
+    settings: DynamicTotalSettings
+    factor: float = 1.0
+
+    def next_total(self, configured: int, hard_cap: int | None, capacity: int, workers_used: int) -> int:
+        """The total to admit against now; the configured total when no worker reports capacity."""
+        ceiling = configured if hard_cap is None else min(configured, hard_cap)
+        if not self.settings.enabled or capacity <= 0:
+            return ceiling
+        util = workers_used / capacity
+        s = self.settings
+        if util > s.high:
+            self.factor = max(s.min_factor, self.factor * s.tighten)
+        elif util < s.low:
+            self.factor = min(s.max_factor, self.factor * s.loosen)
+        return max(0, min(ceiling, int(capacity * self.factor)))

@@ -1,0 +1,30 @@
+"""Prometheus metrics of one admitter replica (names listed in the README)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class AdmitterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.decisions = Counter("natsched_admission_decisions", "Admission decisions",
+                                 ["tenant", "class", "decision", "reason"], registry=r)
+        self.inflight = Gauge("natsched_admission_inflight_runtime_tokens", "Reserved runtime tokens by tenant",
+                              ["tenant"], registry=r)
+        self.total = Gauge("natsched_admission_total_runtime_tokens", "Cluster total admitted against", registry=r)
+        self.queue_depth = Gauge("natsched_admission_queue_depth", "Requests held in this replica's queue",
+                                 ["class"], registry=r)
+        self.queue_wait = Histogram("natsched_admission_queue_wait_seconds", "Time queued before a decision",
+                                    ["class"], buckets=WAIT_BUCKETS, registry=r)
+        self.latency = Histogram("natsched_admission_decision_latency_seconds",
+                                 "Policy time plus the shared-state commit", buckets=LATENCY_BUCKETS, registry=r)
+        self.repairs = Counter("natsched_admission_reconciliation_repairs", "Drift repaired by reconciliation",
+                               ["kind"], registry=r)
+        self.cas_conflicts = Counter("natsched_admission_cas_conflicts", "Shared-usage writes that lost a race",
+                                     registry=r)
+        self.bad_quota_entries = Counter("natsched_admission_bad_quota_entries", "Corrupted quota entries ignored",
+                                         registry=r)

@@ -1,0 +1,349 @@
+"""The routing benchmark: every chosen policy on identical arrivals, side by side.
+
+One trace is loaded once; each policy replays it through :mod:`sim.des` (the shipped RouterCore
+and SimCore objects) in its own process (``jobs`` at a time: two on a 2-core machine). With
+``target_busy`` the speed-up is first calibrated under ``least_loaded`` on short runs
+(:mod:`sim.calibrate`), then used for every policy. The result prints as a table and serialises to
+the JSON documented in :meth:`RoutingReport.to_json`; :mod:`sim.plot` draws it.
+
+An admission hook factory (``admission``) can be plugged in: it is called once per run, in the
+process that runs it, so every policy meets a fresh hook (see :mod:`sim.admission`).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence, TextIO
+
+from sim.admission import AdmissionHook
+from sim.calibrate import Calibration, find_speedup
+from sim.des import SimSettings, simulate
+from sim.errors import SimConfigError
+from sim.metrics import ceiling_hit_ratio
+from sim.progress import Progress
+from sim.trace import Trace, check_speedup, load_mooncake
+from workers.profiles import DEFAULT_PROFILE, get_profile
+
+log = logging.getLogger(__name__)
+
+#: the per-policy keys of the JSON, in table order
+METRIC_KEYS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "tpot_p50_s", "hit_ratio",
+               "throughput_tok_s", "load_cv", "migration_rate", "busy", "completed", "rejected")
+CALIBRATION_POLICY = "least_loaded"
+
+
+def available_policies() -> list[str]:
+    """The routing policies that exist now (router.policies.POLICIES, in its order)."""
+    from router.policies import POLICIES
+
+    return list(POLICIES)
+
+
+def resolve_policies(spec: str | Sequence[str] | None) -> list[str]:
+    """``all`` / None -> every policy; else a comma-separated list (or a sequence), validated."""
+    known = available_policies()
+    if spec is None or spec == "all" or (not isinstance(spec, str) and list(spec) == ["all"]):
+        return known
+    names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
+    if not names:
+        raise SimConfigError("no policy named; use a comma-separated list or 'all'")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SimConfigError(f"unknown routing polic{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)}; "
+                             f"known: {', '.join(known)} (or 'all')")
+    return list(dict.fromkeys(names))
+
+
+@dataclass
+class RoutingBenchSettings:
+    trace: str
+    workers: int = 8
+    policies: list[str] | str | None = None  # None / "all": every policy in router.policies.POLICIES
+    speedup: float | None = None  # fixed speed-up; default 1.0 unless target_busy is set
+    target_busy: float | None = None  # calibrate the speed-up to this busy fraction under least_loaded
+    limit: int | None = None  # keep the first N requests of the trace
+    profile: str = DEFAULT_PROFILE
+    jobs: int = 2  # policies simulated at once (processes); 1 runs everything in this process
+    calib_limit: int = 1000  # requests per calibration run
+    hb_interval: float = 1.0
+    net_delay_s: float = 0.0
+    progress: bool = True
+    quiet_logs: bool = True  # keep router/worker log lines out of the output (they are counted)
+    admission: Callable[[], AdmissionHook] | None = None  # factory, called once per run
+    sim: dict[str, Any] = field(default_factory=dict)  # extra SimSettings fields
+
+    def __post_init__(self) -> None:
+        if self.speedup is not None and self.target_busy is not None:
+            raise SimConfigError("give either a speed-up or a target busy fraction, not both")
+        if self.speedup is not None:
+            check_speedup(self.speedup)
+        if self.target_busy is not None and not (0.0 < self.target_busy < 1.0):
+            raise SimConfigError(f"target busy must be strictly between 0 and 1, got {self.target_busy}")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise SimConfigError(f"workers must be >= 1, got {self.workers!r}")
+        if self.limit is not None and self.limit < 1:
+            raise SimConfigError(f"limit must be >= 1, got {self.limit}")
+        if self.jobs < 1 or self.calib_limit < 1:
+            raise SimConfigError("jobs and calib_limit must be >= 1")
+        try:
+            get_profile(self.profile)
+        except ValueError as exc:
+            raise SimConfigError(str(exc)) from None
+
+    def sim_settings(self, policy: str) -> SimSettings:
+        return SimSettings(workers=self.workers, policy=policy, profile=self.profile, hb_interval=self.hb_interval,
+                           net_delay_s=self.net_delay_s, **self.sim)
+
+
+@dataclass
+class RoutingReport:
+    trace: str
+    requests: int
+    workers: int
+    profile: str
+    speedup: float
+    ceiling_hit_ratio: float
+    policies: dict[str, dict[str, Any]]
+    ttfts: dict[str, list[float]]  # per policy, for the CDF plot (not in the JSON)
+    calibration: Calibration | None = None
+    wall_s: float = 0.0
+    block_size: int = 512
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"trace", "requests", "workers", "profile", "speedup", "ceiling_hit_ratio",
+        "policies": {NAME: {<METRIC_KEYS>, plus "wall_s", "steps", "preemptions",
+        "backoff_changes", "router_warnings"}}}``, plus ``"block_size"``, ``"wall_s"`` and, when calibrated,
+        ``"calibration"``."""
+        out: dict[str, Any] = {
+            "trace": self.trace, "requests": self.requests, "workers": self.workers, "profile": self.profile,
+            "speedup": self.speedup, "ceiling_hit_ratio": self.ceiling_hit_ratio, "policies": self.policies,
+            "block_size": self.block_size, "wall_s": self.wall_s,
+        }
+        if self.calibration is not None:
+            out["calibration"] = self.calibration.to_json()
+        return out
+
+    def table(self) -> str:
+        return format_table(self)
+
+
+# ------------------------------------------------------------------ jobs (run in pool processes)
+
+_STATE: dict[str, Any] = {}
+
+
+class _CountingHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+        self.examples: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+        if len(self.examples) < 3:
+            try:
+                self.examples.append(f"{record.name}: {record.getMessage()}")
+            except Exception:  # a broken log call must not break the benchmark
+                pass
+
+
+@contextmanager
+def _captured_logs(quiet: bool) -> Iterator[_CountingHandler]:
+    """Count router/worker warnings of one run; when ``quiet``, keep their lines off the console."""
+    handler = _CountingHandler()
+    saved = []
+    for name in ("router", "workers"):
+        lg = logging.getLogger(name)
+        saved.append((lg, lg.propagate))
+        lg.addHandler(handler)
+        if quiet:
+            lg.propagate = False
+    try:
+        yield handler
+    finally:
+        for lg, propagate in saved:
+            lg.removeHandler(handler)
+            lg.propagate = propagate
+
+
+def _init_worker(trace: Trace, progress_q: Any, settings: RoutingBenchSettings) -> None:
+    _STATE.update(trace=trace, queue=progress_q, settings=settings)
+
+
+def _report(label: str) -> Callable[[int, int], None] | None:
+    q = _STATE.get("queue")
+    if q is None:
+        return None
+    cb = _STATE.get("callback")
+    if cb is not None:  # in-process: straight to the progress line
+        return lambda done, total: cb(label, done, total)
+    return lambda done, total: q.put((label, done, total))
+
+
+def _run_job(kind: str, policy: str, speedup: float, limit: int | None, label: str) -> dict[str, Any]:
+    trace: Trace = _STATE["trace"]
+    settings: RoutingBenchSettings = _STATE["settings"]
+    if limit is not None and limit < len(trace):
+        trace = trace.head(limit)
+    trace = trace.scaled(speedup)
+    admission = settings.admission() if settings.admission is not None else None
+    with _captured_logs(settings.quiet_logs) as logs:
+        result = simulate(trace, settings.sim_settings(policy), admission=admission, progress=_report(label))
+    metrics = result.metrics()
+    if kind == "calibrate":
+        return {"busy": metrics["busy"], "speedup": speedup}
+    ttft = sorted(r.first_token - r.arrival for r in result.records if r.status == "ok")
+    metrics.update(wall_s=round(result.wall_s, 3), steps=result.steps, preemptions=result.preemptions,
+                   backoff_changes=result.backoff_changes, router_warnings=logs.count)
+    if logs.examples:
+        metrics["router_warning_examples"] = logs.examples
+    return {"policy": policy, "metrics": metrics, "ttft": ttft}
+
+
+class _Runner:
+    """Runs jobs in a process pool (or in this process when jobs == 1), feeding one progress line."""
+
+    def __init__(self, trace: Trace, settings: RoutingBenchSettings, stream: TextIO) -> None:
+        self.settings = settings
+        self.stream = stream
+        self.pool = None
+        self.queue = None
+        if settings.jobs > 1:
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            ctx = mp.get_context(method)
+            self.queue = ctx.Queue()
+            self.pool = ctx.Pool(settings.jobs, initializer=_init_worker, initargs=(trace, self.queue, settings))
+        else:
+            _init_worker(trace, True, settings)
+
+    def run(self, title: str, jobs: list[tuple[str, str, float, int | None, str]]) -> list[dict[str, Any]]:
+        progress = Progress(title, [j[4] for j in jobs], self.stream, enabled=self.settings.progress)
+        if self.pool is None:
+            _STATE["callback"] = progress.update
+            try:
+                return [_run_job(*job) for job in jobs]
+            finally:
+                _STATE.pop("callback", None)
+                progress.close()
+        pending = [self.pool.apply_async(_run_job, job) for job in jobs]
+        try:
+            while not all(p.ready() for p in pending):
+                self._drain(progress, timeout=0.2)
+            self._drain(progress, timeout=0.0)
+            return [p.get() for p in pending]
+        finally:
+            progress.close()
+
+    def _drain(self, progress: Progress, timeout: float) -> None:
+        try:
+            item = self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()
+            while True:
+                progress.update(*item)
+                item = self.queue.get_nowait()
+        except queue_mod.Empty:
+            pass
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool.join()
+
+    def terminate(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
+def calibrate(runner: _Runner, settings: RoutingBenchSettings, n_requests: int) -> Calibration:
+    limit = min(settings.calib_limit, n_requests)
+    count = [0]
+
+    def evaluate(speedups: Sequence[float]) -> list[float]:
+        jobs = []
+        for s in speedups:
+            count[0] += 1
+            jobs.append(("calibrate", CALIBRATION_POLICY, s, limit, f"x{s:.3g}"))
+        out = runner.run(f"calibrating busy={settings.target_busy:.2f} ({limit} requests, {CALIBRATION_POLICY})",
+                         jobs)
+        return [r["busy"] for r in out]
+
+    return find_speedup(settings.target_busy, evaluate, parallel=settings.jobs)
+
+
+def run_routing_benchmark(settings: RoutingBenchSettings, trace: Trace | None = None,
+                          stream: TextIO | None = None) -> RoutingReport:
+    """Load the trace, pick the speed-up, run every policy and collect the report."""
+    started = time.perf_counter()
+    stream = stream if stream is not None else sys.stderr
+    policies = resolve_policies(settings.policies)
+    if trace is None:
+        trace = load_mooncake(settings.trace, limit=settings.limit)
+    elif settings.limit is not None:
+        trace = trace.head(settings.limit)
+    trace = trace.scaled(1.0)
+    ceiling = ceiling_hit_ratio(trace.requests, trace.block_size)
+    runner = _Runner(trace, settings, stream)
+    try:
+        calibration = None
+        if settings.target_busy is not None:
+            calibration = calibrate(runner, settings, len(trace))
+            speedup = calibration.speedup
+            measured = f"busy {calibration.busy:.3f}" if calibration.busy is not None else "interpolated"
+            if settings.progress:
+                print(f"calibrated: speed-up {speedup:.4g} ({measured})", file=stream, flush=True)
+        else:
+            speedup = float(settings.speedup or 1.0)
+        jobs = [("policy", p, speedup, None, p) for p in policies]
+        results = runner.run(f"routing x{speedup:.3g}", jobs)
+        runner.close()
+    except BaseException:
+        runner.terminate()
+        raise
+    return RoutingReport(
+        trace=trace.source, requests=len(trace), workers=settings.workers, profile=settings.profile,
+        speedup=speedup, ceiling_hit_ratio=ceiling,
+        policies={r["policy"]: r["metrics"] for r in results}, ttfts={r["policy"]: r["ttft"] for r in results},
+        calibration=calibration, wall_s=round(time.perf_counter() - started, 2), block_size=trace.block_size,
+    )
+
+
+# ------------------------------------------------------------------ output
+
+def _s(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v < 10:
+        return f"{v:.3f}"
+    return f"{v:.1f}"
+
+
+def format_table(report: RoutingReport) -> str:
+    head = ("policy", "ttft p50", "p90", "p99", "e2e p50", "p99", "tpot p50", "hit", "thr tok/s", "load cv",
+            "migr", "busy", "done", "rej")
+    rows = [head]
+    for name, m in report.policies.items():
+        rows.append((
+            name, _s(m["ttft_p50_s"]), _s(m["ttft_p90_s"]), _s(m["ttft_p99_s"]), _s(m["e2e_p50_s"]),
+            _s(m["e2e_p99_s"]), _s(m["tpot_p50_s"]), f"{m['hit_ratio']:.1%}", f"{m['throughput_tok_s']:,.0f}",
+            f"{m['load_cv']:.3f}", f"{m['migration_rate']:.1%}", f"{m['busy']:.1%}", str(m["completed"]),
+            str(m["rejected"]),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = []
+    for k, r in enumerate(rows):
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        lines.append("  ".join(cells))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    title = (f"routing benchmark: {os.path.basename(report.trace)}, {report.requests} requests, {report.workers} "
+             f"workers, profile {report.profile}, speed-up {report.speedup:.4g}, block {report.block_size} tokens")
+    foot = (f"times in seconds; hit = prompt tokens served from cache; reuse ceiling (one infinite cache) "
+            f"{report.ceiling_hit_ratio:.1%}; wall {report.wall_s:.1f} s")
+    return "\n".join([title, "", *lines, "", foot])

@@ -1,0 +1,159 @@
+"""The routing benchmark command: policies, JSON keys, table, plot, and clear errors."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from natsched.bench_cli import add_bench_parser, cmd_bench
+from natsched.cli import main
+from router.policies import POLICIES
+from sim.bench_routing import METRIC_KEYS, RoutingBenchSettings, resolve_policies, run_routing_benchmark
+from sim.errors import SimConfigError
+from sim.testing import trace_row, write_trace
+
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TOP_KEYS = {"trace", "requests", "workers", "profile", "speedup", "ceiling_hit_ratio", "policies"}
+
+
+def synthetic_trace(path: Path, n: int = 240, seed: int = 7) -> Path:
+    """A Mooncake-format trace with shared prefixes and Poisson-like arrivals (~4 per second)."""
+    rng = random.Random(seed)
+    rows, ts = [], 0.0
+    for i in range(n):
+        ts += rng.expovariate(4.0) * 1000
+        family = rng.randrange(6)
+        shared = [family * 100 + k for k in range(rng.randrange(2, 12))]
+        own = [10_000 + i * 50 + k for k in range(rng.randrange(1, 20))]
+        ids = shared + own
+        rows.append(trace_row(round(ts), n_in=len(ids) * 512 - rng.randrange(0, 400), n_out=rng.randrange(1, 200),
+                              ids=ids))
+    return write_trace(path, rows)
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    if SHARED_TRACE.exists():
+        return SHARED_TRACE
+    return synthetic_trace(tmp_path_factory.mktemp("trace") / "synthetic.jsonl")
+
+
+def test_all_means_every_registered_policy_and_lists_are_checked():
+    assert resolve_policies("all") == list(POLICIES)
+    assert resolve_policies(None) == list(POLICIES)
+    assert resolve_policies("round_robin, least_loaded,round_robin") == ["round_robin", "least_loaded"]
+    with pytest.raises(SimConfigError, match="unknown routing policy nope.*known: "):
+        resolve_policies("least_loaded,nope")
+    with pytest.raises(SimConfigError, match="no policy"):
+        resolve_policies(" , ")
+
+
+def test_bench_routing_limit_200_writes_the_documented_json(trace_file, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    code = main(["bench", "routing", "--trace", str(trace_file), "--limit", "200", "--json", str(out),
+                 "--no-progress"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert TOP_KEYS <= set(data)
+    assert data["requests"] == 200 and data["workers"] == 8 and data["profile"] == "h100-llama8b"
+    assert data["speedup"] == 1.0 and 0.0 <= data["ceiling_hit_ratio"] <= 1.0
+    assert list(data["policies"]) == list(POLICIES)
+    for name, m in data["policies"].items():
+        assert set(METRIC_KEYS) <= set(m), name
+        assert m["completed"] + m["rejected"] == 200
+        assert 0.0 <= m["hit_ratio"] <= data["ceiling_hit_ratio"] + 1e-9, name
+        assert m["ttft_p50_s"] <= m["ttft_p90_s"] <= m["ttft_p99_s"]
+    table = capsys.readouterr().out
+    assert all(name in table for name in POLICIES) and "reuse ceiling" in table
+
+
+def test_in_process_and_pooled_runs_agree(trace_file):
+    base = dict(trace=str(trace_file), workers=3, policies="least_loaded,consistent_hash", limit=120,
+                progress=False)
+    one = run_routing_benchmark(RoutingBenchSettings(**base, jobs=1))
+    two = run_routing_benchmark(RoutingBenchSettings(**base, jobs=2))
+    strip = lambda r: {n: {k: m[k] for k in METRIC_KEYS} for n, m in r.policies.items()}  # noqa: E731
+    assert strip(one) == strip(two)
+    assert one.ttfts == two.ttfts
+
+
+def test_target_busy_calibrates_then_uses_one_speedup(trace_file):
+    report = run_routing_benchmark(RoutingBenchSettings(
+        trace=str(trace_file), workers=4, policies="least_loaded,round_robin", limit=150, target_busy=0.6,
+        calib_limit=150, progress=False))
+    cal = report.calibration
+    assert cal is not None and report.speedup == cal.speedup
+    assert len(cal.points) >= 2
+    if cal.busy is not None:
+        assert abs(cal.busy - 0.6) <= 0.01
+        # the full run of least_loaded is the calibration run (same requests, same speed-up)
+        assert report.policies["least_loaded"]["busy"] == pytest.approx(cal.busy)
+    assert report.to_json()["calibration"]["target_busy"] == 0.6
+
+
+def test_a_bad_trace_line_is_reported_with_its_number(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(trace_row(0)) + "\n" + '{"timestamp": 5}\n')
+    assert main(["bench", "routing", "--trace", str(bad), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "natsched: error:" in err and f"{bad}:2:" in err and "missing fields" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--speedup", "2", "--target-busy", "0.8"],
+    ["--target-busy", "1.2"],
+    ["--speedup", "0"],
+    ["--workers", "0"],
+    ["--profile", "nope"],
+])
+def test_bad_flags_are_refused_by_the_parser(argv, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "routing", "--trace", str(tmp_path / "t.jsonl"), *argv])
+    assert exc.value.code == 2
+
+
+def test_unknown_policy_is_a_clear_error(trace_file, capsys):
+    assert main(["bench", "routing", "--trace", str(trace_file), "--policies", "fastest", "--no-progress"]) == 1
+    assert "unknown routing policy fastest" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_how_to_install_before_running(trace_file, tmp_path, monkeypatch, capsys):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **kw):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    out = tmp_path / "o.png"
+    code = main(["bench", "routing", "--trace", str(trace_file), "--limit", "20", "--plot", str(out),
+                 "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 1 and not out.exists()
+    assert "pip install" in captured.err and "matplotlib" in captured.err
+    assert "routing benchmark" not in captured.out  # it failed fast, before simulating
+
+
+def test_plot_is_a_png(trace_file, tmp_path):  # matplotlib comes with the bench extra
+    out = tmp_path / "o.png"
+    code = main(["bench", "routing", "--trace", str(trace_file), "--limit", "60", "--workers", "2",
+                 "--policies", "least_loaded,consistent_hash", "--plot", str(out), "--no-progress"])
+    assert code == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_parser_can_be_added_to_the_main_cli():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="natsched")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "routing", "--trace", "t.jsonl", "--policies", "all", "--target-busy", "0.8"])
+    assert (args.command, args.bench, args.policies, args.target_busy, args.workers) == \
+        ("bench", "routing", "all", 0.8, 8)
+    assert callable(cmd_bench)
+
+

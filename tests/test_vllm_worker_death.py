@@ -1,0 +1,77 @@
+"""A vLLM worker whose engine core dies: the request fails *reported*, the worker leaves with code 1."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from bus import subjects as S
+from bus.connection import Bus
+from bus.schema import Assignment, CacheEvent, Completion, Heartbeat, Reply, Request, WorkerId
+from tests.conftest import wipe
+from workers.vllm_engine import vllm_available
+from workers.vllm_worker import VllmWorkerProcess
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
+
+WID = WorkerId("wdead")
+
+
+async def wait_for(pred, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        await asyncio.sleep(0.05)
+    return pred()
+
+
+async def test_engine_core_death_is_reported_and_the_worker_exits_1(nats_url, tmp_path):
+    import psutil
+
+    from workers.tiny_model import write_tiny_model
+
+    bus = await Bus.connect(nats_url, name="test-vllm-death")
+    await wipe(bus)
+    await bus.provision()
+    got: dict[str, list] = {"hb": [], "kv": [], "done": [], "reply": []}
+
+    def sink(key, cls):
+        async def on(s, d, h):
+            got[key].append(cls.decode(d))
+        return on
+
+    await bus.subscribe(S.heartbeat(WID), sink("hb", Heartbeat))
+    await bus.subscribe(S.cache_events(WID), sink("kv", CacheEvent))
+    await bus.subscribe(S.COMPLETIONS_ALL, sink("done", Completion))
+    await bus.subscribe("resp.>", sink("reply", Reply))
+    proc = VllmWorkerProcess(nats_url, WID, write_tiny_model(tmp_path / "m"), model="tiny-d",
+                             skip_tokenizer_init=True, heartbeat=0.3, max_model_len=4096).start()
+    try:
+        await proc.await_ready(240)
+        req = Request(id="dying", tenant="t1", cls="online", model="tiny-d", reply=S.reply("dying"),
+                      prompt_token_ids=list(range(10, 74)), max_tokens=4000, stream=True)
+        await bus.jpublish(S.work(WID), Assignment(request=req, worker=WID, runtime_tokens=1000,
+                                                   admitted_at=time.time(), routed_at=time.time()), msg_id=req.id)
+        # kill while it streams: thousands of tokens are still to come
+        assert await wait_for(lambda: sum(r.kind == "token" for r in got["reply"]) >= 5), proc.tail()
+        cores = [p for p in psutil.Process(proc.proc.pid).children(recursive=True)
+                 if p.name().startswith("VLLM::EngineCore")]
+        assert cores, proc.tail()
+        for p in cores:
+            p.kill()
+        assert await wait_for(lambda: got["done"]), proc.tail()
+        c = got["done"][0]
+        assert c.request_id == "dying" and c.status == "error" and c.reason == "engine_dead"
+        err = [r for r in got["reply"] if r.final][0]
+        assert err.kind == "error" and err.reason == "engine_dead" and err.message
+        code = await asyncio.to_thread(proc.wait, 60)
+        assert code == 1, proc.tail()
+        assert any(hb.state == "quiescing" for hb in got["hb"])
+        assert sum(r.kind == "token" for r in got["reply"]) < 4000
+        assert any(ev.kind == "cleared" for ev in got["kv"])
+    finally:
+        proc.stop()
+        await bus.close()

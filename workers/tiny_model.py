@@ -1,0 +1,67 @@
+"""A tiny model directory that real vLLM can serve on CPU with no download (tests, demos).
+
+``config.json`` describes a 2-layer Llama (hidden 256, 4 heads of 64, 2 KV heads, vocab 1024);
+vLLM fills it with random weights (``load_format="dummy"``), so its output is noise but every
+engine mechanism — batching, prefix caching, KV events, preemption — is real. With
+``tokenizer=True`` a small byte-level BPE tokenizer (trained here with the ``tokenizers``
+package that vLLM brings, BOS prepended like Llama's) is saved beside it, for text prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+VOCAB = 1024
+WORDS = ("the quick brown fox jumps over lazy dog system prompt knowledge base user question answer "
+         "routing cache prefix token worker model engine request reply tenant quota batch online").split()
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,  # head_dim 64: the CPU attention backend needs >= 64
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+
+
+def write_tiny_model(directory: str | Path, tokenizer: bool = False) -> Path:
+    """Write ``config.json`` (and a tokenizer when asked) into ``directory``; returns it."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    if tokenizer:
+        _write_tokenizer(path)
+    return path
+
+
+def _write_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(400)]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 24, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "model_max_length": CONFIG["max_position_embeddings"],
+    }, indent=1))
