@@ -72,6 +72,10 @@ class AdmitterService:
         self._wake = asyncio.Event()
         self._suspect: object = None  # drift seen on the previous reconciliation
         self.total = self.core.quotas.total  # the total in force (configured, or capacity-following)
+        self._completions_spec = ConsumerSpec(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS,
+                                              S.COMPLETIONS_ALL, deliver_new=True, batch=256)
+        self._spec = ConsumerSpec(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER, S.REQUESTS_ALL, ack_wait_s=s.ack_wait_s,
+                                  max_ack_pending=s.max_held, batch=s.fetch_batch)
 
     async def start(self) -> None:
         await self.bus.provision()
@@ -81,13 +85,8 @@ class AdmitterService:
         await asyncio.wait_for(quotas_ready.wait(), 10)
         self.apply_quotas()  # the bucket's content at start; the watch applies every later change
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
-        await self.bus.consume(
-            ConsumerSpec(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS, S.COMPLETIONS_ALL, deliver_new=True),
-            self._on_completion, source="admitter")
-        await self.bus.consume(
-            ConsumerSpec(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER, S.REQUESTS_ALL, ack_wait_s=self.settings.ack_wait_s,
-                         max_ack_pending=self.settings.max_held, batch=self.settings.fetch_batch),
-            self._on_request, source="admitter")
+        await self.bus.consume_batches(self._completions_spec, self._on_completions, source="admitter")
+        await self.bus.consume_batches(self._spec, self._on_requests, source="admitter")
         for loop in (self._dequeue_loop, self._keepalive_loop, self._lease_loop, self._reconcile_loop,
                      self._dynamic_loop):
             self.bus.spawn(loop(), loop.__name__)
@@ -126,45 +125,72 @@ class AdmitterService:
         self._wake.set()
 
     # --- requests -------------------------------------------------------------------------
-    async def _on_request(self, d: Delivery) -> None:
-        request = Request.decode(d.data)  # MessageError -> error reply + dead letter + term (Bus)
-        held = self.held.get(request.id)
-        if held is not None:  # our own held message, redelivered: keep holding the newest
-            held.delivery = d
+    async def _on_requests(self, batch: list[Delivery]) -> None:
+        """Decide every waiting request against one usage revision, commit once, act concurrently.
+
+        One compare-and-swap per batch instead of per request: under load the shared-state cost
+        is paid once for dozens of decisions, and a lost race re-decides the whole batch.
+        """
+        items: list[tuple[Delivery, Request]] = []
+        seen: set[str] = set()
+        for d in batch:
+            try:
+                request = Request.decode(d.data)
+            except MessageError as exc:  # error reply + dead letter + term
+                await self.bus.settle_failed(d, self._spec, "admitter", exc)
+                continue
+            held = self.held.get(request.id)
+            if held is not None:  # our own held message, redelivered: keep holding the newest
+                held.delivery = d
+            elif request.id not in seen:
+                seen.add(request.id)
+                items.append((d, request))
+        if not items:
             return
         started = time.perf_counter()
         now = time.time()
 
         def attempt(usage):
-            self.core.usage = usage
-            dec = self.core.evaluate(request, now, d.subject)
-            new = (usage.plus(request.tenant, request.model, dec.runtime_tokens, self.core.is_long(dec.runtime_tokens))
-                   if dec.decision == ALLOW else None)
-            return new, dec
+            self.core.usage = new = usage
+            decisions = []
+            for d, request in items:
+                dec = self.core.evaluate(request, now, d.subject)
+                if dec.decision == ALLOW:  # the next request in the batch sees this reservation
+                    new = new.plus(request.tenant, request.model, dec.runtime_tokens,
+                                   self.core.is_long(dec.runtime_tokens))
+                    self.core.usage = new
+                decisions.append(dec)
+            return (new if new is not usage else None), decisions
 
         async with self._lock:
-            dec = await self.shared.change_usage(attempt)
-            if dec.decision != ALLOW:
-                self.core.apply(request, dec, now)
+            decisions = await self.shared.change_usage(attempt)
+            for (_, request), dec in zip(items, decisions):
+                if dec.decision != ALLOW:
+                    self.core.apply(request, dec, now)
             self.core.usage = self.shared.usage
-        self.metrics.latency.observe(time.perf_counter() - started)
-        await self._act(request, dec, d, 0.0, (time.perf_counter() - started) * 1000)
+        elapsed = time.perf_counter() - started
+        for _ in items:
+            self.metrics.latency.observe(elapsed / len(items))
+        await asyncio.gather(*(self._act(request, dec, d, 0.0, elapsed * 1000 / len(items))
+                               for (d, request), dec in zip(items, decisions)))
 
     async def _act(self, request: Request, dec: AdmissionDecision, d: Delivery, queue_wait: float,
                    latency_ms: float) -> None:
         rid = request.id
+        hand_off = None
         if dec.decision == ALLOW:
             now = time.time()
+            # the reservation exists before the request can possibly complete
             await self.shared.record(Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now,
                                                  self.settings.name))
             admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                 admitter=self.settings.name, queue_wait=queue_wait)
-            await self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=f"{rid}:adm")
+            hand_off = self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=f"{rid}:adm")
         elif dec.decision == DEGRADE:
-            await self.bus.jpublish(S.offline(request.tenant), request, msg_id=f"{rid}:offline")
+            hand_off = self.bus.jpublish(S.offline(request.tenant), request, msg_id=f"{rid}:offline")
         elif dec.decision == QUEUE:
             self.held[rid] = Held(d, request, time.time())
-        await self._record(request, dec, queue_wait, latency_ms)
+        await asyncio.gather(*(c for c in (hand_off, self._record(request, dec, queue_wait, latency_ms)) if c))
         await self._tell_producer(request, dec)
         if dec.decision != QUEUE:
             await d.ack()
@@ -261,24 +287,49 @@ class AdmitterService:
                     log.warning("in_progress for %s failed: %s", held.request.id, exc)
 
     # --- completions, leases, reconciliation ----------------------------------------------
-    async def _on_completion(self, d: Delivery) -> None:
-        c = Completion.decode(d.data)
-        await self.release(c.request_id, completion=c)
-        await d.ack()
+    async def _on_completions(self, batch: list[Delivery]) -> None:
+        """Release a batch of completions: reservations taken concurrently, one usage commit."""
+        completions = []
+        for d in batch:
+            try:
+                completions.append(Completion.decode(d.data))
+            except MessageError as exc:
+                await self.bus.settle_failed(d, self._completions_spec, "admitter", exc)
+        taken = await asyncio.gather(*(self.shared.take(c.request_id) for c in completions))
+        pairs = [(c, res) for c, res in zip(completions, taken) if res is not None]
+        for c in completions:
+            self.leases.forget(c.request_id)
+        if pairs:
+            await self._release_taken(pairs)
+        await asyncio.gather(*(d.ack() for d in batch if not d.settled))
+
+    async def _release_taken(self, pairs: list[tuple[Completion | None, Reservation]]) -> None:
+        def minus(usage):
+            for _, res in pairs:
+                usage = usage.minus(res.tenant, res.model, res.tokens, self.core.is_long(res.tokens))
+            return usage, None
+
+        async with self._lock:
+            await self.shared.change_usage(minus)
+            now = time.time()
+            for c, _ in pairs:
+                if c is not None:
+                    self.core.release(c, now)  # learning (output EWMA, release rate)
+            self.core.usage = self.shared.usage
+        self._wake.set()
+        for c, res in pairs:
+            log.info("request %s released %d runtime tokens (%s)", res.request_id, res.tokens,
+                     "completion" if c is not None else "reclaimed")
 
     async def release(self, request_id: str, completion: Completion | None = None, why: str = "completion") -> int:
+        """Free one reservation once (duplicates, other replicas and lease reclaims free nothing)."""
         res = await self.shared.take(request_id)
         self.leases.forget(request_id)
         if res is None:
-            return 0  # already released (duplicate completion, another replica, or a lease reclaim)
-        async with self._lock:
-            long = self.core.is_long(res.tokens)
-            await self.shared.change_usage(lambda u: (u.minus(res.tenant, res.model, res.tokens, long), None))
-            if completion is not None:
-                self.core.release(completion, time.time())
-            self.core.usage = self.shared.usage
-        self._wake.set()
-        log.info("request %s released %d runtime tokens (%s)", request_id, res.tokens, why)
+            return 0
+        await self._release_taken([(completion, res)])
+        if completion is None:
+            log.info("request %s: %s", request_id, why)
         return res.tokens
 
     async def _on_heartbeat(self, subject: str, data: bytes, headers: dict) -> None:

@@ -41,13 +41,19 @@ _RETRYABLE = (NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnav
 class Delivery:
     """One JetStream message handed to a consumer handler, with its ack verbs."""
 
-    __slots__ = ("_msg", "subject", "data", "headers")
+    __slots__ = ("_msg", "subject", "data", "headers", "settled")
 
     def __init__(self, msg: Any) -> None:
         self._msg = msg
         self.subject: str = msg.subject
         self.data: bytes = msg.data
         self.headers: dict[str, str] = msg.headers or {}
+        self.settled = False  # acked, nak'd or terminated
+
+    @property
+    def num_pending(self) -> int:
+        """Messages still waiting for this consumer after this one (0: the stream is drained)."""
+        return self._msg.metadata.num_pending
 
     @property
     def num_delivered(self) -> int:
@@ -62,12 +68,15 @@ class Delivery:
         return self._msg.metadata.timestamp.timestamp()
 
     async def ack(self) -> None:
+        self.settled = True
         await self._msg.ack()
 
     async def nak(self, delay: float | None = None) -> None:
+        self.settled = True
         await self._msg.nak(delay=delay)
 
     async def term(self) -> None:
+        self.settled = True
         await self._msg.term()
 
     async def in_progress(self) -> None:
@@ -75,6 +84,7 @@ class Delivery:
 
 
 Handler = Callable[[Delivery], Awaitable[None]]
+BatchHandler = Callable[[list[Delivery]], Awaitable[None]]
 
 
 @dataclass
@@ -233,6 +243,24 @@ class Bus:
         Any other exception is a transient failure: redelivered after a delay, and
         dead-lettered once ``max_deliver`` is reached, so nothing loops or vanishes.
         """
+
+        async def one_by_one(batch: list[Delivery]) -> None:
+            for d in batch:
+                if self.closing:
+                    return  # left un-acked: redelivered to whoever consumes next
+                try:
+                    await handler(d)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    await self.settle_failed(d, spec, source, exc)
+
+        return await self.consume_batches(spec, one_by_one, source)
+
+    async def consume_batches(self, spec: ConsumerSpec, handler: BatchHandler, source: str) -> asyncio.Task:
+        """Like :meth:`consume`, but ``handler`` gets every available message at once (up to
+        ``spec.batch``), so a service can decide a batch and commit and publish it together.
+        Messages the handler leaves unsettled when it raises are settled by the same rules."""
         config = api.ConsumerConfig(
             durable_name=spec.durable,
             filter_subject=spec.filter_subject,
@@ -249,10 +277,26 @@ class Bus:
         self._tasks.append(task)
         return task
 
-    async def _consume_loop(self, psub: Any, spec: ConsumerSpec, handler: Handler, source: str) -> None:
+    async def _fetch(self, psub: Any, batch: int) -> list[Any]:
+        """Wait for the first message, then take whatever else is already waiting.
+
+        (nats-py's ``fetch(n)`` long-polls until *n* messages or the timeout, which would hold a
+        lone request for the whole timeout; ``fetch(1)`` returns on the first message, and a
+        follow-up ``fetch`` only when the stream says more are pending returns at once.)
+        """
+        msgs = await psub.fetch(1, timeout=1.0)
+        pending = msgs[-1].metadata.num_pending if msgs else 0
+        if pending and batch > 1:
+            try:
+                msgs += await psub.fetch(min(batch - 1, pending), timeout=0.005)
+            except (NatsTimeout, asyncio.TimeoutError):
+                pass  # another replica took them: go with what we have
+        return msgs
+
+    async def _consume_loop(self, psub: Any, spec: ConsumerSpec, handler: BatchHandler, source: str) -> None:
         while not self.closing:
             try:
-                msgs = await psub.fetch(spec.batch, timeout=1.0)
+                msgs = await self._fetch(psub, spec.batch)
             except (NatsTimeout, asyncio.TimeoutError):  # nats-py raises either when nothing came
                 continue
             except (ConnectionClosedError, asyncio.CancelledError):
@@ -261,27 +305,30 @@ class Bus:
                 log.warning("fetch on %s failed: %s", spec.durable, exc)
                 await asyncio.sleep(0.5)
                 continue
-            for msg in msgs:
-                if self.closing:
-                    return  # left un-acked: redelivered to whoever consumes next
-                await self._handle_one(Delivery(msg), spec, handler, source)
+            if self.closing:
+                return
+            batch = [Delivery(m) for m in msgs]
+            try:
+                await handler(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                for d in batch:
+                    if not d.settled:
+                        await self.settle_failed(d, spec, source, exc)
 
-    async def _handle_one(self, d: Delivery, spec: ConsumerSpec, handler: Handler, source: str) -> None:
-        try:
-            await handler(d)
-        except MessageError as exc:
+    async def settle_failed(self, d: Delivery, spec: ConsumerSpec, source: str, exc: Exception) -> None:
+        """Bad input is dead-lettered and terminated; anything else is retried, up to max_deliver."""
+        if isinstance(exc, MessageError):
             await self.dead_letter(d, source, exc.code, str(exc))
             await d.term()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if d.num_delivered >= spec.max_deliver:
-                log.error("giving up on %s after %d deliveries: %s", d.subject, d.num_delivered, exc)
-                await self.dead_letter(d, source, "max_deliver", f"{type(exc).__name__}: {exc}")
-                await d.term()
-            else:
-                log.exception("handler %s failed on %s (delivery %d)", source, d.subject, d.num_delivered)
-                await d.nak(delay=spec.redeliver_delay_s)
+        elif d.num_delivered >= spec.max_deliver:
+            log.error("giving up on %s after %d deliveries: %s", d.subject, d.num_delivered, exc)
+            await self.dead_letter(d, source, "max_deliver", f"{type(exc).__name__}: {exc}")
+            await d.term()
+        else:
+            log.error("handler %s failed on %s (delivery %d): %r", source, d.subject, d.num_delivered, exc)
+            await d.nak(delay=spec.redeliver_delay_s)
 
     async def dead_letter(self, d: Delivery, source: str, reason: str, error: str) -> None:
         """Keep the message on ``dead.<source>`` and tell its producer, when we know who that is."""

@@ -176,7 +176,21 @@ PATTERNS = {
     "tenant_quota_key": "tenant.<tenant>",
     "reservation_key": "res.<request_id>",
     "bench_reply": "bench.resp.<run>",
+    "calibration_key": "capacity.<model>.<deployment>",
 }
+
+
+_KV_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def _kv_part(value: str) -> str:
+    """A reversible, KV-key-safe spelling (``.`` and ``/`` in model names become ``=2E``, ``=2F``)."""
+    return _KV_UNSAFE.sub(lambda m: "".join(f"={b:02X}" for b in m.group().encode()), value) or "=00"
+
+
+def calibration_key(model: str, deployment: str) -> str:
+    """A calibrated capacity in bucket ``workers``: ``capacity.<model>.<deployment>`` (parts escaped)."""
+    return f"capacity.{_kv_part(model)}.{_kv_part(deployment)}"
 
 
 def parse_request_subject(subject: str) -> tuple[str, str] | None:

@@ -11,7 +11,10 @@ from pathlib import Path
 import orjson
 
 from bus.server import DEFAULT_PORT, DEFAULT_URL
+from natsched.bench_cli import add_bench_parser
 from natsched.runtime import setup_logging
+from workers.calibrate import add_calibrate_flags
+from workers.vllm_worker import add_vllm_flags
 
 ENV_URL = "NATSCHED_NATS_URL"
 
@@ -42,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="embedded server data dir (default ~/.local/share/natsched)")
     up.add_argument("--policy", default="natsched", help="routing policy (default natsched)")
     up.add_argument("--time-scale", type=float, default=1.0, help="sim engine: multiply step times (default 1)")
+    up.add_argument("--model", default=None, help="model name the workers serve (requests' --model)")
+    add_vllm_flags(up)  # passed through to every worker with --engine vllm
 
     adm = sub.add_parser("admitter", help="run one admitter replica", description="Run one admitter replica.")
     _url_flag(adm)
@@ -60,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     drain = wk_sub.add_parser("drain", help="stop sending a worker new work; it leaves when idle")
     drain.add_argument("worker_id")
     _url_flag(drain)
+    cal = wk_sub.add_parser("calibrate", help="measure the engine's runtime-token capacity at its latency knee "
+                                              "and store it in the workers bucket",
+                            description="Run increasing concurrency against the engine, find the latency knee, "
+                                        "store the capacity per model and deployment.")
+    _url_flag(cal)
+    add_calibrate_flags(cal)
     _url_flag(wk)
     wk.add_argument("--id", help="worker id (a subject token: letters, digits, - and _)")
     wk.add_argument("--engine", choices=["sim", "vllm", "null"], default="sim",
@@ -70,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--profile", default="h100-llama8b", help="sim engine profile")
     wk.add_argument("--block-size", type=int, default=32, help="KV block size in tokens (default 32)")
     wk.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval seconds (default 1)")
+    add_vllm_flags(wk)
 
     sm = sub.add_parser("submit", help="submit one request and print its result",
                         description="Submit one request and print the completion (or stream it).")
@@ -118,8 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     rset.add_argument("--weights", default=None, help='JSON object of policy weights, e.g. \'{"sticky_s": 20}\'')
     rset.add_argument("--canary", default=None, help="second policy for a share of traffic")
     rset.add_argument("--canary-share", type=float, default=0.0, help="share of requests for the canary (0..1)")
-
-    from natsched.bench_cli import add_bench_parser
 
     add_bench_parser(sub)
     return parser

@@ -33,6 +33,22 @@ def cmd_up(args) -> int:
         return _fail(str(exc))
 
 
+def _worker_passthrough(args) -> list[str]:
+    """``up``'s model and vLLM flags, handed to every worker."""
+    out = ["--model", args.model] if args.model else []
+    for flag in ("model_path", "max_model_len", "gpu_memory_utilization", "kv_cache_blocks", "load_format",
+                 "deployment"):
+        value = getattr(args, flag)
+        if value is not None:
+            out += ["--" + flag.replace("_", "-"), str(value)]
+    for flag in ("enforce_eager", "skip_tokenizer_init", "ignore_eos"):
+        if getattr(args, flag):
+            out.append("--" + flag.replace("_", "-"))
+    if args.kv_events_port is not None and args.workers > 1:
+        raise ValueError("--kv-events-port binds one port: leave it unset with several workers")
+    return out
+
+
 def cmd_admitter(args) -> int:
     from admitter.service import AdmitterService, AdmitterServiceSettings
     from natsched.runtime import serve
@@ -63,22 +79,27 @@ def cmd_router(args) -> int:
 def cmd_worker(args) -> int:
     if args.action == "drain":
         return _run(_send_control(args.nats_url, args.worker_id, "drain"))
+    if args.action == "calibrate":
+        from workers.calibrate import calibrate_command
+
+        return _run(calibrate_command(args, _make_engine(args)))
     if not args.id:
-        return _fail("worker needs --id ID (or an action: drain)")
+        return _fail("worker needs --id ID (or an action: drain, calibrate)")
     S.token(args.id, "worker id")
     from natsched.runtime import serve
     from workers.agent import WorkerAgent, WorkerSettings
 
     engine = _make_engine(args)
     holder: dict = {}
+    deployment = args.deployment or (f"sim-{args.profile}" if args.engine == "sim" else None)
 
     async def start(bus):
         agent = WorkerAgent(bus, engine, WorkerSettings(id=args.id, model=args.model, concurrency=args.concurrency,
-                                                        heartbeat_interval_s=args.heartbeat))
+                                                        heartbeat_interval_s=args.heartbeat, deployment=deployment))
         holder["agent"] = agent
         await bus.provision()  # its WORK stream may not exist yet when it starts first
         await agent.start()
-        return f"id={args.id} engine={args.engine}"
+        return f"id={args.id} engine={args.engine} model={args.model} capacity={agent.capacity_tokens or 'kv'}"
 
     async def stop():
         await holder["agent"].stop()
@@ -88,7 +109,9 @@ def cmd_worker(args) -> int:
             await asyncio.sleep(0.1)
         await holder["agent"].wait_drained()
 
-    return _run(serve(args.nats_url, f"worker {args.id}", start, stop, until))
+    code = _run(serve(args.nats_url, f"worker {args.id}", start, stop, until))
+    agent = holder.get("agent")
+    return 1 if code == 0 and agent is not None and agent.failure else code  # engine died: not a clean exit
 
 
 def _make_engine(args):
@@ -295,9 +318,11 @@ async def _route(args) -> int:
 
 
 def _run(coro) -> int:
+    from workers.errors import WorkerError
+
     try:
         return asyncio.run(coro) or 0
-    except BusError as exc:
+    except (BusError, WorkerError) as exc:
         return _fail(str(exc))
     except (ValueError, orjson.JSONDecodeError) as exc:
         return _fail(str(exc))

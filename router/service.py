@@ -34,6 +34,9 @@ class RouterService:
         self.bus = bus
         self.settings = settings or RouterServiceSettings()
         self.core = RouterCore(self.settings.core)
+        attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
+        self._spec = ConsumerSpec(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL, max_deliver=attempts + 3,
+                                  redeliver_delay_s=self.settings.retry_delay_s, batch=256)
 
     async def start(self) -> None:
         await self.bus.provision()
@@ -48,12 +51,7 @@ class RouterService:
             ConsumerSpec(S.STREAM_COMPLETIONS, S.CONSUMER_ROUTER_COMPLETIONS, S.COMPLETIONS_ALL, deliver_new=True),
             self._on_completion, source="router",
         )
-        attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
-        await self.bus.consume(
-            ConsumerSpec(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL, max_deliver=attempts + 3,
-                         redeliver_delay_s=self.settings.retry_delay_s),
-            self._on_admitted, source="router",
-        )
+        await self.bus.consume_batches(self._spec, self._on_admitted, source="router")
         log.info("router ready (policy %s)", self.core.policy.name)
 
     def apply_config(self, raw: bytes) -> bool:
@@ -113,13 +111,23 @@ class RouterService:
         self.core.on_completion(Completion.decode(d.data), time.time())
         await d.ack()
 
-    async def _on_admitted(self, d: Delivery) -> None:
-        adm = Admitted.decode(d.data)
+    async def _on_admitted(self, batch: list[Delivery]) -> None:
+        """Route a batch in order (the core sees each decision before the next), publish concurrently."""
+        routed = []
+        for d in batch:
+            try:
+                adm = Admitted.decode(d.data)
+            except MessageError as exc:
+                await self.bus.settle_failed(d, self._spec, "router", exc)
+                continue
+            started = time.perf_counter()
+            rr = RouteRequest.from_request(adm.request, self.core.settings.block_size, adm.runtime_tokens)
+            decision = self.core.route(rr, time.time())
+            routed.append((d, adm, decision, (time.perf_counter() - started) * 1000))
+        await asyncio.gather(*(self._dispatch(*item) for item in routed))
+
+    async def _dispatch(self, d: Delivery, adm: Admitted, decision: RouteDecision, latency_ms: float) -> None:
         req = adm.request
-        started = time.perf_counter()
-        rr = RouteRequest.from_request(req, self.core.settings.block_size, adm.runtime_tokens)
-        decision = self.core.route(rr, time.time())
-        latency_ms = (time.perf_counter() - started) * 1000
         if decision.worker is None:
             waited = time.time() - adm.admitted_at
             if waited < self.settings.no_worker_wait_s:
@@ -133,8 +141,10 @@ class RouterService:
                                 expected_cached_tokens=decision.expected_cached_tokens)
         # one id per request: a router that crashes after this publish and re-routes on
         # redelivery is deduplicated by the server instead of running the request twice
-        await self.bus.jpublish(S.work(decision.worker), assignment, msg_id=f"{req.id}:work")
-        await self._record(adm, decision, "assign", latency_ms)
+        await asyncio.gather(
+            self.bus.jpublish(S.work(decision.worker), assignment, msg_id=f"{req.id}:work"),
+            self._record(adm, decision, "assign", latency_ms),
+        )
         if req.reply:
             await self.bus.publish(req.reply, Reply(request_id=req.id, kind="status", status="assigned",
                                                     worker=decision.worker))

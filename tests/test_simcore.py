@@ -74,7 +74,7 @@ def test_lru_eviction_when_kv_is_full():
     assert len(core.evictable) == 8 and core.free == 2
     core.add("c", 64, chain(4, 200), 1, 0)
     _, _, _, removed = run(core)
-    assert removed[:2] == [0, 1]  # a's blocks, least recently used, go first
+    assert removed[:2] == [3, 2]  # a's blocks, least recently used, go first, deepest first
     assert core.cached_prefix_blocks(chain(4, 100)) == 4
 
 
@@ -153,3 +153,12 @@ def test_preempted_sequence_counts_its_tokens_once():
     for seq in core.running + list(core.waiting):
         assert seq.kv_tokens <= seq.prompt_tokens + seq.generated
     assert core.runtime_tokens() <= sum(s.prompt_tokens + s.generated for s in core.seqs.values())
+
+
+def test_partial_eviction_keeps_the_shared_root():
+    core = make_core(kv_blocks=10)
+    core.add("a", 96, chain(6), 1, 0)  # 6 blocks cached, tail released first
+    run(core)
+    core.add("b", 64, chain(4, 100), 1, 0)  # needs 4: evicts a's 2 deepest blocks... and 2 more
+    run(core)
+    assert core.cached_prefix_blocks(chain(6)) >= 2  # a's root survives a partial eviction

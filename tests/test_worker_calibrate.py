@@ -9,12 +9,12 @@ import pytest
 from bus import subjects as S
 from bus.schema import Heartbeat, WorkerId
 from workers.agent import WorkerAgent, WorkerSettings
+from bus.subjects import calibration_key
 from workers.calibrate import (
     Calibration,
     CalibrationSettings,
     LevelResult,
     calibrate,
-    calibration_key,
     find_knee,
     load_calibration,
     store_calibration,

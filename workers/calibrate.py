@@ -36,19 +36,6 @@ from workers.errors import CalibrationError
 log = logging.getLogger(__name__)
 
 CALIBRATION_VERSION = 1
-_KEY_SAFE = re.compile(r"[^A-Za-z0-9_-]")
-
-
-def _key_part(value: str) -> str:
-    """A reversible, KV-key-safe spelling (``.`` and ``/`` in model names become ``=2E``, ``=2F``)."""
-    return _KEY_SAFE.sub(lambda m: "".join(f"={b:02X}" for b in m.group().encode()), value) or "=00"
-
-
-def calibration_key(model: str, deployment: str) -> str:
-    """Key in bucket ``workers``: ``capacity.<model>.<deployment>`` (each part escaped)."""
-    return f"capacity.{_key_part(model)}.{_key_part(deployment)}"
-
-
 @dataclass
 class CalibrationSettings:
     model: str
@@ -241,12 +228,12 @@ async def calibrate(engine: Engine, settings: CalibrationSettings) -> Calibratio
 
 async def store_calibration(bus: Any, cal: Calibration) -> int:
     """Put the calibration in bucket ``workers``; returns the KV revision."""
-    return await bus.kv_put(S.BUCKET_WORKERS, calibration_key(cal.model, cal.deployment), cal.to_json())
+    return await bus.kv_put(S.BUCKET_WORKERS, S.calibration_key(cal.model, cal.deployment), cal.to_json())
 
 
 async def load_calibration(bus: Any, model: str, deployment: str) -> Calibration | None:
     """The stored calibration for (model, deployment), or None (absent or unreadable, logged)."""
-    entry = await bus.kv_get(S.BUCKET_WORKERS, calibration_key(model, deployment))
+    entry = await bus.kv_get(S.BUCKET_WORKERS, S.calibration_key(model, deployment))
     if entry is None:
         return None
     try:
@@ -317,6 +304,6 @@ async def calibrate_command(args: Any, engine: Any) -> int:
             await store_calibration(bus, cal)
         finally:
             await bus.close()
-        print(f"stored {calibration_key(cal.model, cal.deployment)} in bucket {S.BUCKET_WORKERS}: "
+        print(f"stored {S.calibration_key(cal.model, cal.deployment)} in bucket {S.BUCKET_WORKERS}: "
               f"{cal.capacity_tokens} runtime tokens ({cal.knee_reason})", file=sys.stderr)
     return 0

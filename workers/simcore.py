@@ -151,7 +151,9 @@ class SimCore:
         return True
 
     def _release(self, seq: SimSeq) -> None:
-        for h in seq.held:
+        # tail first, as vLLM frees them: the LRU evicts a prefix's deepest blocks before its
+        # root, so a partial eviction leaves a shorter shared prefix instead of none
+        for h in reversed(seq.held):
             left = self.refs[h] - 1
             if left:
                 self.refs[h] = left

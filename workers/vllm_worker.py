@@ -1,16 +1,12 @@
-"""A vLLM worker process, and a helper that runs one as a child (tests, benchmarks).
+"""Run a vLLM worker as a child process (tests, benchmarks), and the vLLM flags of the CLI.
 
-Entry point (the same flags ``natsched worker --engine vllm`` takes once wired)::
-
-    python -m workers.vllm_worker --nats-url nats://127.0.0.1:4222 --id w1 \\
-        --model tiny --model-path /path/to/model [--block-size 32] [--concurrency 8] \\
-        [--max-model-len 1024] [--kv-cache-blocks N] [--enforce-eager] [--load-format dummy] \\
-        [--skip-tokenizer-init] [--ignore-eos] [--deployment NAME] [--heartbeat 1.0] [--kv-events-port 0]
-
-It prints ``READY worker <id> ...`` on stdout once it serves (like every natsched service), exits
-0 after a drain and 1 when its engine died. :class:`VllmWorkerProcess` starts it with a fresh
-session and ``PR_SET_PDEATHSIG`` (no orphaned engine if the test runner dies), waits for the
-READY line and stops it with SIGTERM (then SIGKILL after a grace period).
+``natsched worker --engine vllm --id w1 --model tiny --model-path DIR [--block-size 32]
+[--concurrency 8] [--max-model-len 1024] [--kv-cache-blocks N] [--enforce-eager]
+[--load-format dummy] [--skip-tokenizer-init] [--ignore-eos] [--deployment NAME]`` prints
+``READY worker <id> ...`` once it serves, exits 0 after a drain and 1 when its engine died.
+:class:`VllmWorkerProcess` starts it with a fresh session and ``PR_SET_PDEATHSIG`` (no orphaned
+engine if the test runner dies), waits for the READY line and stops it with SIGTERM (then
+SIGKILL after a grace period).
 """
 
 from __future__ import annotations
@@ -44,63 +40,10 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deployment", default=None, help="calibration key part (default: device + KV size)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m workers.vllm_worker", description="Run one vLLM worker agent.")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--nats-url", required=True)
-    p.add_argument("--id", required=True, help="worker id (a subject token)")
-    p.add_argument("--model", default="default", help="model name requests use (Request.model)")
-    p.add_argument("--concurrency", type=int, default=64, help="max requests in the engine at once")
-    p.add_argument("--block-size", type=int, default=32, help="KV block size in tokens (multiple of 32 on CPU)")
-    p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval seconds")
-    add_vllm_flags(p)
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from bus import subjects as S
-    from bus.errors import BusError
-    from natsched.runtime import serve, setup_logging
-    from workers.errors import WorkerError
-    from workers.agent import WorkerAgent, WorkerSettings
-    from workers.vllm_engine import VllmEngine
-
-    args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
-    S.token(args.id, "worker id")
-    engine = VllmEngine.from_args(args)
-    holder: dict = {}
-
-    async def start(bus):
-        agent = WorkerAgent(bus, engine, WorkerSettings(id=args.id, model=args.model, concurrency=args.concurrency,
-                                                        heartbeat_interval_s=args.heartbeat,
-                                                        deployment=args.deployment))
-        holder["agent"] = agent
-        await agent.start()
-        return f"id={args.id} engine=vllm model={args.model} capacity={agent.capacity_tokens or 'kv'}"
-
-    async def stop():
-        await holder["agent"].stop()
-
-    async def until():
-        while "agent" not in holder:
-            await asyncio.sleep(0.1)
-        await holder["agent"].wait_drained()
-
-    try:
-        asyncio.run(serve(args.nats_url, f"worker {args.id}", start, stop, until))
-    except (WorkerError, BusError) as exc:
-        print(f"natsched: error: worker {args.id}: {exc}", file=sys.stderr)
-        return 1
-    agent = holder.get("agent")
-    return 1 if agent is not None and agent.failure else 0
-
-
 class VllmWorkerProcess:
     """A vLLM worker in a child process; ``with VllmWorkerProcess(...) as w: ...``.
 
-    ``entry="workers"`` runs this module; ``entry="natsched"`` runs ``python -m natsched worker
-    --engine vllm`` with the same flags (once the CLI takes them).
+    It runs ``python -m natsched worker --engine vllm`` with the given flags.
     """
 
     def __init__(
@@ -121,7 +64,6 @@ class VllmWorkerProcess:
         heartbeat: float = 0.5,
         deployment: str | None = None,
         extra_args: Sequence[str] = (),
-        entry: str = "workers",
         env: dict[str, str] | None = None,
         log_level: str = "info",
     ) -> None:
@@ -142,10 +84,7 @@ class VllmWorkerProcess:
         if deployment:
             flags += ["--deployment", deployment]
         flags += list(extra_args)
-        if entry == "natsched":
-            self.args = [sys.executable, "-m", "natsched", "--log-level", log_level, "worker", "--engine", "vllm", *flags]
-        else:
-            self.args = [sys.executable, "-m", "workers.vllm_worker", "--log-level", log_level, *flags]
+        self.args = [sys.executable, "-m", "natsched", "--log-level", log_level, "worker", "--engine", "vllm", *flags]
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                     **(env or {})}
         self.worker_id = worker_id
@@ -225,7 +164,3 @@ class VllmWorkerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
