@@ -17,6 +17,7 @@ changes the copy, never the core, so planning has no side effects. The order is:
    reserve long requests do not hold (``usage.long``): it is picked only if ``used + cost ≤ total −
    max(0, reserve − long)``. Without this a stream of small requests takes every freed token first
    and a long request never finds room; beyond the reserve, long and short compete in order.
+   (Any queued long request switches the reserve on, even one held back by its own cap.)
 4. **No backfill past the top**: when the best request does not fit the free budget, planning
    stops and the budget accumulates for it (only its own cap, its model's limit or the reserve let
    lower-ranked requests pass it). That is what makes the dequeue token-weighted rather than

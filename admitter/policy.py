@@ -36,7 +36,11 @@ measured)
 otherwise                                   queue      - (with est_wait)
 ==========================================  =========  ======================================
 
-The order among queued requests (and between them and an arrival) is :mod:`admitter.planner`'s.
+:meth:`AdmitterCore.plan_dequeue` first rejects queued requests older than ``queue_timeout_s``
+(``queue_timeout``), past their deadline (``deadline_exceeded``) or that a quota change made
+impossible (``unknown_tenant`` / ``too_large`` / ``tenant_cap`` / ``model_limit``), then allows
+queued requests in order until the best one left does not fit. The order among queued requests
+(and between them and an arrival) is :mod:`admitter.planner`'s.
 """
 
 from __future__ import annotations

@@ -142,6 +142,8 @@ class AdmitterService:
             held = self.held.get(request.id)
             if held is not None:  # our own held message, redelivered: keep holding the newest
                 held.delivery = d
+            elif request.id in self.shared.reservations:  # allowed before, its ack was lost
+                await self._hand_off_again(request, d)
             elif request.id not in seen:
                 seen.add(request.id)
                 items.append((d, request))
@@ -173,6 +175,14 @@ class AdmitterService:
             self.metrics.latency.observe(elapsed / len(items))
         await asyncio.gather(*(self._act(request, dec, d, 0.0, elapsed * 1000 / len(items))
                                for (d, request), dec in zip(items, decisions)))
+
+    async def _hand_off_again(self, request: Request, d: Delivery) -> None:
+        """Re-publish an allowed request (the same msg id: deduplicated if it did go out) and ack."""
+        res = self.shared.reservations[request.id]
+        admitted = Admitted(request=request, runtime_tokens=res.tokens, admitted_at=res.ts, admitter=res.by)
+        await self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=f"{request.id}:adm")
+        await d.ack()
+        log.info("request %s redelivered after its allow; handed off again", request.id)
 
     async def _act(self, request: Request, dec: AdmissionDecision, d: Delivery, queue_wait: float,
                    latency_ms: float) -> None:

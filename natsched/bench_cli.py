@@ -87,6 +87,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                     help="virtual seconds between worker heartbeats (default 1)")
     rt.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     _add_pipeline_parser(bsub)
+    from sim.bench_admission import add_admission_parser
+
+    add_admission_parser(bsub)
     return bench
 
 
@@ -111,6 +114,10 @@ def cmd_bench(args) -> int:
         return _cmd_routing(args)
     if name == "pipeline":
         return _cmd_pipeline(args)
+    if name == "admission":
+        from sim.bench_admission import run_admission
+
+        return run_admission(args)
     return _fail(f"unknown benchmark {getattr(args, 'bench', None)!r}")
 
 

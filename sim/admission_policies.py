@@ -14,11 +14,14 @@
   ``on_release=False`` it runs on ticks only.
 
 A policy answers ``(decision, reason)`` per arrival and a list of ``(request, decision, reason)``
-per dequeue; decisions are :mod:`admitter.policy`'s strings.
+per dequeue; decisions are :mod:`admitter.policy`'s strings. Each call leaves the wall time of the
+policy's own work in ``latency_ms`` (for natsched: evaluate + apply, or plan + commit — building
+the wire request and translating results are left out).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Protocol
 
@@ -35,6 +38,7 @@ Picked = tuple[SimRequest, str, str | None]
 class SimAdmissionPolicy(Protocol):
     name: str
     dequeue_on_finish: bool  # also dequeue right after each completion (not only on ticks)
+    latency_ms: float  # wall time of the policy's work in the last arrive() / dequeue()
 
     def arrive(self, req: SimRequest, now: float) -> Outcome: ...
 
@@ -66,18 +70,23 @@ class NatschedAdmission:
                         tenants={t.name: TenantQuota(t.floor, t.weight, t.cap) for t in w.tenants})
         self.core = AdmitterCore(settings, quotas)
         self._requests: dict[str, tuple[SimRequest, Request]] = {}
+        self.latency_ms = 0.0
 
     def arrive(self, req: SimRequest, now: float) -> Outcome:
         request = make_request(req)
+        started = time.perf_counter()
         decision = self.core.evaluate(request, now)
         self.core.apply(request, decision, now)
+        self.latency_ms = (time.perf_counter() - started) * 1000
         if decision.decision == QUEUE:
             self._requests[req.id] = (req, request)
         return decision.decision, decision.reason
 
     def dequeue(self, now: float) -> list[Picked]:
+        started = time.perf_counter()
         picks = self.core.plan_dequeue(now)
         self.core.commit_dequeue(picks, now)
+        self.latency_ms = (time.perf_counter() - started) * 1000
         return [(self._requests.pop(r.id)[0], d.decision, d.reason) for r, d in picks]
 
     def finish(self, req: SimRequest, now: float) -> None:
@@ -99,8 +108,16 @@ class CountFifo:
         self.timeout = w.queue_timeout_s
         self.used = 0
         self._queue: OrderedDict[str, tuple[SimRequest, float]] = OrderedDict()
+        self.latency_ms = 0.0
 
     def arrive(self, req: SimRequest, now: float) -> Outcome:
+        started = time.perf_counter()
+        try:
+            return self._arrive(req, now)
+        finally:
+            self.latency_ms = (time.perf_counter() - started) * 1000
+
+    def _arrive(self, req: SimRequest, now: float) -> Outcome:
         if req.cost > self.total:
             return REJECT, "too_large"
         if not self._queue and self.used + req.cost <= self.total:
@@ -112,6 +129,13 @@ class CountFifo:
         return QUEUE, None
 
     def dequeue(self, now: float) -> list[Picked]:
+        started = time.perf_counter()
+        try:
+            return self._dequeue(now)
+        finally:
+            self.latency_ms = (time.perf_counter() - started) * 1000
+
+    def _dequeue(self, now: float) -> list[Picked]:
         out: list[Picked] = []
         while self._queue:
             req, since = next(iter(self._queue.values()))
