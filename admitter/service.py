@@ -218,7 +218,7 @@ class AdmitterService:
         )
         # a queued request is decided twice (queue, then allow/reject): one record each
         suffix = "queue" if dec.decision == QUEUE else "admission"
-        await self.bus.jpublish(S.decision("admission", request.tenant), record, msg_id=f"{request.id}:{suffix}")
+        await self.bus.jpublish_nowait(S.decision("admission", request.tenant), record, msg_id=f"{request.id}:{suffix}")
 
     async def _tell_producer(self, request: Request, dec: AdmissionDecision) -> None:
         if not request.reply:

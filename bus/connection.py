@@ -113,6 +113,7 @@ class Bus:
         self._tasks: list[asyncio.Task] = []
         self._kv: dict[str, Any] = {}
         self.closing = False  # loops check it: nats-py's fetch can swallow a cancellation
+        self.lost_publishes = 0
 
     @classmethod
     async def connect(
@@ -213,6 +214,29 @@ class Bus:
                 log.warning("publish to %s failed (%s); retrying", subject, type(exc).__name__)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def jpublish_nowait(self, subject: str, msg: Schema | bytes, msg_id: str | None = None) -> None:
+        """JetStream publish whose ack is checked in the background (audit records).
+
+        The caller does not wait a round trip; a publish the server does not acknowledge is
+        retried once through :meth:`jpublish` and otherwise logged and counted in ``lost_publishes``.
+        """
+        data = msg if isinstance(msg, bytes) else msg.encode()
+        headers = {S.HDR_MSG_ID: msg_id} if msg_id else None
+        future = await self.js.publish_async(subject, data, headers=headers)
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                self.spawn(self._retry_publish(subject, data, msg_id, f), f"republish:{subject}")
+
+        future.add_done_callback(done)
+
+    async def _retry_publish(self, subject: str, data: bytes, msg_id: str | None, f: asyncio.Future) -> None:
+        try:
+            await self.jpublish(subject, data, msg_id=msg_id)
+        except Exception as exc:
+            self.lost_publishes += 1
+            log.error("publish to %s lost (%s, then %s)", subject, None if f.cancelled() else f.exception(), exc)
 
     async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
         msg = await self.nc.request(subject, data, timeout=timeout)

@@ -328,6 +328,17 @@ class Heartbeat(Schema):
     inflight: list[str] = field(default_factory=list)
     v: int = SCHEMA_VERSION
 
+    _COUNTS = ("seq", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "runtime_tokens",
+               "capacity_tokens", "queued_prefill_tokens", "kv_seq")
+
+    def __post_init_check__(self) -> None:
+        _check_id(self.worker, "worker")
+        for name in self._COUNTS:  # a negative load would make a worker look better than idle
+            if getattr(self, name) < 0:
+                raise SchemaError(f"field '{name}' must be >= 0, got {getattr(self, name)}", name)
+        if self.block_size <= 0 or self.interval <= 0:
+            raise SchemaError("fields 'block_size' and 'interval' must be > 0", "block_size")
+
 
 @dataclass
 class CacheEvent(Schema):
@@ -344,6 +355,17 @@ class CacheEvent(Schema):
     hashes: list[int] = field(default_factory=list)
     block_size: int = 32
     v: int = SCHEMA_VERSION
+
+    KINDS = ("stored", "removed", "cleared", "snapshot")
+
+    def __post_init_check__(self) -> None:
+        _check_id(self.worker, "worker")
+        if self.seq < 1:
+            raise SchemaError(f"field 'seq' must be >= 1, got {self.seq}", "seq")
+        if self.kind not in self.KINDS:
+            raise SchemaError(f"field 'kind' must be one of {', '.join(self.KINDS)}, got {self.kind!r}", "kind")
+        if self.block_size <= 0:
+            raise SchemaError(f"field 'block_size' must be > 0, got {self.block_size}", "block_size")
 
 
 @dataclass

@@ -149,7 +149,8 @@ class NatschedPolicy:
         depth = max(raw.values()) if raw else 0
         sticky = self._sticky_worker(req.hashes, depth, now) if useful else None
         home = self._home(req, workers) if p.consistent_hash and not useful else None
-        scores = self._score(req, pool, workers, useful, sticky, home, now)
+        terms: dict[str, dict[str, float]] = {}
+        scores = self._score(req, pool, workers, useful, sticky, home, now, terms)
         best = min(pool, key=lambda w: (scores[w.id], w.inflight, w.id))
         self._remember(req.hashes, depth, best.id, now)
         expected = cached_tokens(raw.get(best.id, 0), d.block_tokens, prompt)
@@ -157,7 +158,7 @@ class NatschedPolicy:
         reason = "sticky" if best.id == sticky else "cache" if best.id in useful else "home" if best.id == home else "load"
         if capped:
             reason += "+capped"
-        return RouteDecision(best.id, self.name, scores, expected, reason)
+        return RouteDecision(best.id, self.name, scores, expected, reason, terms)
 
     def _useful(self, raw: dict[WorkerId, int], prompt: int) -> dict[WorkerId, int]:
         """Cached tokens per worker, keeping only matches worth at least ``min_gain`` of the prompt."""
@@ -180,7 +181,10 @@ class NatschedPolicy:
             return workers, False  # the prefix needs more replicas than it has
         return holders, True
 
-    def _score(self, req, pool, workers, useful, sticky, home, now) -> dict[str, float]:
+    def _score(self, req, pool, workers, useful, sticky, home, now, terms=None) -> dict[str, float]:
+        """Lower is better: estimated seconds to first token, minus the bonuses below.
+
+        ``terms`` (when given) receives each candidate's parts for the audit trail."""
         p, cost = self.p, self.deps.cost
         prompt, out = req.prompt_tokens, req.expected_output
         need = prompt + out
@@ -193,20 +197,23 @@ class NatschedPolicy:
         for w in pool:
             c = useful.get(w.id, 0)
             own = cost.prefill_ctx_s(prompt - c, c)
-            est = cost.wait_s(w, now) + own + p.decode_weight * cost.decode_s(w, out, need)
+            wait = cost.wait_s(w, now)
+            decode = p.decode_weight * cost.decode_s(w, out, need)
+            est = wait + own + decode
             if w.capacity_tokens <= 0 or w.load_tokens + need > w.capacity_tokens:  # rare: maybe no KV room
                 est += cost.kv_wait_s(w, need)
-            s = est - locality * cost.prefill_ctx_s(c)
-            if churn:
-                s += p.churn_weight * own * churn[w.id] / mean_churn
-            if w.id == sticky:
-                s -= max(p.stickiness_s, p.stickiness * est)
+            cache = locality * cost.prefill_ctx_s(c)
+            pressure = p.churn_weight * own * churn[w.id] / mean_churn if churn else 0.0
+            sticky_bonus = max(p.stickiness_s, p.stickiness * est) if w.id == sticky else 0.0
             age = now - w.joined_at
-            if age < p.warmup_s:
-                s -= p.warmup_boost * (1.0 - age / p.warmup_s) * full_prefill
-            if w.id == home:
-                s -= p.home_bonus * est
+            warm = p.warmup_boost * (1.0 - age / p.warmup_s) * full_prefill if age < p.warmup_s else 0.0
+            home_bonus = p.home_bonus * est if w.id == home else 0.0
+            s = est - cache + pressure - sticky_bonus - warm - home_bonus
             scores[w.id] = s
+            if terms is not None:
+                terms[w.id] = {"wait_s": wait, "prefill_s": own, "decode_s": decode, "cached_tokens": c,
+                               "cache_bonus": cache, "pressure": pressure, "sticky": sticky_bonus, "warmup": warm,
+                               "home": home_bonus, "score": s}
         return scores
 
     # ------------------------------------------------------------------ stickiness

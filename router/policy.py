@@ -100,6 +100,7 @@ class RouteDecision:
     scores: dict[str, float] = field(default_factory=dict)
     expected_cached_tokens: int = 0  # prompt tokens the router predicts the worker has cached
     reason: str | None = None  # why: "no_worker", "cache", "load", "sticky", "imbalanced", ...
+    terms: dict[str, dict[str, float]] = field(default_factory=dict)  # worker -> score terms (audit)
 
 
 class RoutingPolicy(Protocol):

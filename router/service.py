@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 import orjson
 
 from bus import subjects as S
+from bus.blocks import estimate_prompt_tokens
 from bus.connection import Bus, ConsumerSpec, Delivery
 from bus.errors import MessageError
 from bus.schema import Admitted, Assignment, CacheEvent, Completion, Control, Decision, Heartbeat, Reply
 from router.core import RouterCore, RouterSettings
 from router.errors import ConfigError
+from router.metrics import RouterMetrics
 from router.policy import RouteDecision, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -27,13 +29,16 @@ class RouterServiceSettings:
     no_worker_wait_s: float = 10.0  # how long an admitted request waits for a healthy worker
     retry_delay_s: float = 1.0
     tick_s: float = 1.0  # upkeep: stale workers, index expiry, snapshot requests
+    metrics_port: int | None = None  # serve Prometheus metrics here (router.metrics)
 
 
 class RouterService:
-    def __init__(self, bus: Bus, settings: RouterServiceSettings | None = None) -> None:
+    def __init__(self, bus: Bus, settings: RouterServiceSettings | None = None,
+                 metrics: RouterMetrics | None = None) -> None:
         self.bus = bus
         self.settings = settings or RouterServiceSettings()
         self.core = RouterCore(self.settings.core)
+        self.metrics = metrics or RouterMetrics()
         attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
         self._spec = ConsumerSpec(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL, max_deliver=attempts + 3,
                                   redeliver_delay_s=self.settings.retry_delay_s, batch=256)
@@ -52,6 +57,10 @@ class RouterService:
             self._on_completion, source="router",
         )
         await self.bus.consume_batches(self._spec, self._on_admitted, source="router")
+        if self.settings.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
         log.info("router ready (policy %s)", self.core.policy.name)
 
     def apply_config(self, raw: bytes) -> bool:
@@ -72,6 +81,7 @@ class RouterService:
                                      weights.get(canary) if canary else None)
         except (orjson.JSONDecodeError, ConfigError, TypeError, ValueError, AttributeError) as exc:
             log.error("ignoring router config %r: %s; keeping policy %s", raw[:120], exc, self.core.policy.name)
+            self.metrics.config_errors.inc()
             return False
         return True
 
@@ -83,9 +93,13 @@ class RouterService:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.tick_s)
-            self.core.tick(time.time())
+            now = time.time()
+            self.core.tick(now)
+            self.metrics.set_worker_states([str(getattr(s, "value", s)) for s in
+                                            (self.core.registry.state(w, now) for w in list(self.core.workers))])
             for worker in self.core.pop_snapshot_requests():
                 log.info("asking worker %s for a cache snapshot", worker)
+                self.metrics.snapshot_requests.inc()
                 await self.bus.publish(S.control(worker), Control(kind="snapshot", ts=time.time(),
                                                                   by=self.settings.name))
 
@@ -105,6 +119,7 @@ class RouterService:
             return
         if not self.core.on_cache_event(ev, time.time()):
             log.info("cache events of %s have a gap at seq %d; asking for a snapshot", ev.worker, ev.seq)
+            self.metrics.snapshot_requests.inc()
             await self.bus.publish(S.control(ev.worker), Control(kind="snapshot", ts=time.time(), by=self.settings.name))
 
     async def _on_completion(self, d: Delivery) -> None:
@@ -123,7 +138,9 @@ class RouterService:
             started = time.perf_counter()
             rr = RouteRequest.from_request(adm.request, self.core.settings.block_size, adm.runtime_tokens)
             decision = self.core.route(rr, time.time())
-            routed.append((d, adm, decision, (time.perf_counter() - started) * 1000))
+            elapsed = time.perf_counter() - started
+            self.metrics.latency.observe(elapsed)
+            routed.append((d, adm, decision, elapsed * 1000))
         await asyncio.gather(*(self._dispatch(*item) for item in routed))
 
     async def _dispatch(self, d: Delivery, adm: Admitted, decision: RouteDecision, latency_ms: float) -> None:
@@ -131,6 +148,7 @@ class RouterService:
         if decision.worker is None:
             waited = time.time() - adm.admitted_at
             if waited < self.settings.no_worker_wait_s:
+                self.metrics.decisions.labels(decision.policy or "", "retry", decision.reason or "").inc()
                 await d.nak(delay=self.settings.retry_delay_s)
                 return
             await self._fail(adm, decision, "no_worker", f"no healthy worker for {waited:.0f}s")
@@ -149,6 +167,11 @@ class RouterService:
             await self.bus.publish(req.reply, Reply(request_id=req.id, kind="status", status="assigned",
                                                     worker=decision.worker))
         await d.ack()
+        m = self.metrics
+        m.decisions.labels(decision.policy or "", "assign", "").inc()
+        m.wait.observe(max(0.0, assignment.routed_at - adm.admitted_at))
+        m.expected_cached.labels(decision.policy or "").inc(decision.expected_cached_tokens)
+        m.prompt_tokens.labels(decision.policy or "").inc(estimate_prompt_tokens(req))
         log.info("request %s assigned to %s by %s (expected cached %d)", req.id, decision.worker, decision.policy,
                  decision.expected_cached_tokens)
 
@@ -159,6 +182,7 @@ class RouterService:
                                 runtime_tokens=adm.runtime_tokens, reason=reason, ts=time.time())
         await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
         await self._record(adm, decision, "fail", 0.0, reason)
+        self.metrics.decisions.labels(decision.policy or "", "fail", reason).inc()
         if req.reply:
             await self.bus.publish(req.reply, Reply(request_id=req.id, kind="error", status="failed", reason=reason,
                                                     message=message))
@@ -169,7 +193,8 @@ class RouterService:
         req = adm.request
         record = Decision(request_id=req.id, tenant=req.tenant, cls=req.cls, stage="routing", decision=what,
                           ts=time.time(), reason=reason or decision.reason, worker=decision.worker,
-                          policy=decision.policy, scores={str(k): v for k, v in decision.scores.items()},
+                          policy=decision.policy,
+                          scores={str(k): decision.terms.get(k, v) for k, v in decision.scores.items()},
                           expected_cached_tokens=decision.expected_cached_tokens, by=self.settings.name,
                           latency_ms=latency_ms, runtime_tokens=adm.runtime_tokens)
-        await self.bus.jpublish(S.decision("routing", req.tenant), record, msg_id=f"{req.id}:routing")
+        await self.bus.jpublish_nowait(S.decision("routing", req.tenant), record, msg_id=f"{req.id}:routing")

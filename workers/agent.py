@@ -34,8 +34,13 @@ from bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, R
 from workers.backoff import BackoffMonitor, BackoffSettings
 from workers.calibrate import load_calibration
 from workers.engine import Engine, EngineOutput, EngineRequest, EngineStats
+from workers.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
+
+#: how long a cancel is remembered for a request the worker has not received yet (the dedup window)
+CANCEL_MEMORY_S = 120.0
+CANCEL_MEMORY_MAX = 10_000
 
 
 @dataclass
@@ -50,6 +55,7 @@ class WorkerSettings:
     use_calibration: bool = True
     calibration_timeout_s: float = 3.0
     backoff: BackoffSettings = field(default_factory=BackoffSettings)
+    metrics_port: int | None = None  # serve Prometheus metrics here (workers.metrics)
 
 
 class WorkerAgent:
@@ -68,6 +74,8 @@ class WorkerAgent:
         self.capacity_source = "settings" if settings.capacity_tokens else "engine"
         self.failure: str | None = None  # why the engine can no longer serve
         self.backoff = BackoffMonitor(settings.backoff)
+        self.metrics = WorkerMetrics(settings.id, settings.model)
+        self.cancelled: dict[str, float] = {}  # request id -> when its producer cancelled it
 
     async def start(self) -> None:
         await self.engine.start()
@@ -87,6 +95,10 @@ class WorkerAgent:
         self.bus.spawn(self._heartbeat_loop(), "heartbeat")
         await self._publish_cache("snapshot", self.engine.cached_hashes())
         await self._heartbeat()
+        if self.settings.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
         log.info("worker %s ready (model %s, concurrency %d)", self.id, self.settings.model, self.settings.concurrency)
 
     async def stop(self) -> None:
@@ -116,12 +128,17 @@ class WorkerAgent:
         if self.state == "quiescing":
             await d.nak(delay=1.0)  # not ours to run any more; redelivered to us or re-routed later
             return
+        if rid in self.cancelled:  # its producer gave up before it reached us: close it, run nothing
+            await self._finish(assignment, _CANCELLED, time.time(), None)
+            await d.ack()
+            return
         self.inflight[rid] = asyncio.create_task(self._run(assignment, d), name=f"run:{rid}")
 
     async def _run(self, a: Assignment, d: Delivery) -> None:
         req = a.request
         started = time.time()
         keepalive = asyncio.create_task(self._keep_alive(d))
+        self.metrics.dispatch_wait.observe(max(0.0, started - a.routed_at))
         log.info("request %s running on %s", req.id, self.id)
         try:
             if req.deadline is not None and started > req.deadline:
@@ -131,7 +148,11 @@ class WorkerAgent:
                 await self._generate(a, started)
             await d.ack()
         except asyncio.CancelledError:
-            raise
+            if req.id not in self.cancelled:
+                raise  # the agent is stopping: left un-acked, redelivered elsewhere
+            asyncio.current_task().uncancel()  # our own cancel: the request ends, reported
+            await self._finish(a, _CANCELLED, started, None)
+            await d.ack()
         except Exception as exc:  # engine failure: recorded as an outcome, never dropped
             log.exception("request %s failed on %s", req.id, self.id)
             await self._finish(a, EngineOutput(0, finished=True, finish_reason="error", error=f"engine_error: {exc}"),
@@ -184,6 +205,7 @@ class WorkerAgent:
             e2e=now - (req.created or started), expected_cached_tokens=a.expected_cached_tokens, ts=now,
         )
         await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
+        self._observe(completion)
         if req.reply:
             if ok:
                 reply = Reply(request_id=req.id, kind="result", text=None if req.stream else text,
@@ -196,6 +218,18 @@ class WorkerAgent:
             await self.bus.publish(req.reply, reply)
         log.info("request %s %s on %s: %d prompt (%d cached), %d out", req.id, completion.status, self.id,
                  out.prompt_tokens, out.cached_tokens, out.output_tokens)
+
+    def _observe(self, c: Completion) -> None:
+        m = self.metrics
+        m.requests.labels(c.status, c.reason or "").inc()
+        if c.status != "ok":
+            return
+        m.prompt_tokens.inc(c.prompt_tokens)
+        m.cached_tokens.inc(c.cached_tokens)
+        m.output_tokens.inc(c.output_tokens)
+        for hist, value in ((m.ttft, c.ttft), (m.tpot, c.tpot), (m.e2e, c.e2e)):
+            if value is not None:
+                hist.observe(value)
 
     async def _keep_alive(self, d: Delivery) -> None:
         while True:
@@ -234,6 +268,14 @@ class WorkerAgent:
             inflight=list(self.inflight),
         )
         await self.bus.publish(S.heartbeat(self.id), hb)
+        m = self.metrics
+        m.running.set(st.running)
+        m.waiting.set(st.waiting)
+        m.kv_used.set(st.kv_used_blocks)
+        m.kv_total.set(st.kv_total_blocks)
+        m.runtime_tokens.set(st.runtime_tokens)
+        m.capacity_tokens.set(hb.capacity_tokens)
+        m.set_state(self.state)
 
     # --- state ----------------------------------------------------------------------------
     def _check_engine(self) -> None:
@@ -293,6 +335,8 @@ class WorkerAgent:
             await self._heartbeat()
             if not self.inflight:
                 self._stopped.set()
+        elif ctl.kind == "cancel":
+            self._cancel(ctl.request_id, ctl.by)
         elif ctl.kind == "resume":
             if self.failure:
                 log.warning("worker %s cannot resume: its engine failed (%s)", self.id, self.failure)
@@ -301,3 +345,29 @@ class WorkerAgent:
             await self._heartbeat()
         else:
             log.warning("unknown control kind %r on %s", ctl.kind, subject)
+
+    def _cancel(self, rid: str | None, by: str | None) -> None:
+        """End a request whose producer went away: its task stops the engine and reports ``cancelled``.
+
+        A cancel for a request not here yet is remembered for a while (``CANCEL_MEMORY_S``): it
+        may still be in the WORK stream, and running it would spend the engine on nobody.
+        """
+        if not rid:
+            log.warning("worker %s: cancel without a request id (from %s)", self.id, by or "?")
+            return
+        now = time.time()
+        if len(self.cancelled) >= CANCEL_MEMORY_MAX or any(now - ts > CANCEL_MEMORY_S
+                                                            for ts in self.cancelled.values()):
+            self.cancelled = {r: ts for r, ts in self.cancelled.items() if now - ts <= CANCEL_MEMORY_S}
+            while len(self.cancelled) >= CANCEL_MEMORY_MAX:
+                self.cancelled.pop(next(iter(self.cancelled)))
+        self.cancelled[rid] = now
+        self.metrics.cancelled.inc()
+        task = self.inflight.get(rid)
+        log.info("request %s cancelled by %s%s", rid, by or "?", "" if task else " (not running here yet)")
+        if task is not None:
+            task.cancel()
+
+
+#: how a cancelled request ends: an error completion (its reservation is released) with reason ``cancelled``
+_CANCELLED = EngineOutput(0, finished=True, finish_reason="cancelled", error="cancelled: the producer went away")

@@ -1,0 +1,128 @@
+"""The router service on a real nats-server, with workers played by the test."""
+
+import asyncio
+import time
+
+import pytest
+
+from bus import codec
+from bus import subjects as S
+from bus.connection import Bus
+from bus.schema import Admitted, Assignment, CacheEvent, Control, Heartbeat
+from router.core import RouterSettings
+from router.service import RouterService, RouterServiceSettings
+from tests.factories import make_heartbeat, make_request
+
+
+@pytest.fixture
+async def router(bus, nats_url):
+    service = RouterService(await Bus.connect(nats_url, name="router"), RouterServiceSettings(
+        core=RouterSettings(policy="least_loaded", heartbeat_timeout_s=1.0), tick_s=0.2, retry_delay_s=0.2))
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.bus.close()
+
+
+class WorkSeen:
+    def __init__(self):
+        self.assigned: dict[str, str] = {}
+        self.controls: list[tuple[str, Control]] = []
+
+    async def start(self, bus):
+        async def on_work(subject, data, headers):
+            a = Assignment.decode(data)
+            self.assigned[a.request.id] = a.worker
+
+        async def on_ctl(subject, data, headers):
+            self.controls.append((subject, Control.decode(data)))
+
+        await bus.subscribe(S.WORK_ALL, on_work)
+        await bus.subscribe("worker.*.ctl", on_ctl)
+        return self
+
+
+async def admit(bus, n=1):
+    ids = []
+    for _ in range(n):
+        req = make_request(max_tokens=4)
+        await bus.jpublish(S.admitted(req.cls, req.tenant), Admitted(request=req, runtime_tokens=10,
+                                                                     admitted_at=time.time()), msg_id=req.id)
+        ids.append(req.id)
+    return ids
+
+
+async def until(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        await asyncio.sleep(0.05)
+    return pred()
+
+
+async def beat(bus, worker, seq, **kw):
+    await bus.publish(S.heartbeat(worker), make_heartbeat(worker, seq=seq, interval=0.2, **kw))
+
+
+async def test_a_worker_that_stops_heartbeating_stops_receiving_work(router, bus):
+    seen = await WorkSeen().start(bus)
+    for seq in range(1, 4):
+        await beat(bus, "wa", seq)
+        await beat(bus, "wb", seq)
+        await asyncio.sleep(0.1)
+    first = await admit(bus, 4)
+    assert await until(lambda: len(seen.assigned) == 4)
+    assert {seen.assigned[r] for r in first} == {"wa", "wb"}
+    for seq in range(4, 30):  # wb goes silent; wa keeps beating past wb's 1 s timeout
+        await beat(bus, "wa", seq)
+        await asyncio.sleep(0.1)
+    later = await admit(bus, 4)
+    assert await until(lambda: all(r in seen.assigned for r in later))
+    assert {seen.assigned[r] for r in later} == {"wa"}
+
+
+async def test_a_sequence_gap_triggers_a_snapshot_request(router, bus):
+    seen = await WorkSeen().start(bus)
+    await beat(bus, "wg", 1)
+    await bus.publish(S.cache_events("wg"), CacheEvent(worker="wg", seq=1, kind="stored", ts=time.time(), hashes=[1]))
+    await bus.publish(S.cache_events("wg"), CacheEvent(worker="wg", seq=3, kind="stored", ts=time.time(), hashes=[2]))
+    assert await until(lambda: any(s == S.control("wg") and c.kind == "snapshot" for s, c in seen.controls))
+
+
+async def test_hostile_reports_are_ignored_and_service_keeps_routing(router, bus):
+    seen = await WorkSeen().start(bus)
+    await bus.publish(S.heartbeat("wn"), codec.encode(make_heartbeat("wn").to_wire() | {"running": -50}))
+    await bus.publish(S.heartbeat("wn"), b"\xc1garbage")
+    await bus.publish(S.cache_events("wn"), codec.encode({"worker": "wn", "seq": 1, "kind": "stored", "ts": 0,
+                                                          "hashes": [1], "block_size": -4}))
+    await bus.publish(S.cache_events("ghost"), CacheEvent(worker="ghost", seq=7, kind="stored", ts=0, hashes=[9]))
+    await asyncio.sleep(0.3)
+    assert "wn" not in router.core.workers  # a negative load is refused, not believed
+    await beat(bus, "wok", 1)
+    ids = await admit(bus, 2)
+    assert await until(lambda: all(seen.assigned.get(r) == "wok" for r in ids))
+
+
+async def test_routing_audit_records_every_candidates_score_terms(bus, nats_url):
+    from bus.schema import Decision
+
+    service = RouterService(await Bus.connect(nats_url, name="router-n"), RouterServiceSettings(
+        core=RouterSettings(policy="natsched")))
+    await service.start()
+    try:
+        seen = await WorkSeen().start(bus)
+        await beat(bus, "wa", 1)
+        await beat(bus, "wb", 1)
+        assert await until(lambda: len(service.core.workers) == 2)
+        (rid,) = await admit(bus, 1)
+        assert await until(lambda: rid in seen.assigned)
+        await asyncio.sleep(0.2)
+        (record,) = [Decision.decode(d) for _, d in await bus.stream_messages(S.STREAM_DECISIONS)]
+        assert record.stage == "routing" and record.worker == seen.assigned[rid] and record.policy == "natsched"
+        assert set(record.scores) == {"wa", "wb"}
+        for terms in record.scores.values():
+            assert {"wait_s", "prefill_s", "decode_s", "cache_bonus", "score"} <= set(terms)
+    finally:
+        await service.bus.close()
