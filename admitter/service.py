@@ -187,20 +187,21 @@ class AdmitterService:
     async def _act(self, request: Request, dec: AdmissionDecision, d: Delivery, queue_wait: float,
                    latency_ms: float) -> None:
         rid = request.id
-        hand_off = None
+        steps = [self._record(request, dec, queue_wait, latency_ms)]
         if dec.decision == ALLOW:
             now = time.time()
-            # the reservation exists before the request can possibly complete
-            await self.shared.record(Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now,
-                                                 self.settings.name))
             admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                 admitter=self.settings.name, queue_wait=queue_wait)
-            hand_off = self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=f"{rid}:adm")
+            # the reservation record goes out first on this connection, so the server stores it
+            # before the hand-off; the completion that deletes it is two services further away
+            steps += [self.shared.record(Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now,
+                                                     self.settings.name)),
+                      self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=f"{rid}:adm")]
         elif dec.decision == DEGRADE:
-            hand_off = self.bus.jpublish(S.offline(request.tenant), request, msg_id=f"{rid}:offline")
+            steps.append(self.bus.jpublish(S.offline(request.tenant), request, msg_id=f"{rid}:offline"))
         elif dec.decision == QUEUE:
             self.held[rid] = Held(d, request, time.time())
-        await asyncio.gather(*(c for c in (hand_off, self._record(request, dec, queue_wait, latency_ms)) if c))
+        await asyncio.gather(*steps)
         await self._tell_producer(request, dec)
         if dec.decision != QUEUE:
             await d.ack()

@@ -125,21 +125,23 @@ class SharedState:
         raise AdmitterError(f"usage update lost {self.max_attempts} races in a row")
 
     async def record(self, res: Reservation) -> None:
-        await self.bus.kv_put(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id), res.to_json())
+        res.revision = await self.bus.kv_put(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id), res.to_json())
         self.reservations[res.request_id] = res
 
     async def take(self, request_id: str) -> Reservation | None:
         """Delete a reservation once: the caller that wins frees its tokens, everyone else gets None."""
         key = S.reservation_key(request_id)
-        current = await self.bus.kv_get(S.BUCKET_INFLIGHT, key)
-        if current is None:
-            self.reservations.pop(request_id, None)
-            return None
-        res = Reservation.from_json(request_id, current[0], current[1])
+        res = self.reservations.get(request_id)
+        if res is None or not res.revision:  # not mirrored yet: read it (one more round trip)
+            current = await self.bus.kv_get(S.BUCKET_INFLIGHT, key)
+            if current is None:
+                self.reservations.pop(request_id, None)
+                return None
+            res = Reservation.from_json(request_id, current[0], current[1])
         try:
-            await self.bus.kv_delete(S.BUCKET_INFLIGHT, key, last=current[1])
+            await self.bus.kv_delete(S.BUCKET_INFLIGHT, key, last=res.revision)
         except ConflictError:
-            return None
+            return None  # deleted (or rewritten) by someone else first
         self.reservations.pop(request_id, None)
         return res
 

@@ -127,3 +127,162 @@ async def provision(js, settings: ProvisionSettings | None = None) -> None:
         await ensure_stream(js, stream_config(name, settings))
     for bucket in S.BUCKETS:
         await ensure_bucket(js, bucket, settings.replicas)
+
+
+# --- batch / offline jobs, retention overrides (issue 7) ------------------------------------
+# Not in S.STREAMS / ProvisionSettings.limits (yet): provision_jobs() below creates them, and the
+# batch producer and the offline runner call it at start.
+
+#: OUTCOMES: work queue, deleted once the offline runner folded a reply into the job store; the
+#: limits only matter while no runner runs (a week of replies, at most 1 GiB).
+_STREAMS[S.STREAM_OUTCOMES] = ([S.OUTCOMES_ALL], api.RetentionPolicy.WORK_QUEUE)
+JOB_STREAM_LIMITS: dict[str, StreamLimits] = {S.STREAM_OUTCOMES: StreamLimits(7 * DAY, 1 * GiB)}
+
+
+@dataclass
+class JobStoreLimits:
+    """Bucket ``jobs``: a record lives ``max_age_s`` after its last change (results stay
+    retrievable a month after the producer left); beyond ``max_bytes`` new writes are refused
+    (KV buckets discard new), never old results silently dropped."""
+
+    max_age_s: float = 30 * DAY
+    max_bytes: int = 4 * GiB
+    max_value_bytes: int = 1 * MiB
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` -> seconds (> 0); ValueError otherwise."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": DAY, "w": 7 * DAY}
+    raw = text.strip().lower()
+    scale = units.get(raw[-1:], None)
+    number = raw[:-1] if scale else raw
+    try:
+        value = float(number) * (scale or 1)
+    except ValueError:
+        raise ValueError(f"duration {text!r} is not a number with an optional unit s, m, h, d or w") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"duration {text!r} must be > 0")
+    return value
+
+
+def parse_size(text: str) -> int:
+    """``1073741824``, ``512MiB``, ``4GiB``, ``1TiB`` (also KB/MB/GB, powers of 10) -> bytes (> 0)."""
+    units = {"kib": 1024, "mib": MiB, "gib": GiB, "tib": 1024 * GiB, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "tb": 10**12, "b": 1}
+    raw = text.strip().lower().replace(" ", "")
+    for suffix, scale in units.items():
+        if raw.endswith(suffix):
+            raw, unit = raw[: -len(suffix)], scale
+            break
+    else:
+        unit = 1
+    try:
+        value = int(float(raw) * unit)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a number with an optional unit (KiB, MiB, GiB, TiB)") from None
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be > 0")
+    return value
+
+
+def retention_streams() -> tuple[str, ...]:
+    """Every stream whose limits an operator may set."""
+    return (*S.STREAMS, S.STREAM_OUTCOMES)
+
+
+def default_limits(stream: str) -> StreamLimits:
+    limits = ProvisionSettings().limits
+    return limits[stream] if stream in limits else JOB_STREAM_LIMITS[stream]
+
+
+def overrides_from_json(raw: bytes) -> dict[str, StreamLimits]:
+    """The ``config``/``retention`` value: ``{"STREAM": {"max_age_s": s, "max_bytes": n}}``.
+    Unknown streams and unusable values raise ValueError naming them."""
+    import orjson
+
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"retention overrides are not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("retention overrides must be a JSON object keyed by stream")
+    out: dict[str, StreamLimits] = {}
+    for stream, value in data.items():
+        if stream not in retention_streams():
+            raise ValueError(f"unknown stream {stream!r} in retention overrides")
+        if not isinstance(value, dict):
+            raise ValueError(f"retention of {stream} must be an object with max_age_s and max_bytes")
+        age, size = value.get("max_age_s"), value.get("max_bytes")
+        if not isinstance(age, (int, float)) or isinstance(age, bool) or age <= 0:
+            raise ValueError(f"{stream}.max_age_s must be a number of seconds > 0, got {age!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise ValueError(f"{stream}.max_bytes must be an integer > 0, got {size!r}")
+        out[stream] = StreamLimits(float(age), size)
+    return out
+
+
+def overrides_to_json(overrides: dict[str, StreamLimits]) -> bytes:
+    import orjson
+
+    return orjson.dumps({k: {"max_age_s": v.max_age_s, "max_bytes": v.max_bytes} for k, v in sorted(overrides.items())})
+
+
+async def stored_overrides(js) -> dict[str, StreamLimits]:
+    """What ``natsched retention set`` stored (empty when nothing, or when the value is unusable:
+    a broken override must not stop a service from starting; it is logged)."""
+    try:
+        kv = await js.key_value(S.BUCKET_CONFIG)
+        entry = await kv.get(S.KEY_RETENTION)
+    except Exception:  # no bucket yet, no key: defaults
+        return {}
+    try:
+        return overrides_from_json(entry.value or b"{}")
+    except ValueError as exc:
+        log.error("ignoring stored retention overrides: %s", exc)
+        return {}
+
+
+async def stored_settings(js, base: ProvisionSettings | None = None) -> ProvisionSettings:
+    """``base`` (defaults) with the stored overrides applied: what every provisioner should use,
+    so a service restart does not undo ``natsched retention set``."""
+    settings = base or ProvisionSettings()
+    for stream, limits in (await stored_overrides(js)).items():
+        if stream in settings.limits:
+            settings.limits[stream] = limits
+    return settings
+
+
+def job_stream_config(name: str, settings: ProvisionSettings, limits: StreamLimits) -> api.StreamConfig:
+    subjects, retention = _STREAMS[name]
+    return api.StreamConfig(
+        name=name, subjects=subjects, retention=retention, storage=api.StorageType.FILE,
+        max_age=limits.max_age_s, max_bytes=limits.max_bytes, max_msg_size=settings.max_msg_bytes,
+        discard=api.DiscardPolicy.OLD, duplicate_window=settings.dedup_window_s, num_replicas=settings.replicas,
+    )
+
+
+async def ensure_jobs_bucket(js, limits: JobStoreLimits, replicas: int) -> None:
+    """Create bucket ``jobs`` (history 1) or bring its limits to ``limits``."""
+    try:
+        await js.key_value(S.BUCKET_JOBS)
+    except BucketNotFoundError:
+        await js.create_key_value(api.KeyValueConfig(
+            bucket=S.BUCKET_JOBS, history=1, ttl=limits.max_age_s, max_bytes=limits.max_bytes,
+            max_value_size=limits.max_value_bytes, replicas=replicas))
+        log.info("created bucket %s", S.BUCKET_JOBS)
+        return
+    info = await js.stream_info(f"KV_{S.BUCKET_JOBS}")
+    config = info.config
+    if (config.max_age, config.max_bytes) != (limits.max_age_s, limits.max_bytes):
+        config.max_age, config.max_bytes = limits.max_age_s, limits.max_bytes
+        await js.update_stream(config)
+
+
+async def provision_jobs(js, settings: ProvisionSettings | None = None, jobs: JobStoreLimits | None = None) -> None:
+    """Create or update OUTCOMES and bucket ``jobs`` (idempotent, safe to run concurrently)."""
+    settings = settings or ProvisionSettings()
+    overrides = await stored_overrides(js)
+    for name, limits in JOB_STREAM_LIMITS.items():
+        await ensure_stream(js, job_stream_config(name, settings, overrides.get(name, limits)))
+    await ensure_bucket(js, S.BUCKET_CONFIG, settings.replicas)
+    await ensure_jobs_bucket(js, jobs or JobStoreLimits(), settings.replicas)

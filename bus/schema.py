@@ -390,3 +390,66 @@ class DeadLetter(Schema):
     headers: dict | None = None
     by: str | None = None
     v: int = SCHEMA_VERSION
+
+
+@dataclass
+class JobRecord(Schema):
+    """A batch line or a degraded/offline request in bucket ``jobs`` (``job.<tenant>.<batch>.<id>``).
+
+    Kept because its producer may be long gone when the job runs: the record holds the request
+    (so a failed attempt can be retried), where the job is, and how it ended. ``status``:
+    ``submitted`` (published by a batch producer, nothing heard yet), ``waiting`` (on the OFFLINE
+    queue), ``running``, ``completed`` (``output`` set) or ``failed`` (``reason`` set, dead-lettered).
+    ``attempt_id`` is the request id the current attempt runs under: the job id for the first,
+    ``<id>-r<n>`` afterwards (every stage dedups on the id, so a retry needs a fresh one).
+    """
+
+    id: RequestId
+    tenant: TenantId
+    status: str
+    batch: str = "-"
+    line: int | None = None
+    request: Request | None = None
+    attempts: int = 0
+    attempt_id: str | None = None
+    enqueued: int = 0  # times put on the OFFLINE queue (by the admitter or a retry)
+    path: str | None = None  # "online" (the admitter let it run) | "offline" (the offline runner did)
+    worker: WorkerId | None = None
+    reason: str | None = None
+    message: str | None = None
+    output: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    created: float = 0.0
+    started: float | None = None  # of the current attempt
+    updated: float = 0.0
+    finished: float | None = None
+    history: list[dict] = field(default_factory=list)  # [{"ts", "event", "attempt", "reason"?}], capped
+    v: int = SCHEMA_VERSION
+
+
+@dataclass
+class BatchManifest(Schema):
+    """What a batch producer submitted, in bucket ``jobs`` (``batch.<batch>``): lets a re-run or
+    ``--resume`` skip what is already there, and ``batch status``/``results`` enumerate its lines.
+
+    ``spans`` are the line numbers that hold requests, as inclusive ``[first, last]`` ranges;
+    ``malformed`` maps a line number (as a string) to why it was not submitted.
+    """
+
+    id: str
+    tenant: TenantId
+    cls: str = wire("class", "batch")
+    source: str = ""
+    digest: str = ""
+    lines: int = 0
+    spans: list[list[int]] = field(default_factory=list)
+    malformed: dict = field(default_factory=dict)
+    submitted: int = 0  # requests the stream acknowledged, as of the last checkpoint
+    complete: bool = False  # every request line was published
+    created: float = 0.0
+    updated: float = 0.0
+    v: int = SCHEMA_VERSION

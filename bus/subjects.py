@@ -199,3 +199,63 @@ def parse_request_subject(subject: str) -> tuple[str, str] | None:
     if len(parts) != 3 or parts[0] != "req":
         return None
     return parts[1], parts[2]
+
+
+# --- batch producers, the offline runner, jobs (issue 7) ----------------------------------
+#: replies to batch and offline jobs: core publishes that JetStream keeps until the offline
+#: runner has folded them into the job store, so no result is lost while it restarts
+STREAM_OUTCOMES = "OUTCOMES"
+OUTCOMES_ALL = "outcome.>"
+CONSUMER_OFFLINE = "offline-runner"  # OFFLINE -> the offline runner replicas
+CONSUMER_OFFLINE_OUTCOMES = "offline-outcomes"  # OUTCOMES -> the offline runner replicas
+#: job records (``job.<tenant>.<batch>.<job_id>``) and batch manifests (``batch.<batch>``)
+BUCKET_JOBS = "jobs"
+#: key in ``config`` holding operator overrides of stream limits (``natsched retention set``)
+KEY_RETENTION = "retention"
+#: the ``<batch>`` token of jobs that belong to no batch (offline work from single requests)
+NO_BATCH = "-"
+#: the decision stage the offline runner records (``decision.offline.<tenant>``)
+STAGE_OFFLINE = "offline"
+
+
+def outcome(tenant: TenantId, batch: str, job_id: RequestId) -> str:
+    """Where a batch or offline job's replies go: ``outcome.<tenant>.<batch>.<job_id>``."""
+    return f"outcome.{token(tenant, 'tenant')}.{token(batch, 'batch id')}.{token(job_id, 'job id')}"
+
+
+def parse_outcome_subject(subject: str) -> tuple[str, str, str] | None:
+    """``outcome.<tenant>.<batch>.<job_id>`` -> (tenant, batch, job id), or None if it is not one."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != "outcome" or not all(_TOKEN.match(p) for p in parts[1:]):
+        return None
+    return parts[1], parts[2], parts[3]
+
+
+def job_key(tenant: TenantId, batch: str, job_id: RequestId) -> str:
+    """A job record in bucket ``jobs``: ``job.<tenant>.<batch>.<job_id>``."""
+    return f"job.{token(tenant, 'tenant')}.{token(batch, 'batch id')}.{token(job_id, 'job id')}"
+
+
+def batch_key(batch: str) -> str:
+    """A batch manifest in bucket ``jobs``: ``batch.<batch>``."""
+    return f"batch.{token(batch, 'batch id')}"
+
+
+PATTERNS.update({
+    "outcome": "outcome.<tenant>.<batch>.<job_id>",
+    "job_key": "job.<tenant>.<batch>.<job_id>",
+    "batch_key": "batch.<batch>",
+})
+
+
+def requests_of(tenant: TenantId) -> str:
+    """A filter over one tenant's requests of every class: ``req.*.<tenant>`` (audit, replay)."""
+    return f"req.*.{token(tenant, 'tenant')}"
+
+
+def decisions_of(tenant: TenantId) -> str:
+    """A filter over one tenant's decisions of every stage: ``decision.*.<tenant>`` (audit)."""
+    return f"decision.*.{token(tenant, 'tenant')}"
+
+
+PATTERNS.update({"requests_of": "req.*.<tenant>", "decisions_of": "decision.*.<tenant>"})

@@ -1,0 +1,100 @@
+"""Errors of the HTTP gateway. Every :class:`ApiError` becomes one OpenAI-style error object::
+
+    {"error": {"message": "...", "type": "...", "param": "...", "code": "..."}}
+
+never a stack trace. The tree::
+
+    GatewayError
+    ├── ConfigError            bad settings or keys file: the gateway refuses to start
+    └── ApiError               an HTTP answer (status, type, code, message, param, headers)
+        ├── BadRequest         400 invalid_request_error: malformed JSON, a wrong field, a bad role
+        ├── Unauthorized       401 authentication_error: missing or unknown API key
+        ├── Forbidden          403 permission_error: a class above the key's
+        ├── NotFound           404 not_found_error: unknown model or path
+        ├── MethodNotAllowed   405 invalid_request_error
+        ├── Conflict           409 conflict_error: the request id was already submitted
+        ├── PayloadTooLarge    413 invalid_request_error: the body is over the limit
+        ├── RateLimited        429 rate_limit_error with Retry-After: admission refused it for now
+        ├── Upstream           502 api_error: it failed on its worker
+        ├── Unavailable        503 service_unavailable with Retry-After: no healthy worker
+        └── GatewayTimeout     504 timeout_error: it did not finish within the client's timeout
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class GatewayError(Exception):
+    """Root of every gateway error."""
+
+
+class ConfigError(GatewayError):
+    """Settings or a keys file the gateway cannot start with."""
+
+
+class ApiError(GatewayError):
+    status = 500
+    type = "api_error"
+
+    def __init__(self, message: str, code: str | None = None, param: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"retry-after": str(max(1, math.ceil(self.retry_after)))}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(ApiError):
+    status, type = 400, "invalid_request_error"
+
+
+class Unauthorized(ApiError):
+    status, type = 401, "authentication_error"
+
+
+class Forbidden(ApiError):
+    status, type = 403, "permission_error"
+
+
+class NotFound(ApiError):
+    status, type = 404, "not_found_error"
+
+
+class MethodNotAllowed(ApiError):
+    status, type = 405, "invalid_request_error"
+
+
+class Conflict(ApiError):
+    status, type = 409, "conflict_error"
+
+
+class PayloadTooLarge(ApiError):
+    status, type = 413, "invalid_request_error"
+
+
+class RateLimited(ApiError):
+    status, type = 429, "rate_limit_error"
+
+
+class Upstream(ApiError):
+    status, type = 502, "api_error"
+
+
+class Unavailable(ApiError):
+    status, type = 503, "service_unavailable"
+
+
+class GatewayTimeout(ApiError):
+    status, type = 504, "timeout_error"
