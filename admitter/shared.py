@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -59,7 +60,7 @@ class Reservation:
 class SharedState:
     """The replica's mirror of ``inflight`` plus the CAS operations that change it."""
 
-    def __init__(self, bus: Bus, name: str, max_attempts: int = 50) -> None:
+    def __init__(self, bus: Bus, name: str, max_attempts: int = 200) -> None:
         self.bus = bus
         self.name = name
         self.max_attempts = max_attempts
@@ -106,7 +107,7 @@ class SharedState:
         ``fn(usage) -> (new usage or None for "nothing to write", result)`` is re-run on the fresh
         value after every lost race, so the caller's decision always matches what was written.
         """
-        for _ in range(self.max_attempts):
+        for attempt in range(self.max_attempts):
             new, result = fn(self.usage)
             if new is None:
                 return result
@@ -117,6 +118,8 @@ class SharedState:
                     rev = await self.bus.kv_update(S.BUCKET_INFLIGHT, USAGE, new.to_json(), self.revision)
             except ConflictError:
                 self.conflicts += 1
+                # jittered backoff: replicas that keep colliding spread out instead of livelocking
+                await asyncio.sleep(random.uniform(0, min(0.02, 0.0005 * 2 ** min(attempt, 6))))
                 await self.refresh()
                 continue
             if rev > self.revision:

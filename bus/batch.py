@@ -109,9 +109,13 @@ def _messages_to_prompt(messages: Any) -> tuple[str | None, str]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise LineError(f"messages[{i}] must be an object with string 'role' and 'content'")
-        (system if m["role"] == "system" else turns).append(m if m["role"] != "system" else m["content"])
-    text = "\n".join(f"{m['role']}: {m['content']}" for m in turns)
-    return ("\n".join(system) or None), text
+        if m["role"] == "system":
+            system.append(m["content"])
+        else:
+            turns.append(f"{m['role']}: {m['content']}")
+    if not turns:
+        raise LineError("'messages' holds only system messages: nothing to answer")
+    return ("\n".join(system) or None), "\n".join(turns)
 
 
 def _int(obj: dict, name: str, minimum: int) -> int | None:
@@ -280,10 +284,11 @@ class JobStore:
                 continue
         raise BatchError(f"job record {key} changed {self.max_attempts} times while being updated")
 
-    async def scan(self, pattern: str = "job.>") -> list[tuple[str, JobRecord]]:
-        """Every current record whose key matches ``pattern`` (KV wildcards); broken ones are logged."""
+    async def scan(self, pattern: str | None = None) -> list[tuple[str, JobRecord]]:
+        """Every current record whose key matches ``pattern`` (:func:`bus.subjects.job_filter`;
+        default: all); a record that cannot be decoded is logged and left out."""
         out = []
-        async for key, value in kv_snapshot(self.bus, S.BUCKET_JOBS, pattern):
+        async for key, value in kv_snapshot(self.bus, S.BUCKET_JOBS, pattern or S.job_filter()):
             try:
                 out.append((key, _decode(key, value)))
             except JobStoreError as exc:
@@ -293,7 +298,7 @@ class JobStore:
     async def find(self, job_id: str) -> tuple[str, JobRecord] | None:
         """A job by id alone (any tenant, any batch)."""
         S.token(job_id, "job id")
-        found = await self.scan(f"job.*.*.{job_id}")
+        found = await self.scan(S.job_filter(job_id=job_id))
         return found[0] if found else None
 
     async def manifest(self, batch: str) -> tuple[BatchManifest, int] | None:
@@ -428,7 +433,7 @@ class BatchClient:
                                       S.request(plan.cls, plan.tenant), headers_only=True):
             if head.msg_id.startswith(prefix):
                 ids.add(head.msg_id)
-        for _, record in await self.store.scan(f"job.{plan.tenant}.{plan.id}.>"):
+        for _, record in await self.store.scan(S.job_filter(plan.tenant, plan.id)):
             if record.status != SUBMITTED:
                 ids.add(record.id)
         return ids
@@ -474,7 +479,7 @@ class BatchClient:
         return current[0]
 
     async def records(self, manifest: BatchManifest) -> dict[str, JobRecord]:
-        return {r.id: r for _, r in await self.store.scan(f"job.{manifest.tenant}.{manifest.id}.>")}
+        return {r.id: r for _, r in await self.store.scan(S.job_filter(manifest.tenant, manifest.id))}
 
     async def status(self, batch: str) -> BatchStatus:
         manifest = await self.manifest(batch)

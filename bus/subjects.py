@@ -259,3 +259,10 @@ def decisions_of(tenant: TenantId) -> str:
 
 
 PATTERNS.update({"requests_of": "req.*.<tenant>", "decisions_of": "decision.*.<tenant>"})
+
+
+def job_filter(tenant: str = "*", batch: str = "*", job_id: str = "*") -> str:
+    """A key filter over job records (``job.<tenant>.<batch>.<job_id>``), ``*`` where any will do."""
+    parts = [p if p == "*" else token(p, what) for p, what in ((tenant, "tenant"), (batch, "batch id"),
+                                                                (job_id, "job id"))]
+    return "job." + ".".join(parts)

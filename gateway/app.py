@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from bus.client import new_request_id
 from gateway import protocol as P
-from gateway.errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge, Unavailable
+from gateway.errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge
 from gateway.keys import CLASS_HEADER, effective_class
 from gateway.service import Gateway
 from gateway.sse import ClientGone, EventStream, until_disconnect
@@ -237,5 +237,3 @@ def build_app(gateway: Gateway) -> Any:
     app.state.gateway = gateway
     return RequestIdMiddleware(app, gateway)
 
-
-__all__ = ["build_app", "error_response", "Unavailable"]

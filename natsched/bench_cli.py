@@ -90,6 +90,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from sim.bench_admission import add_admission_parser
 
     add_admission_parser(bsub)
+    ss = bsub.add_parser("shared-state", help="cost of the admitters' compare-and-swap on the shared usage",
+                         description="Replicas commit one-token reservations by KV compare-and-swap as fast as "
+                                     "they can; prints commits/s, lost races per commit and lost updates.")
+    ss.add_argument("--replicas", default="1,2,3", help="replica counts to run, comma separated (default 1,2,3)")
+    ss.add_argument("--seconds", type=_positive_float, default=5.0, help="seconds per run (default 5)")
+    ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
+    ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     return bench
 
 
@@ -114,6 +121,8 @@ def cmd_bench(args) -> int:
         return _cmd_routing(args)
     if name == "pipeline":
         return _cmd_pipeline(args)
+    if name == "shared-state":
+        return _cmd_shared(args)
     if name == "admission":
         from sim.bench_admission import run_admission
 
@@ -153,6 +162,22 @@ def _cmd_routing(args) -> int:
         return _fail(f"cannot write output: {exc}")
     except SimError as exc:
         return _fail(str(exc))
+    return 0
+
+
+def _cmd_shared(args) -> int:
+    from natsched.bench_shared import print_table, run_shared_state
+
+    try:
+        replicas = [int(x) for x in args.replicas.split(",") if x.strip()]
+        if not replicas or min(replicas) < 1:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--replicas must be positive integers, got {args.replicas!r}")
+    rows = run_shared_state(replicas, args.seconds, args.nats_url)
+    print_table(rows)
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
     return 0
 
 
