@@ -71,6 +71,7 @@ class AdmitterService:
         self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
         self._wake = asyncio.Event()
         self._suspect: object = None  # drift seen on the previous reconciliation
+        self._conflicts_seen = 0
         self.total = self.core.quotas.total  # the total in force (configured, or capacity-following)
         self._completions_spec = ConsumerSpec(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS,
                                               S.COMPLETIONS_ALL, deliver_new=True, batch=256)
@@ -416,6 +417,9 @@ class AdmitterService:
         return total
 
     def _refresh_gauges(self) -> None:
+        if self.shared.conflicts > self._conflicts_seen:
+            self.metrics.cas_conflicts.inc(self.shared.conflicts - self._conflicts_seen)
+            self._conflicts_seen = self.shared.conflicts
         for tenant, used in self.shared.usage.tenants.items():
             self.metrics.inflight.labels(tenant).set(used)
         for cls, depth in self.core.queue_depths().items():

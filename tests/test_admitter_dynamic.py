@@ -1,0 +1,53 @@
+"""The capacity-following total: pure arithmetic."""
+
+from admitter.dynamic import DynamicTotal, DynamicTotalSettings
+from admitter.leases import LeaseTracker
+
+
+def make_dynamic(**kw) -> DynamicTotal:
+    return DynamicTotal(DynamicTotalSettings(**kw))
+
+
+def test_without_worker_capacity_the_configured_total_holds():
+    assert make_dynamic().next_total(400_000, None, capacity=0, workers_used=0) == 400_000
+
+
+def test_follows_capacity_and_never_exceeds_the_ceiling():
+    d = make_dynamic()
+    assert d.next_total(1_000_000, None, capacity=300_000, workers_used=200_000) == 300_000  # 67 %: hold
+    assert d.next_total(200_000, None, capacity=300_000, workers_used=200_000) == 200_000
+    assert d.next_total(1_000_000, 250_000, capacity=300_000, workers_used=200_000) == 250_000  # hard cap
+
+
+def test_tightens_above_the_high_watermark_and_loosens_below_the_low():
+    d = make_dynamic()
+    tight = d.next_total(10**9, None, capacity=100_000, workers_used=95_000)
+    assert tight == 90_000
+    assert d.next_total(10**9, None, capacity=100_000, workers_used=95_000) == 81_000
+    for _ in range(3):
+        loose = d.next_total(10**9, None, capacity=100_000, workers_used=10_000)
+    assert loose > tight
+
+
+def test_factor_is_bounded():
+    d = make_dynamic()
+    for _ in range(100):
+        d.next_total(10**9, None, capacity=100_000, workers_used=99_000)
+    assert d.factor == 0.5
+    for _ in range(100):
+        d.next_total(10**9, None, capacity=100_000, workers_used=0)
+    assert d.factor == 2.0
+
+
+def test_disabled_keeps_the_configured_total():
+    assert make_dynamic(enabled=False).next_total(123, None, capacity=10**6, workers_used=0) == 123
+
+
+def test_leases_expire_after_missed_heartbeats_and_report_what_they_held():
+    leases = LeaseTracker(missed=3)
+    leases.on_heartbeat("w1", now=0.0, interval=1.0, inflight=["a", "b"])
+    leases.on_heartbeat("w2", now=0.0, interval=1.0, inflight=["c"])
+    leases.on_heartbeat("w2", now=2.5, interval=1.0, inflight=["c"])
+    assert leases.expired(2.9) == {}
+    assert leases.expired(3.1) == {"w1": {"a", "b"}}
+    assert leases.reported("c") and not leases.reported("a")
