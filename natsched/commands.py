@@ -14,6 +14,16 @@ from bus.errors import BusError, Rejected
 from bus.schema import Control
 
 
+def run_loop(coro):
+    """``asyncio.run`` on uvloop when it is installed: the services spend most of their CPU in
+    the event loop and the NATS client's small reads and writes, which uvloop does in C."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def _fail(message: str, code: int = 1) -> int:
     print(f"natsched: error: {message}", file=sys.stderr)
     return code
@@ -321,7 +331,7 @@ def _run(coro) -> int:
     from workers.errors import WorkerError
 
     try:
-        return asyncio.run(coro) or 0
+        return run_loop(coro) or 0
     except (BusError, WorkerError) as exc:
         return _fail(str(exc))
     except (ValueError, orjson.JSONDecodeError) as exc:
