@@ -40,7 +40,7 @@ from bus import subjects as S
 from bus.batch import COMPLETED, FAILED, FINAL, RUNNING, SUBMITTED, WAITING, JobStore, attempt_id, note
 from bus.connection import Bus, ConsumerSpec, Delivery
 from bus.errors import MessageError
-from bus.provision import provision_jobs
+from bus.provision import provision_jobs, stored_settings
 from bus.schema import Admitted, DeadLetter, Decision, Heartbeat, JobRecord, Reply, Request
 
 log = logging.getLogger(__name__)
@@ -158,6 +158,7 @@ def on_failure(record: JobRecord, reason: str, message: str | None, now: float, 
                ) -> tuple[JobRecord, str]:
     """A failed attempt: ``retry`` (back on the OFFLINE queue) or ``fail`` (final, dead-lettered)."""
     record.reason, record.message = reason, message
+    record.attempts = max(1, record.attempts)  # an error before we heard "admitted": that attempt counts
     if reason in PERMANENT or record.request is None or record.attempts >= max_attempts:
         if reason not in PERMANENT and record.request is not None:
             record.message = f"gave up after {record.attempts} attempt(s): {message or reason}"
@@ -179,8 +180,10 @@ def on_reply(record: JobRecord | None, reply: Reply, job: tuple[str, str, str], 
     if record.status in FINAL:
         return None, None  # late or duplicate: the first outcome stands
     current = record.attempt_id or record.id
+    if reply.request_id not in {attempt_id(record.id, n) for n in range(1, record.attempts + 1)} | {record.id}:
+        return None, None  # not one of this job's attempts: someone else's reply on our subject
     if reply.kind == "result":
-        return _completed(record, reply, now), None
+        return _completed(record, reply, now), None  # any attempt's result: the first one stands
     if reply.kind == "status":
         return _status(record, reply, now), None
     if reply.kind != "error" or reply.request_id != current:
@@ -230,6 +233,21 @@ def job_of(request: Request) -> tuple[str, str]:
 
 # ------------------------------------------------------------------ the service
 
+class OfflineMetrics:
+    """Prometheus metrics of one runner replica (names listed in subjects.md, "Offline runner")."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.jobs = Counter("natsched_offline_jobs", "Job events: taken, completed, failed, retried, requeued",
+                            ["event"], registry=r)
+        self.held = Gauge("natsched_offline_held", "OFFLINE messages held waiting for idle capacity", registry=r)
+        self.running = Gauge("natsched_offline_running", "Attempts this replica watches for a timeout", registry=r)
+        self.wait = Histogram("natsched_offline_wait_seconds", "Time on the OFFLINE queue before a job was taken",
+                              buckets=(0.1, 1, 5, 30, 60, 300, 900, 3600, 4 * 3600, 86400), registry=r)
+
+
 @dataclass
 class Held:
     delivery: Delivery
@@ -251,14 +269,14 @@ class OfflineRunner:
         self.worker_load: dict[str, tuple[int, int, float]] = {}
         self.held: list[Held] = []
         self.running: dict[str, tuple[str, float]] = {}  # job key -> (attempt id, started)
-        self.counts = {"taken": 0, "completed": 0, "failed": 0, "retried": 0}
+        self.metrics = OfflineMetrics()
         self._lock = asyncio.Lock()
         self._offline = ConsumerSpec(S.STREAM_OFFLINE, S.CONSUMER_OFFLINE, S.OFFLINE_ALL, ack_wait_s=s.ack_wait_s,
                                      max_ack_pending=s.max_held, batch=s.fetch_batch)
         self._outcomes = ConsumerSpec(S.STREAM_OUTCOMES, S.CONSUMER_OFFLINE_OUTCOMES, S.OUTCOMES_ALL, batch=128)
 
     async def start(self) -> None:
-        await self.bus.provision()
+        await self.bus.provision(await stored_settings(self.bus.js))  # keeps `natsched retention set` limits
         await provision_jobs(self.bus.js)
         await self.shared.start()
         ready = asyncio.Event()
@@ -273,6 +291,10 @@ class OfflineRunner:
         await self.bus.consume_batches(self._offline, self._on_offline, source="offline")
         for loop in (self._take_loop, self._keepalive_loop, self._sweep_loop, self._dynamic_loop):
             self.bus.spawn(loop(), f"offline-{loop.__name__}")
+        if self.settings.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
         log.info("offline runner %s ready (low watermark %.2f of %d runtime tokens)", self.settings.name,
                  self.settings.low_watermark, self.total)
 
@@ -317,50 +339,74 @@ class OfflineRunner:
     async def _on_offline(self, batch: list[Delivery]) -> None:
         for d in batch:
             try:
-                request = Request.decode(d.data)
-            except MessageError as exc:
+                await self._hold(d)
+            except Exception as exc:  # this message only: bad input dead-lettered, the rest retried
                 await self.bus.settle_failed(d, self._offline, "offline", exc)
-                continue
-            key, _ = job_of(request)
-            current = await self.store.get(key)
-            if current is not None and current[0].status in (RUNNING, *FINAL):
-                log.info("job %s is already %s: duplicate OFFLINE message dropped", request.id, current[0].status)
-                await d.ack()
-                continue
-            if any(h.request.id == request.id for h in self.held):
-                await d.ack()  # the same job twice on the queue: one copy is enough
-                continue
+
+    async def _hold(self, d: Delivery) -> None:
+        """Keep an OFFLINE message until capacity frees (or drop it: its job already ran)."""
+        request = Request.decode(d.data)
+        if d.subject != S.offline(request.tenant):
+            raise MessageError(f"request for tenant {request.tenant!r} published on {d.subject}")
+        current = await self.store.get(job_of(request)[0])
+        if current is not None and current[0].status in (RUNNING, *FINAL):
+            log.info("job %s is already %s: duplicate OFFLINE message dropped", request.id, current[0].status)
+            await d.ack()
+        elif any(h.request.id == request.id for h in self.held):
+            await d.ack()  # the same job twice on the queue: one copy is enough
+        else:
             self.held.append(Held(d, request, d.timestamp))
 
     async def _take_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.poll_s)
+            self.metrics.held.set(len(self.held))
+            self.metrics.running.set(len(self.running))
             if self.held:
                 try:
                     await self.take_once()
                 except AdmitterError as exc:
                     log.warning("offline take deferred: %s", exc)
+                except Exception:  # a bus blip must not stop the loop; held messages stay held
+                    log.exception("offline take failed; trying again")
 
     async def take_once(self) -> int:
         """Reserve what fits under the watermark (one CAS), then launch it and refuse the hopeless."""
         async with self._lock:
             held = list(self.held)
             requests = [h.request for h in held]
-            verdicts = await self.shared.change_usage(
-                lambda usage: (lambda v: (v.usage, v))(self.gate.plan(usage, self.quotas, self.total, requests)))
-            gone = {i for i, _ in verdicts.takes} | {i for i, *_ in verdicts.refusals}
-            self.held = [h for i, h in enumerate(held) if i not in gone]
-        await asyncio.gather(*(self._launch(held[i], cost, verdicts.budget) for i, cost in verdicts.takes),
-                             *(self._refuse(held[i], reason, msg) for i, reason, msg in verdicts.refusals))
+
+            def plan(usage: Usage) -> tuple[Usage | None, Verdicts]:
+                verdicts = self.gate.plan(usage, self.quotas, self.total, requests)
+                return verdicts.usage, verdicts
+
+            verdicts = await self.shared.change_usage(plan)
+            gone = {id(held[i]) for i, _ in verdicts.takes} | {id(held[i]) for i, *_ in verdicts.refusals}
+            self.held = [h for h in self.held if id(h) not in gone]  # more may have arrived meanwhile
+        outcomes = await asyncio.gather(
+            *(self._launch(held[i], cost, verdicts.budget) for i, cost in verdicts.takes),
+            *(self._refuse(held[i], reason, msg) for i, reason, msg in verdicts.refusals), return_exceptions=True)
+        for exc in (o for o in outcomes if isinstance(o, Exception)):
+            # its OFFLINE message was not acked: redelivered after ack_wait; a reservation taken
+            # for it is repaired by the admitters' reconciliation, a started attempt by the sweep
+            log.error("offline launch failed: %r", exc)
         return len(verdicts.takes)
 
     async def _launch(self, h: Held, cost: int, budget: dict) -> None:
         req, now = h.request, time.time()
         key, batch = job_of(req)
-        record = await self.store.update(key, lambda r: None if r is not None and r.status in (RUNNING, *FINAL)
-                                         else on_take(r, req, batch, now, self.settings.name))
-        if record is None or record.path != "offline" or record.started != now:
-            await self._unreserve(req, cost)  # it started or ended elsewhere meanwhile
+        started: dict = {}
+
+        def take(record: JobRecord | None) -> JobRecord | None:
+            if record is not None and record.status in (RUNNING, *FINAL):
+                started.pop("ok", None)
+                return None  # it started or ended elsewhere meanwhile
+            started["ok"] = True
+            return on_take(record, req, batch, now, self.settings.name)
+
+        record = await self.store.update(key, take)
+        if record is None or not started:
+            await self._unreserve(req, cost)
             await h.delivery.ack()
             return
         aid = record.attempt_id or req.id
@@ -373,7 +419,8 @@ class OfflineRunner:
             self._decide(run, "allow", None, cost, {**budget, "attempt": record.attempts}, admitted.queue_wait))
         await h.delivery.ack()
         self.running[key] = (aid, now)
-        self.counts["taken"] += 1
+        self.metrics.jobs.labels("taken").inc()
+        self.metrics.wait.observe(admitted.queue_wait)
         log.info("job %s attempt %d taken as %s: %d runtime tokens, waited %.3fs", req.id, record.attempts, aid,
                  cost, admitted.queue_wait)
 
@@ -410,17 +457,15 @@ class OfflineRunner:
 
     # --- outcomes -------------------------------------------------------------------------
     async def _on_outcomes(self, batch: list[Delivery]) -> None:
-        for d in batch:
-            job = S.parse_outcome_subject(d.subject)
+        for d in batch:  # in order: a job's replies are folded in the order they were stored
             try:
+                job = S.parse_outcome_subject(d.subject)
                 if job is None:
                     raise MessageError(f"{d.subject} is not an outcome subject (outcome.<tenant>.<batch>.<job_id>)")
-                reply = Reply.decode(d.data)
-            except MessageError as exc:
+                await self.fold(job, Reply.decode(d.data))
+                await d.ack()
+            except Exception as exc:  # this message only: bad input dead-lettered, the rest retried
                 await self.bus.settle_failed(d, self._outcomes, "offline", exc)
-                continue
-            await self.fold(job, reply)
-            await d.ack()
 
     async def fold(self, job: tuple[str, str, str], reply: Reply) -> JobRecord | None:
         """Apply one reply to its job record and act on what it means."""
@@ -429,24 +474,25 @@ class OfflineRunner:
 
         def change(record: JobRecord | None) -> JobRecord | None:
             new, action["act"] = on_reply(record, reply, job, time.time(), self.settings.max_attempts)
+            action["wrote"] = new is not None
             return new
 
         record = await self.store.update(key, change)
-        if record is not None:
-            await self._act(key, record, action.get("act"))
+        if record is not None and action["wrote"]:  # a late or duplicate reply changes nothing
+            await self._act(key, record, action["act"])
         return record
 
     async def _act(self, key: str, record: JobRecord, act: str | None) -> None:
         if record.status in FINAL:
             self.running.pop(key, None)
-            self.counts[record.status] += 1
+            self.metrics.jobs.labels(record.status).inc()
             log.info("job %s %s after %d attempt(s)%s", record.id, record.status, record.attempts,
                      f": {record.reason}" if record.reason else "")
         elif record.status == RUNNING and record.attempt_id:
             self.running.setdefault(key, (record.attempt_id, record.started or record.updated))
         if act in ("retry", "requeue"):
             self.running.pop(key, None)
-            self.counts["retried"] += act == "retry"
+            self.metrics.jobs.labels("retried" if act == "retry" else "requeued").inc()
             await self._enqueue(record, act)
         elif act == "fail":
             await self._dead_letter(record)
@@ -456,7 +502,7 @@ class OfflineRunner:
         req = dataclasses.replace(record.request, reply=S.outcome(record.tenant, record.batch, record.id))
         await self.bus.jpublish(S.offline(record.tenant), req, msg_id=f"{record.id}:offline{record.enqueued}")
         await self._decide(dataclasses.replace(req, id=record.attempt_id or req.id), why, record.reason, None,
-                           {"attempt": record.attempts})
+                           {"attempt": record.attempts, "enqueued": record.enqueued})
         log.info("job %s back on the OFFLINE queue (%s: %s)", record.id, why, record.reason)
 
     async def _dead_letter(self, record: JobRecord) -> None:
@@ -467,21 +513,25 @@ class OfflineRunner:
         await self.bus.jpublish(S.deadletter("offline"), dead, msg_id=f"{record.id}:dead")
         if record.request is not None:
             run = dataclasses.replace(record.request, id=record.attempt_id or record.id)
-            await self._decide(run, "fail", record.reason, None, {"attempt": record.attempts})
+            await self._decide(run, "fail", record.reason, None, {"attempt": record.attempts,
+                                                                  "enqueued": record.enqueued})
 
     async def _decide(self, req: Request, what: str, reason: str | None, cost: int | None, budget: dict,
                       queue_wait: float | None = None) -> None:
         record = Decision(request_id=req.id, tenant=req.tenant, cls=req.cls, stage=S.STAGE_OFFLINE, decision=what,
                           ts=time.time(), reason=reason, runtime_tokens=cost, budget=budget,
                           queue_wait=queue_wait, by=self.settings.name)
-        suffix = "offline" if what == "allow" else f"offline-{what}{budget.get('attempt', 0)}"
+        suffix = "offline" if what == "allow" else f"offline-{what}{budget['attempt']}-{budget['enqueued']}"
         await self.bus.jpublish(S.decision(S.STAGE_OFFLINE, req.tenant), record, msg_id=f"{req.id}:{suffix}")
 
     # --- lost attempts --------------------------------------------------------------------
     async def _sweep_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.sweep_interval_s)
-            await self.sweep_once()
+            try:
+                await self.sweep_once()
+            except Exception:  # the next sweep tries again
+                log.exception("offline sweep failed")
 
     async def sweep_once(self, now: float | None = None) -> int:
         """Attempts silent for ``job_timeout_s`` (a worker died, a message was lost) fail: retried."""

@@ -22,7 +22,6 @@ import asyncio
 import datetime as dt
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable
 
@@ -76,10 +75,10 @@ class Retention:
         return self.first_seq > 1
 
     def describe(self) -> str:
-        return f"{self.stream} keeps messages for {_age(self.max_age_s)} and at most {_size(self.max_bytes)}"
+        return f"{self.stream} keeps messages for {fmt_age(self.max_age_s)} and at most {fmt_size(self.max_bytes)}"
 
 
-def _age(seconds: float) -> str:
+def fmt_age(seconds: float) -> str:
     if not seconds:
         return "ever"
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
@@ -88,7 +87,7 @@ def _age(seconds: float) -> str:
     return f"{seconds:g}s"
 
 
-def _size(n: int) -> str:
+def fmt_size(n: int) -> str:
     if n is None or n < 0:
         return "unlimited bytes"
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -102,10 +101,10 @@ async def retention(js: Any, stream: str) -> Retention:
         info = await js.stream_info(stream)
     except NotFoundError:
         raise AuditError(f"stream {stream} does not exist (has natsched ever run on this server?)") from None
-    first = info.state.first_ts if info.state.messages else None
-    first_ts = first.timestamp() if isinstance(first, dt.datetime) else _iso_ts(first)
-    return Retention(stream, info.config.max_age or 0.0, info.config.max_bytes, info.state.messages, first_ts,
-                     info.state.first_seq)
+    state = info.state
+    first = await fetch(js, stream, state.first_seq) if state.messages else None
+    return Retention(stream, info.config.max_age or 0.0, info.config.max_bytes, state.messages,
+                     first.ts if first else None, state.first_seq)
 
 
 def _iso_ts(value: Any) -> float | None:
@@ -138,11 +137,12 @@ async def read_window(
         mem_storage=True,
     )
     try:
+        last = (await js.stream_info(stream)).state.last_seq  # a busy stream is read up to here, not chased
         psub = await js.pull_subscribe(subject or "", durable=None, stream=stream, config=config)
     except NotFoundError:
         raise AuditError(f"stream {stream} does not exist (has natsched ever run on this server?)") from None
+    info = await psub.consumer_info()
     try:
-        info = await psub.consumer_info()
         pending = info.num_pending
         while pending > 0:
             try:
@@ -152,14 +152,15 @@ async def read_window(
             for msg in msgs:
                 meta = msg.metadata
                 ts = meta.timestamp.timestamp()
-                if until is not None and ts > until:
+                if (until is not None and ts > until) or meta.sequence.stream > last:
                     return
                 yield Stored(msg.subject, msg.data or b"", dict(msg.headers or {}), meta.sequence.stream, ts)
                 pending = meta.num_pending
     finally:
         try:
             await psub.unsubscribe()
-        except Exception:  # the ephemeral consumer expires by itself (inactive_threshold)
+            await js.delete_consumer(stream, info.name)
+        except Exception:  # it expires by itself anyway (inactive_threshold)
             pass
 
 
@@ -300,6 +301,8 @@ def summarize(requests: int, decisions: list[Decision], completions: list[Comple
             failed[c.reason or "error"] = failed.get(c.reason or "error", 0) + 1
     prompt = sum(c.prompt_tokens for c in ok)
     waits = [d.queue_wait for d in decisions if d.stage == "admission" and d.queue_wait]
+    offline_waits = [d.queue_wait for d in decisions if d.stage == S.STAGE_OFFLINE and d.decision == "allow"
+                     and d.queue_wait is not None]
     workers: dict[str, int] = {}
     for c in ok:
         workers[c.worker or "?"] = workers.get(c.worker or "?", 0) + 1
@@ -312,6 +315,8 @@ def summarize(requests: int, decisions: list[Decision], completions: list[Comple
         "ttft_p99_s": percentile([c.ttft for c in ok], 99),
         "queue_wait_p50_s": percentile(waits, 50),
         "queue_wait_p99_s": percentile(waits, 99),
+        "offline_wait_p50_s": percentile(offline_waits, 50),
+        "offline_wait_p99_s": percentile(offline_waits, 99),
         "hit_ratio": (sum(c.cached_tokens for c in ok) / prompt) if prompt else None,
         "workers": dict(sorted(workers.items())),
     }

@@ -41,7 +41,7 @@ from bus import subjects as S
 from bus.audit import read_window
 from bus.connection import Bus
 from bus.errors import BusError, ConflictError, MessageError
-from bus.provision import provision_jobs
+from bus.provision import provision_jobs, stored_settings
 from bus.schema import BatchManifest, JobRecord, Request, RequestId, TenantId
 
 log = logging.getLogger(__name__)
@@ -250,15 +250,33 @@ class JobStore:
     def __init__(self, bus: Bus, max_attempts: int = 50) -> None:
         self.bus = bus
         self.max_attempts = max_attempts
+        self._ready = False
+
+    async def ensure(self) -> None:
+        """The bucket exists (a reader may be the first natsched process on a fresh server)."""
+        if not self._ready:
+            await provision_jobs(self.bus.js)
+            self._ready = True
 
     async def get(self, key: str) -> tuple[JobRecord, int] | None:
+        """(record, revision), or None when there is none (or it cannot be decoded: logged)."""
+        record, rev = await self._read(key)
+        return (record, rev) if record is not None else None
+
+    async def _read(self, key: str) -> tuple[JobRecord | None, int]:
+        await self.ensure()
         current = await self.bus.kv_get(S.BUCKET_JOBS, key)
         if current is None:
-            return None
-        return _decode(key, current[0]), current[1]
+            return None, 0
+        try:
+            return _decode(key, current[0]), current[1]
+        except JobStoreError as exc:  # garbage in the bucket: the next write replaces it
+            log.error("%s; treated as absent", exc)
+            return None, current[1]
 
     async def create(self, key: str, record: JobRecord) -> bool:
         """Write a new record; False when one exists already (then it is left alone)."""
+        await self.ensure()
         try:
             await self.bus.kv_create(S.BUCKET_JOBS, key, record.encode())
             return True
@@ -269,8 +287,7 @@ class JobStore:
         """``change(current or None) -> new record or None (nothing to write)``, re-run on the fresh
         record after every lost race; returns what is stored afterwards."""
         for _ in range(self.max_attempts):
-            current = await self.get(key)
-            record, rev = current if current is not None else (None, 0)
+            record, rev = await self._read(key)
             new = change(_copy(record))
             if new is None:
                 return record
@@ -287,6 +304,7 @@ class JobStore:
     async def scan(self, pattern: str | None = None) -> list[tuple[str, JobRecord]]:
         """Every current record whose key matches ``pattern`` (:func:`bus.subjects.job_filter`;
         default: all); a record that cannot be decoded is logged and left out."""
+        await self.ensure()
         out = []
         async for key, value in kv_snapshot(self.bus, S.BUCKET_JOBS, pattern or S.job_filter()):
             try:
@@ -302,6 +320,7 @@ class JobStore:
         return found[0] if found else None
 
     async def manifest(self, batch: str) -> tuple[BatchManifest, int] | None:
+        await self.ensure()
         current = await self.bus.kv_get(S.BUCKET_JOBS, S.batch_key(batch))
         if current is None:
             return None
@@ -382,8 +401,10 @@ class BatchClient:
         self.checkpoint_s = checkpoint_s
 
     async def prepare(self) -> None:
-        """The OUTCOMES stream and the jobs bucket must exist before the first reply is sent."""
-        await provision_jobs(self.bus.js)
+        """Every stream must exist before the first request (a producer may start before the
+        services), and OUTCOMES and the jobs bucket before the first reply is sent."""
+        await self.bus.provision(await stored_settings(self.bus.js))
+        await self.store.ensure()
 
     async def submit_file(self, path: str | Path, tenant: str, cls: str = S.BATCH, **kw: Any) -> SubmitReport:
         try:

@@ -8,6 +8,7 @@ stage it was waiting for.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,8 +19,10 @@ from nats.errors import TimeoutError as NatsTimeout
 from bus import subjects as S
 from bus.connection import Bus
 from bus.errors import DecodeError, DuplicateRequest, Rejected, RequestFailed, RequestTimeout, SchemaError
-from bus.schema import Reply, Request, RequestId, TenantId
+from bus.schema import Control, Reply, Request, RequestId, TenantId, WorkerId
 from bus.server import DEFAULT_URL
+
+log = logging.getLogger(__name__)
 
 
 def new_request_id() -> RequestId:
@@ -70,8 +73,20 @@ class Timeouts:
     idle: float = 120.0  # between two messages once admitted (first token, next token)
 
 
+@dataclass
+class _Progress:
+    """What one exchange has learnt so far: where it runs, whether it ended."""
+
+    worker: WorkerId | None = None
+    final: bool = False
+
+
 class Stream:
-    """``async for chunk in stream`` yields :class:`Chunk`; afterwards ``stream.result`` is set."""
+    """``async for chunk in stream`` yields :class:`Chunk`; afterwards ``stream.result`` is set.
+
+    Leaving the loop early (``break``, an exception, a cancelled task) cancels the request on
+    its worker: nobody reads the rest, so the engine stops generating it.
+    """
 
     def __init__(self, client: "Client", request: Request) -> None:
         self._client = client
@@ -82,11 +97,15 @@ class Stream:
         return self._run()
 
     async def _run(self) -> AsyncIterator[Chunk]:
-        async for item in self._client._exchange(self._request):
-            if isinstance(item, Chunk):
-                yield item
-            else:
-                self.result = item
+        exchange = self._client._exchange(self._request)
+        try:
+            async for item in exchange:
+                if isinstance(item, Chunk):
+                    yield item
+                else:
+                    self.result = item
+        finally:  # closed at a yield (the consumer stopped): end the exchange now, not at GC
+            await exchange.aclose()
 
 
 class Client:
@@ -117,11 +136,17 @@ class Client:
         request.stream = True
         return Stream(self, request)
 
+    async def cancel(self, request_id: str, worker: str) -> None:
+        """Tell ``worker`` to stop running ``request_id`` (it closes it with reason ``cancelled``)."""
+        await self.bus.publish(S.control(WorkerId(worker)), Control(kind="cancel", ts=time.time(), by=self.bus.name,
+                                                                    request_id=RequestId(request_id)))
+
     async def _exchange(self, request: Request) -> AsyncIterator[Chunk | Result]:
         reply_to = request.reply or S.reply(request.id)
         request.reply = reply_to
         request.created = request.created or time.time()
         sub = await self.bus.inbox(reply_to)
+        progress = _Progress()
         try:
             ack = await self.bus.jpublish(
                 S.request(request.cls, request.tenant),
@@ -136,12 +161,17 @@ class Client:
                     "it runs once and its result went to the first submitter",
                     request.id,
                 )
-            async for item in self._replies(sub, request):
+            async for item in self._replies(sub, request, progress):
                 yield item
         finally:
             await sub.unsubscribe()
+            if progress.worker is not None and not progress.final:  # given up before its end
+                try:
+                    await self.cancel(request.id, progress.worker)
+                except Exception as exc:  # best effort: the connection may be gone already
+                    log.warning("could not cancel %s on %s: %s", request.id, progress.worker, exc)
 
-    async def _replies(self, sub: Any, request: Request) -> AsyncIterator[Chunk | Result]:
+    async def _replies(self, sub: Any, request: Request, progress: _Progress) -> AsyncIterator[Chunk | Result]:
         started = time.monotonic()
         statuses: list[str] = []
         texts: list[str] = []
@@ -155,6 +185,10 @@ class Client:
                 reply = Reply.decode(msg.data)
             except (DecodeError, SchemaError):
                 continue  # not ours to interpret; a stray message on the reply subject
+            if reply.final:
+                progress.final = True
+            if reply.worker:  # "assigned" names it; so does every token (which may overtake "assigned")
+                progress.worker = reply.worker
             if reply.kind == "status":
                 statuses.append(reply.status or "")
                 if reply.status == "degraded":

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
+
+import orjson
 
 import nats
 from nats.errors import ConnectionClosedError, NoRespondersError, NoServersError
+from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import (
@@ -29,7 +34,7 @@ from nats.js.errors import (
 
 from bus import subjects as S
 from bus.errors import ConflictError, ConnectError, MessageError
-from bus.provision import ProvisionSettings, provision
+from bus.provision import ProvisionSettings, provision, stored_settings
 from bus.schema import DeadLetter, Reply, Schema
 from bus.server import DEFAULT_URL
 
@@ -102,6 +107,73 @@ class ConsumerSpec:
     redeliver_delay_s: float = 1.0
 
 
+@dataclass
+class Credentials:
+    """Who a connection is, for a server that requires auth (``natsched auth init`` writes one
+    JSON file of these per role; :meth:`load` reads it).
+
+    ``inbox_prefix`` matters as much as the password: replies (JetStream acks, pulled messages,
+    KV reads) travel on inbox subjects, and a role allowed ``_INBOX.>`` could read every other
+    role's. Each role therefore gets its own prefix and may subscribe only below it. Relative
+    file paths in a loaded file are relative to that file.
+    """
+
+    user: str | None = None
+    password: str | None = None
+    nkey_seed: str | None = None  # path of an nkey seed file (needs the nkeys package)
+    creds: str | None = None  # path of a NATS .creds file (JWT + seed: operator mode)
+    inbox_prefix: str | None = None
+    tls_ca: str | None = None  # CA that signed the server's certificate
+    tls_cert: str | None = None  # client certificate (servers that verify clients)
+    tls_key: str | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Credentials":
+        path = Path(path)
+        try:
+            raw = orjson.loads(path.read_bytes())
+        except (OSError, orjson.JSONDecodeError) as exc:
+            raise ConnectError(f"cannot read credentials {path}: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConnectError(f"credentials {path} must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in raw.items() if k in known and v is not None}
+        for key in ("nkey_seed", "creds", "tls_ca", "tls_cert", "tls_key"):
+            if key in values:
+                values[key] = str((path.parent / values[key]).resolve())
+        return cls(**values)
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        if not (self.tls_ca or self.tls_cert):
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect``."""
+        out: dict[str, Any] = {}
+        if self.user is not None:
+            out["user"], out["password"] = self.user, self.password
+        if self.nkey_seed:
+            out["nkeys_seed"] = self.nkey_seed
+        if self.creds:
+            out["user_credentials"] = self.creds
+        if self.inbox_prefix:
+            out["inbox_prefix"] = self.inbox_prefix
+        tls = self.tls_context()
+        if tls is not None:
+            out["tls"] = tls
+        return out
+
+
+def server_urls(url: str | list[str]) -> list[str]:
+    """``nats://a:4222,nats://b:4223`` (or a list) -> every URL: a cluster connect."""
+    parts = url if isinstance(url, list) else url.split(",")
+    return [u.strip() for u in parts if u.strip()]
+
+
 class Bus:
     """A connected NATS client with JetStream, used by every natsched service and producer."""
 
@@ -122,9 +194,19 @@ class Bus:
         name: str = "natsched",
         connect_budget_s: float = 10.0,
         publish_budget_s: float = 10.0,
+        credentials: "Credentials | str | Path | None" = None,
         **options: Any,
     ) -> "Bus":
-        """Connect, retrying until ``connect_budget_s``; afterwards reconnect forever."""
+        """Connect, retrying until ``connect_budget_s``; afterwards reconnect forever.
+
+        ``url`` may list several servers (comma-separated): a cluster, any node will do.
+        ``credentials`` (or a path to a credentials file) authenticates; other ``options``
+        go to ``nats.connect`` as they are.
+        """
+        if credentials is not None:
+            creds = credentials if isinstance(credentials, Credentials) else Credentials.load(credentials)
+            options = {**creds.options(), **options}
+        servers = server_urls(url)
         deadline = time.monotonic() + connect_budget_s
         last: Exception | None = None
         while time.monotonic() < deadline:
@@ -133,7 +215,7 @@ class Bus:
                 remaining = max(0.1, deadline - time.monotonic())
                 nc = await asyncio.wait_for(
                     nats.connect(
-                        url,
+                        servers if len(servers) > 1 else servers[0],
                         name=name,
                         connect_timeout=min(2.0, remaining),
                         allow_reconnect=False,
@@ -150,9 +232,17 @@ class Bus:
             except (NoServersError, OSError, NatsTimeout, asyncio.TimeoutError) as exc:
                 last = exc
                 await asyncio.sleep(0.2)
+            except NatsError as exc:
+                if "authorization violation" not in str(exc).lower():
+                    raise
+                raise ConnectError(f"NATS at {url} refused the credentials of {name!r} (authorization "
+                                   "violation): pass --credentials FILE from natsched auth init") from None
         raise ConnectError(f"could not reach NATS at {url} within {connect_budget_s:g}s: {last}")
 
     async def provision(self, settings: ProvisionSettings | None = None) -> None:
+        """Create or update every stream and bucket; by default with the limits an operator stored
+        (``natsched retention set``), so a restarting service never resets them."""
+        settings = settings or await stored_settings(self.js)
         await provision(self.js, settings)
 
     async def close(self, budget_s: float = 3.0) -> None:
@@ -339,7 +429,11 @@ class Bus:
             except Exception as exc:
                 for d in batch:
                     if not d.settled:
-                        await self.settle_failed(d, spec, source, exc)
+                        try:
+                            await self.settle_failed(d, spec, source, exc)
+                        except Exception as again:  # one message must never stop the consumer
+                            log.error("could not settle %s on %s (%r): left to redelivery", d.subject,
+                                      spec.durable, again)
 
     async def settle_failed(self, d: Delivery, spec: ConsumerSpec, source: str, exc: Exception) -> None:
         """Bad input is dead-lettered and terminated; anything else is retried, up to max_deliver."""
@@ -363,7 +457,11 @@ class Bus:
         reply_to = d.headers.get(S.HDR_REPLY)
         request_id = d.headers.get(S.HDR_MSG_ID, "unknown")
         if reply_to:
-            await self.publish(reply_to, Reply(request_id=request_id, kind="error", reason=reason, message=error))
+            try:
+                await self.publish(reply_to, Reply(request_id=request_id, kind="error", reason=reason, message=error))
+            except Exception as exc:  # a reply subject nobody can publish to (e.g. with a space) is no reason to
+                # keep the message: it would come back until max_deliver, and raise there again
+                log.warning("dead letter %s: no error reply to %r: %r", request_id, reply_to, exc)
         log.warning("dead-lettered %s from %s: %s: %s", request_id, d.subject, reason, error)
 
     # --- KV -----------------------------------------------------------------------------

@@ -11,6 +11,12 @@ Every error here derives from :class:`BusError`, so a caller can catch the whole
     │   └── PortInUseError      its port is already taken
     ├── ProvisionError          a stream or bucket exists with an incompatible config
     ├── ConflictError           a compare-and-swap lost: the key changed since it was read
+    ├── BatchError              (bus.batch) a batch that cannot be submitted or read
+    │   ├── BatchFileError      the batch file cannot be read (bad lines are reported, not raised)
+    │   ├── NotFound            no such batch or job
+    │   └── JobStoreError       the jobs bucket holds something unusable
+    ├── AuditError              (bus.audit) an audit that cannot be answered
+    │   └── AuditNotFound       no record of that request within the retention
     └── RequestError            a producer-side request did not end in a result
         ├── RequestTimeout      a wait ran out (publish ack, admission, first token, result)
         ├── DuplicateRequest    the request id was already accepted within the dedup window

@@ -35,7 +35,9 @@ class StreamLimits:
 class ProvisionSettings:
     """Replicas and limits; the defaults keep a week of audit data within a few GiB of disk."""
 
-    replicas: int = 1
+    #: None: 3 on a cluster of 3 or more nodes, else 1 (:func:`auto_replicas`); automatic
+    #: replicas never scale an existing stream down
+    replicas: int | None = None
     dedup_window_s: float = 120.0
     max_msg_bytes: int = 1 * MiB
     limits: dict[str, StreamLimits] = field(
@@ -91,31 +93,73 @@ def stream_config(name: str, settings: ProvisionSettings) -> api.StreamConfig:
     )
 
 
+#: what provisioning sets on a stream; when an existing stream already has all of it, nothing is
+#: written (a service whose credentials may only read stream info starts without a refusal)
+_MANAGED = ("subjects", "retention", "storage", "max_age", "max_bytes", "max_msg_size", "discard",
+            "duplicate_window", "num_replicas")
+
+
+def cluster_nodes(js) -> int:
+    """How many servers the connected cluster has (1 when not clustered).
+
+    From the server's INFO (``cluster`` set, ``connect_urls`` = every node's client URL) and the
+    client's server pool, which later INFO updates extend.
+    """
+    nc = getattr(js, "_nc", None)
+    info = getattr(nc, "_server_info", None) or {}
+    if not info.get("cluster"):
+        return 1
+    urls = {str(u) for u in info.get("connect_urls") or []}
+    urls |= {u.netloc for u in getattr(nc, "servers", [])}
+    return max(1, len(urls))
+
+
+def auto_replicas(js) -> int:
+    """3 on a cluster of 3 or more nodes (a majority survives one node lost), else 1."""
+    return 3 if cluster_nodes(js) >= 3 else 1
+
+
 async def ensure_stream(js, config: api.StreamConfig) -> None:
+    auto = config.num_replicas is None
+    if auto:
+        config.num_replicas = auto_replicas(js)
     try:
         info = await js.stream_info(config.name)
     except NotFoundError:
         await js.add_stream(config)
-        log.info("created stream %s", config.name)
+        log.info("created stream %s (replicas %d)", config.name, config.num_replicas)
         return
     if info.config.retention != config.retention:
         raise ProvisionError(
             f"stream {config.name} exists with retention {info.config.retention}, expected "
             f"{config.retention}; delete it (data loss) or point natsched at another server"
         )
+    if auto and (info.config.num_replicas or 1) > config.num_replicas:
+        config.num_replicas = info.config.num_replicas
+    if all(getattr(info.config, k) == getattr(config, k) for k in _MANAGED):
+        return
     try:
         await js.update_stream(config)
     except BadRequestError as exc:
         raise ProvisionError(f"stream {config.name} cannot be updated to natsched's config: {exc}") from exc
 
 
-async def ensure_bucket(js, bucket: str, replicas: int) -> None:
+async def ensure_bucket(js, bucket: str, replicas: int | None) -> None:
+    """Create the bucket; an existing one is only ever scaled up (``replicas`` None: automatic)."""
     history, ttl = _BUCKETS[bucket]
+    replicas = auto_replicas(js) if replicas is None else replicas
     try:
         await js.key_value(bucket)
-        return
     except BucketNotFoundError:
         pass
+    else:
+        if replicas > 1:
+            info = await js.stream_info(f"KV_{bucket}")
+            if (info.config.num_replicas or 1) < replicas:
+                info.config.num_replicas = replicas
+                await js.update_stream(info.config)
+                log.info("bucket %s scaled to %d replicas", bucket, replicas)
+        return
     await js.create_key_value(api.KeyValueConfig(bucket=bucket, history=history, ttl=ttl, replicas=replicas))
     log.info("created bucket %s", bucket)
 
@@ -185,14 +229,17 @@ def parse_size(text: str) -> int:
     return value
 
 
-def retention_streams() -> tuple[str, ...]:
-    """Every stream whose limits an operator may set."""
-    return (*S.STREAMS, S.STREAM_OUTCOMES)
+def retention_targets() -> tuple[str, ...]:
+    """Every stream whose limits an operator may set, and the ``jobs`` bucket."""
+    return (*S.STREAMS, S.STREAM_OUTCOMES, S.BUCKET_JOBS)
 
 
-def default_limits(stream: str) -> StreamLimits:
+def default_limits(target: str) -> StreamLimits:
     limits = ProvisionSettings().limits
-    return limits[stream] if stream in limits else JOB_STREAM_LIMITS[stream]
+    if target == S.BUCKET_JOBS:
+        jobs = JobStoreLimits()
+        return StreamLimits(jobs.max_age_s, jobs.max_bytes)
+    return limits[target] if target in limits else JOB_STREAM_LIMITS[target]
 
 
 def overrides_from_json(raw: bytes) -> dict[str, StreamLimits]:
@@ -208,7 +255,7 @@ def overrides_from_json(raw: bytes) -> dict[str, StreamLimits]:
         raise ValueError("retention overrides must be a JSON object keyed by stream")
     out: dict[str, StreamLimits] = {}
     for stream, value in data.items():
-        if stream not in retention_streams():
+        if stream not in retention_targets():
             raise ValueError(f"unknown stream {stream!r} in retention overrides")
         if not isinstance(value, dict):
             raise ValueError(f"retention of {stream} must be an object with max_age_s and max_bytes")
@@ -261,8 +308,9 @@ def job_stream_config(name: str, settings: ProvisionSettings, limits: StreamLimi
     )
 
 
-async def ensure_jobs_bucket(js, limits: JobStoreLimits, replicas: int) -> None:
-    """Create bucket ``jobs`` (history 1) or bring its limits to ``limits``."""
+async def ensure_jobs_bucket(js, limits: JobStoreLimits, replicas: int | None) -> None:
+    """Create bucket ``jobs`` (history 1) or bring its limits to ``limits`` (replicas None: automatic)."""
+    replicas = auto_replicas(js) if replicas is None else replicas
     try:
         await js.key_value(S.BUCKET_JOBS)
     except BucketNotFoundError:
@@ -285,4 +333,7 @@ async def provision_jobs(js, settings: ProvisionSettings | None = None, jobs: Jo
     for name, limits in JOB_STREAM_LIMITS.items():
         await ensure_stream(js, job_stream_config(name, settings, overrides.get(name, limits)))
     await ensure_bucket(js, S.BUCKET_CONFIG, settings.replicas)
+    if jobs is None and S.BUCKET_JOBS in overrides:
+        stored = overrides[S.BUCKET_JOBS]
+        jobs = JobStoreLimits(max_age_s=stored.max_age_s, max_bytes=stored.max_bytes)
     await ensure_jobs_bucket(js, jobs or JobStoreLimits(), settings.replicas)

@@ -370,11 +370,16 @@ class CacheEvent(Schema):
 
 @dataclass
 class Control(Schema):
-    """A control message on ``worker.<id>.ctl``: ``drain``, ``snapshot``, ``resume``."""
+    """A control message on ``worker.<id>.ctl``: ``drain``, ``snapshot``, ``resume``, ``cancel``.
+
+    ``cancel`` names ``request_id``: its producer went away (an HTTP client disconnected), so
+    the worker stops generating and closes the request with reason ``cancelled``.
+    """
 
     kind: str
     ts: float = 0.0
     by: str | None = None
+    request_id: RequestId | None = None
     v: int = SCHEMA_VERSION
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bus.errors import PortInUseError, ServerError
@@ -83,8 +84,31 @@ def _wait_listening(host: str, port: int, proc: subprocess.Popen, timeout: float
     raise ServerError(f"nats-server did not listen on {host}:{port} within {timeout:.0f}s")
 
 
+@dataclass
+class ClusterMember:
+    """This server's place in a cluster: its name, its route port and every node's route port.
+
+    Every node lists every route (itself included: the server skips it), so any node can
+    start first and the others find it; JetStream needs the unique ``server_name``.
+    """
+
+    server_name: str
+    route_port: int
+    route_ports: list[int]
+    cluster_name: str = "natsched"
+
+    def args(self, host: str) -> list[str]:
+        routes = ",".join(f"nats-route://{host}:{p}" for p in self.route_ports)
+        return ["--server_name", self.server_name, "--cluster_name", self.cluster_name,
+                "--cluster", f"nats://{host}:{self.route_port}", "--routes", routes]
+
+
 class EmbeddedServer:
-    """A JetStream-enabled nats-server child process; a context manager that always stops it."""
+    """A JetStream-enabled nats-server child process; a context manager that always stops it.
+
+    ``config_file`` (``-c``) carries what flags cannot: accounts, users and permissions, TLS
+    (``natsched auth init`` writes it); ``cluster`` makes it one node of a cluster.
+    """
 
     def __init__(
         self,
@@ -93,12 +117,16 @@ class EmbeddedServer:
         host: str = DEFAULT_HOST,
         extra_args: list[str] | None = None,
         log_file: Path | str | None = None,
+        config_file: Path | str | None = None,
+        cluster: ClusterMember | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.data_dir = Path(data_dir) if data_dir else default_data_dir()
         self.extra_args = extra_args or []
         self.log_file = Path(log_file) if log_file else None
+        self.config_file = Path(config_file) if config_file else None
+        self.cluster = cluster
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -113,6 +141,10 @@ class EmbeddedServer:
             )
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [find_binary(), "-js", "-a", self.host, "-p", str(self.port), "-sd", str(self.data_dir)]
+        if self.config_file is not None:
+            args += ["-c", str(self.config_file)]
+        if self.cluster is not None:
+            args += self.cluster.args(self.host)
         args += self.extra_args
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         # own session: a terminal's Ctrl-C reaches the supervisor, which stops the server last

@@ -95,7 +95,9 @@ def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in prompt):
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+            if min(prompt) < 0:
+                raise BadRequest("token ids must be non-negative integers", code="invalid_prompt", param="prompt")
             return None, list(prompt)
         if len(prompt) == 1:
             return _prompt(prompt[0])

@@ -33,7 +33,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import orjson
@@ -81,7 +81,6 @@ class Call:
     created: int  # unix seconds, for the response bodies
     timeout_s: float
     endpoint: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Gateway:

@@ -66,6 +66,7 @@ class EventStream:
         async def pump() -> None:
             async for data in self.events:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
+                await asyncio.sleep(0)  # with tokens queued up, neither call suspends: let the watcher run
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         try:

@@ -11,8 +11,11 @@ from pathlib import Path
 import orjson
 
 from bus.server import DEFAULT_PORT, DEFAULT_URL
+from gateway.cli import add_gateway_parser
 from natsched.bench_cli import add_bench_parser
+from natsched.cmd_jobs import add_parsers as add_job_parsers
 from natsched.runtime import setup_logging
+from natsched.status import add_status_parser
 from workers.calibrate import add_calibrate_flags
 from workers.vllm_worker import add_vllm_flags
 
@@ -46,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--policy", default="natsched", help="routing policy (default natsched)")
     up.add_argument("--time-scale", type=float, default=1.0, help="sim engine: multiply step times (default 1)")
     up.add_argument("--model", default=None, help="model name the workers serve (requests' --model)")
+    up.add_argument("--gateway", nargs="?", type=int, const=8000, default=None, metavar="PORT",
+                    help="also run the HTTP gateway on 127.0.0.1:PORT (default 8000); open as tenant 'open' "
+                         "unless --gateway-keys")
+    up.add_argument("--gateway-keys", type=Path, default=None, help="API keys file for the gateway")
     add_vllm_flags(up)  # passed through to every worker with --engine vllm
 
     adm = sub.add_parser("admitter", help="run one admitter replica", description="Run one admitter replica.")
@@ -58,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--name", default="router", help="replica name in audit records")
     rt.add_argument("--policy", default="natsched", help="routing policy (default natsched)")
     rt.add_argument("--block-size", type=int, default=32, help="prefix block size in tokens (default 32)")
+    rt.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 
     wk = sub.add_parser("worker", help="run a worker (or: worker drain ID)",
                         description="Run one worker agent with its engine, or send it a control command.")
@@ -81,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--profile", default="h100-llama8b", help="sim engine profile")
     wk.add_argument("--block-size", type=int, default=32, help="KV block size in tokens (default 32)")
     wk.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval seconds (default 1)")
+    wk.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     add_vllm_flags(wk)
 
     sm = sub.add_parser("submit", help="submit one request and print its result",
@@ -131,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     rset.add_argument("--canary", default=None, help="second policy for a share of traffic")
     rset.add_argument("--canary-share", type=float, default=0.0, help="share of requests for the canary (0..1)")
 
+    add_gateway_parser(sub, _url_flag)
+    add_status_parser(sub, _url_flag)
     add_bench_parser(sub)
+    add_job_parsers(sub)  # batch, jobs, audit, replay, offline, retention
     return parser
 
 

@@ -36,7 +36,7 @@ def cmd_up(args) -> int:
         return _fail("--admitters and --routers must be >= 1, --workers >= 0")
     settings = UpSettings(workers=args.workers, admitters=args.admitters, routers=args.routers, engine=args.engine, nats_url=args.nats_url, port=args.port,
                           data_dir=args.data_dir, policy=args.policy, time_scale=args.time_scale,
-                          log_level=args.log_level)
+                          log_level=args.log_level, gateway_port=args.gateway, gateway_keys=args.gateway_keys)
     try:
         return Supervisor(settings).run()
     except BusError as exc:
@@ -78,7 +78,8 @@ def cmd_router(args) -> int:
 
     async def start(bus):
         settings = RouterServiceSettings(name=args.name, core=RouterSettings(policy=args.policy,
-                                                                             block_size=args.block_size))
+                                                                             block_size=args.block_size),
+                                         metrics_port=args.metrics_port)
         service = RouterService(bus, settings)
         await service.start()
         return f"policy={service.core.policy.name}"
@@ -105,7 +106,8 @@ def cmd_worker(args) -> int:
 
     async def start(bus):
         agent = WorkerAgent(bus, engine, WorkerSettings(id=args.id, model=args.model, concurrency=args.concurrency,
-                                                        heartbeat_interval_s=args.heartbeat, deployment=deployment))
+                                                        heartbeat_interval_s=args.heartbeat, deployment=deployment,
+                                                        metrics_port=args.metrics_port))
         holder["agent"] = agent
         await bus.provision()  # its WORK stream may not exist yet when it starts first
         await agent.start()
@@ -288,10 +290,31 @@ async def _quota(args) -> int:
         await bus.close()
 
 
+def cmd_gateway(args) -> int:
+    from gateway.server import main
+
+    return main(args)
+
+
+def cmd_status(args) -> int:
+    from natsched.status import run_status
+
+    return _run(run_status(args))
+
+
 def cmd_bench(args) -> int:
     from natsched.bench_cli import cmd_bench as run
 
     return run(args)
+
+
+def _jobs(args) -> int:
+    from natsched.cmd_jobs import run
+
+    return run(args)
+
+
+cmd_batch = cmd_jobs = cmd_audit = cmd_replay = cmd_offline = cmd_retention = _jobs
 
 
 def cmd_route(args) -> int:

@@ -48,6 +48,8 @@ class UpSettings:
     log_level: str = "info"
     ready_timeout_s: float = 60.0
     extra_worker_args: list[str] = field(default_factory=list)
+    gateway_port: int | None = None  # also run the HTTP gateway on 127.0.0.1:PORT
+    gateway_keys: Path | None = None  # its API keys; None: --insecure-open (local use)
 
 
 @dataclass
@@ -78,10 +80,14 @@ class Supervisor:
         for i in range(1, self.s.routers + 1):
             name = "router" if self.s.routers == 1 else f"router-{i}"
             kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy)))
+        kids.append(Child("offline", self._cmd("offline", *common, "--name", "offline")))
         for i in range(1, self.s.workers + 1):
             args = ["worker", *common, "--id", f"w{i}", "--engine", self.s.engine,
                     "--time-scale", str(self.s.time_scale), *self.s.extra_worker_args]
             kids.append(Child(f"worker w{i}", self._cmd(*args)))
+        if self.s.gateway_port is not None:
+            auth = ["--keys", str(self.s.gateway_keys)] if self.s.gateway_keys else ["--insecure-open"]
+            kids.append(Child("gateway", self._cmd("gateway", *common, "--port", str(self.s.gateway_port), *auth)))
         return kids
 
     def _spawn(self, child: Child) -> None:

@@ -34,6 +34,19 @@ class RouterMetrics:
                                          "Cache snapshots asked of workers (sequence gaps, distrust)", registry=r)
         self.config_errors = Counter("natsched_routing_config_errors", "Router configs ignored as invalid",
                                      registry=r)
+        self.assignments = Counter("natsched_routing_assignments", "Requests assigned, by policy and worker",
+                                   ["policy", "worker"], registry=r)
+        self.cached_tokens = Counter("natsched_routing_cached_tokens",
+                                     "From completions: cached prompt tokens the router expected vs the worker had",
+                                     ["worker", "kind"], registry=r)
+        self.prefix_routes = Counter("natsched_routing_prefix_routes",
+                                     "Routed requests whose first prefix block was routed before", registry=r)
+        self.prefix_migrations = Counter("natsched_routing_prefix_migrations",
+                                         "Of those, requests sent to another worker than last time "
+                                         "(migration rate = migrations / prefix routes)", registry=r)
+        self.index_entries = Gauge("natsched_routing_index_entries", "Block hashes in the prefix index", registry=r)
+        self.bad_reports = Counter("natsched_routing_bad_reports", "Heartbeats and cache events refused",
+                                   ["kind"], registry=r)
 
     def set_worker_states(self, states: list[str]) -> None:
         for state in STATES:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ class RouterServiceSettings:
     no_worker_wait_s: float = 10.0  # how long an admitted request waits for a healthy worker
     retry_delay_s: float = 1.0
     tick_s: float = 1.0  # upkeep: stale workers, index expiry, snapshot requests
+    migration_memory: int = 100_000  # first blocks remembered for the migration-rate metric
     metrics_port: int | None = None  # serve Prometheus metrics here (router.metrics)
 
 
@@ -39,6 +41,7 @@ class RouterService:
         self.settings = settings or RouterServiceSettings()
         self.core = RouterCore(self.settings.core)
         self.metrics = metrics or RouterMetrics()
+        self._last_worker: OrderedDict[int, str] = OrderedDict()
         attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
         self._spec = ConsumerSpec(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL, max_deliver=attempts + 3,
                                   redeliver_delay_s=self.settings.retry_delay_s, batch=256)
@@ -97,6 +100,7 @@ class RouterService:
             self.core.tick(now)
             self.metrics.set_worker_states([str(getattr(s, "value", s)) for s in
                                             (self.core.registry.state(w, now) for w in list(self.core.workers))])
+            self.metrics.index_entries.set(self.core.index.stats()["entries"])
             for worker in self.core.pop_snapshot_requests():
                 log.info("asking worker %s for a cache snapshot", worker)
                 self.metrics.snapshot_requests.inc()
@@ -108,6 +112,7 @@ class RouterService:
             hb = Heartbeat.decode(data)
         except MessageError as exc:
             log.warning("ignoring bad heartbeat on %s: %s", subject, exc)
+            self.metrics.bad_reports.labels("heartbeat").inc()
             return
         self.core.on_heartbeat(hb, time.time())
 
@@ -116,6 +121,7 @@ class RouterService:
             ev = CacheEvent.decode(data)
         except MessageError as exc:
             log.warning("ignoring bad cache event on %s: %s", subject, exc)
+            self.metrics.bad_reports.labels("cache_event").inc()
             return
         if not self.core.on_cache_event(ev, time.time()):
             log.info("cache events of %s have a gap at seq %d; asking for a snapshot", ev.worker, ev.seq)
@@ -123,7 +129,11 @@ class RouterService:
             await self.bus.publish(S.control(ev.worker), Control(kind="snapshot", ts=time.time(), by=self.settings.name))
 
     async def _on_completion(self, d: Delivery) -> None:
-        self.core.on_completion(Completion.decode(d.data), time.time())
+        c = Completion.decode(d.data)
+        self.core.on_completion(c, time.time())
+        if c.worker and c.status == "ok":
+            self.metrics.cached_tokens.labels(c.worker, "actual").inc(c.cached_tokens)
+            self.metrics.cached_tokens.labels(c.worker, "expected").inc(c.expected_cached_tokens or 0)
         await d.ack()
 
     async def _on_admitted(self, batch: list[Delivery]) -> None:
@@ -140,10 +150,11 @@ class RouterService:
             decision = self.core.route(rr, time.time())
             elapsed = time.perf_counter() - started
             self.metrics.latency.observe(elapsed)
-            routed.append((d, adm, decision, elapsed * 1000))
+            routed.append((d, adm, decision, elapsed * 1000, rr.hashes[0] if rr.hashes else None))
         await asyncio.gather(*(self._dispatch(*item) for item in routed))
 
-    async def _dispatch(self, d: Delivery, adm: Admitted, decision: RouteDecision, latency_ms: float) -> None:
+    async def _dispatch(self, d: Delivery, adm: Admitted, decision: RouteDecision, latency_ms: float,
+                        first_block: int | None = None) -> None:
         req = adm.request
         if decision.worker is None:
             waited = time.time() - adm.admitted_at
@@ -172,8 +183,23 @@ class RouterService:
         m.wait.observe(max(0.0, assignment.routed_at - adm.admitted_at))
         m.expected_cached.labels(decision.policy or "").inc(decision.expected_cached_tokens)
         m.prompt_tokens.labels(decision.policy or "").inc(estimate_prompt_tokens(req))
+        m.assignments.labels(decision.policy or "", decision.worker).inc()
+        self._count_migration(first_block, decision.worker)
         log.info("request %s assigned to %s by %s (expected cached %d)", req.id, decision.worker, decision.policy,
                  decision.expected_cached_tokens)
+
+    def _count_migration(self, first_block: int | None, worker: str) -> None:
+        """Prefix migration: a request whose first block last went to another worker."""
+        if first_block is None:
+            return
+        last = self._last_worker.pop(first_block, None)
+        self._last_worker[first_block] = worker
+        if len(self._last_worker) > self.settings.migration_memory:
+            self._last_worker.popitem(last=False)
+        if last is not None:
+            self.metrics.prefix_routes.inc()
+            if last != worker:
+                self.metrics.prefix_migrations.inc()
 
     async def _fail(self, adm: Admitted, decision: RouteDecision, reason: str, message: str) -> None:
         """Close an admitted request that cannot run: its completion releases the reservation."""

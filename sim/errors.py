@@ -9,7 +9,9 @@
     ├── SimConfigError          a setting that cannot be used: speedup <= 0, workers < 1, unknown
     │                           policy or profile, target busy outside (0, 1) (also a ValueError)
     ├── CalibrationError        --target-busy cannot be reached within the speed-up range searched
-    └── PlotUnavailableError    --plot asked for, but matplotlib is not installed
+    ├── PlotUnavailableError    --plot asked for, but matplotlib is not installed
+    └── ReplayError             (sim.replay) a recorded window that cannot be replayed
+        └── WindowAgedOut       its messages are past the streams' retention
 """
 
 from __future__ import annotations

@@ -74,9 +74,9 @@ def up(tmp_path):
 
 def test_up_serves_submit_and_stops_cleanly(up, tmp_path):
     assert [l.split()[1] for l in up.lines if l.startswith("ready:")] == [
-        "nats-server", "admitter", "router", "worker", "worker"]
+        "nats-server", "admitter", "router", "offline", "worker", "worker"]
     pids = up.pids
-    assert len(pids) == 4 and all(_alive(p) for p in pids)
+    assert len(pids) == 5 and all(_alive(p) for p in pids)
 
     result = json.loads(up.cli("submit", "--tenant", "demo", "--prompt", "hello there", "--max-tokens", "4",
                                "--json").stdout)

@@ -18,7 +18,7 @@ SYSTEM = "You are a meticulous assistant who answers about KV caches. " * 24  # 
 
 @pytest.fixture
 async def cluster(bus, nats_url):
-    stack = await start_stack(nats_url, workers=2)
+    stack = await start_stack(nats_url, workers=2, time_scale=1.0)  # real-time decode: a hog holds its tokens
     gw = await start_gateway(nats_url)
     await gw.wait_for_workers(2)
     try:

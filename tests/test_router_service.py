@@ -126,3 +126,18 @@ async def test_routing_audit_records_every_candidates_score_terms(bus, nats_url)
             assert {"wait_s", "prefill_s", "decode_s", "cache_bonus", "score"} <= set(terms)
     finally:
         await service.bus.close()
+
+
+async def test_metrics_count_assignments_migrations_and_refused_reports(router, bus):
+    seen = await WorkSeen().start(bus)
+    await beat(bus, "wa", 1)
+    await bus.publish(S.heartbeat("wbad"), codec.encode(make_heartbeat("wbad").to_wire() | {"waiting": -1}))
+    same_prefix = [make_request(prompt_token_ids=list(range(64)) + [i], max_tokens=2) for i in range(3)]
+    for req in same_prefix:
+        await bus.jpublish(S.admitted(req.cls, req.tenant), Admitted(request=req, runtime_tokens=10,
+                                                                     admitted_at=time.time()), msg_id=req.id)
+    assert await until(lambda: len(seen.assigned) == 3)
+    m = router.metrics
+    assert m.assignments.labels("least_loaded", "wa")._value.get() == 3
+    assert m.prefix_routes._value.get() == 2 and m.prefix_migrations._value.get() == 0  # one worker: no moves
+    assert m.bad_reports.labels("heartbeat")._value.get() == 1

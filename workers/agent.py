@@ -184,7 +184,8 @@ class WorkerAgent:
             texts.append(out.text)
             if req.stream and req.reply and (out.text or out.token_ids) and not out.error:
                 await self.bus.publish(req.reply, Reply(request_id=req.id, kind="token", text=out.text,
-                                                        token_ids=out.token_ids, index=out.index))
+                                                        token_ids=out.token_ids, index=out.index,
+                                                        worker=self.id))  # where to cancel, even before "assigned"
             if out.finished:
                 await self._finish(a, out, started, first_at, "".join(texts))
                 return
