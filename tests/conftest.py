@@ -75,3 +75,15 @@ async def bus(nats_url):
         yield b
     finally:
         await b.close()
+
+
+@pytest.fixture
+async def stack(bus, nats_url):
+    """Admitter, router and two sim workers in-process (tests/stack.py), stopped afterwards."""
+    from tests.stack import start_stack
+
+    s = await start_stack(nats_url)
+    try:
+        yield s
+    finally:
+        await s.close()

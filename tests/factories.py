@@ -34,3 +34,17 @@ def make_completion(request_id: str, *, tenant: str = "t1", runtime_tokens: int 
     fields.setdefault("status", "ok")
     return Completion(request_id=RequestId(request_id), tenant=TenantId(tenant), runtime_tokens=runtime_tokens,
                       **fields)
+
+
+async def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:
+    """Poll until ``predicate()`` (sync or async) holds; a bound on waiting, never a timing assertion."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value or time.monotonic() > deadline:
+            return bool(value)
+        await asyncio.sleep(interval)

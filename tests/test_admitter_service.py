@@ -4,7 +4,6 @@ import asyncio
 import time
 
 import orjson
-import pytest
 
 from admitter.service import AdmitterService, AdmitterServiceSettings
 from admitter.usage import Usage
@@ -13,6 +12,7 @@ from bus.client import make_request
 from bus.connection import Bus
 from bus.schema import Admitted, Decision, Heartbeat, Reply, Request
 from tests.factories import make_completion
+from tests.factories import wait_for as until
 
 
 async def start_admitter(url, name="admitter", **kw) -> AdmitterService:
@@ -47,15 +47,6 @@ async def publish(bus, req: Request) -> None:
 async def decisions(bus, stage="admission"):
     return [Decision.decode(d) for _, d in await bus.stream_messages(S.STREAM_DECISIONS) if
             Decision.decode(d).stage == stage]
-
-
-async def until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await predicate() if asyncio.iscoroutinefunction(predicate) else predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return False
 
 
 async def test_three_replicas_racing_never_over_admit(bus, nats_url):

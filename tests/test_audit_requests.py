@@ -11,17 +11,9 @@ from bus.audit import AuditNotFound, audit_request, audit_window, read_window
 from bus.client import make_request
 from bus.errors import Rejected
 from natsched.cmd_jobs import parse_time
-from tests.stack import start_stack
 from tests.test_batch_submit import cli
 
 
-@pytest.fixture
-async def stack(bus, nats_url):
-    s = await start_stack(nats_url)
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def test_an_online_request_tells_its_whole_story(stack, bus):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import orjson
 import pytest
@@ -14,6 +13,7 @@ from bus.errors import RequestFailed
 from bus.schema import Completion
 from gateway.testing import ALPHA, start_gateway
 from tests.stack import start_stack
+from tests.factories import wait_for
 
 LONG = 4000  # tokens: far longer than the test waits
 
@@ -28,15 +28,6 @@ async def cluster(bus, nats_url):
     finally:
         await gw.close()
         await stack.close()
-
-
-async def wait_for(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return predicate()
 
 
 async def post(gw, path: str, body: dict) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -1,6 +1,5 @@
 """The offline runner against a real nats-server, with the real admitter, router and sim workers."""
 
-import asyncio
 import time
 
 import orjson
@@ -16,6 +15,7 @@ from bus.codec import encode
 from bus.connection import Bus
 from bus.schema import DeadLetter, Decision, Reply
 from tests.stack import start_stack
+from tests.factories import wait_for
 
 
 async def start_runner(url: str, **settings) -> tuple[OfflineRunner, Bus]:
@@ -37,18 +37,6 @@ async def jobs_stack(url: str, *, total: int = 3000, workers: int = 2, **stack_k
     stack.buses.append(runner_bus)
     await wait_for(lambda: stack.admitter.total == total and runner.total == total)
     return stack, runner
-
-
-async def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:
-    """Poll until ``predicate()`` (sync or async) holds; a bound on waiting, not an assertion on time."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value or time.monotonic() > deadline:
-            return bool(value)
-        await asyncio.sleep(interval)
 
 
 async def job(bus: Bus, job_id: str):

@@ -1,7 +1,6 @@
 """End to end through a real nats-server: producer -> admitter -> router -> worker -> producer."""
 
 import asyncio
-import time
 
 import orjson
 import pytest
@@ -12,28 +11,13 @@ from bus.codec import encode
 from bus.errors import DuplicateRequest, Rejected, RequestFailed
 from bus.schema import Completion, Control, DeadLetter, Decision, Reply
 from tests.stack import start_stack
+from tests.factories import wait_for
 
 
-@pytest.fixture
-async def stack(bus, nats_url):
-    s = await start_stack(nats_url)
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def stream_records(bus, stream, schema, subject=None):
     return [schema.decode(data) for _, data in await bus.stream_messages(stream, subject)]
-
-
-async def wait_for(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return predicate()
 
 
 async def test_requests_travel_every_stage(stack, bus):

@@ -10,17 +10,9 @@ from bus.client import make_request
 from bus.schema import Completion, Decision, Request
 from sim.errors import SimConfigError
 from sim.replay import ReplayError, WindowAgedOut, load_recording, match, replay
-from tests.stack import start_stack
 from tests.test_batch_submit import cli
 
 
-@pytest.fixture
-async def stack(bus, nats_url):
-    s = await start_stack(nats_url)
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def record_some(stack, n: int = 16) -> float:

@@ -8,10 +8,11 @@ import pytest
 from bus import codec
 from bus import subjects as S
 from bus.connection import Bus
-from bus.schema import Admitted, Assignment, CacheEvent, Control, Heartbeat
+from bus.schema import Admitted, Assignment, CacheEvent, Control
 from router.core import RouterSettings
 from router.service import RouterService, RouterServiceSettings
 from tests.factories import make_heartbeat, make_request
+from tests.factories import wait_for as until
 
 
 @pytest.fixture
@@ -51,15 +52,6 @@ async def admit(bus, n=1):
                                                                      admitted_at=time.time()), msg_id=req.id)
         ids.append(req.id)
     return ids
-
-
-async def until(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(0.05)
-    return pred()
 
 
 async def beat(bus, worker, seq, **kw):

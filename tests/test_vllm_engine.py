@@ -19,6 +19,7 @@ from workers.backoff import BackoffMonitor, BackoffSettings
 from workers.calibrate import CalibrationSettings, calibrate
 from workers.engine import EngineRequest
 from workers.vllm_engine import VllmEngine, VllmEngineSettings
+from tests.factories import wait_for
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly
 pytestmark = pytest.mark.vllm
@@ -77,15 +78,6 @@ async def run(engine, er):
     async for out in engine.generate(er):
         outs.append(out)
     return outs
-
-
-async def wait_for(pred, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(0.05)
-    return pred()
 
 
 async def test_generates_for_token_ids(engine):

@@ -6,10 +6,8 @@ written by :mod:`workers.tiny_model`. One engine for the module.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
-import time
 
 import pytest
 
@@ -17,6 +15,7 @@ from bus.blocks import request_block_hashes, root_hash, token_block_hashes
 from bus.schema import Request
 from workers.engine import EngineRequest
 from workers.vllm_engine import VllmEngine, VllmEngineSettings
+from tests.factories import wait_for
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly
 pytestmark = pytest.mark.vllm
@@ -64,15 +63,6 @@ def text_request(prompt: str, system: str | None = None, kb: str | None = None, 
 
 async def run(engine, er):
     return [out async for out in engine.generate(er)]
-
-
-async def wait_for(pred, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(0.05)
-    return pred()
 
 
 async def test_generates_text_for_a_text_prompt(engine):

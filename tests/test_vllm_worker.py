@@ -21,6 +21,7 @@ from bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, R
 from tests.conftest import wipe
 from workers.calibrate import Calibration, store_calibration
 from workers.vllm_worker import VllmWorkerProcess
+from tests.factories import wait_for
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly
 pytestmark = pytest.mark.vllm
@@ -94,15 +95,6 @@ async def worker(nats_url, tmp_path_factory):
     finally:
         proc.stop()
         await bus.close()
-
-
-async def wait_for(pred, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(0.05)
-    return pred()
 
 
 async def assign(bus: Bus, **fields) -> Request:

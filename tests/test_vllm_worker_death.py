@@ -12,20 +12,12 @@ from bus.connection import Bus
 from bus.schema import Assignment, CacheEvent, Completion, Heartbeat, Reply, Request, WorkerId
 from tests.conftest import wipe
 from workers.vllm_worker import VllmWorkerProcess
+from tests.factories import wait_for
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly
 pytestmark = pytest.mark.vllm
 
 WID = WorkerId("wdead")
-
-
-async def wait_for(pred, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(0.05)
-    return pred()
 
 
 async def test_engine_core_death_is_reported_and_the_worker_exits_1(nats_url, tmp_path):

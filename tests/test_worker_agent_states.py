@@ -15,6 +15,7 @@ from tests.factories import make_request
 from workers.agent import WorkerAgent, WorkerSettings
 from workers.backoff import BackoffMonitor, BackoffSettings
 from workers.engine import EngineOutput, EngineStats
+from tests.factories import wait_for
 
 
 class ScriptedEngine:
@@ -57,15 +58,6 @@ class ScriptedEngine:
             last = i == self.steps - 1
             yield EngineOutput(i, text=f" t{i}", token_ids=[i], finished=last, finish_reason="length" if last else None,
                                prompt_tokens=request.prompt_tokens, output_tokens=i + 1)
-
-
-async def wait_for(pred, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(0.02)
-    return pred()
 
 
 async def collect(bus, subject: str, cls):
