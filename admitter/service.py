@@ -350,6 +350,9 @@ class AdmitterService:
         except MessageError as exc:
             log.warning("ignoring bad heartbeat on %s: %s", subject, exc)
             return
+        if subject != S.heartbeat(hb.worker):  # a worker may only hold leases for itself
+            log.warning("ignoring heartbeat of %s published on %s", hb.worker, subject)
+            return
         now = time.time()
         self.leases.on_heartbeat(hb.worker, now, hb.interval, hb.inflight)
         self.worker_load[hb.worker] = (hb.capacity_tokens, hb.runtime_tokens, now)

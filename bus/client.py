@@ -142,7 +142,7 @@ class Client:
                                                                     request_id=RequestId(request_id)))
 
     async def _exchange(self, request: Request) -> AsyncIterator[Chunk | Result]:
-        reply_to = request.reply or S.reply(request.id)
+        reply_to = request.reply or S.tenant_reply(request.tenant, request.id)
         request.reply = reply_to
         request.created = request.created or time.time()
         sub = await self.bus.inbox(reply_to)

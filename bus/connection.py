@@ -88,6 +88,8 @@ class Delivery:
         await self._msg.in_progress()
 
 
+DEAD_LETTER_MAX_DATA = 512 * 1024
+
 Handler = Callable[[Delivery], Awaitable[None]]
 BatchHandler = Callable[[list[Delivery]], Awaitable[None]]
 
@@ -450,13 +452,16 @@ class Bus:
 
     async def dead_letter(self, d: Delivery, source: str, reason: str, error: str) -> None:
         """Keep the message on ``dead.<source>`` and tell its producer, when we know who that is."""
-        record = DeadLetter(
-            subject=d.subject, reason=reason, error=error, ts=time.time(), data=d.data, headers=d.headers, by=self.name
+        record = DeadLetter(  # the original bytes, cut so the record itself fits a message
+            subject=d.subject, reason=reason, error=error, ts=time.time(), data=d.data[: DEAD_LETTER_MAX_DATA],
+            headers=d.headers, by=self.name,
         )
         await self.jpublish(S.deadletter(source), record)
         reply_to = d.headers.get(S.HDR_REPLY)
         request_id = d.headers.get(S.HDR_MSG_ID, "unknown")
-        if reply_to:
+        parts = d.subject.split(".")
+        tenant = parts[2] if len(parts) == 3 and parts[0] in ("req", "adm") else None
+        if reply_to and S.reply_allowed(reply_to, tenant):  # never publish where a producer points us
             try:
                 await self.publish(reply_to, Reply(request_id=request_id, kind="error", reason=reason, message=error))
             except Exception as exc:  # a reply subject nobody can publish to (e.g. with a space) is no reason to

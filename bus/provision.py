@@ -7,11 +7,12 @@ raises :class:`ProvisionError` with what differs, rather than running on a surpr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
 from nats.js import api
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError, ServerError
 
 from bus import subjects as S
 from bus.errors import ProvisionError
@@ -119,6 +120,19 @@ def auto_replicas(js) -> int:
     return 3 if cluster_nodes(js) >= 3 else 1
 
 
+async def _add_stream(js, config: api.StreamConfig, attempts: int = 5) -> None:
+    """Create a stream; the server may briefly refuse ("error creating store") right after a
+    stream of the same name was deleted, while it still removes the old files."""
+    for attempt in range(attempts):
+        try:
+            await js.add_stream(config)
+            return
+        except ServerError:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.2 * (attempt + 1))
+
+
 async def ensure_stream(js, config: api.StreamConfig) -> None:
     auto = config.num_replicas is None
     if auto:
@@ -126,7 +140,7 @@ async def ensure_stream(js, config: api.StreamConfig) -> None:
     try:
         info = await js.stream_info(config.name)
     except NotFoundError:
-        await js.add_stream(config)
+        await _add_stream(js, config)
         log.info("created stream %s (replicas %d)", config.name, config.num_replicas)
         return
     if info.config.retention != config.retention:

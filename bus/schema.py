@@ -196,6 +196,12 @@ class Request(Schema):
         _check_id(self.tenant, "tenant")
         if self.prompt is None and self.prompt_token_ids is None:
             raise SchemaError("missing required field 'prompt' (or 'prompt_token_ids')", "prompt")
+        if self.reply is not None:
+            from bus.subjects import reply_allowed  # (subjects imports this module)
+
+            if not reply_allowed(self.reply, self.tenant):
+                raise SchemaError(f"field 'reply' must be one of the tenant's reply subjects "
+                                  f"(resp.<tenant>.<id>), got {self.reply[:80]!r}", "reply")
 
 
 @dataclass
@@ -303,6 +309,10 @@ class Completion(Schema):
     expected_cached_tokens: int | None = None
     ts: float = 0.0
     v: int = SCHEMA_VERSION
+
+    def __post_init_check__(self) -> None:
+        _check_id(self.request_id, "request_id")
+        _check_id(self.tenant, "tenant")
 
 
 @dataclass

@@ -113,6 +113,35 @@ def reply(request_id: RequestId) -> str:
     return f"resp.{token(request_id, 'request id')}"
 
 
+def tenant_reply(tenant: TenantId, request_id: RequestId) -> str:
+    """A producer's reply subject under its tenant: ``resp.<tenant>.<request_id>`` (with auth, a
+    producer may subscribe to its own tenant's replies only)."""
+    return f"resp.{token(tenant, 'tenant')}.{token(request_id, 'request id')}"
+
+
+def replies_of(tenant: TenantId) -> str:
+    """Every reply to one tenant: ``resp.<tenant>.>``."""
+    return f"resp.{token(tenant, 'tenant')}.>"
+
+
+def reply_allowed(reply: str, tenant: str | None = None) -> bool:
+    """Whether a request of ``tenant`` may name ``reply`` as its reply subject.
+
+    Services publish replies with their own (broad) rights, so a reply subject is a capability:
+    only ``resp.<id>``, ``resp.<tenant>.<id>``, ``outcome.<tenant>.<batch>.<job>`` and
+    ``bench.resp.<run>`` are accepted, never another tenant's, a KV key or a stream subject.
+    ``tenant=None`` accepts any tenant's.
+    """
+    parts = reply.split(".")
+    if not all(_TOKEN.match(p) for p in parts):
+        return False
+    if parts[0] == "resp":
+        return len(parts) == 2 or (len(parts) == 3 and tenant in (None, parts[1]))
+    if parts[0] == "outcome":
+        return len(parts) == 4 and tenant in (None, parts[1])
+    return len(parts) == 3 and parts[:2] == ["bench", "resp"]
+
+
 def decision(stage: str, tenant: TenantId) -> str:
     """An audit record: ``decision.<stage>.<tenant>`` (stage = admission | routing)."""
     return f"decision.{token(stage, 'stage')}.{token(tenant, 'tenant')}"
@@ -175,6 +204,8 @@ PATTERNS = {
     "worker_consumer": "worker-<worker>",
     "tenant_quota_key": "tenant.<tenant>",
     "reservation_key": "res.<request_id>",
+    "tenant_reply": "resp.<tenant>.<request_id>",
+    "replies_of": "resp.<tenant>.>",
     "bench_reply": "bench.resp.<run>",
     "calibration_key": "capacity.<model>.<deployment>",
 }

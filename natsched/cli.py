@@ -12,7 +12,9 @@ import orjson
 
 from bus.server import DEFAULT_PORT, DEFAULT_URL
 from gateway.cli import add_gateway_parser
+from natsched.auth import add_auth_parser
 from natsched.bench_cli import add_bench_parser
+from natsched.cluster import add_cluster_parser
 from natsched.cmd_jobs import add_parsers as add_job_parsers
 from natsched.runtime import setup_logging
 from natsched.status import add_status_parser
@@ -20,11 +22,14 @@ from workers.calibrate import add_calibrate_flags
 from workers.vllm_worker import add_vllm_flags
 
 ENV_URL = "NATSCHED_NATS_URL"
+ENV_CREDENTIALS = "NATSCHED_CREDENTIALS"
 
 
 def _url_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-url", default=os.environ.get(ENV_URL, DEFAULT_URL),
-                   help=f"NATS server URL (default: ${ENV_URL} or {DEFAULT_URL})")
+                   help=f"NATS server URL, or several comma-separated (default: ${ENV_URL} or {DEFAULT_URL})")
+    p.add_argument("--credentials", type=Path, default=os.environ.get(ENV_CREDENTIALS),
+                   help=f"credentials file from natsched auth init (default: ${ENV_CREDENTIALS})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_gateway_parser(sub, _url_flag)
     add_status_parser(sub, _url_flag)
+    add_auth_parser(sub)
+    add_cluster_parser(sub)
     add_bench_parser(sub)
     add_job_parsers(sub)  # batch, jobs, audit, replay, offline, retention
     return parser

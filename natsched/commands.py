@@ -68,7 +68,7 @@ def cmd_admitter(args) -> int:
         await service.start()
         return f"total={service.total}"
 
-    return _run(serve(args.nats_url, "admitter", start))
+    return _run(serve(args.nats_url, "admitter", start, credentials=args.credentials))
 
 
 def cmd_router(args) -> int:
@@ -84,12 +84,12 @@ def cmd_router(args) -> int:
         await service.start()
         return f"policy={service.core.policy.name}"
 
-    return _run(serve(args.nats_url, "router", start))
+    return _run(serve(args.nats_url, "router", start, credentials=args.credentials))
 
 
 def cmd_worker(args) -> int:
     if args.action == "drain":
-        return _run(_send_control(args.nats_url, args.worker_id, "drain"))
+        return _run(_send_control(args.nats_url, args.worker_id, "drain", args.credentials))
     if args.action == "calibrate":
         from workers.calibrate import calibrate_command
 
@@ -121,7 +121,7 @@ def cmd_worker(args) -> int:
             await asyncio.sleep(0.1)
         await holder["agent"].wait_drained()
 
-    code = _run(serve(args.nats_url, f"worker {args.id}", start, stop, until))
+    code = _run(serve(args.nats_url, f"worker {args.id}", start, stop, until, credentials=args.credentials))
     agent = holder.get("agent")
     return 1 if code == 0 and agent is not None and agent.failure else code  # engine died: not a clean exit
 
@@ -141,10 +141,10 @@ def _make_engine(args):
     return VllmEngine.from_args(args)
 
 
-async def _send_control(url: str, worker: str, kind: str) -> int:
+async def _send_control(url: str, worker: str, kind: str, credentials=None) -> int:
     from bus.connection import Bus
 
-    bus = await Bus.connect(url, name="natsched-cli")
+    bus = await Bus.connect(url, name="natsched-cli", credentials=credentials)
     try:
         await bus.publish(S.control(worker), Control(kind=kind, ts=time.time(), by="cli"))
         await bus.nc.flush()
@@ -161,7 +161,8 @@ def cmd_submit(args) -> int:
 async def _submit(args) -> int:
     from bus.client import Client, Timeouts, make_request
 
-    client = await Client.connect(args.nats_url, Timeouts(admission=args.timeout), connect_budget_s=5.0)
+    client = await Client.connect(args.nats_url, Timeouts(admission=args.timeout), connect_budget_s=5.0,
+                                  credentials=args.credentials)
     try:
         extra = {"id": args.id} if args.id else {}
         request = make_request(args.tenant, args.prompt, cls=args.cls, model=args.model, max_tokens=args.max_tokens,
@@ -251,7 +252,7 @@ async def _quota(args) -> int:
     from admitter.usage import Usage
     from bus.connection import Bus
 
-    bus = await Bus.connect(args.nats_url, name="natsched-cli", connect_budget_s=5.0)
+    bus = await Bus.connect(args.nats_url, name="natsched-cli", connect_budget_s=5.0, credentials=args.credentials)
     try:
         await bus.provision()
         quotas, errors, dynamic, entries = await _read_quotas(bus)
@@ -302,6 +303,24 @@ def cmd_status(args) -> int:
     return _run(run_status(args))
 
 
+def cmd_auth(args) -> int:
+    from natsched.auth import AuthError, cmd_auth as run
+
+    try:
+        return run(args)
+    except AuthError as exc:
+        return _fail(str(exc))
+
+
+def cmd_cluster(args) -> int:
+    from natsched.cluster import cmd_cluster as run
+
+    try:
+        return run(args)
+    except BusError as exc:
+        return _fail(str(exc))
+
+
 def cmd_bench(args) -> int:
     from natsched.bench_cli import cmd_bench as run
 
@@ -336,7 +355,7 @@ async def _route(args) -> int:
                 return _fail("--canary-share must be within (0, 1]")
         config = {"policy": args.policy, "weights": weights, "canary": args.canary,
                   "canary_share": args.canary_share if args.canary else 0.0}
-    bus = await Bus.connect(args.nats_url, name="natsched-cli", connect_budget_s=5.0)
+    bus = await Bus.connect(args.nats_url, name="natsched-cli", connect_budget_s=5.0, credentials=args.credentials)
     try:
         await bus.provision()
         if args.action == "set":

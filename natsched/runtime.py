@@ -46,9 +46,10 @@ async def serve(
     start: Callable[[Bus], Awaitable[object]],
     stop: Callable[[], Awaitable[None]] | None = None,
     until: Callable[[], Awaitable[None]] | None = None,
+    credentials=None,
 ) -> None:
     """Connect, run ``start(bus)``, announce, then wait for SIGINT/SIGTERM (or ``until``)."""
-    bus = await Bus.connect(url, name=component)
+    bus = await Bus.connect(url, name=component, credentials=credentials)
     try:
         detail = await start(bus)
         announce(component, str(detail or ""))

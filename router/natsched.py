@@ -103,6 +103,7 @@ class NatschedParams:
     evict_cold: float = 0.35
     evict_reserve: float = 0.1
     evict_beta: float = 0.0  # EXPERIMENT: pressure x (front value / mean)^beta
+    mg_physics: bool = False  # EXPERIMENT
     tail_q: float = 0.0  # EXPERIMENT: tail guard quantile of best ttft (0 off)
     tail_eps: float = 0.05
     tail_window: int = 1000
@@ -168,6 +169,7 @@ class NatschedPolicy:
         sticky = self._sticky_worker(req.hashes, depth, now) if useful else None
         home = self._home(req, workers) if p.consistent_hash and not useful else None
         terms: dict[str, dict[str, float]] = {}
+        self._raw_tokens = {w: cached_tokens(n, d.block_tokens, prompt) for w, n in raw.items()} if p.mg_physics else None
         scores = self._score(req, pool, workers, useful, sticky, home, now, terms)
         cands = pool
         if p.tail_q > 0:
@@ -242,7 +244,8 @@ class NatschedPolicy:
             mfv = sum(fv.values()) / len(fv)
         for w in pool:
             c = useful.get(w.id, 0)
-            own = cost.prefill_ctx_s(prompt - c, c)
+            cr = self._raw_tokens.get(w.id, 0) if self._raw_tokens is not None else c
+            own = cost.prefill_ctx_s(prompt - cr, cr)
             wait = cost.wait_s(w, now)
             decode = p.decode_weight * cost.decode_s(w, out, need)
             est = wait + own + decode

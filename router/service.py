@@ -114,6 +114,10 @@ class RouterService:
             log.warning("ignoring bad heartbeat on %s: %s", subject, exc)
             self.metrics.bad_reports.labels("heartbeat").inc()
             return
+        if subject != S.heartbeat(hb.worker):  # a worker may only speak for itself
+            log.warning("ignoring heartbeat of %s published on %s", hb.worker, subject)
+            self.metrics.bad_reports.labels("heartbeat").inc()
+            return
         self.core.on_heartbeat(hb, time.time())
 
     async def _on_cache_event(self, subject: str, data: bytes, headers: dict) -> None:
@@ -121,6 +125,10 @@ class RouterService:
             ev = CacheEvent.decode(data)
         except MessageError as exc:
             log.warning("ignoring bad cache event on %s: %s", subject, exc)
+            self.metrics.bad_reports.labels("cache_event").inc()
+            return
+        if subject != S.cache_events(ev.worker):
+            log.warning("ignoring cache event of %s published on %s", ev.worker, subject)
             self.metrics.bad_reports.labels("cache_event").inc()
             return
         if not self.core.on_cache_event(ev, time.time()):

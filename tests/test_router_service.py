@@ -133,3 +133,12 @@ async def test_metrics_count_assignments_migrations_and_refused_reports(router, 
     assert m.assignments.labels("least_loaded", "wa")._value.get() == 3
     assert m.prefix_routes._value.get() == 2 and m.prefix_migrations._value.get() == 0  # one worker: no moves
     assert m.bad_reports.labels("heartbeat")._value.get() == 1
+
+
+async def test_a_worker_cannot_report_for_another(router, bus):
+    await bus.publish(S.heartbeat("wreal"), make_heartbeat("wimpostor"))
+    await bus.publish(S.cache_events("wreal"), CacheEvent(worker="wother", seq=1, kind="stored", ts=0, hashes=[1]))
+    await asyncio.sleep(0.3)
+    assert "wimpostor" not in router.core.workers
+    assert router.metrics.bad_reports.labels("heartbeat")._value.get() == 1
+    assert router.metrics.bad_reports.labels("cache_event")._value.get() == 1
