@@ -99,11 +99,14 @@ class NatschedParams:
     hol_weight: float = 0.0  # EXPERIMENT
     hol_window_s: float = 30.0
     hol_all: bool = False  # EXPERIMENT: rate = all routed requests / workers
+    ext_weight: float = 0.0  # EXPERIMENT: + ext x (all rate / N) x own x (wait + own/2)
     evict_weight: float = 0.0  # EXPERIMENT
     evict_cold: float = 0.35
     evict_reserve: float = 0.1
     evict_beta: float = 0.0  # EXPERIMENT: pressure x (front value / mean)^beta
     mg_physics: bool = False  # EXPERIMENT
+    seg_tokens: int = 0  # EXPERIMENT: prompts >= this are "big"
+    seg_k: int = 2
     tail_q: float = 0.0  # EXPERIMENT: tail guard quantile of best ttft (0 off)
     tail_eps: float = 0.05
     tail_window: int = 1000
@@ -165,6 +168,13 @@ class NatschedPolicy:
         raw = d.index.match(req.hashes, now, [w.id for w in workers])
         useful = self._useful(raw, prompt)
         pool, capped = self._apply_replica_cap(workers, useful)
+        if p.seg_tokens and not useful:
+            ids = sorted(w.id for w in workers)
+            bigset = set(ids[-p.seg_k:])
+            isbig = prompt >= p.seg_tokens
+            sub = [w for w in pool if (w.id in bigset) == isbig]
+            if sub:
+                pool = sub
         depth = max(raw.values()) if raw else 0
         sticky = self._sticky_worker(req.hashes, depth, now) if useful else None
         home = self._home(req, workers) if p.consistent_hash and not useful else None
@@ -265,6 +275,8 @@ class NatschedPolicy:
                 hol = p.hol_weight * lam * own * (wait + own / 2)
             else:
                 hol = 0.0
+            if p.ext_weight:
+                hol += p.ext_weight * self.affinity.at("*", now) / p.hol_window_s / len(workers) * own * (wait + own / 2)
             ev = p.evict_weight * self._evict_value(w, prompt - c) if p.evict_weight else 0.0
             s = est - cache + pressure - sticky_bonus - warm - home_bonus + hol + ev
             scores[w.id] = s

@@ -97,6 +97,9 @@ class CrashLog(logging.Handler):
             self.crashes.append(f"{record.name}: {text}")
 
 
+PHANTOM_TIMEOUT_S = 1.0
+
+
 @dataclass(repr=False)
 class Observer:
     """Everything the services say back, collected from core subscriptions."""
@@ -192,6 +195,7 @@ class Env:
         async def one():
             for w in self.workers:  # undo a fuzzed drain
                 await self.bus.publish(S.control(w.id), Control(kind="resume", by="fuzz"))
+            await asyncio.sleep(PHANTOM_TIMEOUT_S + 0.2)  # phantom workers the fuzz invented time out
             return await self.client.submit(make_request("fz", "still serving?", max_tokens=2))
 
         result = self.run(one())
@@ -213,7 +217,9 @@ async def _start(url: str) -> tuple:
     admitter = AdmitterService(await connect("admitter"))
     await admitter.start()
     router = RouterService(await connect("router"), RouterServiceSettings(
-        core=RouterSettings(policy="least_loaded"), no_worker_wait_s=1.0, retry_delay_s=0.2))
+        # heartbeats fuzzed for a phantom worker make it look healthy: it drops out when they stop
+        core=RouterSettings(policy="least_loaded", heartbeat_timeout_s=PHANTOM_TIMEOUT_S),
+        no_worker_wait_s=1.0, retry_delay_s=0.2))
     await router.start()
     workers = []
     for wid in ("w1", "w2"):
