@@ -94,22 +94,6 @@ class NatschedParams:
     ring_vnodes: int = 160
     ring_load_factor: float = 1.25  # bounded load: at most this x the mean in-flight count
     sticky_max_entries: int = 100_000
-    ttft_slack: float = -1.0  # EXPERIMENT: <0 off; else only workers with ttft <= best*(1+slack)+slack_s
-    ttft_slack_s: float = 0.0
-    hol_weight: float = 0.0  # EXPERIMENT
-    hol_window_s: float = 30.0
-    hol_all: bool = False  # EXPERIMENT: rate = all routed requests / workers
-    ext_weight: float = 0.0  # EXPERIMENT: + ext x (all rate / N) x own x (wait + own/2)
-    evict_weight: float = 0.0  # EXPERIMENT
-    evict_cold: float = 0.35
-    evict_reserve: float = 0.1
-    evict_beta: float = 0.0  # EXPERIMENT: pressure x (front value / mean)^beta
-    mg_physics: bool = False  # EXPERIMENT
-    seg_tokens: int = 0  # EXPERIMENT: prompts >= this are "big"
-    seg_k: int = 2
-    tail_q: float = 0.0  # EXPERIMENT: tail guard quantile of best ttft (0 off)
-    tail_eps: float = 0.05
-    tail_window: int = 1000
 
     def __post_init__(self) -> None:
         if not 10.0 <= self.sticky_window_s <= 60.0:
@@ -153,12 +137,6 @@ class NatschedPolicy:
         self._sticky: OrderedDict[BlockHash, tuple[WorkerId, float]] = OrderedDict()
         self._ring = HashRing(self.p.ring_vnodes)
         self.churn = Churn(self.p.churn_window_s)
-        self.affinity = Churn(self.p.hol_window_s)
-        self._lru: dict = {}
-        self._bests: list = []
-        self._bi = 0
-        self._T = float("inf")
-        self._seen: OrderedDict = OrderedDict()
 
     def route(self, req: RouteRequest, workers: Sequence[WorkerView], now: float) -> RouteDecision:
         if not workers:
@@ -168,46 +146,15 @@ class NatschedPolicy:
         raw = d.index.match(req.hashes, now, [w.id for w in workers])
         useful = self._useful(raw, prompt)
         pool, capped = self._apply_replica_cap(workers, useful)
-        if p.seg_tokens and not useful:
-            ids = sorted(w.id for w in workers)
-            bigset = set(ids[-p.seg_k:])
-            isbig = prompt >= p.seg_tokens
-            sub = [w for w in pool if (w.id in bigset) == isbig]
-            if sub:
-                pool = sub
         depth = max(raw.values()) if raw else 0
         sticky = self._sticky_worker(req.hashes, depth, now) if useful else None
         home = self._home(req, workers) if p.consistent_hash and not useful else None
         terms: dict[str, dict[str, float]] = {}
-        self._raw_tokens = {w: cached_tokens(n, d.block_tokens, prompt) for w, n in raw.items()} if p.mg_physics else None
         scores = self._score(req, pool, workers, useful, sticky, home, now, terms)
-        cands = pool
-        if p.tail_q > 0:
-            ttft = self._ttft
-            b = min(ttft.values())
-            if len(self._bests) < p.tail_window:
-                self._bests.append(b)
-            else:
-                self._bests[self._bi % p.tail_window] = b
-            self._bi += 1
-            if self._bi % 50 == 0 and len(self._bests) >= 100:
-                srt = sorted(self._bests)
-                self._T = srt[int(p.tail_q * (len(srt) - 1))]
-            lim = max(self._T, b * (1 + p.tail_eps))
-            cands = [w for w in pool if ttft[w.id] <= lim]
-        if p.ttft_slack >= 0:
-            ttft = self._ttft
-            lim = min(ttft.values()) * (1 + p.ttft_slack) + p.ttft_slack_s
-            cands = [w for w in pool if ttft[w.id] <= lim]
-        best = min(cands, key=lambda w: (scores[w.id], w.inflight, w.id))
+        best = min(pool, key=lambda w: (scores[w.id], w.inflight, w.id))
         self._remember(req.hashes, depth, best.id, now)
         expected = cached_tokens(raw.get(best.id, 0), d.block_tokens, prompt)
         self.churn.add(best.id, prompt - expected, now)
-        self.affinity.add("*", 1.0, now)
-        if best.id in useful:
-            self.affinity.add(best.id, 1.0, now)
-        if p.evict_weight or p.evict_beta:
-            self._touch(best, req)
         reason = "sticky" if best.id == sticky else "cache" if best.id in useful else "home" if best.id == home else "load"
         if capped:
             reason += "+capped"
@@ -247,85 +194,27 @@ class NatschedPolicy:
         churn = {w.id: self.churn.at(w.id, now) for w in workers} if p.churn_weight else {}
         mean_churn = (sum(churn.values()) / len(churn) if churn else 0.0) or 1.0
         scores: dict[str, float] = {}
-        self._ttft = ttfts = {}
-        fv = None
-        if p.evict_beta:
-            fv = {w.id: self._evict_value(w, prompt - useful.get(w.id, 0)) for w in pool}
-            mfv = sum(fv.values()) / len(fv)
         for w in pool:
             c = useful.get(w.id, 0)
-            cr = self._raw_tokens.get(w.id, 0) if self._raw_tokens is not None else c
-            own = cost.prefill_ctx_s(prompt - cr, cr)
+            own = cost.prefill_ctx_s(prompt - c, c)
             wait = cost.wait_s(w, now)
             decode = p.decode_weight * cost.decode_s(w, out, need)
             est = wait + own + decode
-            ttfts[w.id] = wait + own
             if w.capacity_tokens <= 0 or w.load_tokens + need > w.capacity_tokens:  # rare: maybe no KV room
                 est += cost.kv_wait_s(w, need)
             cache = locality * cost.prefill_ctx_s(c)
             pressure = p.churn_weight * own * churn[w.id] / mean_churn if churn else 0.0
-            if fv is not None and mfv > 0:
-                pressure *= (fv[w.id] / mfv) ** p.evict_beta
             sticky_bonus = max(p.stickiness_s, p.stickiness * est) if w.id == sticky else 0.0
             age = now - w.joined_at
             warm = p.warmup_boost * (1.0 - age / p.warmup_s) * full_prefill if age < p.warmup_s else 0.0
             home_bonus = p.home_bonus * est if w.id == home else 0.0
-            if p.hol_weight:
-                lam = self.affinity.at("*", now) / p.hol_window_s / len(workers) if p.hol_all else self.affinity.at(w.id, now) / p.hol_window_s
-                hol = p.hol_weight * lam * own * (wait + own / 2)
-            else:
-                hol = 0.0
-            if p.ext_weight:
-                hol += p.ext_weight * self.affinity.at("*", now) / p.hol_window_s / len(workers) * own * (wait + own / 2)
-            ev = p.evict_weight * self._evict_value(w, prompt - c) if p.evict_weight else 0.0
-            s = est - cache + pressure - sticky_bonus - warm - home_bonus + hol + ev
+            s = est - cache + pressure - sticky_bonus - warm - home_bonus
             scores[w.id] = s
             if terms is not None:
                 terms[w.id] = {"wait_s": wait, "prefill_s": own, "decode_s": decode, "cached_tokens": c,
                                "cache_bonus": cache, "pressure": pressure, "sticky": sticky_bonus, "warmup": warm,
                                "home": home_bonus, "score": s}
         return scores
-
-    def _cap_blocks(self, w):
-        return int(self.deps.cost.capacity_tokens(w) * (1 - self.p.evict_reserve) / self.deps.block_tokens)
-
-    def _touch(self, w, req):
-        od = self._lru.get(w.id)
-        if od is None:
-            od = self._lru[w.id] = OrderedDict()
-        seen = self._seen
-        bt = self.deps.block_tokens
-        cost = self.deps.cost
-        hs = req.hashes
-        for i in range(len(hs) - 1, -1, -1):
-            h = hs[i]
-            n = seen.get(h, 0) + 1
-            seen[h] = n
-            seen.move_to_end(h)
-            od[h] = cost.prefill_ctx_s(bt, i * bt)
-            od.move_to_end(h)
-        while len(seen) > 1_000_000:
-            seen.popitem(last=False)
-        cap = self._cap_blocks(w)
-        while len(od) > cap:
-            od.popitem(last=False)
-
-    def _evict_value(self, w, uncached):
-        od = self._lru.get(w.id)
-        if not od:
-            return 0.0
-        x = int(uncached / self.deps.block_tokens) - (self._cap_blocks(w) - len(od))
-        if x <= 0:
-            return 0.0
-        seen = self._seen
-        q = self.p.evict_cold
-        v = 0.0
-        for h, c in od.items():
-            v += c if seen.get(h, 0) >= 2 else c * q
-            x -= 1
-            if x <= 0:
-                break
-        return v
 
     # ------------------------------------------------------------------ stickiness
 
