@@ -88,7 +88,7 @@ async def worker(nats_url, tmp_path_factory):
     await listener.start(bus)
     path = write_tiny_model(tmp_path_factory.mktemp("tiny-worker"), tokenizer=True)
     proc = VllmWorkerProcess(nats_url, WID, path, model=MODEL, deployment=DEPLOYMENT, kv_cache_blocks=256,
-                             max_model_len=1024, concurrency=4, heartbeat=0.3).start()
+                             max_model_len=4096, concurrency=4, heartbeat=0.3).start()
     try:
         await proc.await_ready(240)
         yield bus, listener, proc
@@ -160,24 +160,25 @@ async def test_cache_events_are_sequenced_without_gaps(worker):
 
 async def test_too_long_prompt_is_answered_with_an_error(worker):
     bus, listener, _ = worker
-    req = await assign(bus, prompt_token_ids=[5] * 1500, max_tokens=4)
+    req = await assign(bus, prompt_token_ids=[5] * 4500, max_tokens=4)
     c = await finished(listener, req)
     assert c.status == "error" and c.reason == "prompt_too_long"
     err = [r for r in listener.replies[req.id] if r.final][0]
-    assert err.kind == "error" and err.reason == "prompt_too_long" and "1024" in err.message
+    assert err.kind == "error" and err.reason == "prompt_too_long" and "4096" in err.message
 
 
 async def test_drain_finishes_inflight_work_then_the_process_leaves(worker):
     """Last in the module: the worker leaves."""
     bus, listener, proc = worker
-    req = await assign(bus, prompt_token_ids=[7 + i % 500 for i in range(64)], max_tokens=900, stream=True)
+    # long enough that a fast CPU cannot finish it between two heartbeats
+    req = await assign(bus, prompt_token_ids=[7 + i % 500 for i in range(64)], max_tokens=4000, stream=True)
     assert await wait_for(lambda: sum(r.kind == "token" for r in listener.replies.get(req.id, [])) >= 5)
     await bus.publish(S.control(WID), Control(kind="drain", by="test"))
     # it says so while the request still runs ...
     assert await wait_for(lambda: any(hb.state == "quiescing" and req.id in hb.inflight for hb in listener.hbs))
     # ... and finishes it
     c = await finished(listener, req, timeout=120)
-    assert c.status == "ok" and c.output_tokens == 900
+    assert c.status == "ok" and c.output_tokens == 4000
     code = await asyncio.to_thread(proc.wait, 60)
     assert code == 0, proc.tail()
     assert await wait_for(lambda: listener.hbs[-1].inflight == [] and listener.kvs[-1].kind == "cleared")
