@@ -542,28 +542,17 @@ class Bus:
 
     # --- streams (audit, tests) -------------------------------------------------------------
     async def stream_messages(self, stream: str, subject: str | None = None) -> list[tuple[str, bytes]]:
-        """Every stored message of a stream (optionally one subject filter), oldest first."""
+        """Every stored message of a stream (optionally one subject), oldest first.
+
+        Reads by sequence number between the first and last sequence at the time of the call: a
+        snapshot with no consumer, so nothing is delivered twice (an ordered consumer that resets
+        under load can) and work-queue streams, which allow no second consumer, read the same way.
+        For tests and small streams; audits read windows with :func:`bus.audit.read_window`.
+        """
         info = await self.js.stream_info(stream)
         if info.state.messages == 0:
             return []
-        if info.config.retention == api.RetentionPolicy.WORK_QUEUE:  # no second consumer allowed
-            return await self._direct_messages(stream, info.state.first_seq, info.state.last_seq, subject)
-        sub = await self.js.subscribe(
-            subject or ">", stream=stream, ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL
-        )
-        out: list[tuple[str, bytes]] = []
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except NatsTimeout:
-                    break
-                out.append((msg.subject, msg.data))
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
-        return out
+        return await self._direct_messages(stream, info.state.first_seq, info.state.last_seq, subject)
 
     async def _direct_messages(self, stream: str, first: int, last: int, subject: str | None):
         out = []
