@@ -14,7 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import orjson
 
@@ -40,6 +40,7 @@ from bus.server import DEFAULT_URL
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _RETRYABLE = (NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError, asyncio.TimeoutError)
 
 
@@ -294,18 +295,9 @@ class Bus:
         hdrs = dict(headers or {})
         if msg_id:
             hdrs[S.HDR_MSG_ID] = msg_id
-        deadline = time.monotonic() + (budget_s if budget_s is not None else self.publish_budget_s)
-        delay = 0.05
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                return await self.js.publish(subject, data, timeout=max(0.5, min(2.0, remaining)), headers=hdrs or None)
-            except _RETRYABLE as exc:
-                if time.monotonic() + delay >= deadline:
-                    raise
-                log.warning("publish to %s failed (%s); retrying", subject, type(exc).__name__)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        return await self._retrying(
+            lambda remaining: self.js.publish(subject, data, timeout=max(0.5, min(2.0, remaining)), headers=hdrs or None),
+            budget_s, f"publish to {subject}", logging.WARNING)
 
     async def jpublish_nowait(self, subject: str, msg: Schema | bytes, msg_id: str | None = None) -> None:
         """JetStream publish whose ack is checked in the background (audit records).
@@ -549,7 +541,7 @@ class Bus:
         under load can) and work-queue streams, which allow no second consumer, read the same way.
         For tests and small streams; audits read windows with :func:`bus.audit.read_window`.
         """
-        info = await self.js.stream_info(stream)
+        info = await self._read(lambda: self.js.stream_info(stream))
         if info.state.messages == 0:
             return []
         return await self._direct_messages(stream, info.state.first_seq, info.state.last_seq, subject)
@@ -558,12 +550,33 @@ class Bus:
         out = []
         for seq in range(first, last + 1):
             try:
-                raw = await self.js.get_msg(stream, seq)
+                raw = await self._read(lambda: self.js.get_msg(stream, seq))
             except NotFoundError:
                 continue
             if subject is None or raw.subject == subject:
                 out.append((raw.subject, raw.data or b""))
         return out
+
+    async def _read(self, call: Callable[[], Awaitable[T]]) -> T:
+        """An idempotent read, retried like a publish: in a cluster, a stream whose leader just
+        died answers nothing until the election (a few seconds) is over."""
+        return await self._retrying(lambda _remaining: call(), None, "read", logging.INFO)
+
+    async def _retrying(self, call: Callable[[float], Awaitable[T]], budget_s: float | None, what: str,
+                        level: int) -> T:
+        """``call(remaining_s)`` until it succeeds or the budget (default: the publish budget) is
+        spent; only timeouts and "no responders" are retried, with a doubling pause."""
+        deadline = time.monotonic() + (budget_s if budget_s is not None else self.publish_budget_s)
+        delay = 0.05
+        while True:
+            try:
+                return await call(deadline - time.monotonic())
+            except _RETRYABLE as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise
+                log.log(level, "%s failed (%s); retrying", what, type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task:
         """A background task that ends with the Bus."""

@@ -20,12 +20,15 @@ from workers.vllm_worker import VllmWorkerProcess
 pytestmark = pytest.mark.vllm
 
 MODEL = "tiny-gw"
+#: the request the client hangs up on: long enough that even a fast CPU is still generating it
+#: well after the gateway noticed (CI once finished 4,000 tokens before the cancel arrived)
+LONG = 16_000
 
 
 async def test_openai_sdk_through_the_gateway_to_a_vllm_worker(bus, nats_url, tmp_path):
     stack = await start_stack(nats_url, workers=0)
     path = write_tiny_model(tmp_path / "tiny", tokenizer=True)  # text prompts: the chat template's output
-    proc = VllmWorkerProcess(nats_url, "gv1", path, model=MODEL, max_model_len=4096, kv_cache_blocks=256,
+    proc = VllmWorkerProcess(nats_url, "gv1", path, model=MODEL, max_model_len=LONG + 64, kv_cache_blocks=LONG // 16 + 64,
                              concurrency=4, heartbeat=0.3).start()
     gw = None
     try:
@@ -50,7 +53,7 @@ async def test_openai_sdk_through_the_gateway_to_a_vllm_worker(bus, nats_url, tm
 
         # a client that hangs up mid-stream: vLLM stops generating it
         reader, writer = await post(gw, "/v1/completions", {"model": MODEL, "prompt": "tell me everything",
-                                                             "max_tokens": 4000, "stream": True})  # seconds long
+                                                             "max_tokens": LONG, "stream": True})
         assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
         await reader.readuntil(b"data: ")  # it is generating
         writer.close()

@@ -1,6 +1,8 @@
 """The embedded server and stream provisioning."""
 
+import asyncio
 import socket
+import time
 
 import pytest
 from nats.js import api
@@ -63,3 +65,27 @@ async def test_incompatible_existing_stream_is_refused(bus):
     await bus.js.add_stream(cfg)
     with pytest.raises(ProvisionError, match="ADMITTED exists with retention"):
         await bus.provision()
+
+
+async def test_publishes_and_reads_ride_out_a_server_restart(tmp_path):
+    """A node that restarts (or a leader election) costs time, not an error: publishes and
+    reads retry within the Bus's budget while the client reconnects."""
+    server = EmbeddedServer(port=free_port(), data_dir=tmp_path / "data").start()
+    bus = await Bus.connect(server.url, publish_budget_s=20)
+    try:
+        await bus.provision()
+        await bus.jpublish(S.request(S.ONLINE, "t1"), b"before", msg_id="m1")
+        server.stop()
+        loop = asyncio.get_running_loop()
+        restart = loop.run_in_executor(None, lambda: time.sleep(1.0) or server.start())
+        ack = await bus.jpublish(S.request(S.ONLINE, "t1"), b"during", msg_id="m2")  # sent while down
+        await restart
+        assert ack.seq == 2 and not ack.duplicate
+        server.stop()
+        restart = loop.run_in_executor(None, lambda: time.sleep(1.0) or server.start())
+        stored = await bus.stream_messages(S.STREAM_REQUESTS)  # asked while down
+        await restart
+        assert [data for _, data in stored] == [b"before", b"during"]
+    finally:
+        await bus.close()
+        server.stop()

@@ -26,7 +26,7 @@ CONFIG = {
     "num_key_value_heads": 2,
     "num_hidden_layers": 2,
     "vocab_size": VOCAB,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 32768,  # room for long generations; each test sets its own max_model_len
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "torch_dtype": "float32",
