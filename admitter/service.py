@@ -21,12 +21,13 @@ from admitter.dynamic import DynamicTotal, DynamicTotalSettings
 from admitter.errors import AdmitterError, QuotaError
 from admitter.leases import LeaseTracker, reconcile
 from admitter.metrics import AdmitterMetrics
-from admitter.policy import ALLOW, DEGRADE, QUEUE, REJECT, AdmissionDecision, AdmissionSettings, AdmitterCore
+from admitter.policy import ALLOW, DEGRADE, QUEUE, AdmissionDecision, AdmissionSettings, AdmitterCore
 from admitter.quotas import Quotas
+from admitter.rescue import RescueReport, Rescuer
 from admitter.shared import Reservation, SharedState
 from bus import subjects as S
 from bus.connection import Bus, ConsumerSpec, Delivery
-from bus.errors import MessageError
+from bus.errors import BusError, MessageError
 from bus.schema import Admitted, Completion, Decision, Heartbeat, Reply, Request
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class AdmitterServiceSettings:
     max_held: int = 100_000  # un-acked requests one replica may hold (max ack pending)
     fetch_batch: int = 256  # requests pulled per fetch
     lease_missed: int = 3  # heartbeats a worker may miss before its reservations are reclaimed
+    rescue_interval_s: float = 2.0  # how often work stranded on silent workers is looked for
+    rescue_grace_s: float = 10.0  # after start: workers not heard from yet are not judged dead
     reconcile_interval_s: float = 10.0
     orphan_after_s: float = 120.0  # a reservation no live worker reports after this is leaked
     dynamic: DynamicTotalSettings = field(default_factory=DynamicTotalSettings)
@@ -63,6 +66,9 @@ class AdmitterService:
         self.core = AdmitterCore(s.admission)
         self.shared = SharedState(bus, s.name)
         self.leases = LeaseTracker(s.lease_missed)
+        self.rescuer = Rescuer(bus, self.shared, s.name)
+        self._started = time.monotonic()
+        self._dead: set[str] = set()  # workers whose lease expired here (until they heartbeat again)
         self.dynamic = DynamicTotal(s.dynamic)
         self.metrics = metrics or AdmitterMetrics()
         self.held: dict[str, Held] = {}
@@ -355,18 +361,45 @@ class AdmitterService:
             return
         now = time.time()
         self.leases.on_heartbeat(hb.worker, now, hb.interval, hb.inflight)
+        self._dead.discard(hb.worker)
         self.worker_load[hb.worker] = (hb.capacity_tokens, hb.runtime_tokens, now)
 
     async def _lease_loop(self) -> None:
+        last_sweep = 0.0
         while True:
             await asyncio.sleep(0.5)
-            for worker, held in self.leases.expired(time.time()).items():
-                log.warning("worker %s missed %d heartbeats: reclaiming %d reservations", worker,
-                            self.settings.lease_missed, len(held))
-                self.worker_load.pop(worker, None)
-                for rid in held:
-                    if await self.release(rid, why=f"lease of {worker} expired"):
-                        self.metrics.repairs.labels("lease").inc()
+            expired = self.leases.expired(time.time())
+            if not expired and time.monotonic() - last_sweep < self.settings.rescue_interval_s:
+                continue
+            last_sweep = time.monotonic()
+            try:
+                await self.reclaim(expired)
+            except (AdmitterError, BusError) as exc:
+                log.warning("lease reclaim deferred: %s", exc)
+
+    def is_live(self, worker: str) -> bool:
+        """Alive for rescue purposes: its lease holds, or (never seen) this replica is too new to judge."""
+        if worker in self.leases.workers:
+            return True
+        return worker not in self._dead and time.monotonic() - self._started < self.settings.rescue_grace_s
+
+    async def reclaim(self, expired: dict[str, set[str]]) -> RescueReport:
+        """Rescue what dead workers left on WORK, then free the reservations nothing runs any more."""
+        for worker, held in expired.items():
+            log.warning("worker %s missed %d heartbeats: its lease expired (%d requests held); rescuing its "
+                        "unfinished work", worker, self.settings.lease_missed, len(held))
+            self.worker_load.pop(worker, None)
+            self._dead.add(worker)
+        report = await self.rescuer.sweep(self.is_live)
+        self.metrics.repairs.labels("rescue").inc(len(report.rescued))
+        for worker, held in expired.items():
+            for rid in held - report.rescued.keys():
+                res = self.shared.reservations.get(rid)
+                if res is not None and res.moved_from:
+                    continue  # another replica rescued it: its tokens are booked for the re-run
+                if await self.release(rid, why=f"lease of {worker} expired"):
+                    self.metrics.repairs.labels("lease").inc()
+        return report
 
     async def _reconcile_loop(self) -> None:
         while True:

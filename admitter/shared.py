@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 USAGE = S.KEY_USAGE
 RES_PREFIX = "res."
+#: how long a released reservation's tombstone is kept: long enough for every replica's watch to
+#: see the deletion, short enough that the bucket holds only what is in flight (not one marker
+#: per request ever admitted)
+MARKER_TTL_S = 300
 
 
 @dataclass
@@ -45,16 +49,19 @@ class Reservation:
     ts: float
     by: str
     revision: int = 0
+    moved_from: str = ""  # the dead worker it was rescued from (its tokens stay reserved)
 
     def to_json(self) -> bytes:
-        return orjson.dumps({"tenant": self.tenant, "model": self.model, "tokens": self.tokens, "ts": self.ts,
-                             "by": self.by})
+        record = {"tenant": self.tenant, "model": self.model, "tokens": self.tokens, "ts": self.ts, "by": self.by}
+        if self.moved_from:
+            record["moved_from"] = self.moved_from
+        return orjson.dumps(record)
 
     @classmethod
     def from_json(cls, request_id: str, raw: bytes, revision: int) -> "Reservation":
         d = orjson.loads(raw)
         return cls(request_id, str(d["tenant"]), str(d.get("model", "default")), int(d["tokens"]), float(d["ts"]),
-                   str(d.get("by", "")), revision)
+                   str(d.get("by", "")), revision, str(d.get("moved_from", "")))
 
 
 class SharedState:
@@ -132,21 +139,54 @@ class SharedState:
         self.reservations[res.request_id] = res
 
     async def take(self, request_id: str) -> Reservation | None:
-        """Delete a reservation once: the caller that wins frees its tokens, everyone else gets None."""
+        """Delete a reservation once: the caller that wins frees its tokens, everyone else gets None.
+
+        A record rewritten since the mirror saw it (a rescue marked it moved) is still the same
+        reservation: the delete is retried once against the revision read back.
+        """
         key = S.reservation_key(request_id)
         res = self.reservations.get(request_id)
-        if res is None or not res.revision:  # not mirrored yet: read it (one more round trip)
-            current = await self.bus.kv_get(S.BUCKET_INFLIGHT, key)
-            if current is None:
-                self.reservations.pop(request_id, None)
-                return None
-            res = Reservation.from_json(request_id, current[0], current[1])
-        try:
-            await self.bus.kv_delete(S.BUCKET_INFLIGHT, key, last=res.revision)
-        except ConflictError:
-            return None  # deleted (or rewritten) by someone else first
-        self.reservations.pop(request_id, None)
-        return res
+        for _ in range(2):
+            if res is None or not res.revision:  # not mirrored yet: read it (one more round trip)
+                res = await self._read(request_id)
+                if res is None:
+                    return None
+            try:
+                await self.bus.kv_delete(S.BUCKET_INFLIGHT, key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
+            except ConflictError:
+                res = None  # deleted by someone else first, or rewritten: read it again
+                continue
+            self.reservations.pop(request_id, None)
+            return res
+        return None
+
+    async def mark_moved(self, request_id: str, worker: str) -> Reservation | None:
+        """Note on its record that a reservation's request was rescued from dead ``worker``.
+
+        Returns the marked record, or None when it no longer exists: the request's completion
+        (or a release) came first, so there is nothing to run again. A record another replica
+        marked already is returned as it is (its rescue is the same, deduplicated, rescue).
+        """
+        for _ in range(self.max_attempts):
+            res = await self._read(request_id)
+            if res is None or res.moved_from == worker:
+                return res
+            res.moved_from = worker
+            try:
+                res.revision = await self.bus.kv_update(S.BUCKET_INFLIGHT, S.reservation_key(request_id),
+                                                        res.to_json(), res.revision)
+            except ConflictError:
+                continue
+            self.reservations[request_id] = res
+            return res
+        raise AdmitterError(f"reservation {request_id}: lost {self.max_attempts} races marking it moved")
+
+    async def _read(self, request_id: str) -> Reservation | None:
+        current = await self.bus.kv_get(S.BUCKET_INFLIGHT, S.reservation_key(request_id))
+        if current is None:
+            self.reservations.pop(request_id, None)
+            return None
+        return Reservation.from_json(request_id, current[0], current[1])
 
     def drift(self, is_long: Callable[[int], bool]) -> Usage:
         """What the aggregate should be according to the reservation records."""

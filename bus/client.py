@@ -79,6 +79,7 @@ class _Progress:
 
     worker: WorkerId | None = None
     final: bool = False
+    abandoned: set[str] = field(default_factory=set)  # workers it was rescued from
 
 
 class Stream:
@@ -185,6 +186,12 @@ class Client:
                 reply = Reply.decode(msg.data)
             except (DecodeError, SchemaError):
                 continue  # not ours to interpret; a stray message on the reply subject
+            if reply.kind == "status" and reply.status == "rerouted":
+                _rerouted(request, reply, progress, texts)
+                statuses.append("rerouted")
+                continue
+            if reply.worker and reply.worker in progress.abandoned:
+                continue  # a worker declared dead that was only slow: its re-run elsewhere counts
             if reply.final:
                 progress.final = True
             if reply.worker:  # "assigned" names it; so does every token (which may overtake "assigned")
@@ -220,6 +227,22 @@ class Client:
                     statuses=statuses,
                 )
                 return
+
+
+def _rerouted(request: Request, reply: Reply, progress: "_Progress", texts: list[str]) -> None:
+    """Its worker died and the admitter re-admitted it: start over, unless output was streamed.
+
+    Tokens already handed to a streaming consumer cannot be taken back, so a stream that had
+    output fails with ``worker_lost`` (the producer decides whether to retry); otherwise the
+    re-run is invisible apart from the ``rerouted`` status.
+    """
+    if reply.worker:
+        progress.abandoned.add(reply.worker)
+    progress.worker = None
+    if texts and request.stream:
+        raise RequestFailed(f"request {request.id} failed: worker_lost: worker {reply.worker} died mid-stream; "
+                            "the output so far is incomplete", request.id, "worker_lost")
+    texts.clear()
 
 
 def _raise_error(request_id: str, reply: Reply) -> None:

@@ -41,6 +41,7 @@ from bus.server import DEFAULT_URL
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+JS_NO_MESSAGE_FOUND = 10057  # JetStream's err_code for a message sequence that is not stored
 _RETRYABLE = (NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError, asyncio.TimeoutError)
 
 
@@ -444,11 +445,7 @@ class Bus:
 
     async def dead_letter(self, d: Delivery, source: str, reason: str, error: str) -> None:
         """Keep the message on ``dead.<source>`` and tell its producer, when we know who that is."""
-        record = DeadLetter(  # the original bytes, cut so the record itself fits a message
-            subject=d.subject, reason=reason, error=error, ts=time.time(), data=d.data[: DEAD_LETTER_MAX_DATA],
-            headers=d.headers, by=self.name,
-        )
-        await self.jpublish(S.deadletter(source), record)
+        await self.dead_letter_raw(d.subject, d.data, source, reason, error, d.headers)
         reply_to = d.headers.get(S.HDR_REPLY)
         request_id = d.headers.get(S.HDR_MSG_ID, "unknown")
         parts = d.subject.split(".")
@@ -460,6 +457,13 @@ class Bus:
                 # keep the message: it would come back until max_deliver, and raise there again
                 log.warning("dead letter %s: no error reply to %r: %r", request_id, reply_to, exc)
         log.warning("dead-lettered %s from %s: %s: %s", request_id, d.subject, reason, error)
+
+    async def dead_letter_raw(self, subject: str, data: bytes, source: str, reason: str, error: str,
+                              headers: dict[str, str] | None = None) -> None:
+        """Keep bytes that came from ``subject`` on ``dead.<source>`` (cut to fit one message)."""
+        record = DeadLetter(subject=subject, reason=reason, error=error, ts=time.time(),
+                            data=data[: DEAD_LETTER_MAX_DATA], headers=headers or {}, by=self.name)
+        await self.jpublish(S.deadletter(source), record)
 
     # --- KV -----------------------------------------------------------------------------
     async def _bucket(self, bucket: str) -> Any:
@@ -494,10 +498,22 @@ class Bus:
         except KeyWrongLastSequenceError as exc:
             raise ConflictError(f"{bucket}/{key} changed since revision {last}") from exc
 
-    async def kv_delete(self, bucket: str, key: str, last: int | None = None) -> None:
-        """Delete (conditioned on revision ``last`` when given: :class:`ConflictError` if it moved)."""
+    async def kv_delete(self, bucket: str, key: str, last: int | None = None, marker_ttl_s: int | None = None) -> None:
+        """Delete (conditioned on revision ``last`` when given: :class:`ConflictError` if it moved).
+
+        A plain KV delete leaves a marker per key for good: a bucket with one key per request
+        (reservations) would grow by one stored message per request forever. With
+        ``marker_ttl_s`` the key is purged instead and its marker expires after that many
+        seconds (a per-message TTL; watchers see the deletion either way).
+        """
         try:
-            await (await self._bucket(bucket)).delete(key, last=last)
+            if marker_ttl_s is None:
+                await (await self._bucket(bucket)).delete(key, last=last)
+                return
+            headers = {"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": f"{int(marker_ttl_s)}s"}
+            if last:
+                headers["Nats-Expected-Last-Subject-Sequence"] = str(last)
+            await self.js.publish(f"$KV.{bucket}.{key}", b"", headers=headers)
         except APIError as exc:
             if exc.err_code in (10071, 10164):
                 raise ConflictError(f"{bucket}/{key} changed since revision {last}") from exc
@@ -556,6 +572,30 @@ class Bus:
             if subject is None or raw.subject == subject:
                 out.append((raw.subject, raw.data or b""))
         return out
+
+    async def subject_counts(self, stream: str, subjects: str) -> dict[str, int]:
+        """Stored messages per subject matching ``subjects`` (e.g. each worker's ``work.<id>``)."""
+        info = await self._read(lambda: self.js.stream_info(stream, subjects_filter=subjects))
+        return dict(info.state.subjects or {})
+
+    async def next_message(self, stream: str, subject: str, from_seq: int) -> tuple[int, bytes] | None:
+        """The first stored message on ``subject`` at or after ``from_seq``: (sequence, data), or None."""
+        try:
+            raw = await self._read(lambda: self.js.get_msg(stream, max(1, from_seq), subject=subject, next=True))
+        except NotFoundError:
+            return None
+        return raw.seq, raw.data or b""
+
+    async def delete_message(self, stream: str, seq: int) -> bool:
+        """Remove one stored message; False when it was already gone (someone else removed it)."""
+        try:
+            return await self._read(lambda: self.js.delete_msg(stream, seq))
+        except NotFoundError:
+            return False
+        except APIError as exc:  # "no message found" comes as a 500 with this error code
+            if exc.err_code == JS_NO_MESSAGE_FOUND:
+                return False
+            raise
 
     async def _read(self, call: Callable[[], Awaitable[T]]) -> T:
         """An idempotent read, retried like a publish: in a cluster, a stream whose leader just

@@ -167,8 +167,12 @@ async def ensure_bucket(js, bucket: str, replicas: int | None) -> None:
     except BucketNotFoundError:
         pass
     else:
+        info = await js.stream_info(f"KV_{bucket}")
+        if not info.config.allow_msg_ttl:  # made by an older client: needed for expiring tombstones
+            info.config.allow_msg_ttl = True
+            await js.update_stream(info.config)
+            log.info("bucket %s now allows per-message TTLs", bucket)
         if replicas > 1:
-            info = await js.stream_info(f"KV_{bucket}")
             if (info.config.num_replicas or 1) < replicas:
                 info.config.num_replicas = replicas
                 await js.update_stream(info.config)
@@ -323,20 +327,25 @@ def job_stream_config(name: str, settings: ProvisionSettings, limits: StreamLimi
 
 
 async def ensure_jobs_bucket(js, limits: JobStoreLimits, replicas: int | None) -> None:
-    """Create bucket ``jobs`` (history 1) or bring its limits to ``limits`` (replicas None: automatic)."""
+    """Create bucket ``jobs`` (history 1) or bring its limits to ``limits`` (replicas None: automatic).
+
+    With direct gets allowed: a direct get names the key in its subject
+    (``$JS.API.DIRECT.GET.KV_jobs.$KV.jobs.<key>``), so a permission can let a tenant's batch role
+    read its own job records and no others (a plain get carries the key in the body).
+    """
     replicas = auto_replicas(js) if replicas is None else replicas
     try:
         await js.key_value(S.BUCKET_JOBS)
     except BucketNotFoundError:
         await js.create_key_value(api.KeyValueConfig(
             bucket=S.BUCKET_JOBS, history=1, ttl=limits.max_age_s, max_bytes=limits.max_bytes,
-            max_value_size=limits.max_value_bytes, replicas=replicas))
+            max_value_size=limits.max_value_bytes, replicas=replicas, direct=True))
         log.info("created bucket %s", S.BUCKET_JOBS)
         return
     info = await js.stream_info(f"KV_{S.BUCKET_JOBS}")
     config = info.config
-    if (config.max_age, config.max_bytes) != (limits.max_age_s, limits.max_bytes):
-        config.max_age, config.max_bytes = limits.max_age_s, limits.max_bytes
+    if (config.max_age, config.max_bytes, bool(config.allow_direct)) != (limits.max_age_s, limits.max_bytes, True):
+        config.max_age, config.max_bytes, config.allow_direct = limits.max_age_s, limits.max_bytes, True
         await js.update_stream(config)
 
 

@@ -213,6 +213,8 @@ class Admitted(Schema):
     admitted_at: float
     admitter: str = ""
     queue_wait: float = 0.0
+    attempt: int = 0  # 0 first; +1 each time a dead worker's unfinished request is re-admitted
+    avoid: list[str] = field(default_factory=list)  # workers it must not be routed to (found dead)
     v: int = SCHEMA_VERSION
 
 
@@ -223,7 +225,7 @@ class Decision(Schema):
     request_id: RequestId
     tenant: TenantId
     stage: str  # "admission" | "routing"
-    decision: str  # admission: allow|queue|reject|degrade ; routing: assign|fail
+    decision: str  # admission: allow|queue|reject|degrade|rescue ; routing: assign|fail
     ts: float
     cls: str = wire("class", "")
     reason: str | None = None
@@ -251,6 +253,8 @@ class Assignment(Schema):
     routed_at: float
     policy: str = ""
     expected_cached_tokens: int = 0
+    attempt: int = 0  # copied from Admitted: a rescue re-admits it with the next one
+    avoid: list[str] = field(default_factory=list)
     v: int = SCHEMA_VERSION
 
 

@@ -108,6 +108,12 @@ def work(worker: WorkerId) -> str:
     return f"work.{token(worker, 'worker id')}"
 
 
+def work_owner(subject: str) -> WorkerId | None:
+    """The worker whose input ``subject`` is (``work.<worker>``), or None for any other subject."""
+    prefix, _, worker = subject.partition(".")
+    return WorkerId(worker) if prefix == "work" and _TOKEN.match(worker) else None
+
+
 def reply(request_id: RequestId) -> str:
     """The default reply subject for a request: ``resp.<request_id>``."""
     return f"resp.{token(request_id, 'request id')}"

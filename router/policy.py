@@ -31,6 +31,7 @@ class RouteRequest:
     cls: str = "online"
     model: str = "default"
     route_key: BlockHash | None = None  # model-level key for consistent hashing
+    avoid: frozenset[str] = frozenset()  # workers found dead while holding it: never again
 
     @classmethod
     def from_request(cls, request: Request, block_size: int, runtime_tokens: int = 0) -> "RouteRequest":

@@ -233,6 +233,8 @@ class WorkerRegistry:
         """May ``view`` take ``req`` now? Healthy: yes; Backoff: short prompts only; else no."""
         if view.model != req.model or now - view.last_heartbeat > self.settings.heartbeat_timeout_s:
             return False
+        if view.id in req.avoid:
+            return False
         if view.state == "healthy":
             return True
         return view.state == "backoff" and req.prompt_tokens <= self.settings.backoff_max_prompt_tokens

@@ -155,6 +155,7 @@ class RouterService:
                 continue
             started = time.perf_counter()
             rr = RouteRequest.from_request(adm.request, self.core.settings.block_size, adm.runtime_tokens)
+            rr.avoid = frozenset(adm.avoid)
             decision = self.core.route(rr, time.time())
             elapsed = time.perf_counter() - started
             self.metrics.latency.observe(elapsed)
@@ -175,11 +176,14 @@ class RouterService:
             return
         assignment = Assignment(request=req, worker=decision.worker, runtime_tokens=adm.runtime_tokens,
                                 admitted_at=adm.admitted_at, routed_at=time.time(), policy=decision.policy,
-                                expected_cached_tokens=decision.expected_cached_tokens)
-        # one id per request: a router that crashes after this publish and re-routes on
-        # redelivery is deduplicated by the server instead of running the request twice
+                                expected_cached_tokens=decision.expected_cached_tokens, attempt=adm.attempt,
+                                avoid=adm.avoid)
+        # one id per request and attempt: a router that crashes after this publish and re-routes
+        # on redelivery is deduplicated by the server instead of running the request twice; a
+        # rescue (its worker died) is a new attempt, which must not be deduplicated away
+        msg_id = f"{req.id}:work" + (f":{adm.attempt}" if adm.attempt else "")
         await asyncio.gather(
-            self.bus.jpublish(S.work(decision.worker), assignment, msg_id=f"{req.id}:work"),
+            self.bus.jpublish(S.work(decision.worker), assignment, msg_id=msg_id),
             self._record(adm, decision, "assign", latency_ms),
         )
         if req.reply:

@@ -226,3 +226,27 @@ async def test_metrics_count_decisions_by_tenant_class_and_reason(bus, nats_url)
                 "natsched_admission_queue_depth", "natsched_admission_reconciliation_repairs"} <= names
     finally:
         await stop(adm)
+
+
+async def test_a_released_reservation_leaves_only_an_expiring_tombstone(bus, nats_url):
+    """One key per request ever admitted must not stay in the bucket: the release purges the key
+    with a marker that carries a TTL, and a release against a stale revision still conflicts."""
+    from admitter.shared import MARKER_TTL_S, Reservation
+
+    adm = await start_admitter(nats_url)
+    try:
+        rid = "r-tomb"
+        await adm.shared.record(Reservation(rid, "t1", "default", 300, time.time(), "admitter"))
+        stale = adm.shared.reservations[rid].revision
+        moved = await adm.shared.mark_moved(rid, "w9")  # rewritten: the mirror's revision is old now
+        assert moved is not None and moved.revision > stale
+        adm.shared.reservations[rid].revision = stale
+        taken = await adm.shared.take(rid)  # retried once against the revision read back
+        assert taken is not None and taken.moved_from == "w9"
+        raw = await bus.js.get_msg(f"KV_{S.BUCKET_INFLIGHT}", subject=f"$KV.{S.BUCKET_INFLIGHT}.{S.reservation_key(rid)}")
+        assert raw.headers["KV-Operation"] == "PURGE" and raw.headers["Nats-TTL"] == f"{MARKER_TTL_S}s"
+        assert await bus.kv_get(S.BUCKET_INFLIGHT, S.reservation_key(rid)) is None
+        assert await adm.shared.take(rid) is None  # freed once
+        assert await until(lambda: rid not in adm.shared.reservations, timeout=5)
+    finally:
+        await stop(adm)
