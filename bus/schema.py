@@ -166,6 +166,14 @@ def _check_id(value: str, name: str) -> None:
         raise SchemaError(f"field '{name}' must match {ID_PATTERN.pattern} (it is used in subjects)", name)
 
 
+def _check_counts(obj: Any, names: tuple[str, ...]) -> None:
+    """Counts of tokens, blocks or attempts are never negative (None = not given)."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < 0:
+            raise SchemaError(f"field '{name}' must be >= 0, got {value}", name)
+
+
 @dataclass
 class Request(Schema):
     """An inference request as a producer publishes it on ``req.<class>.<tenant>``.
@@ -217,6 +225,9 @@ class Admitted(Schema):
     avoid: list[str] = field(default_factory=list)  # workers it must not be routed to (found dead)
     v: int = SCHEMA_VERSION
 
+    def __post_init_check__(self) -> None:
+        _check_counts(self, ("runtime_tokens", "attempt"))
+
 
 @dataclass
 class Decision(Schema):
@@ -256,6 +267,10 @@ class Assignment(Schema):
     attempt: int = 0  # copied from Admitted: a rescue re-admits it with the next one
     avoid: list[str] = field(default_factory=list)
     v: int = SCHEMA_VERSION
+
+    def __post_init_check__(self) -> None:
+        _check_id(self.worker, "worker")
+        _check_counts(self, ("runtime_tokens", "expected_cached_tokens", "attempt"))
 
 
 @dataclass
@@ -317,6 +332,8 @@ class Completion(Schema):
     def __post_init_check__(self) -> None:
         _check_id(self.request_id, "request_id")
         _check_id(self.tenant, "tenant")
+        _check_counts(self, ("runtime_tokens", "prompt_tokens", "cached_tokens", "output_tokens",
+                             "expected_cached_tokens"))
 
 
 @dataclass
@@ -347,9 +364,7 @@ class Heartbeat(Schema):
 
     def __post_init_check__(self) -> None:
         _check_id(self.worker, "worker")
-        for name in self._COUNTS:  # a negative load would make a worker look better than idle
-            if getattr(self, name) < 0:
-                raise SchemaError(f"field '{name}' must be >= 0, got {getattr(self, name)}", name)
+        _check_counts(self, self._COUNTS)  # a negative load would make a worker look better than idle
         if self.block_size <= 0 or self.interval <= 0:
             raise SchemaError("fields 'block_size' and 'interval' must be > 0", "block_size")
 

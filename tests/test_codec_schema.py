@@ -99,3 +99,17 @@ def test_other_messages_round_trip():
                 Heartbeat(worker="w", seq=1, ts=1.0, inflight=["a", "b"]),
                 Reply(request_id="a", kind="token", text="x", token_ids=[1], index=0)):
         assert type(msg).decode(msg.encode()) == msg
+
+
+@pytest.mark.parametrize("message, field", [
+    (Completion(request_id="r1", tenant="t1", status="ok", runtime_tokens=10, expected_cached_tokens=-5),
+     "expected_cached_tokens"),
+    (Completion(request_id="r1", tenant="t1", status="ok", runtime_tokens=10, cached_tokens=-1), "cached_tokens"),
+    (Admitted(request=make_request(), runtime_tokens=-1, admitted_at=1.0), "runtime_tokens"),
+    (Admitted(request=make_request(), runtime_tokens=1, admitted_at=1.0, attempt=-2), "attempt"),
+])
+def test_negative_counts_are_refused_and_named(message, field):
+    """A negative count from a hostile producer would reach a Prometheus counter (which raises)
+    or make a worker look better than idle: the message is invalid instead."""
+    with pytest.raises(SchemaError, match=f"'{field}' must be >= 0"):
+        type(message).decode(message.encode())

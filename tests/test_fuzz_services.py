@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import json
 import logging
 import threading
@@ -45,7 +46,7 @@ from workers.agent import WorkerAgent, WorkerSettings
 from workers.profiles import H100_LLAMA8B
 from workers.simengine import SimEngine
 
-EXAMPLES = 100
+EXAMPLES = int(os.environ.get("NATSCHED_FUZZ_EXAMPLES", "100"))  # more for a deeper local run
 #: no shrinking: each step would replay against services whose state moved on, minutes per failure;
 #: the failing example is reported as generated
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
