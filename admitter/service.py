@@ -32,6 +32,10 @@ from bus.schema import Admitted, Completion, Decision, Heartbeat, Reply, Request
 
 log = logging.getLogger(__name__)
 
+LEASE_TICK_S = 0.1  # how often leases are checked: a fraction of any heartbeat period
+FAST_SWEEP_S = 0.25  # rescue sweeps this often ...
+RECENT_DEATH_S = 30.0  # ... for this long after a worker's lease expired
+
 
 @dataclass
 class AdmitterServiceSettings:
@@ -68,7 +72,7 @@ class AdmitterService:
         self.leases = LeaseTracker(s.lease_missed)
         self.rescuer = Rescuer(bus, self.shared, s.name)
         self._started = time.monotonic()
-        self._dead: set[str] = set()  # workers whose lease expired here (until they heartbeat again)
+        self._dead: dict[str, float] = {}  # worker -> when its lease expired here (until it heartbeats)
         self.dynamic = DynamicTotal(s.dynamic)
         self.metrics = metrics or AdmitterMetrics()
         self.held: dict[str, Held] = {}
@@ -151,6 +155,9 @@ class AdmitterService:
                 held.delivery = d
             elif request.id in self.shared.reservations:  # allowed before, its ack was lost
                 await self._hand_off_again(request, d)
+            elif d.num_delivered > 1 and await self._released_recently(request.id):
+                await d.ack()  # allowed, run and released before this copy came back: never twice
+                log.info("request %s redelivered after its completion; dropped", request.id)
             elif request.id not in seen:
                 seen.add(request.id)
                 items.append((d, request))
@@ -182,6 +189,12 @@ class AdmitterService:
             self.metrics.latency.observe(elapsed / len(items))
         await asyncio.gather(*(self._act(request, dec, d, 0.0, elapsed * 1000 / len(items))
                                for (d, request), dec in zip(items, decisions)))
+
+    async def _released_recently(self, request_id: str) -> bool:
+        """Its reservation existed and was released (the purge marker lives ``MARKER_TTL_S``,
+        longer than the ack wait after which a copy whose ack was lost comes back)."""
+        op = await self.bus.kv_last_operation(S.BUCKET_INFLIGHT, S.reservation_key(request_id))
+        return op in ("DEL", "PURGE")
 
     async def _hand_off_again(self, request: Request, d: Delivery) -> None:
         """Re-publish an allowed request (the same msg id: deduplicated if it did go out) and ack."""
@@ -361,21 +374,31 @@ class AdmitterService:
             return
         now = time.time()
         self.leases.on_heartbeat(hb.worker, now, hb.interval, hb.inflight)
-        self._dead.discard(hb.worker)
+        self._dead.pop(hb.worker, None)
         self.worker_load[hb.worker] = (hb.capacity_tokens, hb.runtime_tokens, now)
 
     async def _lease_loop(self) -> None:
         last_sweep = 0.0
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(LEASE_TICK_S)
             expired = self.leases.expired(time.time())
-            if not expired and time.monotonic() - last_sweep < self.settings.rescue_interval_s:
+            if not expired and time.monotonic() - last_sweep < self._sweep_interval():
                 continue
             last_sweep = time.monotonic()
             try:
                 await self.reclaim(expired)
             except (AdmitterError, BusError) as exc:
                 log.warning("lease reclaim deferred: %s", exc)
+            except Exception:  # e.g. a permission refused: say so loudly, but never stop reclaiming
+                log.exception("lease reclaim failed; retrying at the next sweep")
+
+    def _sweep_interval(self) -> float:
+        """Soon after a death, routers may still be sending the dead worker work for a moment
+        (they stop after 2.5 of its periods): sweep often then, so that work waits little."""
+        now = time.monotonic()
+        if any(now - since < RECENT_DEATH_S for since in self._dead.values()):
+            return FAST_SWEEP_S
+        return self.settings.rescue_interval_s
 
     def is_live(self, worker: str) -> bool:
         """Alive for rescue purposes: its lease holds, or (never seen) this replica is too new to judge."""
@@ -389,7 +412,7 @@ class AdmitterService:
             log.warning("worker %s missed %d heartbeats: its lease expired (%d requests held); rescuing its "
                         "unfinished work", worker, self.settings.lease_missed, len(held))
             self.worker_load.pop(worker, None)
-            self._dead.add(worker)
+            self._dead[worker] = time.monotonic()
         report = await self.rescuer.sweep(self.is_live)
         self.metrics.repairs.labels("rescue").inc(len(report.rescued))
         for worker, held in expired.items():

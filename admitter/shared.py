@@ -34,10 +34,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 USAGE = S.KEY_USAGE
 RES_PREFIX = "res."
-#: how long a released reservation's tombstone is kept: long enough for every replica's watch to
-#: see the deletion, short enough that the bucket holds only what is in flight (not one marker
-#: per request ever admitted)
-MARKER_TTL_S = 300
+#: how long a released reservation's tombstone is kept: long enough for every connected replica's
+#: watch to see the deletion, short enough that the bucket holds about rate x 60 markers, not one
+#: per request ever admitted (a soak at 500/s held 150k with 300 s). A replica cut off for longer
+#: keeps a stale record in its mirror until the orphan repair finds no worker reporting it.
+MARKER_TTL_S = 60
 
 
 @dataclass

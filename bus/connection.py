@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 JS_NO_MESSAGE_FOUND = 10057  # JetStream's err_code for a message sequence that is not stored
 _RETRYABLE = (NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError, asyncio.TimeoutError)
+#: "nobody took the request" (no stream leader, e.g. during an election): a compare-and-swap may be
+#: sent again without risk; after a timeout it may have been applied, and the caller must re-read
+_NOT_PROCESSED = (NoRespondersError, NoStreamResponseError, ServiceUnavailableError)
 
 
 class Delivery:
@@ -296,9 +299,18 @@ class Bus:
         hdrs = dict(headers or {})
         if msg_id:
             hdrs[S.HDR_MSG_ID] = msg_id
-        return await self._retrying(
-            lambda remaining: self.js.publish(subject, data, timeout=max(0.5, min(2.0, remaining)), headers=hdrs or None),
-            budget_s, f"publish to {subject}", logging.WARNING)
+        attempts = 0
+
+        def attempt(remaining: float) -> Awaitable[api.PubAck]:
+            nonlocal attempts
+            attempts += 1
+            return self.js.publish(subject, data, timeout=max(0.5, min(2.0, remaining)), headers=hdrs or None)
+
+        ack = await self._retrying(attempt, budget_s, f"publish to {subject}", logging.WARNING)
+        if ack.duplicate and attempts > 1:
+            # a retry found its own first attempt stored (that ack was lost): not someone else's copy
+            ack.duplicate = False
+        return ack
 
     async def jpublish_nowait(self, subject: str, msg: Schema | bytes, msg_id: str | None = None) -> None:
         """JetStream publish whose ack is checked in the background (audit records).
@@ -441,7 +453,9 @@ class Bus:
             await d.term()
         else:
             log.error("handler %s failed on %s (delivery %d): %r", source, d.subject, d.num_delivered, exc)
-            await d.nak(delay=spec.redeliver_delay_s)
+            # doubling: 1, 2, 4, 8 s by default, so a few seconds of leader election cannot use up
+            # every delivery and dead-letter a request that was only unlucky
+            await d.nak(delay=min(30.0, spec.redeliver_delay_s * 2 ** max(0, d.num_delivered - 1)))
 
     async def dead_letter(self, d: Delivery, source: str, reason: str, error: str) -> None:
         """Keep the message on ``dead.<source>`` and tell its producer, when we know who that is."""
@@ -472,29 +486,46 @@ class Bus:
             kv = self._kv[bucket] = await self.js.key_value(bucket)
         return kv
 
+    # Every KV call rides out a leader election like a publish does: reads and plain puts on
+    # any transient error, compare-and-swap writes only when the server surely did not apply them.
     async def kv_get(self, bucket: str, key: str) -> tuple[bytes, int] | None:
         """(value, revision), or None when the key does not exist (or was deleted)."""
         kv = await self._bucket(bucket)
         try:
-            entry = await kv.get(key)
+            entry = await self._read(lambda: kv.get(key))
         except KeyNotFoundError:
             return None
         return (entry.value or b"", entry.revision)
 
+    async def kv_last_operation(self, bucket: str, key: str) -> str | None:
+        """What last happened to ``key``: ``PUT``, ``DEL`` or ``PURGE`` (a marker not yet expired),
+        or None when nothing is stored for it."""
+        try:
+            raw = await self._read(lambda: self.js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}"))
+        except NotFoundError:
+            return None
+        return (raw.headers or {}).get("KV-Operation", "PUT")
+
     async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
-        return await (await self._bucket(bucket)).put(key, value)
+        kv = await self._bucket(bucket)
+        return await self._read(lambda: kv.put(key, value))  # idempotent: safe to send again
+
+    async def _kv_cas(self, call: Callable[[], Awaitable[T]]) -> T:
+        return await self._retrying(lambda _remaining: call(), None, "KV write", logging.INFO, _NOT_PROCESSED)
 
     async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
         """Write only if the key does not exist; :class:`ConflictError` otherwise."""
+        kv = await self._bucket(bucket)
         try:
-            return await (await self._bucket(bucket)).create(key, value)
+            return await self._kv_cas(lambda: kv.create(key, value))
         except KeyWrongLastSequenceError as exc:
             raise ConflictError(f"{bucket}/{key} already exists") from exc
 
     async def kv_update(self, bucket: str, key: str, value: bytes, last: int) -> int:
         """Compare-and-swap: :class:`ConflictError` if the key's revision is no longer ``last``."""
+        kv = await self._bucket(bucket)
         try:
-            return await (await self._bucket(bucket)).update(key, value, last=last)
+            return await self._kv_cas(lambda: kv.update(key, value, last=last))
         except KeyWrongLastSequenceError as exc:
             raise ConflictError(f"{bucket}/{key} changed since revision {last}") from exc
 
@@ -508,12 +539,13 @@ class Bus:
         """
         try:
             if marker_ttl_s is None:
-                await (await self._bucket(bucket)).delete(key, last=last)
+                kv = await self._bucket(bucket)
+                await self._kv_cas(lambda: kv.delete(key, last=last))
                 return
             headers = {"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": f"{int(marker_ttl_s)}s"}
             if last:
                 headers["Nats-Expected-Last-Subject-Sequence"] = str(last)
-            await self.js.publish(f"$KV.{bucket}.{key}", b"", headers=headers)
+            await self._kv_cas(lambda: self.js.publish(f"$KV.{bucket}.{key}", b"", headers=headers))
         except APIError as exc:
             if exc.err_code in (10071, 10164):
                 raise ConflictError(f"{bucket}/{key} changed since revision {last}") from exc
@@ -603,15 +635,15 @@ class Bus:
         return await self._retrying(lambda _remaining: call(), None, "read", logging.INFO)
 
     async def _retrying(self, call: Callable[[float], Awaitable[T]], budget_s: float | None, what: str,
-                        level: int) -> T:
+                        level: int, retry_on: tuple[type[BaseException], ...] = _RETRYABLE) -> T:
         """``call(remaining_s)`` until it succeeds or the budget (default: the publish budget) is
-        spent; only timeouts and "no responders" are retried, with a doubling pause."""
+        spent; only ``retry_on`` (timeouts and "no responders") is retried, with a doubling pause."""
         deadline = time.monotonic() + (budget_s if budget_s is not None else self.publish_budget_s)
         delay = 0.05
         while True:
             try:
                 return await call(deadline - time.monotonic())
-            except _RETRYABLE as exc:
+            except retry_on as exc:
                 if time.monotonic() + delay >= deadline:
                     raise
                 log.log(level, "%s failed (%s); retrying", what, type(exc).__name__)

@@ -65,6 +65,7 @@ class WorkerView:
     queued_prefill_tokens: int = 0
     block_size: int = 32
     last_heartbeat: float = 0.0
+    heartbeat_interval: float = 0.0  # the worker's own period (from its heartbeats); 0: unknown
     joined_at: float = 0.0  # first heartbeat, or the last re-registration (warm-up starts here)
     started_at: float = 0.0  # the worker's own start time; a new value means it restarted
     kv_seq: int = 0  # last cache-event sequence number the worker says it published

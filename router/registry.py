@@ -46,6 +46,7 @@ _REPORTED = {s.value for s in (WorkerState.HEALTHY, WorkerState.BACKOFF, WorkerS
 @dataclass
 class RegistrySettings:
     heartbeat_timeout_s: float = 15.0  # a worker silent for longer is excluded
+    missed_heartbeats: float = 2.5  # ... or silent for this many of its own heartbeat periods, if sooner
     backoff_max_prompt_tokens: int = 1024  # what a BACKOFF worker still accepts
     pending_grace_s: float = 2.0  # after this, a heartbeat surely counts our assignment
     forget_after_s: float = 600.0  # a worker silent this long is removed altogether
@@ -113,8 +114,16 @@ class WorkerRegistry:
             self._stale.discard(w)
             log.info("worker %s heard again after %.1fs", w, now - view.last_heartbeat)
         view.last_heartbeat = now
+        view.heartbeat_interval = hb.interval
         self._set_state(view)
         return restarted
+
+    def silence_limit(self, view: WorkerView) -> float:
+        """Seconds of silence after which ``view`` gets no more work. A dead worker's assignments
+        wait for a rescue, so the router stops sooner than the admitter's lease (3 periods)."""
+        if view.heartbeat_interval <= 0:
+            return self.settings.heartbeat_timeout_s
+        return min(self.settings.heartbeat_timeout_s, self.settings.missed_heartbeats * view.heartbeat_interval)
 
     def _is_restart(self, view: WorkerView, hb: Heartbeat) -> bool:
         if hb.started_at and view.started_at and hb.started_at != view.started_at:
@@ -225,13 +234,13 @@ class WorkerRegistry:
     def state(self, w: WorkerId, now: float) -> WorkerState | str:
         """Effective state now: STALE when silent too long, else the machine's state."""
         view = self.views[w]
-        if now - view.last_heartbeat > self.settings.heartbeat_timeout_s:
+        if now - view.last_heartbeat > self.silence_limit(view):
             return WorkerState.STALE
         return WorkerState(view.state) if view.state in _REPORTED else view.state
 
     def eligible(self, view: WorkerView, req: RouteRequest, now: float) -> bool:
         """May ``view`` take ``req`` now? Healthy: yes; Backoff: short prompts only; else no."""
-        if view.model != req.model or now - view.last_heartbeat > self.settings.heartbeat_timeout_s:
+        if view.model != req.model or now - view.last_heartbeat > self.silence_limit(view):
             return False
         if view.id in req.avoid:
             return False
@@ -250,7 +259,7 @@ class WorkerRegistry:
                 gone.append(w)
                 self._forget(w)
                 log.info("worker %s forgotten after %.0fs of silence", w, silent)
-            elif silent > self.settings.heartbeat_timeout_s and w not in self._stale:
+            elif silent > self.silence_limit(view) and w not in self._stale:
                 self._stale.add(w)
                 log.warning("worker %s stale: no heartbeat for %.1fs, excluded", w, silent)
         cutoff = now - self.settings.ledger_ttl_s

@@ -36,8 +36,8 @@ def test_only_healthy_takes_all_work_and_backoff_takes_short(state, prompt_token
 
 
 def test_stale_heartbeat_excludes_worker_until_heard_again():
-    reg = make_registry()  # default timeout 15 s
-    reg.on_heartbeat(make_hb("w0"), 100.0)
+    reg = make_registry()  # default timeout 15 s; 2.5 periods of 10 s would be later
+    reg.on_heartbeat(make_hb("w0", interval=10.0), 100.0)
     view, req = reg.views["w0"], make_req()
     assert reg.eligible(view, req, 115.0)
     assert not reg.eligible(view, req, 115.1)
@@ -45,6 +45,16 @@ def test_stale_heartbeat_excludes_worker_until_heard_again():
     reg.on_heartbeat(make_hb("w0", seq=2), 120.0)
     assert reg.eligible(view, req, 120.0)
     assert reg.state("w0", 120.0) is WorkerState.HEALTHY
+
+
+def test_a_worker_silent_for_two_and_a_half_of_its_periods_gets_no_more_work():
+    """Sooner than the admitter's lease (3 periods): what still went to a dead worker must wait
+    for a rescue, so the router stops first."""
+    reg = make_registry()
+    reg.on_heartbeat(make_hb("w0", interval=1.0), 100.0)
+    view, req = reg.views["w0"], make_req()
+    assert reg.eligible(view, req, 102.5) and not reg.eligible(view, req, 102.6)
+    assert reg.state("w0", 102.6) is WorkerState.STALE
 
 
 def test_other_model_is_not_eligible():

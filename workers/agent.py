@@ -35,12 +35,17 @@ from workers.backoff import BackoffMonitor, BackoffSettings
 from workers.calibrate import load_calibration
 from workers.engine import Engine, EngineOutput, EngineRequest, EngineStats
 from workers.metrics import WorkerMetrics
+from workers.recent import RecentIds
 
 log = logging.getLogger(__name__)
 
 #: how long a cancel is remembered for a request the worker has not received yet (the dedup window)
 CANCEL_MEMORY_S = 120.0
 CANCEL_MEMORY_MAX = 10_000
+#: a copy of a finished request's message comes back when its ack was lost (e.g. during a NATS
+#: leader election): after ack_wait (30 s), up to max_deliver times. Ten minutes covers that.
+FINISHED_MEMORY_S = 600.0
+FINISHED_MEMORY_MAX = 200_000
 
 
 @dataclass
@@ -75,7 +80,8 @@ class WorkerAgent:
         self.failure: str | None = None  # why the engine can no longer serve
         self.backoff = BackoffMonitor(settings.backoff)
         self.metrics = WorkerMetrics(settings.id, settings.model)
-        self.cancelled: dict[str, float] = {}  # request id -> when its producer cancelled it
+        self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # its producer gave up on it
+        self.finished = RecentIds(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)  # completed here: never run again
 
     async def start(self) -> None:
         await self.engine.start()
@@ -125,6 +131,10 @@ class WorkerAgent:
         rid = assignment.request.id
         if rid in self.inflight:
             return  # a redelivery of something we are running: its task acks it
+        if rid in self.finished:  # finished here, its ack was lost: ack the copy, run nothing
+            await d.ack()
+            log.info("request %s redelivered to %s after it finished; acked, not run again", rid, self.id)
+            return
         if self.state == "quiescing":
             await d.nak(delay=1.0)  # not ours to run any more; redelivered to us or re-routed later
             return
@@ -160,6 +170,8 @@ class WorkerAgent:
             await d.ack()
         finally:
             keepalive.cancel()
+            if d.settled:  # its outcome is published and it was acked: a copy must not run it again
+                self.finished.add(req.id)
             self.inflight.pop(req.id, None)
             self._check_engine()
             if self.state == "quiescing" and not self.inflight:
@@ -356,13 +368,7 @@ class WorkerAgent:
         if not rid:
             log.warning("worker %s: cancel without a request id (from %s)", self.id, by or "?")
             return
-        now = time.time()
-        if len(self.cancelled) >= CANCEL_MEMORY_MAX or any(now - ts > CANCEL_MEMORY_S
-                                                            for ts in self.cancelled.values()):
-            self.cancelled = {r: ts for r, ts in self.cancelled.items() if now - ts <= CANCEL_MEMORY_S}
-            while len(self.cancelled) >= CANCEL_MEMORY_MAX:
-                self.cancelled.pop(next(iter(self.cancelled)))
-        self.cancelled[rid] = now
+        self.cancelled.add(rid)
         self.metrics.cancelled.inc()
         task = self.inflight.get(rid)
         log.info("request %s cancelled by %s%s", rid, by or "?", "" if task else " (not running here yet)")

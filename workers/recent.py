@@ -1,0 +1,38 @@
+"""A bounded memory of request ids seen recently (cancelled before arrival, already finished)."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+
+class RecentIds:
+    """Ids remembered for ``max_age_s``, at most ``max_size`` of them (the oldest go first).
+
+    Why bounded both ways: a worker runs for months; what it must remember only matters while a
+    copy of the same message can still arrive (a redelivery after a lost ack, a cancel that
+    overtook its request), which is seconds to minutes.
+    """
+
+    def __init__(self, max_age_s: float, max_size: int) -> None:
+        self.max_age_s = max_age_s
+        self.max_size = max_size
+        self._seen: OrderedDict[str, float] = OrderedDict()
+
+    def add(self, rid: str, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self._seen.pop(rid, None)
+        self._seen[rid] = now
+        self._prune(now)
+
+    def __contains__(self, rid: object) -> bool:
+        self._prune(time.time())
+        return rid in self._seen
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def _prune(self, now: float) -> None:
+        while self._seen and (len(self._seen) > self.max_size
+                              or now - next(iter(self._seen.values())) > self.max_age_s):
+            self._seen.popitem(last=False)
