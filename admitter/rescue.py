@@ -6,24 +6,29 @@ WORK stream (work-queue retention). An admitter replica that sees a worker's lea
 finds messages on the subject of a worker it has not heard from since it started, moves each
 message back onto ADMITTED as the next *attempt*, naming the dead worker in ``avoid``:
 
-1. mark the reservation record ``moved_from`` (compare-and-swap). A record that is gone means
-   the request's completion was already counted: the message is only removed, never re-run;
-2. publish the :class:`~bus.schema.Admitted` with ``Nats-Msg-Id`` ``<id>:adm:<attempt>``, so two
-   replicas rescuing the same message at once store it once;
-3. tell the producer (status ``rerouted``) and write an audit record (``rescue``);
+1. reclaim: mark each reservation record ``moved_from`` the dead worker (compare-and-swap), at
+   once, for every message found;
+2. wait (bounded) until the completions stored so far are processed: a worker that died between
+   publishing a completion and acking left a *finished* request behind, whose release may still
+   be on its way;
+3. for each message: a record that is gone now means the request's completion was counted: the
+   message is only removed, never re-run. Otherwise publish the :class:`~bus.schema.Admitted`
+   with ``Nats-Msg-Id`` ``<id>:adm:<attempt>`` (two replicas rescuing the same message at once
+   store it once), tell the producer (status ``rerouted``), write an audit record (``rescue``);
 4. delete the WORK message (a replica that finds it already deleted did nothing wrong).
 
-A crash between 2 and 4 leaves the message for the next sweep, whose publish is deduplicated.
+A crash between 3 and 4 leaves the message for the next sweep, whose publish is deduplicated.
 The reservation is not released: the tokens stay booked for the re-run, so the quota never
 over-admits while it runs elsewhere, and its completion releases them as usual.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable, Iterable
 
 from admitter.shared import SharedState
 from bus import subjects as S
@@ -32,6 +37,9 @@ from bus.errors import MessageError
 from bus.schema import Admitted, Assignment, Decision, Reply, WorkerId
 
 log = logging.getLogger(__name__)
+
+RESCUE_CONCURRENCY = 32  # messages re-admitted at once (each is a few round trips)
+HANDLER_GRACE_S = 2.0  # a delivered completion's release is a few round trips away
 
 
 @dataclass
@@ -60,38 +68,99 @@ def stranded(counts: dict[str, int], is_live: Callable[[WorkerId], bool]) -> lis
     return out
 
 
+@dataclass
+class Stranded:
+    """One assignment found on a dead worker's subject."""
+
+    worker: WorkerId
+    seq: int  # in the WORK stream
+    assignment: Assignment
+
+
+async def _overlapped(steps: Iterable[Awaitable[None]]) -> None:
+    """Run ``steps`` a bounded number at a time: a dead worker's queue can be long, and each
+    step is a few round trips."""
+    batch: list[Awaitable[None]] = []
+    for step in steps:
+        batch.append(step)
+        if len(batch) >= RESCUE_CONCURRENCY:
+            await asyncio.gather(*batch)
+            batch = []
+    await asyncio.gather(*batch)
+
+
 class Rescuer:
     """Moves stranded assignments back to routing; one sweep at a time per replica."""
 
-    def __init__(self, bus: Bus, shared: SharedState, name: str, max_per_sweep: int = 10_000) -> None:
+    def __init__(self, bus: Bus, shared: SharedState, name: str, max_per_sweep: int = 10_000,
+                 catch_up_s: float = 5.0) -> None:
         self.bus = bus
+        self.catch_up_s = catch_up_s
         self.shared = shared
         self.name = name
         self.max_per_sweep = max_per_sweep
 
     async def sweep(self, is_live: Callable[[WorkerId], bool]) -> RescueReport:
+        """Reclaim first (mark every stranded reservation moved), then, once the completions
+        stored so far are processed, re-admit what is still reserved and drop what finished."""
         report = RescueReport()
         counts = await self.bus.subject_counts(S.STREAM_WORK, S.WORK_ALL)
+        found: list[Stranded] = []
         for worker, subject in stranded(counts, is_live):
-            seq = 1
-            for _ in range(min(counts[subject] + 16, self.max_per_sweep)):  # bounded: new ones wait
-                found = await self.bus.next_message(S.STREAM_WORK, subject, seq)
-                if found is None:
-                    break
-                seq, data = found
-                await self._rescue_one(worker, subject, seq, data, report)
-                seq += 1
+            found += await self._read_subject(worker, subject, min(counts[subject] + 16, self.max_per_sweep), report)
+        if not found:
+            return report
+        await _overlapped(self._mark(s) for s in found)
+        await self._completions_caught_up()
+        await _overlapped(self._rescue_one(s, report) for s in found)
         return report
 
-    async def _rescue_one(self, worker: WorkerId, subject: str, seq: int, data: bytes, report: RescueReport) -> None:
-        try:
-            a = Assignment.decode(data)
-        except MessageError as exc:
-            await self.bus.dead_letter_raw(subject, data, "admitter", "malformed", str(exc))
-            await self.bus.delete_message(S.STREAM_WORK, seq)
-            report.bad += 1
-            return
-        rid = a.request.id
+    async def _read_subject(self, worker: WorkerId, subject: str, limit: int, report: RescueReport) -> list[Stranded]:
+        """The assignments stored on a dead worker's subject (undecodable ones dead-lettered)."""
+        out, seq = [], 1
+        for _ in range(limit):  # bounded: what arrives later waits for the next sweep
+            got = await self.bus.next_message(S.STREAM_WORK, subject, seq)
+            if got is None:
+                break
+            seq, data = got
+            try:
+                out.append(Stranded(worker, seq, Assignment.decode(data)))
+            except MessageError as exc:
+                await self.bus.dead_letter_raw(subject, data, "admitter", "malformed", str(exc))
+                await self.bus.delete_message(S.STREAM_WORK, seq)
+                report.bad += 1
+            seq += 1
+        return out
+
+    async def _mark(self, s: Stranded) -> None:
+        await self.shared.mark_moved(s.assignment.request.id, s.worker)
+
+    async def _completions_caught_up(self) -> None:
+        """Wait (bounded) until the admitters have processed every completion stored so far.
+
+        A worker publishes its completion, then acks: one that died between the two left a
+        finished request on WORK. Its completion is stored, but may not be processed yet; once
+        it is, the reservation is gone and the request is only removed, never run twice.
+        """
+        last = await self.bus.stream_last_seq(S.STREAM_COMPLETIONS)
+        deadline = time.monotonic() + self.catch_up_s
+        all_delivered_at = None
+        while time.monotonic() < deadline:
+            acked, delivered = await self.bus.consumer_progress(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS)
+            if acked >= last:
+                return
+            # all delivered but not all acked: handlers still at work, or an ack lost in a leader
+            # election, which holds the ack floor back for the whole ack wait although its
+            # completion was processed: give the handlers a moment, not the ack wait
+            if delivered >= last:
+                all_delivered_at = all_delivered_at or time.monotonic()
+                if time.monotonic() - all_delivered_at >= HANDLER_GRACE_S:
+                    return
+            await asyncio.sleep(0.02)
+        log.warning("rescue: completions not processed within %.0fs; rescuing anyway", self.catch_up_s)
+
+    async def _rescue_one(self, s: Stranded, report: RescueReport) -> None:
+        a, worker, rid = s.assignment, s.worker, s.assignment.request.id
         if await self.shared.mark_moved(rid, worker) is None:
             report.finished.append(rid)  # completed (or released) already: nothing to run again
         else:
@@ -101,7 +170,7 @@ class Rescuer:
             await self._tell(a, worker, adm.attempt)
             report.rescued[rid] = worker
             log.warning("request %s rescued from dead worker %s (attempt %d)", rid, worker, adm.attempt)
-        await self.bus.delete_message(S.STREAM_WORK, seq)
+        await self.bus.delete_message(S.STREAM_WORK, s.seq)
 
     async def _tell(self, a: Assignment, worker: WorkerId, attempt: int) -> None:
         req = a.request

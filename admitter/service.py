@@ -33,7 +33,7 @@ from bus.schema import Admitted, Completion, Decision, Heartbeat, Reply, Request
 log = logging.getLogger(__name__)
 
 LEASE_TICK_S = 0.1  # how often leases are checked: a fraction of any heartbeat period
-FAST_SWEEP_S = 0.25  # rescue sweeps this often ...
+FAST_SWEEP_S = 0.1  # rescue sweeps this often ...
 RECENT_DEATH_S = 30.0  # ... for this long after a worker's lease expired
 
 
@@ -394,7 +394,7 @@ class AdmitterService:
 
     def _sweep_interval(self) -> float:
         """Soon after a death, routers may still be sending the dead worker work for a moment
-        (they stop after 2.5 of its periods): sweep often then, so that work waits little."""
+        (they stop after 2 of its periods): sweep often then, so that work waits little."""
         now = time.monotonic()
         if any(now - since < RECENT_DEATH_S for since in self._dead.values()):
             return FAST_SWEEP_S

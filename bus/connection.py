@@ -605,6 +605,17 @@ class Bus:
                 out.append((raw.subject, raw.data or b""))
         return out
 
+    async def stream_last_seq(self, stream: str) -> int:
+        """The sequence of the newest message stored in ``stream`` (0 when it never held one)."""
+        return (await self._read(lambda: self.js.stream_info(stream))).state.last_seq
+
+    async def consumer_progress(self, stream: str, durable: str) -> tuple[int, int]:
+        """(ack floor, last delivered): the stream sequences up to which ``durable`` has acked
+        everything, and the last one it handed to a subscriber."""
+        info = await self._read(lambda: self.js.consumer_info(stream, durable))
+        return (info.ack_floor.stream_seq if info.ack_floor else 0,
+                info.delivered.stream_seq if info.delivered else 0)
+
     async def subject_counts(self, stream: str, subjects: str) -> dict[str, int]:
         """Stored messages per subject matching ``subjects`` (e.g. each worker's ``work.<id>``)."""
         info = await self._read(lambda: self.js.stream_info(stream, subjects_filter=subjects))

@@ -46,7 +46,7 @@ _REPORTED = {s.value for s in (WorkerState.HEALTHY, WorkerState.BACKOFF, WorkerS
 @dataclass
 class RegistrySettings:
     heartbeat_timeout_s: float = 15.0  # a worker silent for longer is excluded
-    missed_heartbeats: float = 2.5  # ... or silent for this many of its own heartbeat periods, if sooner
+    missed_heartbeats: float = 2.0  # ... or silent for this many of its own heartbeat periods, if sooner
     backoff_max_prompt_tokens: int = 1024  # what a BACKOFF worker still accepts
     pending_grace_s: float = 2.0  # after this, a heartbeat surely counts our assignment
     forget_after_s: float = 600.0  # a worker silent this long is removed altogether

@@ -22,6 +22,8 @@ from natsched.runtime import READY_PREFIX
 from tests.factories import make_request, wait_for
 from tests.stack import start_stack
 from tests.test_admitter_service import start_admitter, stop
+from admitter.service import AdmitterService, AdmitterServiceSettings
+from bus.connection import Bus
 
 
 def make_assignment(worker: str = "wdead", *, attempt: int = 0, avoid: list[str] | None = None, **req) -> Assignment:
@@ -174,3 +176,29 @@ async def test_kill_9_of_a_worker_mid_run_reroutes_its_work_with_one_outcome_eac
                 p.kill()
             p.wait()
         await stack.close()
+
+
+async def test_a_worker_that_died_between_its_completion_and_its_ack_is_not_run_again(bus, nats_url):
+    """The completion is stored but the admitters have not processed it yet (slowed down here):
+    the sweep waits for them, finds the reservation released, and only removes the message."""
+    adm = AdmitterService(await Bus.connect(nats_url, name="slow"), AdmitterServiceSettings(
+        name="slow", rescue_grace_s=0.0, reconcile_interval_s=3600))
+    handle = adm._on_completions
+
+    async def slow(batch):
+        await asyncio.sleep(1.0)
+        await handle(batch)
+
+    adm._on_completions = slow
+    await adm.start()
+    try:
+        done = make_assignment()
+        await reserve(adm, done)
+        await bus.jpublish(S.work(done.worker), done)
+        await bus.jpublish(S.completion("t1"), Completion(request_id=done.request.id, tenant="t1", status="ok",
+                                                          runtime_tokens=300), msg_id=f"{done.request.id}:done")
+        report = await adm.reclaim({})
+        assert report.finished == [done.request.id] and not report.rescued
+        assert await admitted(bus) == [] and await bus.stream_messages(S.STREAM_WORK) == []
+    finally:
+        await stop(adm)

@@ -261,6 +261,6 @@ def test_tick_forgets_silent_workers_and_reasks_snapshots():
 def test_stats_counts_states():
     core = make_core(3)
     core.on_heartbeat(make_hb("w2", seq=3, state="backoff"), NOW)
-    st = core.stats(NOW + 2)  # within 2.5 heartbeat periods (1 s)
+    st = core.stats(NOW + 1.5)  # within 2 heartbeat periods (1 s)
     assert st["workers"] == {"healthy": 2, "backoff": 1} and st["policy"] == "natsched"
     assert core.stats(NOW + 20)["workers"] == {"stale": 3}
