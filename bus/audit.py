@@ -4,6 +4,8 @@ REQUESTS, DECISIONS and COMPLETIONS are limits streams (kept for days, see ``sub
 a request's whole story can be rebuilt from them: :func:`read_window` walks a stream from a
 start time (an ephemeral pull consumer with ``DeliverPolicy.BY_START_TIME``, optionally headers
 only, which makes scanning for one id cheap: bodies are fetched only for the matches).
+:func:`read_filtered` (and :func:`kv_snapshot` on it) reads the way a role confined to some
+subjects may: its batch producer's own requests and job records (``natsched.auth``).
 
 On top of it, pure assembly: :func:`timeline` orders one request's records into events, and
 :func:`summarize` condenses a time window (counts by decision and reason, TTFT percentiles, the
@@ -22,6 +24,7 @@ import asyncio
 import datetime as dt
 import logging
 import math
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable
 
@@ -196,6 +199,87 @@ async def find_records(js: Any, stream: str, ids: set[str], since: float | None,
             if full is not None:
                 out.append(full)
     return out
+
+
+#: status of a JetStream control message (flow control request, idle heartbeat)
+_CONTROL_STATUS = "100"
+
+
+async def read_filtered(js: Any, stream: str, subject: str, since: float | None = None, last_per_subject: bool = False,
+                        headers_only: bool = False, timeout: float = 10.0) -> AsyncIterator[Stored]:
+    """The messages of ``stream`` on ``subject`` (wildcards allowed) stored from ``since`` (None: all;
+    ``last_per_subject``: only the newest of each subject, as a KV snapshot), oldest first; ends
+    once the consumer has nothing more pending.
+
+    Why not :func:`read_window`: a pull consumer is read through ``CONSUMER.MSG.NEXT.<stream>.<name>``,
+    a subject that names no filter, so a role allowed it could pull from any consumer of the stream
+    (the admitter's, full of other tenants' prompts). Here the ephemeral consumer has a name, so its
+    create subject carries the filter (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``, which
+    the server checks against the request body), and it pushes to this connection's own inbox: a
+    permission on that one create subject confines a role to what it may read (``natsched.auth``).
+    Nor does it ask for consumer info or delete the consumer (both name no filter either): the
+    consumer goes by itself once nobody listens on its inbox (``inactive_threshold``).
+    """
+    nc = js._nc
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    config = api.ConsumerConfig(
+        name=uuid.uuid4().hex,
+        filter_subject=subject,
+        deliver_subject=inbox,
+        ack_policy=api.AckPolicy.NONE,
+        deliver_policy=(api.DeliverPolicy.LAST_PER_SUBJECT if last_per_subject
+                        else api.DeliverPolicy.BY_START_TIME if since else api.DeliverPolicy.ALL),
+        opt_start_time=dt.datetime.fromtimestamp(since, dt.timezone.utc) if since and not last_per_subject else None,
+        headers_only=headers_only or None,
+        flow_control=True,  # the server waits for our answer instead of overrunning the inbox
+        idle_heartbeat=min(5.0, timeout / 2),
+        inactive_threshold=max(5.0, timeout),
+        mem_storage=True,
+        num_replicas=1,
+    )
+    try:
+        try:
+            pending = (await js.add_consumer(stream, config)).num_pending
+        except NotFoundError:
+            raise AuditError(f"stream {stream} does not exist (has natsched ever run on this server?)") from None
+        except (NatsTimeout, asyncio.TimeoutError):
+            raise AuditError(f"no answer to reading {subject} from {stream}: the server is busy, or these "
+                             "credentials may not read it") from None
+        while pending:
+            try:
+                msg = await sub.next_msg(timeout)
+            except (NatsTimeout, asyncio.TimeoutError):
+                raise AuditError(f"reading {subject} from {stream} stalled: nothing for {timeout:g}s with "
+                                 f"{pending} message(s) pending") from None
+            headers = dict(msg.headers or {})
+            if headers.get("Status") == _CONTROL_STATUS:
+                answer = msg.reply or headers.get(api.Header.CONSUMER_STALLED.value)
+                if answer:  # a flow-control request (or a stalled heartbeat): we have read all before it
+                    await nc.publish(answer, b"")
+                continue
+            meta = msg.metadata
+            pending = meta.num_pending
+            yield Stored(msg.subject, msg.data or b"", headers, meta.sequence.stream, meta.timestamp.timestamp())
+    finally:
+        await sub.unsubscribe()
+
+
+KV_OPERATION, KV_DELETE, KV_PURGE = "KV-Operation", "DEL", "PURGE"  # NATS KV's delete markers
+
+
+async def kv_snapshot(js: Any, bucket: str, pattern: str = ">", timeout: float = 10.0
+                      ) -> AsyncIterator[tuple[str, bytes]]:
+    """The current (key, value) of every live key of ``bucket`` matching ``pattern``, then the end.
+
+    Read through :func:`read_filtered`, not a KV watch: a watch's consumer is created without a
+    name, so its filter is not in the create subject and no permission can confine it; this way a
+    tenant's batch role reads ``job.<tenant>.*.*`` and nothing else (``natsched.auth``).
+    """
+    prefix = f"$KV.{bucket}."
+    async for msg in read_filtered(js, f"KV_{bucket}", prefix + pattern, last_per_subject=True, timeout=timeout):
+        if msg.headers.get(KV_OPERATION) not in (KV_DELETE, KV_PURGE):
+            yield msg.subject[len(prefix):], msg.data
 
 
 # ------------------------------------------------------------------ pure assembly

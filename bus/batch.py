@@ -32,13 +32,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import orjson
 
 from bus import codec
 from bus import subjects as S
-from bus.audit import read_window
+from bus.audit import kv_snapshot, read_filtered
 from bus.connection import Bus
 from bus.errors import BusError, ConflictError, MessageError
 from bus.provision import provision_jobs, stored_settings
@@ -306,17 +306,17 @@ class JobStore:
         default: all); a record that cannot be decoded is logged and left out."""
         await self.ensure()
         out = []
-        async for key, value in kv_snapshot(self.bus, S.BUCKET_JOBS, pattern or S.job_filter()):
+        async for key, value in kv_snapshot(self.bus.js, S.BUCKET_JOBS, pattern or S.job_filter()):
             try:
                 out.append((key, _decode(key, value)))
             except JobStoreError as exc:
                 log.error("%s", exc)
         return out
 
-    async def find(self, job_id: str) -> tuple[str, JobRecord] | None:
-        """A job by id alone (any tenant, any batch)."""
+    async def find(self, job_id: str, tenant: str = "*") -> tuple[str, JobRecord] | None:
+        """A job by id (of any tenant, or of ``tenant``: a batch role may read only its own)."""
         S.token(job_id, "job id")
-        found = await self.scan(S.job_filter(job_id=job_id))
+        found = await self.scan(S.job_filter(tenant, job_id=job_id))
         return found[0] if found else None
 
     async def manifest(self, batch: str) -> tuple[BatchManifest, int] | None:
@@ -342,23 +342,6 @@ def _decode(key: str, raw: bytes) -> JobRecord:
 
 def _copy(record: JobRecord | None) -> JobRecord | None:
     return None if record is None else JobRecord.decode(record.encode())
-
-
-async def kv_snapshot(bus: Bus, bucket: str, pattern: str, timeout: float = 10.0
-                      ) -> AsyncIterator[tuple[str, bytes]]:
-    """The current (key, value) of every live key matching ``pattern``, then the end."""
-    kv = await bus.js.key_value(bucket)
-    watcher = await kv.watch(pattern, ignore_deletes=True)
-    try:
-        while True:
-            entry = await watcher.updates(timeout)
-            if entry is None:
-                return
-            yield entry.key, entry.value or b""
-            if entry.delta == 0:
-                return
-    finally:
-        await watcher.stop()
 
 
 # ------------------------------------------------------------------ the producer (I/O)
@@ -450,8 +433,8 @@ class BatchClient:
         the system saw them (the stream may have aged out; records live a month)."""
         prefix = plan.id + "-"
         ids = set()
-        async for head in read_window(self.bus.js, S.STREAM_REQUESTS, manifest.created - 2.0, None,
-                                      S.request(plan.cls, plan.tenant), headers_only=True):
+        async for head in read_filtered(self.bus.js, S.STREAM_REQUESTS, S.request(plan.cls, plan.tenant),
+                                        since=manifest.created - 2.0, headers_only=True):
             if head.msg_id.startswith(prefix):
                 ids.add(head.msg_id)
         for _, record in await self.store.scan(S.job_filter(plan.tenant, plan.id)):

@@ -53,6 +53,12 @@ class KeyRing:
     def __len__(self) -> int:
         return len(self._by_digest)
 
+    @property
+    def tenants(self) -> set[str]:
+        """Every tenant a key maps to (the open tenant when open): the gateway publishes for these."""
+        found = {p.tenant for p in self._by_digest.values()}
+        return found | {self.open_principal.tenant} if self.open_principal else found
+
     @classmethod
     def open(cls, tenant: str = "open", klass: str = S.ONLINE) -> "KeyRing":
         """No keys: every request runs as ``tenant`` (``--insecure-open``)."""

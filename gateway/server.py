@@ -83,7 +83,7 @@ async def run_gateway(args: argparse.Namespace) -> int:
         if "server" in holder:
             await holder["server"].stop()
 
-    await serve(args.nats_url, settings.name, start, stop)
+    await serve(args.nats_url, settings.name, start, stop, credentials=args.credentials)
     return 0
 
 

@@ -49,9 +49,10 @@ async def start_gateway(
     keys: dict[str, Any] | None = None,
     open_tenant: str | None = None,
     timeouts: Timeouts | None = None,
+    credentials: Any = None,
     **settings: Any,
 ) -> TestGateway:
-    bus = await Bus.connect(nats_url, name="gateway")
+    bus = await Bus.connect(nats_url, name="gateway", credentials=credentials)
     ring = KeyRing.open(open_tenant) if open_tenant else KeyRing.from_json(orjson.dumps(KEYS if keys is None else keys))
     settings.setdefault("port", free_port())
     client = Client(bus, timeouts or Timeouts(admission=10, idle=20))

@@ -12,6 +12,21 @@ role, each with allow-lists for publish and subscribe (anything not listed is re
 - ``worker-<id>``: its own consumer on ``work.<id>``, its heartbeat/cache subjects and control
   subject, completions and replies; it cannot publish admission (``adm.>``) or decisions.
 - ``admitter`` / ``router``: their consumers, the subjects they hand off to, their KV keys.
+- ``offline`` (the offline runner): consumes OFFLINE and OUTCOMES, hands taken work to ADMITTED
+  (``adm.>``), re-queues on ``offline.>``, records ``decision.offline.*`` (never an admission or
+  routing decision), reserves in ``inflight`` (``usage``, ``res.*``) like an admitter, reads quotas
+  and writes job records (``job.*.*.*``), never quotas or batch manifests.
+- ``gateway``: a producer for the tenants its API keys map to (``req.*.<tenant>``,
+  ``resp.<tenant>.>``, ``--gateway-tenants``), ``cancel`` on ``worker.*.ctl``, and what
+  ``/v1/models`` and ``/status`` show: heartbeats, the DECISIONS and COMPLETIONS records (no
+  prompts or outputs), quotas and the ``inflight`` usage. No other tenant's requests or replies.
+- ``batch-<tenant>`` (``natsched batch``/``jobs``): publishes ``req.*.<tenant>``; reads and writes
+  its own job records ``job.<tenant>.*.*`` and batch manifests ``batch.<batch>`` (by id: a
+  manifest names no tenant in its key), reads its own ``req.*.<tenant>`` in REQUESTS for
+  ``--resume``. Its reads are confined to those keys and subjects because each names them in its
+  subject: direct gets (bucket ``jobs`` allows direct access) and named consumers whose create
+  subject carries the filter (:func:`bus.audit.read_filtered`); a plain get, a watch, a fetch
+  (``CONSUMER.MSG.NEXT``) or a consumer info would not, and are not granted.
 - ``admin``: everything (provisioning, ``quota set``, ``route set``, audit, calibration).
 
 Every role gets its own inbox prefix (``_INBOX.<user>``) and may subscribe only below it:
@@ -29,13 +44,15 @@ names are NATS's own API.
 
 Errors::
 
-    AuthError               the config could not be generated
+    AuthError               the config could not be generated, or an auth directory not used
     ├── AuthExistsError     the output directory already has a config (``--force`` replaces it)
-    └── TlsError            no certificate could be made (openssl missing or failing)
+    ├── TlsError            no certificate could be made (openssl missing or failing)
+    └── MissingCredentialsError  ``natsched up --auth-dir``: a component's credentials file is missing
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -80,6 +97,10 @@ class AuthExistsError(AuthError):
 
 class TlsError(AuthError):
     """No certificate could be made."""
+
+
+class MissingCredentialsError(AuthError):
+    """An auth directory lacks the credentials file of a role someone needs."""
 
 
 # --- subjects -------------------------------------------------------------------------------
@@ -164,15 +185,46 @@ def kv_write_permissions(bucket: str, key: str = ">") -> list[str]:
     return [_kv_key(bucket, key)]
 
 
+def kv_get_permissions(bucket: str, key: str) -> list[str]:
+    """Get ``key`` of one bucket, and no watch: a watch needs consumer info and delete on the
+    bucket's stream, which reach other roles' watches too.
+
+    Without direct access the get names the key in its body: the role can get any key.
+    """
+    stream = _kv_stream(bucket)
+    return [_js("STREAM", "INFO", stream), _js("DIRECT", "GET", stream, _kv_key(bucket, key)),
+            _js("STREAM", "MSG", "GET", stream)]
+
+
+def filtered_read_permissions(stream: str, filter_subject: str) -> list[str]:
+    """Read the messages of ``stream`` on ``filter_subject`` and nothing else of it.
+
+    Only through :func:`bus.audit.read_filtered`: a named ephemeral push consumer, whose create
+    subject carries the filter (the server refuses a body that asks for another), delivering to
+    the role's own inbox. No fetch (``CONSUMER.MSG.NEXT`` names no filter: it would let the role
+    pull from the services' consumers), no consumer info or delete.
+    """
+    return [_js("CONSUMER", "CREATE", stream, "*", filter_subject), f"{JS_FC}.{stream}.>"]
+
+
+def kv_pinned_read_permissions(bucket: str, key: str) -> list[str]:
+    """Read the keys matching ``key`` of a bucket with direct access (``jobs``) and no other key:
+    direct gets name the key in their subject, snapshots go through :func:`filtered_read_permissions`."""
+    stream = _kv_stream(bucket)
+    return [_js("STREAM", "INFO", stream), _js("DIRECT", "GET", stream, _kv_key(bucket, key)),
+            *filtered_read_permissions(stream, _kv_key(bucket, key))]
+
+
 # --- roles ----------------------------------------------------------------------------------
 @dataclass
 class Role:
     """One NATS user: what it may publish and subscribe to."""
 
     user: str
-    kind: str  # admin | admitter | router | worker | producer
+    kind: str  # admin | admitter | router | worker | offline | gateway | batch | producer
     publish: list[str] = field(default_factory=list)
     subscribe: list[str] = field(default_factory=list)
+    tenants: list[str] = field(default_factory=list)  # whose requests it may publish (producer, batch, gateway)
 
     @property
     def inbox(self) -> str:
@@ -202,6 +254,8 @@ def admin_role() -> Role:
 def admitter_role() -> Role:
     pub = _service_base() + [
         S.ADMITTED_ALL, S.OFFLINE_ALL, subject("decision", stage="admission"), S.deadletter("admitter"),
+        # rescue (admitter/rescue.py): read and remove what a dead worker left on WORK
+        _js("STREAM", "MSG", "GET", S.STREAM_WORK), _js("STREAM", "MSG", "DELETE", S.STREAM_WORK),
         *consumer_permissions(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER, S.REQUESTS_ALL),
         *consumer_permissions(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS, S.COMPLETIONS_ALL),
         *kv_read_permissions(S.BUCKET_INFLIGHT), *kv_write_permissions(S.BUCKET_INFLIGHT),
@@ -232,14 +286,72 @@ def worker_role(worker: str) -> Role:
     return Role(f"worker-{worker}", "worker", publish=pub, subscribe=[S.control(worker)])
 
 
+def offline_role() -> Role:
+    """The offline runner (admitter/offline.py): takes OFFLINE work when the cluster is idle,
+    reserves it in ``inflight`` as an admitter does, hands it to ADMITTED, folds OUTCOMES into
+    the job records. It records ``decision.offline.*`` only: admission decisions are the admitter's."""
+    pub = _service_base() + [
+        S.ADMITTED_ALL, S.OFFLINE_ALL, subject("decision", stage=S.STAGE_OFFLINE), S.deadletter("offline"),
+        *consumer_permissions(S.STREAM_OFFLINE, S.CONSUMER_OFFLINE, S.OFFLINE_ALL),
+        *consumer_permissions(S.STREAM_OUTCOMES, S.CONSUMER_OFFLINE_OUTCOMES, S.OUTCOMES_ALL),
+        *kv_read_permissions(S.BUCKET_INFLIGHT), *kv_write_permissions(S.BUCKET_INFLIGHT, S.KEY_USAGE),
+        *kv_write_permissions(S.BUCKET_INFLIGHT, render(S.PATTERNS["reservation_key"])),
+        *kv_read_permissions(S.BUCKET_QUOTAS),
+        *kv_pinned_read_permissions(S.BUCKET_JOBS, render(S.PATTERNS["job_key"])),
+        *kv_write_permissions(S.BUCKET_JOBS, render(S.PATTERNS["job_key"])),
+    ]
+    return Role("offline", "offline", publish=pub, subscribe=[S.HEARTBEATS_ALL])
+
+
+def gateway_role(tenants: list[str]) -> Role:
+    """The HTTP gateway: a producer for the tenants its API keys map to (requests, their replies,
+    cancels on the workers' control subjects), plus what ``/v1/models`` and ``/status`` show:
+    heartbeats, admission records and completions (no prompts or outputs), quotas and usage."""
+    if not tenants:
+        raise ValueError("the gateway role needs at least one tenant")
+    records = (S.STREAM_DECISIONS, S.STREAM_COMPLETIONS)
+    pub = [*(S.requests_of(t) for t in tenants), subject("control"),
+           *(_js("STREAM", "INFO", st) for st in records), *(_js("STREAM", "MSG", "GET", st) for st in records),
+           *filtered_read_permissions(_kv_stream(S.BUCKET_QUOTAS), _kv_key(S.BUCKET_QUOTAS)),
+           *kv_get_permissions(S.BUCKET_INFLIGHT, S.KEY_USAGE)]
+    sub = [*(replies_of(t) for t in tenants), S.HEARTBEATS_ALL, S.DECISIONS_ALL, S.COMPLETIONS_ALL]
+    return Role("gateway", "gateway", publish=pub, subscribe=sub, tenants=list(tenants))
+
+
+def batch_role(tenant: str) -> Role:
+    """``natsched batch`` for one tenant: publishes its requests, writes its job records and batch
+    manifests, reads its own records (status, results) and its own REQUESTS (``--resume``).
+
+    Manifests are keyed ``batch.<batch>`` (no tenant): the role may get or put a manifest whose id
+    it knows (ids are digests of the tenant and the file), never list them.
+    """
+    S.token(tenant, "tenant")
+    own = render(S.PATTERNS["job_key"], tenant=tenant)
+    manifests = render(S.PATTERNS["batch_key"])
+    pub = [S.requests_of(tenant),
+           _js("STREAM", "INFO", "*"),  # provisioning reads: limits and counts, never a message
+           *kv_get_permissions(S.BUCKET_CONFIG, S.KEY_RETENTION),
+           *kv_pinned_read_permissions(S.BUCKET_JOBS, own), *kv_write_permissions(S.BUCKET_JOBS, own),
+           _js("DIRECT", "GET", _kv_stream(S.BUCKET_JOBS), _kv_key(S.BUCKET_JOBS, manifests)),
+           *kv_write_permissions(S.BUCKET_JOBS, manifests),
+           *filtered_read_permissions(S.STREAM_REQUESTS, S.requests_of(tenant))]
+    return Role(f"batch-{tenant}", "batch", publish=pub, tenants=[tenant])
+
+
 def producer_role(tenant: str) -> Role:
     return Role(f"producer-{S.token(tenant, 'tenant')}", "producer", publish=[S.requests_of(tenant)],
-                subscribe=[replies_of(tenant)])
+                subscribe=[replies_of(tenant)], tenants=[tenant])
 
 
-def roles(tenants: list[str], workers: list[str]) -> list[Role]:
-    return [admin_role(), admitter_role(), router_role(), *(worker_role(w) for w in workers),
-            *(producer_role(t) for t in tenants)]
+def roles(tenants: list[str], workers: list[str], gateway_tenants: list[str] | None = None,
+          batch_tenants: list[str] | None = None, offline: bool = True) -> list[Role]:
+    """Every role to generate; ``gateway_tenants`` / ``batch_tenants`` None: the same as ``tenants``
+    (empty: no gateway user / no batch users)."""
+    gateway_tenants = tenants if gateway_tenants is None else gateway_tenants
+    batch_tenants = tenants if batch_tenants is None else batch_tenants
+    return [admin_role(), admitter_role(), router_role(), *([offline_role()] if offline else []),
+            *(worker_role(w) for w in workers), *([gateway_role(gateway_tenants)] if gateway_tenants else []),
+            *(batch_role(t) for t in batch_tenants), *(producer_role(t) for t in tenants)]
 
 
 # --- generation ---------------------------------------------------------------------------
@@ -248,6 +360,9 @@ class AuthSettings:
     out: Path
     tenants: list[str] = field(default_factory=lambda: ["demo"])
     workers: list[str] = field(default_factory=lambda: ["w1", "w2"])
+    gateway_tenants: list[str] | None = None  # None: every tenant; []: no gateway user
+    batch_tenants: list[str] | None = None  # None: every tenant; []: no batch users
+    offline: bool = True  # the offline runner's user (natsched up runs one)
     tls: bool = False
     force: bool = False
     password_bytes: int = 24
@@ -263,6 +378,45 @@ class AuthFiles:
 
     def creds(self, user: str) -> Path:
         return self.credentials[user]
+
+
+@dataclass
+class AuthDir:
+    """A directory :func:`init` wrote, as ``natsched up --auth-dir`` uses it: the server runs with
+    its config, and every component connects with its own role's credentials file."""
+
+    root: Path
+
+    @classmethod
+    def open(cls, root: Path | str) -> "AuthDir":
+        found = cls(Path(root))
+        if not found.config.is_file():
+            raise AuthError(f"{found.config} not found: write it with natsched auth init --out {root}")
+        return found
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG_NAME
+
+    def creds(self, user: str) -> Path:
+        return self.root / CREDS_DIR / f"{user}.json"
+
+    def require(self, needs: dict[str, str], hint: str = "") -> None:
+        """Every user in ``needs`` (user -> who connects as it) has a credentials file, or one
+        error names each missing one: better than a component failing to connect later."""
+        missing = [f"{user} (for {who})" for user, who in needs.items() if not self.creds(user).is_file()]
+        if missing:
+            raise MissingCredentialsError(f"{self.root / CREDS_DIR} has no credentials for {', '.join(missing)}; "
+                                          f"regenerate it with natsched auth init --out {self.root} --force"
+                                          + (f" {hint}" if hint else ""))
+
+    def tenants(self, user: str) -> list[str]:
+        """The tenants a producer, batch or gateway user may publish for (as :func:`init` recorded them)."""
+        try:
+            record = orjson.loads(self.creds(user).read_bytes())
+        except (OSError, orjson.JSONDecodeError) as exc:
+            raise AuthError(f"cannot read {self.creds(user)}: {exc}") from None
+        return [str(t) for t in record.get("tenants") or []] if isinstance(record, dict) else []
 
 
 def server_config(users: list[tuple[Role, str]], tls: dict | None) -> dict:
@@ -289,7 +443,8 @@ def init(settings: AuthSettings) -> AuthFiles:
         raise AuthExistsError(f"{config_path} exists: running servers and services use it; pass --force to replace "
                               "it (every password changes)")
     try:
-        all_roles = roles(settings.tenants, settings.workers)
+        all_roles = roles(settings.tenants, settings.workers, settings.gateway_tenants, settings.batch_tenants,
+                          settings.offline)
     except ValueError as exc:
         raise AuthError(str(exc)) from None
     tls_block, ca = None, None
@@ -304,6 +459,8 @@ def init(settings: AuthSettings) -> AuthFiles:
     creds: dict[str, Path] = {}
     for role, password in users:
         record = {"user": role.user, "password": password, "inbox_prefix": role.inbox, "role": role.kind}
+        if role.tenants:
+            record["tenants"] = role.tenants
         if ca is not None:
             record["tls_ca"] = os.path.relpath(ca, out / CREDS_DIR)
         path = out / CREDS_DIR / f"{role.user}.json"
@@ -358,12 +515,21 @@ def add_auth_parser(sub) -> None:
     au_sub = au.add_subparsers(dest="action", required=True, metavar="ACTION")
     init_p = au_sub.add_parser("init", help="write nats-auth.conf and creds/<user>.json",
                                description="Write DIR/nats-auth.conf (nats-server -c) and DIR/creds/<user>.json "
-                                           "for admin, admitter, router, each worker and each tenant's producer.")
+                                           "for admin, admitter, router, the offline runner, each worker, the "
+                                           "gateway, and each tenant's producer and batch producer.")
     init_p.add_argument("--out", default="natsched-auth", help="output directory (default ./natsched-auth)")
     init_p.add_argument("--tenants", default="demo", help="comma-separated tenants, one producer user each "
                                                           "(default demo)")
     init_p.add_argument("--workers", default="w1,w2", help="comma-separated worker ids, one worker user each "
                                                            "(default w1,w2, as natsched up names them)")
+    init_p.add_argument("--gateway-tenants", default=None, metavar="TENANTS",
+                        help="comma-separated tenants the gateway user may publish for: the tenants its API keys "
+                             "name (default: every --tenants; '' for no gateway user)")
+    init_p.add_argument("--batch-tenants", default=None, metavar="TENANTS",
+                        help="comma-separated tenants with a batch-<tenant> user for natsched batch/jobs "
+                             "(default: every --tenants; '' for none)")
+    init_p.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
+                        help="the offline runner's user (default: yes; natsched up runs the runner)")
     init_p.add_argument("--tls", action="store_true", help="also make a self-signed CA and a server certificate "
                                                            "for 127.0.0.1/localhost (openssl)")
     init_p.add_argument("--force", action="store_true", help="replace an existing config (every password changes)")
@@ -372,6 +538,8 @@ def add_auth_parser(sub) -> None:
 def cmd_auth(args) -> int:
     """``natsched auth init``: prints where everything went and how to use it."""
     settings = AuthSettings(out=Path(args.out), tenants=parse_list(args.tenants), workers=parse_list(args.workers),
+                            gateway_tenants=_optional_list(args.gateway_tenants),
+                            batch_tenants=_optional_list(args.batch_tenants), offline=args.offline,
                             tls=args.tls, force=args.force)
     files = init(settings)
     print(f"server config: {files.config}")
@@ -382,4 +550,10 @@ def cmd_auth(args) -> int:
         print(f"TLS CA: {files.tls_ca} (named in every credentials file)")
     print("provision streams and buckets with the admin credentials first; services and producers then "
           "connect with --credentials FILE")
+    print(f"  or run everything on these credentials: natsched up --auth-dir {settings.out}")
     return 0
+
+
+def _optional_list(text: str | None) -> list[str] | None:
+    """A list flag whose absence means "the default" and whose empty value means "none"."""
+    return None if text is None else parse_list(text)

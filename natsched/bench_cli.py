@@ -5,9 +5,10 @@
 discrete-event simulator for every chosen policy on identical arrivals, prints a table and
 optionally writes JSON and a PNG (the PNG needs matplotlib: the ``bench`` extra).
 
-``natsched bench pipeline --rate R --duration S [--admitters K] [--routers K] [--find-max]
-[--json OUT]`` runs the real services on a real nats-server with a zero-compute engine and
-measures the scheduler's own cost (:mod:`natsched.bench_pipeline`).
+``natsched bench pipeline --rate R --duration S [--admitters K] [--routers K] [--find-max | --soak
+[--max-rate M]] [--sample-every S] [--json OUT]`` runs the real services on a real nats-server with a
+zero-compute engine and measures the scheduler's own cost (:mod:`natsched.bench_pipeline`), and
+the memory of every process along the way (:mod:`natsched.bench_memory`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from pathlib import Path
 import orjson
 
 from workers.profiles import DEFAULT_PROFILE, PROFILES
+
+DEFAULT_RATE = 1000.0  # bench pipeline, requests per second
+DEFAULT_DURATION_S = 10.0
+SOAK_DURATION_S = 600.0  # issue #8: a soak is 10 minutes at half the maximum rate
+RAMP_RATES = (250, 500, 1000, 1500, 2000, 2500, 3000, 4000, 5000, 6000, 8000)  # --find-max
 
 def _fail(message: str, code: int = 1) -> int:
     print(f"natsched: error: {message}", file=sys.stderr)
@@ -103,16 +109,36 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 def _add_pipeline_parser(bsub) -> None:
     pp = bsub.add_parser("pipeline", help="the scheduler's own cost on real services (zero-compute engine)",
                          description="Start a fresh system (embedded nats-server, admitters, routers, null-engine "
-                                     "workers), publish requests open-loop and measure publish -> assignment.")
-    pp.add_argument("--rate", type=_positive_float, default=1000.0, help="requests per second (default 1000)")
-    pp.add_argument("--duration", type=_positive_float, default=10.0, help="seconds of load (default 10)")
+                                     "workers), publish requests open-loop and measure publish -> assignment. "
+                                     "Every --sample-every seconds the RSS of each process (nats-server, admitters, "
+                                     "routers, offline runner, workers, this load generator) and the size of every "
+                                     "stream are sampled; a memory table says whether each process stayed flat "
+                                     "after warm-up. A soak: --soak (10 minutes at half the --find-max rate, "
+                                     "measured first) or --soak --max-rate M (at M/2) or --soak --rate R (at R).")
+    pp.add_argument("--rate", type=_positive_float, default=None,
+                    help=f"requests per second (default {DEFAULT_RATE:.0f}; with --soak: half the maximum)")
+    pp.add_argument("--duration", type=_positive_float, default=None,
+                    help=f"seconds of load (default {DEFAULT_DURATION_S:.0f}; with --soak {SOAK_DURATION_S:.0f})")
     pp.add_argument("--admitters", type=_positive_int, default=1, help="admitter replicas (default 1)")
     pp.add_argument("--routers", type=_positive_int, default=1, help="router replicas (default 1)")
     pp.add_argument("--workers", type=_positive_int, default=2, help="null-engine workers (default 2)")
-    pp.add_argument("--find-max", action="store_true",
-                    help="ramp the rate and report the highest with p99 <= 10 ms and nothing lost")
+    mode = pp.add_mutually_exclusive_group()
+    mode.add_argument("--find-max", action="store_true",
+                      help="ramp the rate and report the highest with p99 <= 10 ms and nothing lost")
+    mode.add_argument("--soak", action="store_true",
+                      help=f"a soak: {SOAK_DURATION_S / 60:.0f} minutes (unless --duration) at --rate, or at half "
+                           "of --max-rate, or else at half the rate --find-max measures first; the memory table "
+                           "says whether every process stayed flat")
+    pp.add_argument("--max-rate", type=_positive_float, default=None, metavar="M",
+                    help="with --soak: the known maximum rate (from --find-max); the soak runs at M/2")
+    pp.add_argument("--sample-every", type=_positive_float, default=10.0, metavar="S",
+                    help="seconds between memory and stream-size samples (default 10)")
+    pp.add_argument("--audit-max-mib", type=_positive_int, default=None, metavar="N",
+                    help="retention of REQUESTS, DECISIONS and COMPLETIONS (default 1 GiB each): small enough "
+                         "that a soak reaches it, to show the server's memory levelling off")
     pp.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
-    pp.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    pp.add_argument("--json", type=Path, default=None, metavar="OUT",
+                    help="write the results as JSON (with every memory sample under 'memory')")
 
 
 def cmd_bench(args) -> int:
@@ -181,17 +207,44 @@ def _cmd_shared(args) -> int:
     return 0
 
 
+def _soak_rate(args, base) -> float | None:
+    """The soak's rate: --rate, else half of --max-rate, else half of what a --find-max ramp measures now."""
+    from natsched.bench_pipeline import PipelineRun, find_max
+
+    if args.rate is not None:
+        return args.rate
+    if args.max_rate is not None:
+        return args.max_rate / 2
+    print("soak: measuring the maximum rate first (--max-rate M skips this)", file=sys.stderr, flush=True)
+    ramp = PipelineRun(0.0, DEFAULT_DURATION_S, base.admitters, base.routers, base.workers)
+    best, _ = find_max(ramp, list(RAMP_RATES), args.nats_url)
+    return best["rate"] / 2 if best else None
+
+
 def _cmd_pipeline(args) -> int:
     from bus.errors import BusError
+    from natsched.bench_memory import print_memory, soak_summary
     from natsched.bench_pipeline import PipelineRun, find_max, print_table, run_pipeline
 
-    base = PipelineRun(args.rate, args.duration, args.admitters, args.routers, args.workers)
+    if args.max_rate is not None and not args.soak:
+        return _fail("--max-rate goes with --soak (the soak runs at half of it)")
+    if args.max_rate is not None and args.rate is not None:
+        return _fail("give the soak's --rate or the --max-rate it halves, not both")
+    duration = args.duration or (SOAK_DURATION_S if args.soak else DEFAULT_DURATION_S)
+    base = PipelineRun(args.rate or DEFAULT_RATE, duration, args.admitters, args.routers, args.workers,
+                       sample_every_s=args.sample_every,
+                       audit_max_bytes=args.audit_max_mib * 2**20 if args.audit_max_mib else None)
     try:
         if args.find_max:
-            rates = [r for r in (250, 500, 1000, 1500, 2000, 2500, 3000, 4000, 5000, 6000, 8000) if r >= 250]
-            best, results = find_max(base, rates, args.nats_url)
+            best, results = find_max(base, list(RAMP_RATES), args.nats_url)
             out = {"find_max": True, "best": best, "runs": results}
         else:
+            if args.soak:
+                base.rate = _soak_rate(args, base)
+                if base.rate is None:
+                    return _fail("no rate met p99 <= 10 ms with nothing lost, so there is no maximum to halve: "
+                                 "pass the soak's --rate")
+                print(f"soak: {base.duration_s:.0f} s at {base.rate:.0f}/s", file=sys.stderr, flush=True)
             results = [run_pipeline(base, args.nats_url)]
             out = results[0]
     except BusError as exc:
@@ -200,6 +253,10 @@ def _cmd_pipeline(args) -> int:
     if args.find_max:
         print(f"highest rate with p99 <= 10 ms and nothing lost: {best['rate']:.0f}/s" if best else
               "no rate met p99 <= 10 ms with nothing lost")
+    elif "memory" in out:
+        print_memory(out["memory"])
+        if args.soak:
+            print(soak_summary(out["memory"], out["lost"]))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2) + b"\n")

@@ -9,18 +9,23 @@ Reported, in the same run: overhead (publish -> assignment) p50/p99, sustained
 admitted-and-routed requests per second, requests lost (published, acknowledged by JetStream,
 but with no final reply after the drain), and as references the core NATS request/reply round
 trip and the JetStream publish-with-ack round trip on this machine.
+
+With ``sample_every_s`` the run also samples the memory of every process of the system and
+the size of every stream (:mod:`natsched.bench_memory`), which is what a soak looks at.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 
 import orjson
 
@@ -28,6 +33,7 @@ from bus import subjects as S
 from bus.connection import Bus
 from bus.schema import Assignment, Reply, Request
 from bus.server import free_port
+from natsched.bench_memory import MemorySampler, memory_report
 from natsched.supervisor import Supervisor, UpSettings
 
 
@@ -39,6 +45,8 @@ class PipelineRun:
     routers: int = 1
     workers: int = 2
     drain_s: float = 15.0
+    sample_every_s: float | None = None  # sample memory and streams this often; None: not at all
+    audit_max_bytes: int | None = None  # cap REQUESTS, DECISIONS, COMPLETIONS (a soak that reaches retention)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -75,30 +83,74 @@ async def reference_rtts(bus: Bus, samples: int = 300) -> tuple[float, float]:
     return statistics.median(core), statistics.median(js)
 
 
-async def drive(url: str, run: PipelineRun) -> dict:
+@dataclass
+class _Tally:
+    """The load generator's account of one run, bounded by what is in flight.
+
+    A soak publishes hundreds of thousands of requests: only requests still waiting for their
+    assignment or final reply are kept, and each assignment leaves one 8-byte overhead sample,
+    so the generator's own memory stays flat too (it is one of the sampled processes).
+    """
+
+    awaiting_assignment: dict[str, float] = field(default_factory=dict)  # request id -> publish time
+    awaiting_final: set[str] = field(default_factory=set)
+    overhead_ms: array = field(default_factory=lambda: array("d"))
+    last_assigned: float = float("nan")
+    published: int = 0
+    publish_failed: int = 0
+    completed: int = 0
+    rejected: int = 0
+    finals: int = 0
+
+    def on_assigned(self, rid: str, now: float) -> None:
+        sent = self.awaiting_assignment.pop(rid, None)
+        if sent is not None:  # the first assignment only: a redelivery is no new hand-off
+            self.overhead_ms.append((now - sent) * 1000)
+            self.last_assigned = now
+
+    def on_final(self, rid: str, kind: str, worker: str | None) -> None:
+        if rid not in self.awaiting_final:
+            return
+        self.awaiting_final.discard(rid)
+        if worker is None:  # rejected, or failed in routing: never assigned. From a worker, the
+            self.awaiting_assignment.pop(rid, None)  # assignment may still be in this process's queue
+        self.finals += 1
+        self.completed += kind == "result"
+        self.rejected += kind == "error"
+
+    def on_ack(self, future: asyncio.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            self.publish_failed += 1
+        else:
+            self.published += 1
+
+
+async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) -> dict:
+    """Publish the load, wait for the replies, measure; sample memory when ``pids`` and ``run.sample_every_s``."""
     bus = await Bus.connect(url, name="bench-pipeline")
     run_id = uuid.uuid4().hex[:12]
     reply_to = S.bench_reply(run_id)
-    sent: dict[str, float] = {}
-    assigned: dict[str, float] = {}
-    finals: dict[str, str] = {}
+    tally = _Tally()
+    sampler: MemorySampler | None = None
+    sampling: asyncio.Task | None = None
 
     async def on_work(subject: str, data: bytes, headers: dict) -> None:
-        rid = Assignment.decode(data).request.id
-        if rid in sent and rid not in assigned:
-            assigned[rid] = time.perf_counter()
+        tally.on_assigned(Assignment.decode(data).request.id, time.perf_counter())
 
     async def on_reply(subject: str, data: bytes, headers: dict) -> None:
         reply = Reply.decode(data)
         if reply.final:
-            finals[reply.request_id] = reply.kind
+            tally.on_final(reply.request_id, reply.kind, reply.worker)
 
     try:
         await bus.subscribe(S.WORK_ALL, on_work)
         await bus.subscribe(reply_to, on_reply)
         await bus.nc.flush()
         total = int(run.rate * run.duration_s)
-        futures = []
+        pending: set[asyncio.Future] = set()
+        if pids and run.sample_every_s:
+            sampler = MemorySampler(pids, bus.js, run.sample_every_s, time.monotonic())
+            sampling = asyncio.create_task(sampler.run(), name="memory-sampler")
         t0 = time.perf_counter()
         for i in range(total):
             target = t0 + i / run.rate
@@ -108,28 +160,42 @@ async def drive(url: str, run: PipelineRun) -> dict:
             rid = f"{run_id}-{i}"
             req = Request(id=rid, tenant="bench", cls=S.ONLINE, prompt="ping " * 8, max_tokens=1, reply=reply_to,
                           created=time.time())
-            sent[rid] = time.perf_counter()
-            futures.append(await bus.js.publish_async(S.request(S.ONLINE, "bench"), req.encode(),
-                                                      headers={S.HDR_MSG_ID: rid, S.HDR_REPLY: reply_to}))
-        acks = await asyncio.gather(*futures, return_exceptions=True)
-        published = sum(1 for a in acks if not isinstance(a, BaseException))
+            tally.awaiting_assignment[rid] = time.perf_counter()
+            tally.awaiting_final.add(rid)
+            future = await bus.js.publish_async(S.request(S.ONLINE, "bench"), req.encode(),
+                                                headers={S.HDR_MSG_ID: rid, S.HDR_REPLY: reply_to})
+            pending.add(future)
+            future.add_done_callback(tally.on_ack)
+            future.add_done_callback(pending.discard)
+        await asyncio.gather(*pending, return_exceptions=True)
         deadline = time.perf_counter() + run.drain_s
-        while len(finals) < published and time.perf_counter() < deadline:
+        while tally.finals < tally.published and time.perf_counter() < deadline:
             await asyncio.sleep(0.05)
-        overhead = [(assigned[r] - sent[r]) * 1000 for r in assigned]
-        span = (max(assigned.values()) - t0) if assigned else float("nan")
+        memory = None
+        if sampler is not None:
+            sampling.cancel()
+            await asyncio.gather(sampling, return_exceptions=True)
+            await sampler.sample()  # after the drain: what an idle system still holds
+            memory = memory_report(sampler.samples, run.duration_s, run.sample_every_s)
+        assigned = len(tally.overhead_ms)
+        overhead = list(tally.overhead_ms)
+        span = tally.last_assigned - t0
         nats_rtt, js_rtt = await reference_rtts(bus)
-        return {
+        result = {
             "rate": run.rate, "duration_s": run.duration_s, "admitters": run.admitters, "routers": run.routers,
-            "requests": total, "published": published, "assigned": len(assigned),
-            "completed": sum(1 for k in finals.values() if k == "result"),
-            "rejected": sum(1 for k in finals.values() if k == "error"),
-            "lost": total - len(finals),
+            "requests": total, "published": tally.published, "assigned": assigned,
+            "completed": tally.completed, "rejected": tally.rejected,
+            "lost": total - tally.finals,
             "overhead_p50_ms": _pct(overhead, 0.5), "overhead_p99_ms": _pct(overhead, 0.99),
-            "sustained_rps": len(assigned) / span if span == span and span > 0 else 0.0,
+            "sustained_rps": assigned / span if span == span and span > 0 else 0.0,
             "nats_rtt_p50_ms": nats_rtt, "js_publish_p50_ms": js_rtt,
         }
+        if memory is not None:
+            result["memory"] = memory
+        return result
     finally:
+        if sampling is not None and not sampling.done():
+            sampling.cancel()
         await bus.close()
 
 
@@ -140,20 +206,39 @@ def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
                                 nats_url=nats_url, port=free_port(), data_dir=data_dir, log_level="warning"))
     try:
         url = sup.start(quiet=True)
-        asyncio.run(_set_quota(url))
+        asyncio.run(_set_quota(url, run.audit_max_bytes))
         time.sleep(1.0)  # workers' first heartbeats reach the routers
-        return asyncio.run(drive(url, run))
+        pids = {**sup.pids(), "load generator": os.getpid()}
+        return asyncio.run(drive(url, run, pids))
     finally:
         sup.stop(quiet=True)
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-async def _set_quota(url: str) -> None:
+async def _set_quota(url: str, audit_max_bytes: int | None = None) -> None:
     bus = await Bus.connect(url, name="bench-setup")
     try:  # measure the scheduler, not a quota: a total nothing here can reach
         await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(10**12))
+        if audit_max_bytes is not None:
+            await _cap_audit_streams(bus, audit_max_bytes)
     finally:
         await bus.close()
+
+
+async def _cap_audit_streams(bus: Bus, max_bytes: int) -> None:
+    """Retention as an operator sets it (``natsched retention set``), small enough that a soak
+    reaches it: then the server's memory must level off while old records are discarded."""
+    from bus.provision import default_limits, ensure_stream, overrides_to_json, stored_overrides, stored_settings
+    from bus.provision import StreamLimits, stream_config
+
+    audit = (S.STREAM_REQUESTS, S.STREAM_DECISIONS, S.STREAM_COMPLETIONS)
+    overrides = await stored_overrides(bus.js)
+    for stream in audit:
+        overrides[stream] = StreamLimits(default_limits(stream).max_age_s, max_bytes)
+    await bus.kv_put(S.BUCKET_CONFIG, S.KEY_RETENTION, overrides_to_json(overrides))
+    settings = await stored_settings(bus.js)
+    for stream in audit:
+        await ensure_stream(bus.js, stream_config(stream, settings))
 
 
 def find_max(base: PipelineRun, rates: list[float], nats_url: str | None) -> tuple[dict | None, list[dict]]:

@@ -14,6 +14,7 @@ from bus.server import DEFAULT_PORT, DEFAULT_URL
 from gateway.cli import add_gateway_parser
 from natsched.auth import add_auth_parser
 from natsched.bench_cli import add_bench_parser
+from natsched.chaos import add_chaos_parser
 from natsched.cluster import add_cluster_parser
 from natsched.cmd_jobs import add_parsers as add_job_parsers
 from natsched.runtime import setup_logging
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also run the HTTP gateway on 127.0.0.1:PORT (default 8000); open as tenant 'open' "
                          "unless --gateway-keys")
     up.add_argument("--gateway-keys", type=Path, default=None, help="API keys file for the gateway")
+    up.add_argument("--auth-dir", type=Path, default=None, metavar="DIR",
+                    help="a directory written by natsched auth init: the embedded server enforces its "
+                         "permissions and every component connects with its own role's credentials")
     add_vllm_flags(up)  # passed through to every worker with --engine vllm
 
     adm = sub.add_parser("admitter", help="run one admitter replica", description="Run one admitter replica.")
@@ -150,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_auth_parser(sub)
     add_cluster_parser(sub)
     add_bench_parser(sub)
+    add_chaos_parser(sub)
     add_job_parsers(sub)  # batch, jobs, audit, replay, offline, retention
     return parser
 

@@ -22,6 +22,7 @@ import orjson
 from bus.server import DEFAULT_URL
 
 ENV_URL = "NATSCHED_NATS_URL"  # as natsched.cli.ENV_URL (not imported: cli imports this module)
+ENV_CREDENTIALS = "NATSCHED_CREDENTIALS"  # as natsched.cli.ENV_CREDENTIALS
 COMMANDS = ("batch", "jobs", "audit", "replay", "offline", "retention")
 NOT_FOUND = 2
 
@@ -29,6 +30,8 @@ NOT_FOUND = 2
 def _url(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-url", default=os.environ.get(ENV_URL, DEFAULT_URL),
                    help=f"NATS server URL (default: ${ENV_URL} or {DEFAULT_URL})")
+    p.add_argument("--credentials", type=Path, default=os.environ.get(ENV_CREDENTIALS),
+                   help=f"credentials file from natsched auth init (default: ${ENV_CREDENTIALS})")
 
 
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -110,6 +113,8 @@ def _jobs_parser(sub) -> None:
     show = js.add_parser("show", help="one job by id")
     _url(show)
     show.add_argument("job_id")
+    show.add_argument("--tenant", default=None, help="the job's tenant (needed with a batch-<tenant> credential, "
+                                                     "which may read its own tenant's jobs only)")
     show.add_argument("--json", action="store_true")
     ls = js.add_parser("list", help="jobs of a tenant, optionally of some states")
     _url(ls)
@@ -208,7 +213,8 @@ def _print_json(value: Any) -> None:
 async def _connect(args):
     from bus.connection import Bus
 
-    return await Bus.connect(args.nats_url, name=f"natsched-{args.command}", connect_budget_s=5.0)
+    return await Bus.connect(args.nats_url, name=f"natsched-{args.command}", connect_budget_s=5.0,
+                             credentials=args.credentials)
 
 
 # --- batch ------------------------------------------------------------------------------------
@@ -314,7 +320,7 @@ async def _jobs(args) -> int:
     try:
         store = JobStore(bus)
         if args.action == "show":
-            found = await store.find(args.job_id)
+            found = await store.find(args.job_id, args.tenant or "*")
             if found is None:
                 raise NotFoundExit(f"job {args.job_id} not found (no record in bucket {S.BUCKET_JOBS}; records are "
                                    f"kept 30 days after their last change)")
@@ -490,7 +496,7 @@ async def _offline(args) -> int:
         await runner.start()
         return f"low_watermark={settings.low_watermark} total={runner.total}"
 
-    await serve(args.nats_url, "offline", start)
+    await serve(args.nats_url, "offline", start, credentials=args.credentials)
     return 0
 
 

@@ -29,17 +29,30 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
-def cmd_up(args) -> int:
-    from natsched.supervisor import Supervisor, UpSettings
+def up_settings(args):
+    """``natsched up``'s flags as :class:`~natsched.supervisor.UpSettings` (ValueError: a bad combination)."""
+    from natsched.supervisor import UpSettings
 
     if min(args.workers, args.admitters, args.routers) < 0 or args.admitters < 1 or args.routers < 1:
-        return _fail("--admitters and --routers must be >= 1, --workers >= 0")
-    settings = UpSettings(workers=args.workers, admitters=args.admitters, routers=args.routers, engine=args.engine, nats_url=args.nats_url, port=args.port,
-                          data_dir=args.data_dir, policy=args.policy, time_scale=args.time_scale,
-                          log_level=args.log_level, gateway_port=args.gateway, gateway_keys=args.gateway_keys)
+        raise ValueError("--admitters and --routers must be >= 1, --workers >= 0")
+    return UpSettings(workers=args.workers, admitters=args.admitters, routers=args.routers, engine=args.engine,
+                      nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, policy=args.policy,
+                      time_scale=args.time_scale, log_level=args.log_level, gateway_port=args.gateway,
+                      gateway_keys=args.gateway_keys, auth_dir=args.auth_dir,
+                      extra_worker_args=_worker_passthrough(args))
+
+
+def cmd_up(args) -> int:
+    from natsched.auth import AuthError
+    from natsched.supervisor import Supervisor
+
+    try:
+        settings = up_settings(args)
+    except ValueError as exc:
+        return _fail(str(exc))
     try:
         return Supervisor(settings).run()
-    except BusError as exc:
+    except (BusError, AuthError) as exc:
         return _fail(str(exc))
 
 
@@ -325,6 +338,15 @@ def cmd_bench(args) -> int:
     from natsched.bench_cli import cmd_bench as run
 
     return run(args)
+
+
+def cmd_chaos(args) -> int:
+    from natsched.chaos import cmd_chaos as run
+
+    try:
+        return run(args)
+    except BusError as exc:
+        return _fail(str(exc))
 
 
 def _jobs(args) -> int:

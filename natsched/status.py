@@ -32,6 +32,7 @@ from admitter.errors import UsageError
 from admitter.quotas import Quotas
 from admitter.usage import Usage
 from bus import subjects as S
+from bus.audit import kv_snapshot
 from bus.connection import Bus
 from bus.errors import MessageError
 from bus.schema import Completion, Decision, Heartbeat
@@ -295,11 +296,9 @@ class StatusCollector:
             self._apply(data, Completion, self.state.on_completion)
 
     async def snapshot(self) -> StatusView:
-        entries: dict[str, bytes] = {}
-        for key in await self.bus.kv_keys(S.BUCKET_QUOTAS):
-            got = await self.bus.kv_get(S.BUCKET_QUOTAS, key)
-            if got is not None:
-                entries[key] = got[0]
+        # one filtered snapshot, not a watch plus a get per key: a role may be allowed this read
+        # without the rights a watch needs (natsched.auth, the gateway's role)
+        entries = {key: value async for key, value in kv_snapshot(self.bus.js, S.BUCKET_QUOTAS)}
         usage = await self.bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
         return self.state.view(entries, usage[0] if usage else None, time.time())
 
@@ -361,7 +360,8 @@ async def run_status(args) -> int:
     settings = StatusSettings(window_s=args.window)
     if args.watch is not None and args.watch <= 0:
         raise ValueError("--watch needs a positive number of seconds")
-    bus = await Bus.connect(args.nats_url, name="natsched-status", connect_budget_s=5.0)
+    bus = await Bus.connect(args.nats_url, name="natsched-status", connect_budget_s=5.0,
+                            credentials=args.credentials)
     try:
         collector = StatusCollector(bus, settings)
         await collector.start()

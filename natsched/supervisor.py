@@ -20,16 +20,21 @@ from pathlib import Path
 
 from bus.connection import Bus
 from bus.errors import ServerError
+from bus.provision import provision_jobs
 from bus.server import DEFAULT_HOST, DEFAULT_PORT, EmbeddedServer, die_with_parent
+from natsched.auth import AuthDir, AuthError
 from natsched.runtime import READY_PREFIX
 
 log = logging.getLogger(__name__)
 
 
-async def _provision(url: str) -> None:
-    bus = await Bus.connect(url, name="natsched-up")
+async def _provision(url: str, credentials: Path | None = None) -> None:
+    """Every stream and bucket, the offline runner's included: under auth only the admin may
+    create them (the services' roles may read stream info, not change it)."""
+    bus = await Bus.connect(url, name="natsched-up", credentials=credentials)
     try:
         await bus.provision()
+        await provision_jobs(bus.js)
     finally:
         await bus.close()
 
@@ -50,6 +55,9 @@ class UpSettings:
     extra_worker_args: list[str] = field(default_factory=list)
     gateway_port: int | None = None  # also run the HTTP gateway on 127.0.0.1:PORT
     gateway_keys: Path | None = None  # its API keys; None: --insecure-open (local use)
+    offline: bool = True  # also run the offline runner
+    auth_dir: Path | None = None  # from natsched auth init: the server runs its config, each child its role
+    log_dir: Path | None = None  # children's stderr to <log_dir>/<name>.log; None: this process's stderr
 
 
 @dataclass
@@ -59,6 +67,7 @@ class Child:
     proc: subprocess.Popen | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     detail: str = ""
+    user: str = ""  # the role it connects as under --auth-dir (natsched auth init's user name)
 
 
 class Supervisor:
@@ -67,6 +76,8 @@ class Supervisor:
         self.server: EmbeddedServer | None = None
         self.children: list[Child] = []
         self._stop = threading.Event()
+        self.auth: AuthDir | None = None
+        self._open_tenant: str | None = None  # an open gateway's tenant under auth
 
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "natsched", "--log-level", self.s.log_level, *args]
@@ -76,27 +87,88 @@ class Supervisor:
         kids = []
         for i in range(1, self.s.admitters + 1):
             name = "admitter" if self.s.admitters == 1 else f"admitter-{i}"
-            kids.append(Child(name, self._cmd("admitter", *common, "--name", name)))
+            kids.append(Child(name, self._cmd("admitter", *common, "--name", name), user="admitter"))
         for i in range(1, self.s.routers + 1):
             name = "router" if self.s.routers == 1 else f"router-{i}"
-            kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy)))
-        kids.append(Child("offline", self._cmd("offline", *common, "--name", "offline")))
+            kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy),
+                              user="router"))
+        if self.s.offline:
+            kids.append(Child("offline", self._cmd("offline", *common, "--name", "offline"), user="offline"))
         for i in range(1, self.s.workers + 1):
             args = ["worker", *common, "--id", f"w{i}", "--engine", self.s.engine,
                     "--time-scale", str(self.s.time_scale), *self.s.extra_worker_args]
-            kids.append(Child(f"worker w{i}", self._cmd(*args)))
+            kids.append(Child(f"worker w{i}", self._cmd(*args), user=f"worker-w{i}"))
         if self.s.gateway_port is not None:
             auth = ["--keys", str(self.s.gateway_keys)] if self.s.gateway_keys else ["--insecure-open"]
-            kids.append(Child("gateway", self._cmd("gateway", *common, "--port", str(self.s.gateway_port), *auth)))
+            if self._open_tenant and not self.s.gateway_keys:
+                auth += ["--open-tenant", self._open_tenant]
+            kids.append(Child("gateway", self._cmd("gateway", *common, "--port", str(self.s.gateway_port), *auth),
+                              user="gateway"))
+        if self.auth is not None:
+            for kid in kids:
+                kid.args += ["--credentials", str(self.auth.creds(kid.user))]
         return kids
+
+    def _open_auth(self) -> None:
+        """Before anything starts, check ``--auth-dir``: a credentials file for every child and
+        the admin (provisioning), and a gateway that may publish for every tenant its keys name."""
+        if self.s.auth_dir is None:
+            return
+        self.auth = auth = AuthDir.open(self.s.auth_dir)
+        needs = {"admin": "provisioning", **{kid.user: kid.name for kid in self.plan("")}}
+        hint = f"--workers {','.join(f'w{i}' for i in range(1, self.s.workers + 1))}" if self.s.workers else ""
+        auth.require(needs, hint)
+        if self.s.gateway_port is not None:
+            self._open_tenant = self._gateway_tenant(auth.tenants("gateway"))
+
+    def _gateway_tenant(self, served: list[str]) -> str | None:
+        """The tenant an open gateway runs as (the first its role serves), after checking that a
+        keys file names no tenant the role may not publish for (its requests would be refused)."""
+        if not served:
+            raise AuthError(f"{self.auth.creds('gateway')} names no tenant to publish for")
+        if self.s.gateway_keys is None:
+            return served[0]
+        from gateway.errors import ConfigError
+        from gateway.keys import KeyRing
+
+        try:
+            named = KeyRing.from_file(self.s.gateway_keys).tenants
+        except ConfigError as exc:
+            raise AuthError(str(exc)) from None
+        unserved = sorted(named - set(served))
+        if unserved:
+            raise AuthError(f"{self.s.gateway_keys} names tenant(s) {', '.join(unserved)} that the gateway's "
+                            f"credentials may not publish for (only {', '.join(served)}): regenerate them with "
+                            f"natsched auth init --out {self.auth.root} --gateway-tenants "
+                            f"{','.join(sorted(named | set(served)))} --force")
+        return None
 
     def _spawn(self, child: Child) -> None:
         child.ready.clear()
-        child.proc = subprocess.Popen(
-            child.args, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, bufsize=1,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )
+        err = None
+        if self.s.log_dir is not None:
+            self.s.log_dir.mkdir(parents=True, exist_ok=True)
+            err = open(self.s.log_dir / f"{child.name.replace(' ', '-')}.log", "ab")
+        try:
+            child.proc = subprocess.Popen(
+                child.args, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                start_new_session=True, preexec_fn=die_with_parent,
+            )
+        finally:
+            if err is not None:
+                err.close()  # the child has its own copy
         threading.Thread(target=self._read, args=(child, child.proc), daemon=True).start()
+
+    def restart(self, child: Child) -> None:
+        """Start a child that exited (or was killed) again; ``child.ready`` is set by its READY line.
+
+        The same command, so a worker comes back under its id and finds its durable consumer
+        (``natsched chaos`` kills and restarts children). Call it from the thread that will
+        outlive the child: PR_SET_PDEATHSIG fires when the *thread* that forked it exits.
+        """
+        if child.proc is not None and child.proc.poll() is None:
+            raise ServerError(f"{child.name} is still running (pid {child.proc.pid})")
+        self._spawn(child)
 
     def _read(self, child: Child, proc: subprocess.Popen) -> None:
         assert proc.stdout is not None
@@ -111,11 +183,15 @@ class Supervisor:
         started = time.monotonic()
         say = (lambda *a, **k: None) if quiet else print
         url = self.s.nats_url
+        self._open_auth()
         if url is None:
-            self.server = EmbeddedServer(self.s.port, self.s.data_dir, self.s.host).start()
+            self.server = EmbeddedServer(self.s.port, self.s.data_dir, self.s.host,
+                                         config_file=self.auth.config if self.auth else None).start()
             url = self.server.url
-            say(f"ready: nats-server {url} (JetStream, data {self.server.data_dir})", flush=True)
-        asyncio.run(_provision(url))  # once, before the components race to create streams
+            say(f"ready: nats-server {url} (JetStream, data {self.server.data_dir}"
+                + (f", auth {self.auth.config})" if self.auth else ")"), flush=True)
+        admin = self.auth.creds("admin") if self.auth else None
+        asyncio.run(_provision(url, admin))  # once, before the components race to create streams
         self.children = self.plan(url)
         for child in self.children:
             self._spawn(child)
@@ -126,9 +202,25 @@ class Supervisor:
                 raise ServerError(f"{child.name} was not ready within {self.s.ready_timeout_s:.0f}s"
                                   + (f" (exited with code {code})" if code is not None else ""))
             say(f"ready: {child.name} (pid {child.proc.pid}) {child.detail}".rstrip(), flush=True)
-        say(f"natsched is up in {time.monotonic() - started:.1f}s on {url}; "
-              "try: natsched submit --tenant demo --prompt 'hello'  (Ctrl-C stops)", flush=True)
+        try_it = ("natsched submit --tenant demo --prompt 'hello'" if self.auth is None else
+                  f"natsched submit --credentials {self.auth.creds('producer-TENANT')} --tenant TENANT --prompt 'hello'")
+        say(f"natsched is up in {time.monotonic() - started:.1f}s on {url}; try: {try_it}  (Ctrl-C stops)",
+            flush=True)
         return url
+
+    def pids(self) -> dict[str, int]:
+        """The system's running processes by name, the embedded nats-server first.
+
+        For what watches them from outside (``bench pipeline`` samples their memory); a server
+        given by ``--nats-url`` is not ours and is left out.
+        """
+        out = {}
+        if self.server is not None and self.server.proc is not None:
+            out["nats-server"] = self.server.proc.pid
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is None:
+                out[child.name] = child.proc.pid
+        return out
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):

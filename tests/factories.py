@@ -48,3 +48,17 @@ async def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05) -> 
         if value or time.monotonic() > deadline:
             return bool(value)
         await asyncio.sleep(interval)
+
+
+def read_until_up(proc, timeout: float, what: str = "natsched up", extra=lambda: "") -> list[str]:
+    """Lines a ``natsched up`` child printed until "natsched is up"; AssertionError if it never was."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("natsched is up"):
+            return lines
+    raise AssertionError(f"{what} did not come up: {lines} {extra()}")

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from bus.server import free_port
+from tests.factories import read_until_up
 
 PY = [sys.executable, "-m", "natsched"]
 
@@ -33,16 +34,7 @@ class Up:
             [*PY, "up", "--workers", "2", "--port", str(port), "--data-dir", str(self.data), "--time-scale", "0.05"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
-        self.lines: list[str] = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if line.startswith("natsched is up"):
-                return
-        raise AssertionError(f"natsched up did not come up: {self.lines}")
+        self.lines = read_until_up(self.proc, 30)
 
     @property
     def pids(self) -> list[int]:
@@ -136,3 +128,20 @@ def test_every_command_has_help():
                 ["route", "set", "--help"], ["admitter", "--help"], ["router", "--help"]):
         out = subprocess.run([*PY, *cmd], capture_output=True, text=True, timeout=30)
         assert out.returncode == 0 and "usage: natsched" in out.stdout
+
+
+def test_up_hands_its_model_and_vllm_flags_to_every_worker():
+    from natsched.cli import build_parser
+    from natsched.commands import up_settings
+    from natsched.supervisor import Supervisor
+
+    args = build_parser().parse_args(["up", "--workers", "2", "--engine", "vllm", "--model", "tiny",
+                                      "--model-path", "models/tiny", "--max-model-len", "512", "--enforce-eager"])
+    workers = [c.args for c in Supervisor(up_settings(args)).plan("nats://127.0.0.1:4222") if c.name.startswith("worker")]
+    assert len(workers) == 2
+    for cmd in workers:
+        assert cmd[cmd.index("--model-path") + 1] == "models/tiny" and cmd[cmd.index("--max-model-len") + 1] == "512"
+        assert cmd[cmd.index("--model") + 1] == "tiny" and "--enforce-eager" in cmd and "vllm" in cmd
+    bad = build_parser().parse_args(["up", "--workers", "2", "--kv-events-port", "5557"])
+    with pytest.raises(ValueError, match="kv-events-port"):
+        up_settings(bad)

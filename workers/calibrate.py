@@ -298,7 +298,8 @@ async def calibrate_command(args: Any, engine: Any) -> int:
         return 1
     print(cal.to_json().decode(), flush=True)
     if not getattr(args, "dry_run", False):
-        bus = await Bus.connect(args.nats_url, name="natsched-calibrate", connect_budget_s=10.0)
+        bus = await Bus.connect(args.nats_url, name="natsched-calibrate", connect_budget_s=10.0,
+                                credentials=getattr(args, "credentials", None))
         try:
             await bus.provision()
             await store_calibration(bus, cal)

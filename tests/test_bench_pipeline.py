@@ -1,0 +1,134 @@
+"""``natsched bench pipeline``'s memory sampling: the pure verdict, and one short real run."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from natsched.bench_memory import (
+    FlatRule,
+    least_squares_slope,
+    memory_report,
+    memory_verdict,
+    process_series,
+    soak_summary,
+    stream_summaries,
+    warmup_seconds,
+)
+from natsched.cli import main
+
+SOAK_S = 600.0
+EVERY_S = 10.0
+
+
+def series(rss_at, duration_s: float = SOAK_S, every_s: float = EVERY_S) -> list[tuple[float, float | None]]:
+    """``(t, rss_at(t))`` at every sample of a run, like the sampler takes them."""
+    n = int(duration_s / every_s)
+    return [(k * every_s, rss_at(k * every_s)) for k in range(n + 1)]
+
+
+def warming(t: float, level: float = 50.0) -> float:
+    """Imports and caches: from 20 MiB up to ``level`` during the first minute."""
+    return 20.0 + (level - 20.0) * min(1.0, t / 60.0)
+
+
+def test_warmup_is_the_first_tenth_or_the_first_minute():
+    assert warmup_seconds(600) == 60.0
+    assert warmup_seconds(6) == pytest.approx(0.6)
+    assert warmup_seconds(3600) == 60.0
+
+
+def test_least_squares_slope_is_per_minute_and_exact_on_a_line():
+    assert least_squares_slope([(t, 40.0 + t / 30.0) for t in range(0, 300, 10)]) == pytest.approx(2.0)
+    assert least_squares_slope([(5.0, 1.0)]) == 0.0
+    assert least_squares_slope([(5.0, 1.0), (5.0, 9.0)]) == 0.0
+
+
+def test_a_steadily_growing_process_is_not_flat():
+    verdict = memory_verdict(series(lambda t: warming(t) + 3.0 * max(0.0, t - 60) / 60), warmup_seconds(SOAK_S))
+    assert verdict.flat is False and verdict.note == "grew beyond the allowance"
+    assert verdict.growth_mib == pytest.approx(27.0)
+    assert verdict.slope_mib_per_min == pytest.approx(3.0)
+
+
+def test_a_noisy_but_level_process_is_flat():
+    rng = random.Random(8)
+    verdict = memory_verdict(series(lambda t: warming(t) + rng.uniform(-3.0, 3.0)), warmup_seconds(SOAK_S))
+    assert verdict.flat is True, verdict
+    assert abs(verdict.slope_mib_per_min) < 1.0
+    assert verdict.start_mib > 45 and verdict.samples == 55
+
+
+def test_warm_up_is_excluded():
+    ramp_then_level = series(warming)
+    assert memory_verdict(ramp_then_level, warmup_seconds(SOAK_S)).flat is True
+    without = memory_verdict(ramp_then_level, 0.0)
+    assert without.flat is False and without.growth_mib == pytest.approx(30.0)
+
+
+def test_growth_still_under_way_at_the_end_is_not_flat_even_within_the_allowance():
+    late = memory_verdict(series(lambda t: warming(t) + 2.0 * max(0.0, t - 420) / 60), warmup_seconds(SOAK_S))
+    assert late.growth_mib == pytest.approx(6.0) and late.growth_mib < late.allowance_mib
+    assert late.flat is False and late.note == "still growing at the end"
+
+
+def test_a_large_process_gets_a_relative_allowance():
+    assert FlatRule().allowance_mib(40.0) == 10.0
+    assert FlatRule().allowance_mib(1000.0) == 50.0
+    big = memory_verdict(series(lambda t: 1000.0 + 30.0 * t / SOAK_S), warmup_seconds(SOAK_S))
+    assert big.flat is True and big.allowance_mib == pytest.approx(1003.0 * 0.05)
+
+
+def test_a_process_that_exits_is_not_flat_and_too_few_samples_say_nothing():
+    gone = memory_verdict([(t, v if t < 300 else None) for t, v in series(warming)], warmup_seconds(SOAK_S))
+    assert gone.flat is False and gone.note == "exited during the run"
+    short = memory_verdict([(0.0, 40.0), (10.0, 41.0), (20.0, 90.0)], 10.0)
+    assert short.flat is None and "too few samples" in short.note
+
+
+def test_report_from_sampler_shaped_samples():
+    samples = [{"t": float(t), "rss_kib": {"admitter": 40 * 1024 + t, "router": 50 * 1024},
+                "streams": {"REQUESTS": {"messages": 100 * t, "bytes": 20_000 * t}}} for t in range(0, 70, 10)]
+    assert process_series(samples, "router")[-1] == (60.0, 50.0)
+    report = memory_report(samples, duration_s=60, sample_every_s=10)
+    assert report["warmup_s"] == 6.0 and len(report["samples"]) == 7
+    assert set(report["processes"]) == {"admitter", "router"}
+    assert all(v["flat"] is True for v in report["processes"].values())
+    streams = stream_summaries(samples, 6.0)
+    assert streams["REQUESTS"].start_messages == 1000 and streams["REQUESTS"].end_messages == 6000
+    assert streams["REQUESTS"].messages_per_min == pytest.approx(6000.0)
+    assert soak_summary(report, lost=0) == "soak: nothing lost; memory flat in 2 of 2 processes"
+    report["processes"]["router"].update(flat=False, note="grew beyond the allowance")
+    assert "NOT flat: router (grew beyond the allowance)" in soak_summary(report, lost=3)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-rate", "800"], "--max-rate goes with --soak"),
+    (["--soak", "--max-rate", "800", "--rate", "300"], "not both"),
+])
+def test_soak_flags_are_checked_before_anything_starts(flags, message, capsys):
+    assert main(["bench", "pipeline", *flags]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_a_short_soak_samples_every_process_and_loses_nothing(tmp_path, capsys):
+    out = tmp_path / "soak.json"
+    code = main(["--log-level", "warning", "bench", "pipeline", "--soak", "--duration", "6", "--rate", "100",
+                 "--sample-every", "1", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["lost"] == 0 and data["requests"] == 600
+    memory = data["memory"]
+    samples = memory["samples"]
+    assert len(samples) >= 3  # t = 0, the ticks during the load, one after the drain
+    expected = {"nats-server", "admitter", "router", "offline", "worker w1", "worker w2", "load generator"}
+    for sample in samples:
+        assert set(sample["rss_kib"]) == expected
+        assert all(kib is not None and kib > 0 for kib in sample["rss_kib"].values()), sample
+    assert {"REQUESTS", "ADMITTED", "WORK", "KV_inflight"} <= set(samples[-1]["streams"])
+    assert samples[-1]["streams"]["REQUESTS"]["messages"] == 600
+    assert set(memory["processes"]) == expected
+    text = capsys.readouterr().out
+    assert "slope MiB/min" in text and "soak: nothing lost;" in text
