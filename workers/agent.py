@@ -43,9 +43,10 @@ log = logging.getLogger(__name__)
 CANCEL_MEMORY_S = 120.0
 CANCEL_MEMORY_MAX = 10_000
 #: a copy of a finished request's message comes back when its ack was lost (e.g. during a NATS
-#: leader election): after ack_wait (30 s), up to max_deliver times. Ten minutes covers that.
-FINISHED_MEMORY_S = 600.0
-FINISHED_MEMORY_MAX = 200_000
+#: leader election): after ack_wait (30 s), up to max_deliver (3) times, so within about 90 s.
+#: Three minutes covers that; at 250 requests/s a worker holds ~45k ids (~7 MiB), then no more.
+FINISHED_MEMORY_S = 180.0
+FINISHED_MEMORY_MAX = 100_000
 
 
 @dataclass
