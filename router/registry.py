@@ -7,7 +7,7 @@ States (the worker reports the first three in ``Heartbeat.state``; the router de
     QUIESCING   draining before shutdown: takes nothing new
     REREGISTER  came back with a new ``started_at`` (or said "reregister"): its cache claims were
                 dropped and it takes nothing until the router's index has its fresh state
-    STALE       (derived) no heartbeat for ``heartbeat_timeout_s``: excluded, never trusted
+    STALE       (derived) silent for 2 of its heartbeat periods (at most ``heartbeat_timeout_s``): excluded
 
 Load accounting, so a burst between two heartbeats does not pile onto one worker: every
 assignment is *pending* until a heartbeat lists its request id in ``inflight`` (or is older than
