@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from pathlib import Path
 
-import orjson
 
 from bus.server import DEFAULT_PORT, DEFAULT_URL
 from gateway.cli import add_gateway_parser

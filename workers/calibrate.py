@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
