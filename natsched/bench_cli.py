@@ -19,6 +19,7 @@ from pathlib import Path
 
 import orjson
 
+from natsched.argtypes import fraction, positive_float, positive_int
 from workers.profiles import DEFAULT_PROFILE, PROFILES
 
 DEFAULT_RATE = 1000.0  # bench pipeline, requests per second
@@ -29,33 +30,6 @@ RAMP_RATES = (250, 500, 1000, 1500, 2000, 2500, 3000, 4000, 5000, 6000, 8000)  #
 def _fail(message: str, code: int = 1) -> int:
     print(f"natsched: error: {message}", file=sys.stderr)
     return code
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _positive_float(text)
-    if value >= 1:
-        raise argparse.ArgumentTypeError(f"must be a fraction strictly between 0 and 1 (e.g. 0.8), got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -70,26 +44,26 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     )
     rt.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL trace (timestamp ms, input_length, "
                                                               "output_length, hash_ids of 512-token blocks)")
-    rt.add_argument("--workers", type=_positive_int, default=8, help="simulated workers (default 8)")
+    rt.add_argument("--workers", type=positive_int, default=8, help="simulated workers (default 8)")
     rt.add_argument("--policies", default="all",
                     help="comma-separated routing policies, or 'all' (default: every registered policy)")
     load = rt.add_mutually_exclusive_group()
-    load.add_argument("--speedup", type=_positive_float, default=None,
+    load.add_argument("--speedup", type=positive_float, default=None,
                       help="compress arrival times by this factor (default 1)")
-    load.add_argument("--target-busy", type=_fraction, default=None, metavar="F",
+    load.add_argument("--target-busy", type=fraction, default=None, metavar="F",
                       help="pick the speed-up at which least_loaded keeps workers busy this share of the time "
                            "(e.g. 0.8), then use it for every policy")
-    rt.add_argument("--limit", type=_positive_int, default=None, help="keep only the first N requests")
+    rt.add_argument("--limit", type=positive_int, default=None, help="keep only the first N requests")
     rt.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
                     help=f"engine profile (default {DEFAULT_PROFILE})")
     rt.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
     rt.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
                     help="write a PNG (TTFT CDF, hit ratio vs ceiling); needs matplotlib")
-    rt.add_argument("--jobs", type=_positive_int, default=2,
+    rt.add_argument("--jobs", type=positive_int, default=2,
                     help="policies simulated in parallel processes (default 2; 1 = in this process)")
-    rt.add_argument("--calib-limit", type=_positive_int, default=1000,
+    rt.add_argument("--calib-limit", type=positive_int, default=1000,
                     help="requests per calibration run of --target-busy (default 1000)")
-    rt.add_argument("--hb-interval", type=_positive_float, default=1.0,
+    rt.add_argument("--hb-interval", type=positive_float, default=1.0,
                     help="virtual seconds between worker heartbeats (default 1)")
     rt.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     _add_pipeline_parser(bsub)
@@ -100,7 +74,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                          description="Replicas commit one-token reservations by KV compare-and-swap as fast as "
                                      "they can; prints commits/s, lost races per commit and lost updates.")
     ss.add_argument("--replicas", default="1,2,3", help="replica counts to run, comma separated (default 1,2,3)")
-    ss.add_argument("--seconds", type=_positive_float, default=5.0, help="seconds per run (default 5)")
+    ss.add_argument("--seconds", type=positive_float, default=5.0, help="seconds per run (default 5)")
     ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     return bench
@@ -115,13 +89,13 @@ def _add_pipeline_parser(bsub) -> None:
                                      "stream are sampled; a memory table says whether each process stayed flat "
                                      "after warm-up. A soak: --soak (10 minutes at half the --find-max rate, "
                                      "measured first) or --soak --max-rate M (at M/2) or --soak --rate R (at R).")
-    pp.add_argument("--rate", type=_positive_float, default=None,
+    pp.add_argument("--rate", type=positive_float, default=None,
                     help=f"requests per second (default {DEFAULT_RATE:.0f}; with --soak: half the maximum)")
-    pp.add_argument("--duration", type=_positive_float, default=None,
+    pp.add_argument("--duration", type=positive_float, default=None,
                     help=f"seconds of load (default {DEFAULT_DURATION_S:.0f}; with --soak {SOAK_DURATION_S:.0f})")
-    pp.add_argument("--admitters", type=_positive_int, default=1, help="admitter replicas (default 1)")
-    pp.add_argument("--routers", type=_positive_int, default=1, help="router replicas (default 1)")
-    pp.add_argument("--workers", type=_positive_int, default=2, help="null-engine workers (default 2)")
+    pp.add_argument("--admitters", type=positive_int, default=1, help="admitter replicas (default 1)")
+    pp.add_argument("--routers", type=positive_int, default=1, help="router replicas (default 1)")
+    pp.add_argument("--workers", type=positive_int, default=2, help="null-engine workers (default 2)")
     mode = pp.add_mutually_exclusive_group()
     mode.add_argument("--find-max", action="store_true",
                       help="ramp the rate and report the highest with p99 <= 10 ms and nothing lost")
@@ -129,11 +103,11 @@ def _add_pipeline_parser(bsub) -> None:
                       help=f"a soak: {SOAK_DURATION_S / 60:.0f} minutes (unless --duration) at --rate, or at half "
                            "of --max-rate, or else at half the rate --find-max measures first; the memory table "
                            "says whether every process stayed flat")
-    pp.add_argument("--max-rate", type=_positive_float, default=None, metavar="M",
+    pp.add_argument("--max-rate", type=positive_float, default=None, metavar="M",
                     help="with --soak: the known maximum rate (from --find-max); the soak runs at M/2")
-    pp.add_argument("--sample-every", type=_positive_float, default=10.0, metavar="S",
+    pp.add_argument("--sample-every", type=positive_float, default=10.0, metavar="S",
                     help="seconds between memory and stream-size samples (default 10)")
-    pp.add_argument("--audit-max-mib", type=_positive_int, default=None, metavar="N",
+    pp.add_argument("--audit-max-mib", type=positive_int, default=None, metavar="N",
                     help="retention of REQUESTS, DECISIONS and COMPLETIONS (default 1 GiB each): small enough "
                          "that a soak reaches it, to show the server's memory levelling off")
     pp.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")

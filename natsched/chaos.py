@@ -46,7 +46,6 @@ observer reconnects after its node died: they can under-count, never invent.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import random
@@ -69,6 +68,7 @@ from bus.client import Client, Timeouts, make_request
 from bus.connection import Bus
 from bus.errors import BusError, DuplicateRequest, MessageError, Rejected, RequestFailed, RequestTimeout
 from bus.schema import Assignment, Completion, Heartbeat, Reply
+from natsched.argtypes import positive_float, positive_int
 from natsched.cluster import ClusterSettings, LocalCluster
 from natsched.supervisor import Child, Supervisor, UpSettings
 
@@ -674,15 +674,6 @@ def _e2e(values: list[float]) -> dict[str, float | None]:
 
 # --------------------------------------------------------------------------- command line
 
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
-
-
 def add_chaos_parser(sub) -> None:
     """``natsched chaos`` (for cli.build_parser)."""
     ch = sub.add_parser("chaos", help="kill parts of a local cluster mid-run; count lost, duplicated, leaked",
@@ -690,11 +681,11 @@ def add_chaos_parser(sub) -> None:
                                     "processes, send requests at a steady rate, SIGKILL and restart a worker, an "
                                     "admitter, a router and a NATS node at seeded random moments, and report "
                                     "lost / duplicated requests, the lease reclaim time and leaked runtime tokens.")
-    ch.add_argument("--requests", type=_positive(int), default=2000, help="requests to send (default 2000)")
-    ch.add_argument("--rate", type=_positive(float), default=50.0, help="requests per second (default 50)")
+    ch.add_argument("--requests", type=positive_int, default=2000, help="requests to send (default 2000)")
+    ch.add_argument("--rate", type=positive_float, default=50.0, help="requests per second (default 50)")
     ch.add_argument("--seed", type=int, default=1, help="seed of the kill schedule (default 1)")
     ch.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON here")
-    ch.add_argument("--finish-timeout", type=_positive(float), default=90.0,
+    ch.add_argument("--finish-timeout", type=positive_float, default=90.0,
                     help="seconds after the last send to wait for every outcome (default 90)")
     ch.add_argument("--data-dir", type=Path, default=None,
                     help="nodes' data and the processes' logs, kept (default: a temporary dir, deleted)")

@@ -15,11 +15,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 
 from bus.server import DEFAULT_URL
+from natsched.argtypes import positive_float, positive_int
 
 ENV_URL = "NATSCHED_NATS_URL"  # as natsched.cli.ENV_URL (not imported: cli imports this module)
 ENV_CREDENTIALS = "NATSCHED_CREDENTIALS"  # as natsched.cli.ENV_CREDENTIALS
@@ -32,16 +33,6 @@ def _url(p: argparse.ArgumentParser) -> None:
                    help=f"NATS server URL (default: ${ENV_URL} or {DEFAULT_URL})")
     p.add_argument("--credentials", type=Path, default=os.environ.get(ENV_CREDENTIALS),
                    help=f"credentials file from natsched auth init (default: ${ENV_CREDENTIALS})")
-
-
-def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
 
 
 def parse_time(text: str, now: float | None = None) -> float:
@@ -92,7 +83,7 @@ def _batch_parser(sub) -> None:
     s.add_argument("--tenant", required=True)
     s.add_argument("--class", dest="cls", default="batch", choices=["batch", "offline", "online"],
                    help="request class (default batch: runs now if there is room, else on the offline path)")
-    s.add_argument("--rate", type=_positive(float), default=None, help="at most R requests per second")
+    s.add_argument("--rate", type=positive_float, default=None, help="at most R requests per second")
     s.add_argument("--resume", action="store_true",
                    help="continue an interrupted submission (refused if this file was never submitted)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -121,7 +112,7 @@ def _jobs_parser(sub) -> None:
     ls.add_argument("--tenant", default=None)
     ls.add_argument("--batch", default=None, help="only this batch's jobs")
     ls.add_argument("--status", default=None, help="comma-separated: submitted, waiting, running, completed, failed")
-    ls.add_argument("--limit", type=_positive(int), default=100, help="at most N rows (default 100)")
+    ls.add_argument("--limit", type=positive_int, default=100, help="at most N rows (default 100)")
     ls.add_argument("--json", action="store_true")
 
 
@@ -146,9 +137,9 @@ def _replay_parser(sub) -> None:
     r.add_argument("--until", type=parse_time, default=None)
     r.add_argument("--policy", required=True, help="routing policy to try (natsched bench routing lists them)")
     r.add_argument("--tenant", default=None)
-    r.add_argument("--workers", type=_positive(int), default=None, help="simulated workers (default: as recorded)")
+    r.add_argument("--workers", type=positive_int, default=None, help="simulated workers (default: as recorded)")
     r.add_argument("--profile", default=None, help="engine profile (default h100-llama8b)")
-    r.add_argument("--time-scale", type=_positive(float), default=1.0,
+    r.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="the live sim workers' --time-scale (default 1)")
     r.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the comparison as JSON")
 
@@ -160,8 +151,8 @@ def _offline_parser(sub) -> None:
     o.add_argument("--name", default="offline", help="replica name in audit records")
     o.add_argument("--low-watermark", type=float, default=0.5,
                    help="take work while usage stays within this share of the admission total (default 0.5)")
-    o.add_argument("--max-attempts", type=_positive(int), default=3, help="runs per job before it fails (3)")
-    o.add_argument("--job-timeout", type=_positive(float), default=600.0,
+    o.add_argument("--max-attempts", type=positive_int, default=3, help="runs per job before it fails (3)")
+    o.add_argument("--job-timeout", type=positive_float, default=600.0,
                    help="seconds an attempt may stay silent before it counts as failed (600)")
     o.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 
