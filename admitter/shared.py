@@ -39,6 +39,7 @@ RES_PREFIX = "res."
 #: per request ever admitted (a soak at 500/s held 150k with 300 s). A replica cut off for longer
 #: keeps a stale record in its mirror until the orphan repair finds no worker reporting it.
 MARKER_TTL_S = 60
+TAKE_ATTEMPTS = 20  # a release that keeps meeting a newer revision (see SharedState.take)
 
 
 @dataclass
@@ -147,19 +148,23 @@ class SharedState:
         """
         key = S.reservation_key(request_id)
         res = self.reservations.get(request_id)
-        for _ in range(2):
+        for attempt in range(TAKE_ATTEMPTS):
             if res is None or not res.revision:  # not mirrored yet: read it (one more round trip)
                 res = await self._read(request_id)
                 if res is None:
-                    return None
+                    return None  # gone: someone else freed it
             try:
                 await self.bus.kv_delete(S.BUCKET_INFLIGHT, key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
             except ConflictError:
-                res = None  # deleted by someone else first, or rewritten: read it again
+                # rewritten, or a read answered by a cluster follower that is behind: read again
+                # until it is gone or ours; giving up would leave it reserved (and its request
+                # looking unfinished to a rescue)
+                res = None
+                await asyncio.sleep(min(0.2, 0.005 * 2 ** attempt))
                 continue
             self.reservations.pop(request_id, None)
             return res
-        return None
+        raise AdmitterError(f"reservation {request_id}: still changing after {TAKE_ATTEMPTS} attempts to free it")
 
     async def mark_moved(self, request_id: str, worker: str) -> Reservation | None:
         """Note on its record that a reservation's request was rescued from dead ``worker``.
