@@ -260,7 +260,8 @@ class OfflineRunner:
         self.bus = bus
         self.settings = s = settings or OfflineSettings()
         self.gate = IdleGate(s)
-        self.shared = SharedState(bus, s.name)
+        # the admitters release its records; it decides ten times a second at most: no usage mirror
+        self.shared = SharedState(bus, s.name, remember=False, watch=False)
         self.store = JobStore(bus)
         self.quotas = Quotas(total=s.admission.default_total)
         self.total = self.quotas.ceiling()
@@ -380,6 +381,7 @@ class OfflineRunner:
                 verdicts = self.gate.plan(usage, self.quotas, self.total, requests)
                 return verdicts.usage, verdicts
 
+            await self.shared.refresh()
             verdicts = await self.shared.change_usage(plan)
             gone = {id(held[i]) for i, _ in verdicts.takes} | {id(held[i]) for i, *_ in verdicts.refusals}
             self.held = [h for h in self.held if id(h) not in gone]  # more may have arrived meanwhile

@@ -153,11 +153,8 @@ class AdmitterService:
             held = self.held.get(request.id)
             if held is not None:  # our own held message, redelivered: keep holding the newest
                 held.delivery = d
-            elif request.id in self.shared.reservations:  # allowed before, its ack was lost
-                await self._hand_off_again(request, d)
-            elif d.num_delivered > 1 and await self._released_recently(request.id):
-                await d.ack()  # allowed, run and released before this copy came back: never twice
-                log.info("request %s redelivered after its completion; dropped", request.id)
+            elif d.num_delivered > 1 and await self._seen_before(request, d):
+                continue
             elif request.id not in seen:
                 seen.add(request.id)
                 items.append((d, request))
@@ -190,15 +187,29 @@ class AdmitterService:
         await asyncio.gather(*(self._act(request, dec, d, 0.0, elapsed * 1000 / len(items))
                                for (d, request), dec in zip(items, decisions)))
 
+    async def _seen_before(self, request: Request, d: Delivery) -> bool:
+        """A redelivered request that was decided before (its ack was lost): settled here, True.
+
+        Only a redelivery can have been decided: the first copy of a request reaches one replica.
+        """
+        res = await self.shared.lookup(request.id)
+        if res is not None:  # allowed before: hand it off again
+            await self._hand_off_again(request, d, res)
+            return True
+        if await self._released_recently(request.id):
+            await d.ack()  # allowed, run and released before this copy came back: never twice
+            log.info("request %s redelivered after its completion; dropped", request.id)
+            return True
+        return False
+
     async def _released_recently(self, request_id: str) -> bool:
         """Its reservation existed and was released (the purge marker lives ``MARKER_TTL_S``,
         longer than the ack wait after which a copy whose ack was lost comes back)."""
         op = await self.bus.kv_last_operation(S.BUCKET_INFLIGHT, S.reservation_key(request_id))
         return op in ("DEL", "PURGE")
 
-    async def _hand_off_again(self, request: Request, d: Delivery) -> None:
+    async def _hand_off_again(self, request: Request, d: Delivery, res: Reservation) -> None:
         """Re-publish an allowed request (the same msg id: deduplicated if it did go out) and ack."""
-        res = self.shared.reservations[request.id]
         admitted = Admitted(request=request, runtime_tokens=res.tokens, admitted_at=res.ts, admitter=res.by)
         await self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=f"{request.id}:adm")
         await d.ack()
@@ -417,7 +428,7 @@ class AdmitterService:
         self.metrics.repairs.labels("rescue").inc(len(report.rescued))
         for worker, held in expired.items():
             for rid in held - report.rescued.keys():
-                res = self.shared.reservations.get(rid)
+                res = await self.shared.lookup(rid)
                 if res is not None and res.moved_from:
                     continue  # another replica rescued it: its tokens are booked for the re-run
                 if await self.release(rid, why=f"lease of {worker} expired"):
@@ -434,11 +445,11 @@ class AdmitterService:
 
     async def reconcile_once(self) -> int:
         """Repair drift seen twice in a row (once may be a commit between its two writes)."""
+        records = await self.shared.snapshot()
         now = time.time()
-        records = dict(self.shared.reservations)
         ages = {rid: now - r.ts for rid, r in records.items()}
-        repair = reconcile(self.shared.usage, records, self.shared.drift(self.core.is_long), self.leases, now,
-                           self.settings.orphan_after_s, ages)
+        repair = reconcile(self.shared.usage, records, self.shared.drift(records, self.core.is_long), self.leases,
+                           now, self.settings.orphan_after_s, ages)
         repaired = 0
         for rid in repair.orphans:
             if await self.release(rid, why="orphan: no worker reports it"):
@@ -447,7 +458,7 @@ class AdmitterService:
         seen = (self.shared.revision, repair.usage)
         if repair.usage is not None and self._suspect == seen:
             async with self._lock:
-                expected = self.shared.drift(self.core.is_long)
+                expected = self.shared.drift(await self.shared.snapshot(), self.core.is_long)
                 await self.shared.change_usage(lambda u: ((expected if u != expected else None), None))
                 self.core.usage = self.shared.usage
             self.metrics.repairs.labels("aggregate").inc()

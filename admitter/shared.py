@@ -8,8 +8,15 @@
   release deletes it conditioned on its revision first, so a completion seen twice (or by two
   replicas) frees its tokens once.
 
-Every replica mirrors the bucket through a watch, which gives it the current ``usage`` and
-revision without a read per decision, and the reservations for leases and reconciliation.
+Every replica mirrors the ``usage`` key through a watch, which gives it the current value and
+revision without a read per decision. It does **not** mirror the reservation records: a watch on
+``res.>`` hands every replica (and the offline runner) each record twice — its put and its purge —
+which cost more CPU than the admission itself (the pipeline benchmark: 0.19 ms per request in
+an offline runner that admitted nothing). A replica remembers the records it wrote (a release
+of its own request deletes without a read), reads one record when it needs it (a redelivered
+request, a release of another replica's reservation, a rescue), and reads them all at once
+(:meth:`SharedState.snapshot`) for the periodic reconciliation, which also forgets the ones
+another replica released.
 """
 
 from __future__ import annotations
@@ -34,11 +41,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 USAGE = S.KEY_USAGE
 RES_PREFIX = "res."
-#: how long a released reservation's tombstone is kept: long enough for every connected replica's
-#: watch to see the deletion, short enough that the bucket holds about rate x 60 markers, not one
-#: per request ever admitted (a soak at 500/s held 150k with 300 s). A replica cut off for longer
-#: keeps a stale record in its mirror until the orphan repair finds no worker reporting it.
+#: how long a released reservation's tombstone is kept: longer than the ack wait after which a
+#: request copy whose ack was lost comes back (the tombstone marks it finished: it is not run
+#: twice), short enough that the bucket holds about rate x 60 markers, not one per request ever
+#: admitted (a soak at 500/s held 150k with 300 s).
 MARKER_TTL_S = 60
+SNAPSHOT_MARGIN_S = 5.0  # a remembered record this much older than a snapshot was stored before it
 TAKE_ATTEMPTS = 20  # a release that keeps meeting a newer revision (see SharedState.take)
 
 
@@ -69,38 +77,43 @@ class Reservation:
 class SharedState:
     """The replica's mirror of ``inflight`` plus the CAS operations that change it."""
 
-    def __init__(self, bus: Bus, name: str, max_attempts: int = 200) -> None:
+    def __init__(self, bus: Bus, name: str, max_attempts: int = 200, remember: bool = True,
+                 watch: bool = True) -> None:
         self.bus = bus
         self.name = name
         self.max_attempts = max_attempts
         self.usage = Usage()
         self.revision = 0  # of the usage key; 0 = it does not exist yet
+        #: records this replica wrote or read and has not seen released; not every record of the
+        #: bucket (see the module docstring). ``remember=False``: not even those (a writer whose
+        #: records others release, like the offline runner, would only accumulate them)
         self.reservations: dict[str, Reservation] = {}
+        self.remember = remember
+        #: ``watch=False``: no mirror of ``usage`` either; the caller reads it (:meth:`refresh`)
+        #: before it decides — for a writer that decides a few times a second, not per request
+        self.watch = watch
         self.conflicts = 0
         self.ready = asyncio.Event()
 
     async def start(self) -> None:
+        if not self.watch:
+            await self.refresh()
+            self.ready.set()
+            return
         self.bus.spawn(self._mirror(), "inflight-mirror")
         await asyncio.wait_for(self.ready.wait(), 10)
 
     async def _mirror(self) -> None:
-        async for key, value, rev in self.bus.kv_watch(S.BUCKET_INFLIGHT, ">", ready=self.ready):
+        async for key, value, rev in self.bus.kv_watch(S.BUCKET_INFLIGHT, USAGE, ready=self.ready):
             try:
                 self._apply(key, value, rev)
             except (AdmitterError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:  # UsageError too
                 log.error("ignoring corrupted inflight entry %s: %s", key, exc)
 
     def _apply(self, key: str, value: bytes | None, rev: int) -> None:
-        if key == USAGE:
-            if rev >= self.revision:
-                self.usage = Usage() if value is None else Usage.from_json(value)
-                self.revision = rev
-        elif key.startswith(RES_PREFIX):
-            rid = key[len(RES_PREFIX):]
-            if value is None:
-                self.reservations.pop(rid, None)
-            else:
-                self.reservations[rid] = Reservation.from_json(rid, value, rev)
+        if key == USAGE and rev >= self.revision:
+            self.usage = Usage() if value is None else Usage.from_json(value)
+            self.revision = rev
 
     async def refresh(self) -> None:
         """Read ``usage`` now (after a lost race the mirror may not have caught up yet)."""
@@ -138,7 +151,32 @@ class SharedState:
 
     async def record(self, res: Reservation) -> None:
         res.revision = await self.bus.kv_put(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id), res.to_json())
-        self.reservations[res.request_id] = res
+        if self.remember:
+            self.reservations[res.request_id] = res
+
+    async def lookup(self, request_id: str) -> Reservation | None:
+        """The reservation of a request as stored now (one read), or None."""
+        return await self._read(request_id)
+
+    async def snapshot(self) -> dict[str, Reservation]:
+        """Every reservation in the bucket now (one pass over the last value of each key).
+
+        What this replica remembered and is no longer stored was released elsewhere (a
+        completion handled by another replica): it is forgotten here, so the memory stays bounded.
+        """
+        started = time.time()
+        raw = await self.bus.kv_snapshot(S.BUCKET_INFLIGHT, RES_PREFIX + ">")
+        records = {}
+        for key, (value, rev) in raw.items():
+            rid = key[len(RES_PREFIX):]
+            try:
+                records[rid] = Reservation.from_json(rid, value, rev)
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                log.error("ignoring corrupted reservation %s: %s", key, exc)
+        for rid in [rid for rid in self.reservations if rid not in records]:
+            if self.reservations[rid].ts < started - SNAPSHOT_MARGIN_S:  # (one written meanwhile is kept)
+                del self.reservations[rid]
+        return records
 
     async def take(self, request_id: str) -> Reservation | None:
         """Delete a reservation once: the caller that wins frees its tokens, everyone else gets None.
@@ -194,13 +232,10 @@ class SharedState:
             return None
         return Reservation.from_json(request_id, current[0], current[1])
 
-    def drift(self, is_long: Callable[[int], bool]) -> Usage:
+    @staticmethod
+    def drift(records: dict[str, Reservation], is_long: Callable[[int], bool]) -> Usage:
         """What the aggregate should be according to the reservation records."""
         expected = Usage()
-        for res in self.reservations.values():
+        for res in records.values():
             expected = expected.plus(res.tenant, res.model, res.tokens, is_long(res.tokens))
         return expected
-
-    def age(self, request_id: str, now: float | None = None) -> float:
-        res = self.reservations.get(request_id)
-        return ((now or time.time()) - res.ts) if res else 0.0

@@ -35,6 +35,7 @@ from nats.js.errors import (
 from bus import subjects as S
 from bus.errors import ConflictError, ConnectError, MessageError
 from bus.provision import ProvisionSettings, provision, stored_settings
+from bus.puller import Puller
 from bus.schema import DeadLetter, Reply, Schema
 from bus.server import DEFAULT_URL
 
@@ -391,39 +392,22 @@ class Bus:
             max_ack_pending=spec.max_ack_pending,
             deliver_policy=api.DeliverPolicy.NEW if spec.deliver_new else api.DeliverPolicy.ALL,
         )
-        psub = await self.js.pull_subscribe(
-            spec.filter_subject or "", durable=spec.durable, stream=spec.stream, config=config
-        )
-        task = asyncio.create_task(self._consume_loop(psub, spec, handler, source), name=f"consume:{spec.durable}")
+        # binds (creating it if needed) the durable consumer; its own fetch is not used
+        await self.js.pull_subscribe(spec.filter_subject or "", durable=spec.durable, stream=spec.stream, config=config)
+        puller = Puller(self.nc, spec.stream, spec.durable, spec.batch)
+        await puller.start()
+        task = asyncio.create_task(self._consume_loop(puller, spec, handler, source), name=f"consume:{spec.durable}")
         self._tasks.append(task)
         return task
 
-    async def _fetch(self, psub: Any, batch: int) -> list[Any]:
-        """Wait for the first message, then take whatever else is already waiting.
-
-        (nats-py's ``fetch(n)`` long-polls until *n* messages or the timeout, which would hold a
-        lone request for the whole timeout; ``fetch(1)`` returns on the first message, and a
-        follow-up ``fetch`` only when the stream says more are pending returns at once.)
-        """
-        msgs = await psub.fetch(1, timeout=1.0)
-        pending = msgs[-1].metadata.num_pending if msgs else 0
-        if pending and batch > 1:
-            try:
-                msgs += await psub.fetch(min(batch - 1, pending), timeout=0.005)
-            except (NatsTimeout, asyncio.TimeoutError):
-                pass  # another replica took them: go with what we have
-        return msgs
-
-    async def _consume_loop(self, psub: Any, spec: ConsumerSpec, handler: BatchHandler, source: str) -> None:
+    async def _consume_loop(self, puller: Puller, spec: ConsumerSpec, handler: BatchHandler, source: str) -> None:
         while not self.closing:
             try:
-                msgs = await self._fetch(psub, spec.batch)
-            except (NatsTimeout, asyncio.TimeoutError):  # nats-py raises either when nothing came
-                continue
+                msgs = await puller.next_batch()
             except (ConnectionClosedError, asyncio.CancelledError):
                 return
-            except Exception as exc:  # server hiccup, leader change: back off and fetch again
-                log.warning("fetch on %s failed: %s", spec.durable, exc)
+            except Exception as exc:  # the connection is reconnecting: back off and ask again
+                log.warning("pull on %s failed: %s", spec.durable, exc)
                 await asyncio.sleep(0.5)
                 continue
             if self.closing:
@@ -557,6 +541,21 @@ class Bus:
             return await kv.keys()
         except Exception:  # nats-py raises NoKeysError on an empty bucket
             return []
+
+    async def kv_snapshot(self, bucket: str, keys: str = ">") -> dict[str, tuple[bytes, int]]:
+        """The current value and revision of every live key matching ``keys``, read once (one
+        ordered consumer over the last value per key; deleted keys left out)."""
+        kv = await self._bucket(bucket)
+        watcher = await kv.watch(keys, ignore_deletes=True)
+        out: dict[str, tuple[bytes, int]] = {}
+        try:
+            async for entry in watcher:
+                if entry is None:  # the end of the current values
+                    break
+                out[entry.key] = (entry.value, entry.revision)
+        finally:
+            await watcher.stop()
+        return out
 
     async def kv_watch(
         self, bucket: str, keys: str = ">", ready: asyncio.Event | None = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -187,6 +188,20 @@ def read_rss_kib(pid: int) -> int | None:
     except OSError:  # gone, or not ours to read
         return None
     return None
+
+
+def read_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds a process has used (``/proc/<pid>/stat``); None when it is gone.
+
+    The pipeline benchmark divides the difference over a run by the requests served: CPU per
+    request is what decides the rate a machine sustains, and unlike latency it barely moves when
+    something else shares the cores."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
 def rss_supported() -> bool:

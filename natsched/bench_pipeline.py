@@ -33,7 +33,7 @@ from bus import subjects as S
 from bus.connection import Bus
 from bus.schema import Assignment, Reply, Request
 from bus.server import free_port
-from natsched.bench_memory import MemorySampler, memory_report
+from natsched.bench_memory import MemorySampler, memory_report, read_cpu_s
 from natsched.supervisor import Supervisor, UpSettings
 
 
@@ -151,6 +151,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
         if pids and run.sample_every_s:
             sampler = MemorySampler(pids, bus.js, run.sample_every_s, time.monotonic())
             sampling = asyncio.create_task(sampler.run(), name="memory-sampler")
+        cpu0 = {name: read_cpu_s(pid) for name, pid in (pids or {}).items()}
         t0 = time.perf_counter()
         for i in range(total):
             target = t0 + i / run.rate
@@ -171,6 +172,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
         deadline = time.perf_counter() + run.drain_s
         while tally.finals < tally.published and time.perf_counter() < deadline:
             await asyncio.sleep(0.05)
+        cpu = cpu_per_request(cpu0, pids or {}, tally.finals)
         memory = None
         if sampler is not None:
             sampling.cancel()
@@ -190,6 +192,8 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
             "sustained_rps": assigned / span if span == span and span > 0 else 0.0,
             "nats_rtt_p50_ms": nats_rtt, "js_publish_p50_ms": js_rtt,
         }
+        if cpu:
+            result["cpu_ms_per_request"] = cpu
         if memory is not None:
             result["memory"] = memory
         return result
@@ -197,6 +201,24 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
         if sampling is not None and not sampling.done():
             sampling.cancel()
         await bus.close()
+
+
+def cpu_per_request(before: dict[str, float | None], pids: dict[str, int], served: int) -> dict[str, float]:
+    """CPU milliseconds each process spent per request served since ``before``, and their ``total``.
+
+    Taken after the drain, so every request's whole path (admission, routing, the worker, the
+    release) is in it; idle polling of the same seconds is too, which is fair: it is what the
+    system costs. Empty when nothing was served or /proc cannot be read."""
+    if served <= 0:
+        return {}
+    out = {}
+    for name, pid in pids.items():
+        now = read_cpu_s(pid)
+        if now is not None and before.get(name) is not None:
+            out[name] = (now - before[name]) * 1000 / served
+    if out:
+        out["total"] = sum(out.values())
+    return out
 
 
 def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
@@ -255,12 +277,14 @@ def find_max(base: PipelineRun, rates: list[float], nats_url: str | None) -> tup
     return best, results
 
 
-HEADER = f"{'rate':>7} {'adm':>3} {'rtr':>3} {'sent':>7} {'lost':>5} {'p50 ms':>8} {'p99 ms':>8} {'sustained/s':>12}"
+HEADER = (f"{'rate':>7} {'adm':>3} {'rtr':>3} {'sent':>7} {'lost':>5} {'p50 ms':>8} {'p99 ms':>8} {'sustained/s':>12} "
+          f"{'cpu ms/req':>11}")
 
 
 def _row(r: dict) -> str:
     return (f"{r['rate']:>7.0f} {r['admitters']:>3} {r['routers']:>3} {r['requests']:>7} {r['lost']:>5} "
-            f"{r['overhead_p50_ms']:>8.2f} {r['overhead_p99_ms']:>8.2f} {r['sustained_rps']:>12.0f}")
+            f"{r['overhead_p50_ms']:>8.2f} {r['overhead_p99_ms']:>8.2f} {r['sustained_rps']:>12.0f} "
+            f"{r.get('cpu_ms_per_request', {}).get('total', float('nan')):>11.3f}")
 
 
 def print_table(results: list[dict]) -> None:
@@ -270,3 +294,6 @@ def print_table(results: list[dict]) -> None:
     r = results[-1]
     print(f"reference: core NATS request/reply p50 {r['nats_rtt_p50_ms']:.3f} ms, "
           f"JetStream publish+ack p50 {r['js_publish_p50_ms']:.3f} ms")
+    cpu = r.get("cpu_ms_per_request")
+    if cpu:
+        print("CPU ms per request: " + ", ".join(f"{name} {ms:.3f}" for name, ms in cpu.items()))

@@ -176,12 +176,14 @@ def _retention_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from bus.errors import BusError
+    from natsched.commands import run_loop
     from sim.errors import SimError
 
     handler = {"batch": _batch, "jobs": _jobs, "audit": _audit, "replay": _replay, "offline": _offline,
                "retention": _retention}[args.command]
     try:
-        return asyncio.run(handler(args)) or 0
+        runner = run_loop if args.command == "offline" else asyncio.run  # the service on uvloop, like the others
+        return runner(handler(args)) or 0
     except NotFoundExit as exc:
         return _fail(str(exc), NOT_FOUND)
     except (BusError, SimError, ValueError, OSError) as exc:

@@ -77,11 +77,30 @@ async def test_reservations_survive_an_admitter_restart(bus, nats_url):
     await stop(first)
     second = await start_admitter(nats_url, "admitter-2")
     try:
-        assert second.shared.usage.used == 900 and set(second.shared.reservations) == {r.id for r in reqs}
+        assert second.shared.usage.used == 900 and set(await second.shared.snapshot()) == {r.id for r in reqs}
+        assert not second.shared.reservations  # it remembers what it wrote; these it reads when needed
         await bus.jpublish(S.completion("t1"), make_completion(reqs[0].id, runtime_tokens=300), msg_id="c1")
         assert await until(lambda: second.shared.usage.used == 600)
     finally:
         await stop(second)
+
+
+async def test_a_replica_frees_another_replicas_record_once_and_the_writer_forgets_it(bus, nats_url):
+    """Replicas do not mirror each other's records: a release reads the record it never saw, and
+    the writer drops its remembered copy at its next snapshot (its memory stays bounded)."""
+    from admitter.shared import Reservation
+
+    a = await start_admitter(nats_url, "adm-a")
+    b = await start_admitter(nats_url, "adm-b")
+    try:
+        await a.shared.record(Reservation("r-x", "t1", "default", 300, time.time() - 60, "adm-a"))
+        assert "r-x" in a.shared.reservations and "r-x" not in b.shared.reservations
+        assert (await b.shared.take("r-x")).tokens == 300
+        assert await b.shared.take("r-x") is None and await a.shared.take("r-x") is None  # once
+        assert "r-x" not in await a.shared.snapshot()
+        assert "r-x" not in a.shared.reservations
+    finally:
+        await stop(a, b)
 
 
 async def test_a_duplicate_completion_releases_once(bus, nats_url):
@@ -136,7 +155,8 @@ async def test_a_crashed_replicas_queue_is_picked_up_by_another(bus, nats_url):
     try:
         assert await until(lambda: second.id in b.held, timeout=10)  # redelivered after ack_wait
         await bus.jpublish(S.completion("t1"), make_completion(first.id, runtime_tokens=300), msg_id="c-1")
-        assert await until(lambda: b.shared.reservations.get(second.id) is not None)
+        assert await until(lambda: b.shared.reservations.get(second.id) is not None)  # b wrote it
+        assert (await b.shared.lookup(second.id)).by == "adm-b"
     finally:
         await stop(b)
 

@@ -1,0 +1,127 @@
+"""The continuous pull reader (bus/puller.py) on a real nats-server: few pull requests, batches,
+and it keeps reading when the server forgets its requests (expiry, a deleted consumer, a restart)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.js import api
+
+from bus.connection import Bus
+from bus.puller import Puller
+from bus.server import EmbeddedServer, free_port
+
+STREAM = "PULLTEST"
+
+
+async def make_consumer(bus: Bus, durable: str = "reader") -> None:
+    await bus.js.add_stream(api.StreamConfig(name=STREAM, subjects=["pulltest.>"], storage=api.StorageType.MEMORY))
+    await bus.js.add_consumer(STREAM, api.ConsumerConfig(durable_name=durable, ack_policy=api.AckPolicy.EXPLICIT))
+
+
+async def read(puller: Puller, n: int, timeout: float = 10.0) -> list:
+    got: list = []
+    deadline = asyncio.get_running_loop().time() + timeout
+    while len(got) < n:
+        left = deadline - asyncio.get_running_loop().time()
+        assert left > 0, f"only {len(got)} of {n} messages arrived"
+        batch = await puller.next_batch(timeout=left)
+        for m in batch:
+            await m.ack()
+        got += batch
+    return got
+
+
+async def test_a_busy_consumer_sends_one_pull_request_per_half_batch(bus):
+    await make_consumer(bus)
+    puller = Puller(bus.nc, STREAM, "reader", batch=64)
+    await puller.start()
+    try:
+        for i in range(300):
+            await bus.js.publish(f"pulltest.{i % 3}", str(i).encode())
+        got = await read(puller, 300)
+        assert [int(m.data) for m in got] == list(range(300))  # in order, none twice
+        assert puller.pull_requests <= 300 // 32 + 2  # not one per message (or per fetch)
+    finally:
+        await puller.stop()
+        await bus.js.delete_stream(STREAM)
+
+
+async def test_batches_never_exceed_the_batch_size(bus):
+    await make_consumer(bus)
+    for i in range(50):
+        await bus.js.publish("pulltest.x", str(i).encode())
+    puller = Puller(bus.nc, STREAM, "reader", batch=8)
+    await puller.start()
+    try:
+        sizes = []
+        while sum(sizes) < 50:
+            batch = await puller.next_batch(timeout=5)
+            assert batch
+            sizes.append(len(batch))
+            for m in batch:
+                await m.ack()
+        assert max(sizes) <= 8 and sum(sizes) == 50
+    finally:
+        await puller.stop()
+        await bus.js.delete_stream(STREAM)
+
+
+async def test_an_idle_reader_asks_again_after_its_requests_expire(bus):
+    await make_consumer(bus)
+    puller = Puller(bus.nc, STREAM, "reader", batch=4, expires_s=0.5, heartbeat_s=0.2)
+    await puller.start()
+    try:
+        assert await puller.next_batch(timeout=1.6) == []  # nothing to read: [] after the timeout
+        asked = puller.pull_requests
+        assert asked >= 2  # expired requests (408) were replaced
+        await bus.js.publish("pulltest.x", b"late")
+        got = await read(puller, 1)
+        assert got[0].data == b"late"
+    finally:
+        await puller.stop()
+        await bus.js.delete_stream(STREAM)
+
+
+async def test_reading_goes_on_after_the_consumer_is_deleted_and_created_again(bus):
+    await make_consumer(bus)
+    puller = Puller(bus.nc, STREAM, "reader", batch=16, heartbeat_s=0.2)
+    await puller.start()
+    try:
+        await bus.js.publish("pulltest.x", b"1")
+        await read(puller, 1)
+        await bus.js.delete_consumer(STREAM, "reader")  # its waiting requests end with a 409
+        await bus.js.add_consumer(STREAM, api.ConsumerConfig(durable_name="reader",
+                                                             ack_policy=api.AckPolicy.EXPLICIT,
+                                                             deliver_policy=api.DeliverPolicy.NEW))
+        await bus.js.publish("pulltest.x", b"2")
+        got = await read(puller, 1)
+        assert got[0].data == b"2"
+    finally:
+        await puller.stop()
+        await bus.js.delete_stream(STREAM)
+
+
+async def test_reading_goes_on_across_a_server_crash_and_restart(tmp_path):
+    """The restarted server has forgotten every pull request: the reader notices the silence
+    (no message, no heartbeat for two heartbeat periods) and asks again."""
+    server = EmbeddedServer(port=free_port(), data_dir=tmp_path / "data").start()
+    bus = await Bus.connect(server.url, name="puller-restart")
+    try:
+        await bus.js.add_stream(api.StreamConfig(name=STREAM, subjects=["pulltest.>"]))  # file: survives
+        await bus.js.add_consumer(STREAM, api.ConsumerConfig(durable_name="reader", ack_policy=api.AckPolicy.EXPLICIT))
+        puller = Puller(bus.nc, STREAM, "reader", batch=16, heartbeat_s=0.3)
+        await puller.start()
+        await bus.js.publish("pulltest.x", b"before")
+        assert (await read(puller, 1))[0].data == b"before"
+        loop = asyncio.get_running_loop()
+        server.proc.kill()  # a crash: nothing tells the reader its requests are gone
+        await loop.run_in_executor(None, server.proc.wait)
+        await loop.run_in_executor(None, server.start)
+        await bus.jpublish("pulltest.x", b"after")  # retried until the server is back
+        got = await read(puller, 1, timeout=15)
+        assert got[0].data == b"after"
+        await puller.stop()
+    finally:
+        await bus.close()
+        server.stop()
