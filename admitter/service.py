@@ -184,8 +184,8 @@ class AdmitterService:
         elapsed = time.perf_counter() - started
         for _ in items:
             self.metrics.latency.observe(elapsed / len(items))
-        await asyncio.gather(*(self._act(request, dec, d, 0.0, elapsed * 1000 / len(items))
-                               for (d, request), dec in zip(items, decisions)))
+        await self._act_batch([(request, dec, d, 0.0, elapsed * 1000 / len(items))
+                               for (d, request), dec in zip(items, decisions)])
 
     async def _seen_before(self, request: Request, d: Delivery) -> bool:
         """A redelivered request that was decided before (its ack was lost): settled here, True.
@@ -217,29 +217,44 @@ class AdmitterService:
 
     async def _act(self, request: Request, dec: AdmissionDecision, d: Delivery, queue_wait: float,
                    latency_ms: float) -> None:
-        rid = request.id
-        steps = [self._record(request, dec, queue_wait, latency_ms)]
-        if dec.decision == ALLOW:
-            now = time.time()
-            admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
-                                admitter=self.settings.name, queue_wait=queue_wait)
-            # the reservation record goes out first on this connection, so the server stores it
-            # before the hand-off; the completion that deletes it is two services further away
-            steps += [self.shared.record(Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now,
-                                                     self.settings.name)),
-                      self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=f"{rid}:adm")]
-        elif dec.decision == DEGRADE:
-            steps.append(self.bus.jpublish(S.offline(request.tenant), request, msg_id=f"{rid}:offline"))
-        elif dec.decision == QUEUE:
-            self.held[rid] = Held(d, request, time.time())
-        await asyncio.gather(*steps)
-        await self._tell_producer(request, dec)
-        if dec.decision != QUEUE:
-            await d.ack()
-        self.metrics.decisions.labels(request.tenant, request.cls, dec.decision, dec.reason or "").inc()
-        log.info("request %s %s tenant=%s class=%s tokens=%d%s%s", rid, dec.decision, request.tenant, request.cls,
-                 dec.runtime_tokens, f" reason={dec.reason}" if dec.reason else "",
-                 f" waited={queue_wait:.3f}s" if queue_wait else "")
+        await self._act_batch([(request, dec, d, queue_wait, latency_ms)])
+
+    async def _act_batch(self, entries: list[tuple[Request, AdmissionDecision, Delivery, float, float]]) -> None:
+        """Carry out a batch of decisions: records, reservations and hand-offs published together
+        (one wait for all their acks), then the producers told and the requests acked.
+
+        Per batch rather than per request: a service answering hundreds of requests a second
+        spends most of its time in per-message machinery (a task, a timer and a wake-up per
+        publish), and one shared wait costs what one publish did.
+        """
+        now = time.time()
+        reservations, handoffs = [], []
+        for request, dec, d, queue_wait, latency_ms in entries:
+            await self._record(request, dec, queue_wait, latency_ms)
+            rid = request.id
+            if dec.decision == ALLOW:
+                res = Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now, self.settings.name)
+                reservations.append((res, self.shared.outgoing(res)))
+                admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
+                                    admitter=self.settings.name, queue_wait=queue_wait)
+                handoffs.append((S.admitted(request.cls, request.tenant), admitted, f"{rid}:adm", None))
+            elif dec.decision == DEGRADE:
+                handoffs.append((S.offline(request.tenant), request, f"{rid}:offline", None))
+            elif dec.decision == QUEUE:
+                self.held[rid] = Held(d, request, now)
+        # the reservation records go out first on this connection, so the server stores them
+        # before the hand-offs; the completion that deletes one is two services further away
+        acks = await self.bus.jpublish_batch([out for _, out in reservations] + handoffs)
+        for (res, _), ack in zip(reservations, acks):
+            self.shared.recorded(res, ack.seq)
+        for request, dec, d, queue_wait, _ in entries:
+            await self._tell_producer(request, dec)
+            if dec.decision != QUEUE:
+                await d.ack()
+            self.metrics.decisions.labels(request.tenant, request.cls, dec.decision, dec.reason or "").inc()
+            log.info("request %s %s tenant=%s class=%s tokens=%d%s%s", request.id, dec.decision, request.tenant,
+                     request.cls, dec.runtime_tokens, f" reason={dec.reason}" if dec.reason else "",
+                     f" waited={queue_wait:.3f}s" if queue_wait else "")
 
     async def _record(self, request: Request, dec: AdmissionDecision, queue_wait: float, latency_ms: float) -> None:
         record = Decision(

@@ -154,6 +154,16 @@ class SharedState:
         if self.remember:
             self.reservations[res.request_id] = res
 
+    def outgoing(self, res: Reservation) -> tuple[str, bytes, None, None]:
+        """The record as a message for :meth:`bus.connection.Bus.jpublish_batch` (a KV put is a
+        publish on the key's subject); :meth:`recorded` takes its ack's sequence = revision."""
+        return S.kv_subject(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id)), res.to_json(), None, None
+
+    def recorded(self, res: Reservation, revision: int) -> None:
+        res.revision = revision
+        if self.remember:
+            self.reservations[res.request_id] = res
+
     async def lookup(self, request_id: str) -> Reservation | None:
         """The reservation of a request as stored now (one read), or None."""
         return await self._read(request_id)

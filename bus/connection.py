@@ -33,6 +33,7 @@ from nats.js.errors import (
 )
 
 from bus import subjects as S
+from bus.acks import AckInbox
 from bus.errors import ConflictError, ConnectError, MessageError
 from bus.provision import ProvisionSettings, provision, stored_settings
 from bus.puller import Puller
@@ -95,6 +96,10 @@ class Delivery:
 
 
 DEAD_LETTER_MAX_DATA = 512 * 1024
+
+#: (subject, message, msg id, headers) for :meth:`Bus.jpublish_batch`
+Outgoing = tuple[str, "Schema | bytes", "str | None", "dict[str, str] | None"]
+BATCH_ACK_WAIT_S = 2.0  # a batch's acks normally take a round trip; then each is retried alone
 
 Handler = Callable[[Delivery], Awaitable[None]]
 BatchHandler = Callable[[list[Delivery]], Awaitable[None]]
@@ -194,6 +199,7 @@ class Bus:
         self._kv: dict[str, Any] = {}
         self.closing = False  # loops check it: nats-py's fetch can swallow a cancellation
         self.lost_publishes = 0
+        self._acks: AckInbox | None = None
 
     @classmethod
     async def connect(
@@ -300,7 +306,13 @@ class Bus:
         hdrs = dict(headers or {})
         if msg_id:
             hdrs[S.HDR_MSG_ID] = msg_id
-        attempts = 0
+        started = time.monotonic()
+        try:  # the first attempt on the shared ack inbox (bus/acks.py: no request machinery)
+            return await (await (await self._ack_inbox()).publish(subject, data, hdrs or None))
+        except _RETRYABLE as exc:
+            log.warning("publish to %s failed (%s); retrying", subject, type(exc).__name__)
+        attempts = 1  # its copy may be stored: a retry that finds it is no one else's duplicate
+        budget_s = (budget_s if budget_s is not None else self.publish_budget_s) - (time.monotonic() - started)
 
         def attempt(remaining: float) -> Awaitable[api.PubAck]:
             nonlocal attempts
@@ -313,6 +325,42 @@ class Bus:
             ack.duplicate = False
         return ack
 
+    async def jpublish_batch(self, items: list[Outgoing]) -> list[api.PubAck]:
+        """Publish several messages (in this order on the connection) and wait once for every ack.
+
+        The same guarantee as :meth:`jpublish` for each, at a fraction of its cost: one reply
+        future per message on a shared inbox instead of a request with its own timer, and one
+        wait for the batch. A message whose ack is an error or does not come within
+        ``BATCH_ACK_WAIT_S`` is published again through :meth:`jpublish` (with its msg id, a
+        copy the server did store is deduplicated); what still fails raises, as there.
+        """
+        inbox = await self._ack_inbox()
+        futures = []
+        for subject, msg, msg_id, headers in items:
+            data = msg if isinstance(msg, bytes) else msg.encode()
+            hdrs = {**headers, S.HDR_MSG_ID: msg_id} if headers and msg_id else (
+                {S.HDR_MSG_ID: msg_id} if msg_id else headers)
+            futures.append(await inbox.publish(subject, data, hdrs))
+        if futures:
+            await asyncio.wait(futures, timeout=BATCH_ACK_WAIT_S)
+        acks = []
+        for (subject, msg, msg_id, headers), f in zip(items, futures):
+            if f.done() and not f.cancelled() and f.exception() is None:
+                acks.append(f.result())
+            else:
+                inbox.forget(f)
+                acks.append(await self.jpublish(subject, msg, msg_id=msg_id, headers=headers))
+        return acks
+
+    async def _ack_inbox(self) -> AckInbox:
+        if self._acks is None:
+            acks = AckInbox(self.nc, timeout_s=BATCH_ACK_WAIT_S)
+            await acks.start()
+            if self._acks is None:  # (two first callers at once: one inbox)
+                self._acks = acks
+                self.spawn(acks.sweep_loop(), "publish-acks")
+        return self._acks
+
     async def jpublish_nowait(self, subject: str, msg: Schema | bytes, msg_id: str | None = None) -> None:
         """JetStream publish whose ack is checked in the background (audit records).
 
@@ -321,7 +369,7 @@ class Bus:
         """
         data = msg if isinstance(msg, bytes) else msg.encode()
         headers = {S.HDR_MSG_ID: msg_id} if msg_id else None
-        future = await self.js.publish_async(subject, data, headers=headers)
+        future = await (await self._ack_inbox()).publish(subject, data, headers)
 
         def done(f: asyncio.Future) -> None:
             if f.cancelled() or f.exception() is not None:
@@ -401,6 +449,11 @@ class Bus:
         return task
 
     async def _consume_loop(self, puller: Puller, spec: ConsumerSpec, handler: BatchHandler, source: str) -> None:
+        """Pull batches and hand them to ``handler`` one after the other.
+
+        (Handling the next batch while the previous one waits for its acks was tried: smaller
+        batches, more commits and wake-ups per request, and at 1,000/s twice the latency.)
+        """
         while not self.closing:
             try:
                 msgs = await puller.next_batch()
@@ -485,7 +538,7 @@ class Bus:
         """What last happened to ``key``: ``PUT``, ``DEL`` or ``PURGE`` (a marker not yet expired),
         or None when nothing is stored for it."""
         try:
-            raw = await self._read(lambda: self.js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}"))
+            raw = await self._read(lambda: self.js.get_msg(f"KV_{bucket}", subject=S.kv_subject(bucket, key)))
         except NotFoundError:
             return None
         return (raw.headers or {}).get("KV-Operation", "PUT")
@@ -529,7 +582,7 @@ class Bus:
             headers = {"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": f"{int(marker_ttl_s)}s"}
             if last:
                 headers["Nats-Expected-Last-Subject-Sequence"] = str(last)
-            await self._kv_cas(lambda: self.js.publish(f"$KV.{bucket}.{key}", b"", headers=headers))
+            await self._kv_cas(lambda: self.js.publish(S.kv_subject(bucket, key), b"", headers=headers))
         except APIError as exc:
             if exc.err_code in (10071, 10164):
                 raise ConflictError(f"{bucket}/{key} changed since revision {last}") from exc

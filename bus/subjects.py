@@ -189,6 +189,11 @@ def tenant_quota_key(tenant: TenantId) -> str:
     return f"tenant.{token(tenant, 'tenant')}"
 
 
+def kv_subject(bucket: str, key: str) -> str:
+    """The subject a KV bucket stores ``key`` on (a put is a JetStream publish there)."""
+    return f"$KV.{bucket}.{key}"
+
+
 def reservation_key(request_id: RequestId) -> str:
     """One in-flight reservation in the ``inflight`` bucket: ``res.<request_id>``."""
     return f"res.{token(request_id, 'request id')}"

@@ -160,32 +160,48 @@ class RouterService:
             elapsed = time.perf_counter() - started
             self.metrics.latency.observe(elapsed)
             routed.append((d, adm, decision, elapsed * 1000, rr.hashes[0] if rr.hashes else None))
-        await asyncio.gather(*(self._dispatch(*item) for item in routed))
+        assigned = [item for item in routed if item[2].worker is not None]
+        for d, adm, decision, _, _ in routed:
+            if decision.worker is None:
+                await self._no_worker(d, adm, decision)
+        if assigned:
+            await self._dispatch(assigned)
 
-    async def _dispatch(self, d: Delivery, adm: Admitted, decision: RouteDecision, latency_ms: float,
-                        first_block: int | None = None) -> None:
-        req = adm.request
-        if decision.worker is None:
-            waited = time.time() - adm.admitted_at
-            if waited < self.settings.no_worker_wait_s:
-                self.metrics.decisions.labels(decision.policy or "", "retry", decision.reason or "").inc()
-                await d.nak(delay=self.settings.retry_delay_s)
-                return
-            await self._fail(adm, decision, "no_worker", f"no healthy worker for {waited:.0f}s")
-            await d.ack()
+    async def _no_worker(self, d: Delivery, adm: Admitted, decision: RouteDecision) -> None:
+        """Retry later while the request may still wait for a worker; then fail it."""
+        waited = time.time() - adm.admitted_at
+        if waited < self.settings.no_worker_wait_s:
+            self.metrics.decisions.labels(decision.policy or "", "retry", decision.reason or "").inc()
+            await d.nak(delay=self.settings.retry_delay_s)
             return
-        assignment = Assignment(request=req, worker=decision.worker, runtime_tokens=adm.runtime_tokens,
-                                admitted_at=adm.admitted_at, routed_at=time.time(), policy=decision.policy,
-                                expected_cached_tokens=decision.expected_cached_tokens, attempt=adm.attempt,
-                                avoid=adm.avoid)
-        # one id per request and attempt: a router that crashes after this publish and re-routes
-        # on redelivery is deduplicated by the server instead of running the request twice; a
-        # rescue (its worker died) is a new attempt, which must not be deduplicated away
-        msg_id = f"{req.id}:work" + (f":{adm.attempt}" if adm.attempt else "")
-        await asyncio.gather(
-            self.bus.jpublish(S.work(decision.worker), assignment, msg_id=msg_id),
-            self._record(adm, decision, "assign", latency_ms),
-        )
+        await self._fail(adm, decision, "no_worker", f"no healthy worker for {waited:.0f}s")
+        await d.ack()
+
+    async def _dispatch(self, routed: list[tuple[Delivery, Admitted, RouteDecision, float, int | None]]) -> None:
+        """Hand a routed batch to its workers: every WORK message published at once, one wait for
+        their acks (bus.jpublish_batch), then the decision records, the producers told, the acks."""
+        now = time.time()
+        assignments, outgoing = [], []
+        for d, adm, decision, _, _ in routed:
+            req = adm.request
+            a = Assignment(request=req, worker=decision.worker, runtime_tokens=adm.runtime_tokens,
+                           admitted_at=adm.admitted_at, routed_at=now, policy=decision.policy,
+                           expected_cached_tokens=decision.expected_cached_tokens, attempt=adm.attempt,
+                           avoid=adm.avoid)
+            # one id per request and attempt: a router that crashes after this publish and re-routes
+            # on redelivery is deduplicated by the server instead of running the request twice; a
+            # rescue (its worker died) is a new attempt, which must not be deduplicated away
+            msg_id = f"{req.id}:work" + (f":{adm.attempt}" if adm.attempt else "")
+            assignments.append(a)
+            outgoing.append((S.work(decision.worker), a, msg_id, None))
+        await self.bus.jpublish_batch(outgoing)
+        for (d, adm, decision, latency_ms, first_block), a in zip(routed, assignments):
+            await self._assigned(d, adm, decision, latency_ms, first_block, a)
+
+    async def _assigned(self, d: Delivery, adm: Admitted, decision: RouteDecision, latency_ms: float,
+                        first_block: int | None, assignment: Assignment) -> None:
+        req = adm.request
+        await self._record(adm, decision, "assign", latency_ms)
         if req.reply:
             await self.bus.publish(req.reply, Reply(request_id=req.id, kind="status", status="assigned",
                                                     worker=decision.worker))

@@ -1,0 +1,85 @@
+"""Publish acks on one shared inbox (bus/acks.py) and Bus.jpublish_batch, on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import api
+from nats.js.errors import APIError, NoStreamResponseError
+
+from bus.acks import AckInbox
+from bus.connection import Bus
+
+STREAM = "ACKTEST"
+
+
+@pytest.fixture
+async def stream(bus):
+    await bus.js.add_stream(api.StreamConfig(name=STREAM, subjects=["acktest.>"], storage=api.StorageType.MEMORY))
+    try:
+        yield STREAM
+    finally:
+        await bus.js.delete_stream(STREAM)
+
+
+async def test_a_batch_is_stored_in_order_and_each_publish_gets_its_own_ack(bus, stream):
+    items = [(f"acktest.{i % 2}", str(i).encode(), f"id-{i}", None) for i in range(50)]
+    acks = await bus.jpublish_batch(items)
+    assert [a.seq for a in acks] == list(range(1, 51))
+    assert not any(a.duplicate for a in acks)
+    stored = await bus.stream_messages(STREAM)
+    assert [int(data) for _, data in stored] == list(range(50))
+
+
+async def test_a_batch_sent_again_is_deduplicated_by_msg_id(bus, stream):
+    items = [("acktest.x", b"a", "same-1", None), ("acktest.x", b"b", "same-2", {"X-Extra": "1"})]
+    await bus.jpublish_batch(items)
+    again = await bus.jpublish_batch(items)
+    assert all(a.duplicate for a in again)
+    assert len(await bus.stream_messages(STREAM)) == 2
+
+
+async def test_a_refused_publish_in_a_batch_raises_the_servers_error(bus, stream):
+    await bus.jpublish("acktest.k", b"v1")
+    wrong = {"Nats-Expected-Last-Subject-Sequence": "999"}
+    with pytest.raises(APIError):
+        await bus.jpublish_batch([("acktest.ok", b"fine", None, None), ("acktest.k", b"v2", None, wrong)])
+    subjects = [s for s, _ in await bus.stream_messages(STREAM)]
+    assert subjects == ["acktest.k", "acktest.ok"]  # the good one is stored, the refused one is not
+
+
+async def test_a_publish_nothing_stores_fails_after_the_budget(nats_url):
+    bus = await Bus.connect(nats_url, name="acks-budget", publish_budget_s=0.6)
+    try:
+        with pytest.raises((NoRespondersError, NoStreamResponseError)):  # retried until the budget is spent
+            await bus.jpublish_batch([("nostream.anywhere", b"x", "n-1", None)])
+    finally:
+        await bus.close()
+
+
+async def test_acks_that_never_come_fail_at_the_sweep_and_nothing_is_kept(bus):
+    silent = await bus.nc.subscribe("acktest-silent.x")  # takes the message, never answers
+    inbox = AckInbox(bus.nc, timeout_s=0.2)
+    await inbox.start()
+    try:
+        futures = [await inbox.publish("acktest-silent.x", b"x", None) for _ in range(3)]
+        assert inbox.sweep() == 0  # too young
+        await asyncio.sleep(0.3)
+        assert inbox.sweep() == 3
+        for f in futures:
+            with pytest.raises(NatsTimeout):
+                f.result()
+        assert not inbox._waiting  # bounded: nothing waits forever
+    finally:
+        await silent.unsubscribe()
+
+
+async def test_no_responders_is_reported_at_once(bus):
+    inbox = AckInbox(bus.nc, timeout_s=5.0)
+    await inbox.start()
+    future = await inbox.publish("nobody.listens.here", b"x", None)
+    with pytest.raises(NoRespondersError):
+        await asyncio.wait_for(future, 2.0)
