@@ -66,6 +66,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     rt.add_argument("--hb-interval", type=positive_float, default=1.0,
                     help="virtual seconds between worker heartbeats (default 1)")
     rt.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    rt.add_argument("--sweep", type=positive_int, default=1, metavar="N",
+                    help="also run every policy at N speed-ups spread around the chosen one and report the "
+                         "means and how often each target is met (one run's hit ratio moves by tenths of a "
+                         "point with a 1%% change of load; default 1: off)")
+    rt.add_argument("--sweep-span", type=fraction, default=0.05, metavar="F",
+                    help="the sweep covers speed-up x [1-F, 1+F] (default 0.05)")
     _add_pipeline_parser(bsub)
     from sim.bench_admission import add_admission_parser
 
@@ -142,6 +148,7 @@ def _cmd_routing(args) -> int:
             trace=str(args.trace), workers=args.workers, policies=args.policies, speedup=args.speedup,
             target_busy=args.target_busy, limit=args.limit, profile=args.profile, jobs=args.jobs,
             calib_limit=args.calib_limit, hb_interval=args.hb_interval, progress=not args.no_progress,
+            sweep=args.sweep, sweep_span=args.sweep_span,
         )
         report = run_routing_benchmark(settings)
     except SimError as exc:

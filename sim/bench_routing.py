@@ -28,6 +28,7 @@ from sim.des import SimSettings, simulate
 from sim.errors import SimConfigError
 from sim.metrics import ceiling_hit_ratio
 from sim.progress import Progress
+from sim.sweep import format_summary, format_targets, summarize, sweep_speedups, targets
 from sim.trace import Trace, check_speedup, load_mooncake
 from workers.profiles import DEFAULT_PROFILE, get_profile
 
@@ -78,6 +79,8 @@ class RoutingBenchSettings:
     quiet_logs: bool = True  # keep router/worker log lines out of the output (they are counted)
     admission: Callable[[], AdmissionHook] | None = None  # factory, called once per run
     sim: dict[str, Any] = field(default_factory=dict)  # extra SimSettings fields
+    sweep: int = 1  # > 1: also run every policy at this many speed-ups around the chosen one (sim.sweep)
+    sweep_span: float = 0.05  # ... spread over speed-up x [1 - span, 1 + span]
 
     def __post_init__(self) -> None:
         if self.speedup is not None and self.target_busy is not None:
@@ -115,6 +118,7 @@ class RoutingReport:
     calibration: Calibration | None = None
     wall_s: float = 0.0
     block_size: int = 512
+    sweep: dict[str, Any] | None = None  # sim.sweep.summarize of the sweep, when one ran
 
     def to_json(self) -> dict[str, Any]:
         """``{"trace", "requests", "workers", "profile", "speedup", "ceiling_hit_ratio",
@@ -128,6 +132,9 @@ class RoutingReport:
         }
         if self.calibration is not None:
             out["calibration"] = self.calibration.to_json()
+        out["targets"] = targets(self.policies)
+        if self.sweep is not None:
+            out["sweep"] = self.sweep
         return out
 
     def table(self) -> str:
@@ -300,9 +307,18 @@ def run_routing_benchmark(settings: RoutingBenchSettings, trace: Trace | None = 
                 print(f"calibrated: speed-up {speedup:.4g} ({measured})", file=stream, flush=True)
         else:
             speedup = float(settings.speedup or 1.0)
-        jobs = [("policy", p, speedup, None, p) for p in policies]
-        results = runner.run(f"routing x{speedup:.3g}", jobs)
+        speedups = sweep_speedups(speedup, settings.sweep, settings.sweep_span)
+        if speedup not in speedups:
+            speedups.append(speedup)  # the single-run table is always the chosen speed-up's
+        jobs = [("policy", p, s, None, p if len(speedups) == 1 else f"{p}@x{s:.3g}") for s in speedups for p in policies]
+        everything = runner.run(f"routing x{speedup:.3g}" + (f" and {len(speedups) - 1} more" if len(speedups) > 1
+                                                              else ""), jobs)
         runner.close()
+        by_speedup: dict[float, dict[str, dict[str, Any]]] = {}
+        for (_, _, s, _, _), r in zip(jobs, everything):
+            by_speedup.setdefault(s, {})[r["policy"]] = r["metrics"]
+        results = [r for (_, _, s, _, _), r in zip(jobs, everything) if s == speedup]
+        swept = {s: by_speedup[s] for s in sweep_speedups(speedup, settings.sweep, settings.sweep_span)}
     except BaseException:
         runner.terminate()
         raise
@@ -311,6 +327,7 @@ def run_routing_benchmark(settings: RoutingBenchSettings, trace: Trace | None = 
         speedup=speedup, ceiling_hit_ratio=ceiling,
         policies={r["policy"]: r["metrics"] for r in results}, ttfts={r["policy"]: r["ttft"] for r in results},
         calibration=calibration, wall_s=round(time.perf_counter() - started, 2), block_size=trace.block_size,
+        sweep=summarize(swept) if settings.sweep > 1 else None,
     )
 
 
@@ -346,4 +363,7 @@ def format_table(report: RoutingReport) -> str:
              f"workers, profile {report.profile}, speed-up {report.speedup:.4g}, block {report.block_size} tokens")
     foot = (f"times in seconds; hit = prompt tokens served from cache; reuse ceiling (one infinite cache) "
             f"{report.ceiling_hit_ratio:.1%}; wall {report.wall_s:.1f} s")
-    return "\n".join([title, "", *lines, "", foot])
+    t = targets(report.policies)
+    verdict = [format_targets(t, "(this run)")] if t else []
+    sweep = ["", format_summary(report.sweep)] if report.sweep is not None else []
+    return "\n".join([title, "", *lines, "", foot, *verdict, *sweep])

@@ -1,0 +1,80 @@
+"""Judging routing on a sweep of loads (sim/sweep.py) and ``bench routing --sweep``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from natsched.cli import main
+from sim.sweep import summarize, sweep_speedups, targets
+from tests.test_sim_bench import trace_file  # noqa: F401  (the module fixture: the shared trace)
+
+
+def metrics(p50=0.1, p99=3.0, hit=0.3, cv=0.05, **extra) -> dict:
+    """One policy's result with keyword defaults; every key summarize() averages."""
+    m = {"ttft_p50_s": p50, "ttft_p90_s": p99 / 2, "ttft_p99_s": p99, "e2e_p50_s": 1.0, "e2e_p99_s": 5.0,
+         "tpot_p50_s": 0.01, "hit_ratio": hit, "throughput_tok_s": 1000.0, "load_cv": cv, "migration_rate": 0.1,
+         "busy": 0.8}
+    m.update(extra)
+    return m
+
+
+def test_speedups_are_spread_evenly_around_the_chosen_one():
+    assert sweep_speedups(2.0, 1, 0.05) == [2.0]
+    assert sweep_speedups(2.0, 5, 0.05) == pytest.approx([1.9, 1.95, 2.0, 2.05, 2.1])
+    assert sweep_speedups(1.0, 2, 0.1) == pytest.approx([0.9, 1.1])
+
+
+def test_targets_compare_ours_with_every_peer():
+    run = {"natsched": metrics(p50=0.1, p99=2.9, hit=0.35, cv=0.02),
+           "least_loaded": metrics(p50=0.3, p99=3.5, hit=0.05, cv=0.12),
+           "preble_e2": metrics(p50=0.12, p99=3.0, hit=0.36, cv=0.15)}
+    t = targets(run)
+    assert t["ttft_p50"] and t["ttft_p99"] and t["load_cv"]
+    assert not t["hit_ratio"] and t["best_peer_hit"] == "preble_e2"
+    assert t["hit_ratio_gap"] == pytest.approx(-0.01)
+    run["natsched"]["load_cv"] = 0.23  # least_loaded's + more than 0.1
+    assert not targets(run)["load_cv"]
+    assert targets({"natsched": metrics()}) == {}  # no peer: nothing to judge
+
+
+def test_summary_means_and_point_by_point_wins():
+    runs = {
+        0.95: {"natsched": metrics(hit=0.34), "preble_e2": metrics(p50=0.2, p99=4.0, hit=0.35)},
+        1.00: {"natsched": metrics(hit=0.36), "preble_e2": metrics(p50=0.2, p99=4.0, hit=0.34)},
+        1.05: {"natsched": metrics(hit=0.35), "preble_e2": metrics(p50=0.2, p99=4.0, hit=0.33)},
+    }
+    s = summarize(runs)
+    assert s["points"] == 3 and s["speedups"] == [0.95, 1.0, 1.05]
+    assert s["mean"]["natsched"]["hit_ratio"] == pytest.approx(0.35)
+    assert s["mean"]["preble_e2"]["hit_ratio"] == pytest.approx(0.34)
+    assert s["mean"]["natsched"]["hit_ratio_stdev"] > 0
+    assert s["targets_on_mean"]["hit_ratio"] and s["wins"]["hit_ratio"] == 2  # lost the first point
+    assert s["wins"]["ttft_p50"] == 3 and set(s["runs"]) == {"0.95", "1", "1.05"}
+
+
+def test_bench_routing_sweep_writes_means_and_verdicts(trace_file, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "sweep.json"
+    code = main(["bench", "routing", "--trace", str(trace_file), "--limit", "150", "--workers", "4",
+                 "--policies", "natsched,least_loaded,consistent_hash", "--speedup", "1.5", "--sweep", "3",
+                 "--sweep-span", "0.1", "--jobs", "1", "--no-progress", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["speedup"] == 1.5 and set(data["targets"]) >= {"ttft_p50", "ttft_p99", "hit_ratio", "load_cv"}
+    sweep = data["sweep"]
+    assert sweep["speedups"] == pytest.approx([1.35, 1.5, 1.65]) and sweep["points"] == 3
+    assert set(sweep["mean"]) == {"natsched", "least_loaded", "consistent_hash"}
+    # the chosen speed-up's runs are the single-run table's, and the means are of the three runs
+    assert sweep["runs"]["1.5"]["natsched"]["hit_ratio"] == data["policies"]["natsched"]["hit_ratio"]
+    hits = [sweep["runs"][k]["natsched"]["hit_ratio"] for k in sweep["runs"]]
+    assert sweep["mean"]["natsched"]["hit_ratio"] == pytest.approx(sum(hits) / 3)
+    text = capsys.readouterr().out
+    assert "targets (this run)" in text and "targets on the means" in text and "met point by point" in text
+
+
+@pytest.mark.parametrize("argv", [["--sweep", "0"], ["--sweep-span", "1.5"], ["--sweep-span", "0"]])
+def test_bad_sweep_flags_are_refused(argv, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "routing", "--trace", str(tmp_path / "t.jsonl"), *argv])
+    assert exc.value.code == 2
