@@ -4,6 +4,7 @@ and it keeps reading when the server forgets its requests (expiry, a deleted con
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 from nats.js import api
 
@@ -17,6 +18,19 @@ STREAM = "PULLTEST"
 async def make_consumer(bus: Bus, durable: str = "reader") -> None:
     await bus.js.add_stream(api.StreamConfig(name=STREAM, subjects=["pulltest.>"], storage=api.StorageType.MEMORY))
     await bus.js.add_consumer(STREAM, api.ConsumerConfig(durable_name=durable, ack_policy=api.AckPolicy.EXPLICIT))
+
+
+@asynccontextmanager
+async def reading(bus: Bus, **kw):
+    """A fresh stream and durable consumer, a started Puller on it; all removed afterwards."""
+    await make_consumer(bus)
+    puller = Puller(bus.nc, STREAM, "reader", **kw)
+    await puller.start()
+    try:
+        yield puller
+    finally:
+        await puller.stop()
+        await bus.js.delete_stream(STREAM)
 
 
 async def read(puller: Puller, n: int, timeout: float = 10.0) -> list:
@@ -33,27 +47,18 @@ async def read(puller: Puller, n: int, timeout: float = 10.0) -> list:
 
 
 async def test_a_busy_consumer_sends_one_pull_request_per_half_batch(bus):
-    await make_consumer(bus)
-    puller = Puller(bus.nc, STREAM, "reader", batch=64)
-    await puller.start()
-    try:
+    async with reading(bus, batch=64) as puller:
         for i in range(300):
             await bus.js.publish(f"pulltest.{i % 3}", str(i).encode())
         got = await read(puller, 300)
         assert [int(m.data) for m in got] == list(range(300))  # in order, none twice
         assert puller.pull_requests <= 300 // 32 + 2  # not one per message (or per fetch)
-    finally:
-        await puller.stop()
-        await bus.js.delete_stream(STREAM)
 
 
 async def test_batches_never_exceed_the_batch_size(bus):
-    await make_consumer(bus)
-    for i in range(50):
-        await bus.js.publish("pulltest.x", str(i).encode())
-    puller = Puller(bus.nc, STREAM, "reader", batch=8)
-    await puller.start()
-    try:
+    async with reading(bus, batch=8) as puller:
+        for i in range(50):
+            await bus.js.publish("pulltest.x", str(i).encode())
         sizes = []
         while sum(sizes) < 50:
             batch = await puller.next_batch(timeout=5)
@@ -62,32 +67,19 @@ async def test_batches_never_exceed_the_batch_size(bus):
             for m in batch:
                 await m.ack()
         assert max(sizes) <= 8 and sum(sizes) == 50
-    finally:
-        await puller.stop()
-        await bus.js.delete_stream(STREAM)
 
 
 async def test_an_idle_reader_asks_again_after_its_requests_expire(bus):
-    await make_consumer(bus)
-    puller = Puller(bus.nc, STREAM, "reader", batch=4, expires_s=0.5, heartbeat_s=0.2)
-    await puller.start()
-    try:
+    async with reading(bus, batch=4, expires_s=0.5, heartbeat_s=0.2) as puller:
         assert await puller.next_batch(timeout=1.6) == []  # nothing to read: [] after the timeout
-        asked = puller.pull_requests
-        assert asked >= 2  # expired requests (408) were replaced
+        assert puller.pull_requests >= 2  # expired requests (408) were replaced
         await bus.js.publish("pulltest.x", b"late")
         got = await read(puller, 1)
         assert got[0].data == b"late"
-    finally:
-        await puller.stop()
-        await bus.js.delete_stream(STREAM)
 
 
 async def test_reading_goes_on_after_the_consumer_is_deleted_and_created_again(bus):
-    await make_consumer(bus)
-    puller = Puller(bus.nc, STREAM, "reader", batch=16, heartbeat_s=0.2)
-    await puller.start()
-    try:
+    async with reading(bus, batch=16, heartbeat_s=0.2) as puller:
         await bus.js.publish("pulltest.x", b"1")
         await read(puller, 1)
         await bus.js.delete_consumer(STREAM, "reader")  # its waiting requests end with a 409
@@ -97,9 +89,6 @@ async def test_reading_goes_on_after_the_consumer_is_deleted_and_created_again(b
         await bus.js.publish("pulltest.x", b"2")
         got = await read(puller, 1)
         assert got[0].data == b"2"
-    finally:
-        await puller.stop()
-        await bus.js.delete_stream(STREAM)
 
 
 async def test_reading_goes_on_across_a_server_crash_and_restart(tmp_path):
