@@ -50,6 +50,7 @@ class AdmitterServiceSettings:
     rescue_interval_s: float = 2.0  # how often work stranded on silent workers is looked for
     rescue_grace_s: float = 10.0  # after start: workers not heard from yet are not judged dead
     reconcile_interval_s: float = 10.0
+    full_reconcile_s: float = 60.0  # under load, every reservation record is read this often (see reconcile_once)
     orphan_after_s: float = 120.0  # a reservation no live worker reports after this is leaked
     dynamic: DynamicTotalSettings = field(default_factory=DynamicTotalSettings)
     metrics_port: int | None = None
@@ -81,6 +82,8 @@ class AdmitterService:
         self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
         self._wake = asyncio.Event()
         self._suspect: object = None  # drift seen on the previous reconciliation
+        self._reconciled_revision = -1  # the usage revision at the previous reconciliation
+        self._full_at: float | None = None  # when the reservation records were last read in full
         self._conflicts_seen = 0
         self.total = self.core.quotas.total  # the total in force (configured, or capacity-following)
         self._completions_spec = ConsumerSpec(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS,
@@ -459,12 +462,29 @@ class AdmitterService:
                 log.warning("reconciliation deferred: %s", exc)
 
     async def reconcile_once(self) -> int:
-        """Repair drift seen twice in a row (once may be a commit between its two writes)."""
-        records = await self.shared.snapshot()
+        """Repair drift seen twice in a row (once may be a commit between its two writes), and
+        release orphans (reservations no live worker reports after ``orphan_after_s``).
+
+        Reading every reservation record also reads the release markers of the last minute —
+        tens of thousands at 1,000 requests/s — so the full pass runs only when the usage has
+        not moved since the previous pass (the only time drift can be told from a commit in
+        flight anyway) or every ``full_reconcile_s``; in between only this replica's own
+        records are checked for orphans. (Every 10 s under load, the full read made a soak's
+        p99 1.2 s.)
+        """
+        quiet = self.shared.revision == self._reconciled_revision
+        self._reconciled_revision = self.shared.revision
+        full = quiet or self._full_at is None or time.monotonic() - self._full_at >= self.settings.full_reconcile_s
+        if full:
+            records = await self.shared.snapshot()
+            self._full_at = time.monotonic()
+        else:
+            records = dict(self.shared.reservations)
         now = time.time()
         ages = {rid: now - r.ts for rid, r in records.items()}
-        repair = reconcile(self.shared.usage, records, self.shared.drift(records, self.core.is_long), self.leases,
-                           now, self.settings.orphan_after_s, ages)
+        expected = self.shared.drift(records, self.core.is_long) if full else self.shared.usage
+        repair = reconcile(self.shared.usage, records, expected, self.leases, now, self.settings.orphan_after_s,
+                           ages)
         repaired = 0
         for rid in repair.orphans:
             if await self.release(rid, why="orphan: no worker reports it"):

@@ -606,6 +606,8 @@ class Bus:
                 if entry is None:  # the end of the current values
                     break
                 out[entry.key] = (entry.value, entry.revision)
+                if len(out) % 256 == 0:
+                    await asyncio.sleep(0)  # a long read must not stall the service's other work
         finally:
             await watcher.stop()
         return out
