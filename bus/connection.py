@@ -101,6 +101,14 @@ DEAD_LETTER_MAX_DATA = 512 * 1024
 Outgoing = tuple[str, "Schema | bytes", "str | None", "dict[str, str] | None"]
 BATCH_ACK_WAIT_S = 2.0  # a batch's acks normally take a round trip; then each is retried alone
 
+def _with_msg_id(headers: dict[str, str] | None, msg_id: str | None) -> dict[str, str] | None:
+    """``headers`` plus ``Nats-Msg-Id`` when there is a msg id (None when both are empty)."""
+    out = dict(headers or {})
+    if msg_id:
+        out[S.HDR_MSG_ID] = msg_id
+    return out or None
+
+
 Handler = Callable[[Delivery], Awaitable[None]]
 BatchHandler = Callable[[list[Delivery]], Awaitable[None]]
 
@@ -200,6 +208,7 @@ class Bus:
         self.closing = False  # loops check it: nats-py's fetch can swallow a cancellation
         self.lost_publishes = 0
         self._acks: AckInbox | None = None
+        self._acks_lock = asyncio.Lock()
 
     @classmethod
     async def connect(
@@ -303,12 +312,10 @@ class Bus:
         then deduplicated by the server instead of stored twice.
         """
         data = msg if isinstance(msg, bytes) else msg.encode()
-        hdrs = dict(headers or {})
-        if msg_id:
-            hdrs[S.HDR_MSG_ID] = msg_id
+        hdrs = _with_msg_id(headers, msg_id)
         started = time.monotonic()
         try:  # the first attempt on the shared ack inbox (bus/acks.py: no request machinery)
-            return await (await (await self._ack_inbox()).publish(subject, data, hdrs or None))
+            return await (await (await self._ack_inbox()).publish(subject, data, hdrs))
         except _RETRYABLE as exc:
             log.warning("publish to %s failed (%s); retrying", subject, type(exc).__name__)
         attempts = 1  # its copy may be stored: a retry that finds it is no one else's duplicate
@@ -317,7 +324,7 @@ class Bus:
         def attempt(remaining: float) -> Awaitable[api.PubAck]:
             nonlocal attempts
             attempts += 1
-            return self.js.publish(subject, data, timeout=max(0.5, min(2.0, remaining)), headers=hdrs or None)
+            return self.js.publish(subject, data, timeout=max(0.5, min(2.0, remaining)), headers=hdrs)
 
         ack = await self._retrying(attempt, budget_s, f"publish to {subject}", logging.WARNING)
         if ack.duplicate and attempts > 1:
@@ -338,9 +345,7 @@ class Bus:
         futures = []
         for subject, msg, msg_id, headers in items:
             data = msg if isinstance(msg, bytes) else msg.encode()
-            hdrs = {**headers, S.HDR_MSG_ID: msg_id} if headers and msg_id else (
-                {S.HDR_MSG_ID: msg_id} if msg_id else headers)
-            futures.append(await inbox.publish(subject, data, hdrs))
+            futures.append(await inbox.publish(subject, data, _with_msg_id(headers, msg_id)))
         if futures:
             await asyncio.wait(futures, timeout=BATCH_ACK_WAIT_S)
         acks = []
@@ -353,10 +358,13 @@ class Bus:
         return acks
 
     async def _ack_inbox(self) -> AckInbox:
-        if self._acks is None:
-            acks = AckInbox(self.nc, timeout_s=BATCH_ACK_WAIT_S)
-            await acks.start()
-            if self._acks is None:  # (two first callers at once: one inbox)
+        """The connection's one ack inbox, subscribed on first use."""
+        if self._acks is not None:
+            return self._acks
+        async with self._acks_lock:  # (two first publishers at once: still one inbox)
+            if self._acks is None:
+                acks = AckInbox(self.nc, timeout_s=BATCH_ACK_WAIT_S)
+                await acks.start()
                 self._acks = acks
                 self.spawn(acks.sweep_loop(), "publish-acks")
         return self._acks
@@ -368,8 +376,7 @@ class Bus:
         retried once through :meth:`jpublish` and otherwise logged and counted in ``lost_publishes``.
         """
         data = msg if isinstance(msg, bytes) else msg.encode()
-        headers = {S.HDR_MSG_ID: msg_id} if msg_id else None
-        future = await (await self._ack_inbox()).publish(subject, data, headers)
+        future = await (await self._ack_inbox()).publish(subject, data, _with_msg_id(None, msg_id))
 
         def done(f: asyncio.Future) -> None:
             if f.cancelled() or f.exception() is not None:
