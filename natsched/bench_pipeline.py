@@ -83,6 +83,9 @@ async def reference_rtts(bus: Bus, samples: int = 300) -> tuple[float, float]:
     return statistics.median(core), statistics.median(js)
 
 
+SLOW_MS = 100.0  # a second whose slowest hand-off took this long is listed in "slow_seconds"
+
+
 @dataclass
 class _Tally:
     """The load generator's account of one run, bounded by what is in flight.
@@ -96,6 +99,8 @@ class _Tally:
     awaiting_final: set[str] = field(default_factory=set)
     overhead_ms: array = field(default_factory=lambda: array("d"))
     last_assigned: float = float("nan")
+    worst_by_second: dict[int, float] = field(default_factory=dict)  # whole seconds since t0 -> max overhead ms
+    t0: float = 0.0
     published: int = 0
     publish_failed: int = 0
     completed: int = 0
@@ -105,8 +110,12 @@ class _Tally:
     def on_assigned(self, rid: str, now: float) -> None:
         sent = self.awaiting_assignment.pop(rid, None)
         if sent is not None:  # the first assignment only: a redelivery is no new hand-off
-            self.overhead_ms.append((now - sent) * 1000)
+            ms = (now - sent) * 1000
+            self.overhead_ms.append(ms)
             self.last_assigned = now
+            second = int(sent - self.t0)  # when it was published: a stall shows where it began
+            if ms > self.worst_by_second.get(second, 0.0):
+                self.worst_by_second[second] = ms
 
     def on_final(self, rid: str, kind: str, worker: str | None) -> None:
         if rid not in self.awaiting_final:
@@ -152,7 +161,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
             sampler = MemorySampler(pids, bus.js, run.sample_every_s, time.monotonic())
             sampling = asyncio.create_task(sampler.run(), name="memory-sampler")
         cpu0 = {name: read_cpu_s(pid) for name, pid in (pids or {}).items()}
-        t0 = time.perf_counter()
+        t0 = tally.t0 = time.perf_counter()
         for i in range(total):
             target = t0 + i / run.rate
             delay = target - time.perf_counter()
@@ -194,6 +203,9 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
         }
         if cpu:
             result["cpu_ms_per_request"] = cpu
+        # the seconds whose requests waited longest: where a long run's tail comes from
+        result["slow_seconds"] = {str(k): round(v, 1) for k, v in sorted(tally.worst_by_second.items())
+                                  if v >= SLOW_MS}
         if memory is not None:
             result["memory"] = memory
         return result

@@ -130,5 +130,9 @@ def test_a_short_soak_samples_every_process_and_loses_nothing(tmp_path, capsys):
     assert {"REQUESTS", "ADMITTED", "WORK", "KV_inflight"} <= set(samples[-1]["streams"])
     assert samples[-1]["streams"]["REQUESTS"]["messages"] == 600
     assert set(memory["processes"]) == expected
+    cpu = data["cpu_ms_per_request"]  # every process's CPU over the run, per request served
+    assert set(cpu) == expected | {"total"} and all(ms > 0 for name, ms in cpu.items() if name != "offline")
+    assert cpu["total"] == pytest.approx(sum(ms for name, ms in cpu.items() if name != "total"))
+    assert all(0 <= int(sec) < 6 and ms >= 100 for sec, ms in data["slow_seconds"].items())
     text = capsys.readouterr().out
-    assert "slope MiB/min" in text and "soak: nothing lost;" in text
+    assert "slope MiB/min" in text and "soak: nothing lost;" in text and "CPU ms per request:" in text
