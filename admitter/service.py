@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 LEASE_TICK_S = 0.1  # how often leases are checked: a fraction of any heartbeat period
 FAST_SWEEP_S = 0.1  # rescue sweeps this often ...
 RECENT_DEATH_S = 30.0  # ... for this long after a worker's lease expired
+REMEMBER_S = 60.0  # own reservation records kept in memory between two full reconciliations
 
 
 @dataclass
@@ -218,10 +219,6 @@ class AdmitterService:
         await d.ack()
         log.info("request %s redelivered after its allow; handed off again", request.id)
 
-    async def _act(self, request: Request, dec: AdmissionDecision, d: Delivery, queue_wait: float,
-                   latency_ms: float) -> None:
-        await self._act_batch([(request, dec, d, queue_wait, latency_ms)])
-
     async def _act_batch(self, entries: list[tuple[Request, AdmissionDecision, Delivery, float, float]]) -> None:
         """Carry out a batch of decisions: records, reservations and hand-offs published together
         (one wait for all their acks), then the producers told and the requests acked.
@@ -319,6 +316,7 @@ class AdmitterService:
             self.core.commit_dequeue(picks, now)
             self.core.usage = self.shared.usage
         latency_ms = (time.perf_counter() - started) * 1000
+        entries = []
         for req, dec in picks:
             held = self.held.pop(req.id, None)
             if held is None:
@@ -326,7 +324,8 @@ class AdmitterService:
                 continue
             wait = now - held.since
             self.metrics.queue_wait.labels(req.cls).observe(wait)
-            await self._act(req, dec, held.delivery, wait, latency_ms)
+            entries.append((req, dec, held.delivery, wait, latency_ms))
+        await self._act_batch(entries)  # one wait for the whole dequeue, like a fresh batch
         return len(picks)
 
     def _usage_before(self, picks):
@@ -468,8 +467,8 @@ class AdmitterService:
         Reading every reservation record also reads the release markers of the last minute —
         tens of thousands at 1,000 requests/s — so the full pass runs only when the usage has
         not moved since the previous pass (the only time drift can be told from a commit in
-        flight anyway) or every ``full_reconcile_s``; in between only this replica's own
-        records are checked for orphans. Measured: at 1,200 requests/s a full read (72k
+        flight anyway) or every ``full_reconcile_s``; in between it only bounds this replica's
+        memory of its own records. Measured: at 1,200 requests/s a full read (72k
         messages) stalls the admitter for ~1.2 s; every 10 s or every 60 s it made a soak's p99
         0.8-1.2 s. Every ten minutes it touches one request in 500, and orphans of another
         replica or drift under unbroken load wait that long (a quiet moment repairs them sooner).
@@ -477,16 +476,17 @@ class AdmitterService:
         quiet = self.shared.revision == self._reconciled_revision
         self._reconciled_revision = self.shared.revision
         full = quiet or self._full_at is None or time.monotonic() - self._full_at >= self.settings.full_reconcile_s
-        if full:
-            records = await self.shared.snapshot()
-            self._full_at = time.monotonic()
-        else:
-            records = dict(self.shared.reservations)
+        if not full:
+            # the full read is also what forgets records other replicas released: between two,
+            # keep only the recent ones (an older own request pays one read at its release)
+            self.shared.forget_older_than(REMEMBER_S)
+            return 0
+        records = await self.shared.snapshot()
+        self._full_at = time.monotonic()
         now = time.time()
         ages = {rid: now - r.ts for rid, r in records.items()}
-        expected = self.shared.drift(records, self.core.is_long) if full else self.shared.usage
-        repair = reconcile(self.shared.usage, records, expected, self.leases, now, self.settings.orphan_after_s,
-                           ages)
+        repair = reconcile(self.shared.usage, records, self.shared.drift(records, self.core.is_long), self.leases,
+                           now, self.settings.orphan_after_s, ages)
         repaired = 0
         for rid in repair.orphans:
             if await self.release(rid, why="orphan: no worker reports it"):

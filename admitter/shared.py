@@ -150,9 +150,7 @@ class SharedState:
         raise AdmitterError(f"usage update lost {self.max_attempts} races in a row")
 
     async def record(self, res: Reservation) -> None:
-        res.revision = await self.bus.kv_put(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id), res.to_json())
-        if self.remember:
-            self.reservations[res.request_id] = res
+        self.recorded(res, await self.bus.kv_put(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id), res.to_json()))
 
     def outgoing(self, res: Reservation) -> tuple[str, bytes, None, None]:
         """The record as a message for :meth:`bus.connection.Bus.jpublish_batch` (a KV put is a
@@ -163,6 +161,12 @@ class SharedState:
         res.revision = revision
         if self.remember:
             self.reservations[res.request_id] = res
+
+    def forget_older_than(self, age_s: float, now: float | None = None) -> None:
+        """Drop remembered records written more than ``age_s`` ago (they stay in the bucket)."""
+        cutoff = (time.time() if now is None else now) - age_s
+        for rid in [rid for rid, res in self.reservations.items() if res.ts < cutoff]:
+            del self.reservations[rid]
 
     async def lookup(self, request_id: str) -> Reservation | None:
         """The reservation of a request as stored now (one read), or None."""

@@ -270,3 +270,21 @@ async def test_a_released_reservation_leaves_only_an_expiring_tombstone(bus, nat
         assert await until(lambda: rid not in adm.shared.reservations, timeout=5)
     finally:
         await stop(adm)
+
+
+async def test_between_full_reconciliations_a_replica_keeps_only_recent_own_records(bus, nats_url):
+    """Its memory of its own records is bounded without a full read; the records stay stored."""
+    from admitter.service import REMEMBER_S
+    from admitter.shared import Reservation
+
+    adm = await start_admitter(nats_url)
+    try:
+        assert await adm.reconcile_once() == 0  # the first pass is a full one
+        await adm.shared.record(Reservation("r-old", "t1", "default", 10, time.time() - REMEMBER_S - 5, "admitter"))
+        await adm.shared.record(Reservation("r-new", "t1", "default", 10, time.time(), "admitter"))
+        adm.shared.revision += 1  # usage moved since the last pass: not quiet, no full read
+        assert await adm.reconcile_once() == 0
+        assert set(adm.shared.reservations) == {"r-new"}
+        assert (await adm.shared.lookup("r-old")) is not None
+    finally:
+        await stop(adm)
