@@ -264,9 +264,15 @@ class Bus:
 
     async def provision(self, settings: ProvisionSettings | None = None) -> None:
         """Create or update every stream and bucket; by default with the limits an operator stored
-        (``natsched retention set``), so a restarting service never resets them."""
-        settings = settings or await stored_settings(self.js)
-        await provision(self.js, settings)
+        (``natsched retention set``), so a restarting service never resets them.
+
+        Retried within the publish budget on timeouts: a service restarted while a cluster node
+        is down meets an election (a chaos run's admitter exited here once, unready for 60 s);
+        provisioning is idempotent, so running it again is safe."""
+        async def once(_remaining: float) -> None:
+            await provision(self.js, settings or await stored_settings(self.js))
+
+        await self._retrying(once, None, "provisioning", logging.WARNING)
 
     async def close(self, budget_s: float = 3.0) -> None:
         """Flush what is buffered within a budget, then close: a dead server never hangs us.
