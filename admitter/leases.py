@@ -1,7 +1,11 @@
 """Leases and reconciliation: pure bookkeeping of which worker holds which reservation.
 
 Workers list their in-flight request ids in every heartbeat. A worker silent for
-``missed`` heartbeat periods has lost its leases: its reservations are reclaimed. The
+``missed`` heartbeat periods has lost its leases: its reservations are reclaimed. Only silence
+this process could have heard counts: after a pause of its own (a stalled event loop, a
+starved or frozen machine, a long GC), the heartbeats sent meanwhile are still unread in its
+socket, and judging by them would "rescue" — run twice — the work of live workers. The
+
 reconciliation compares the shared aggregate with the reservation records (and the records
 with what workers report) and says what to repair; the service performs the repair.
 """
@@ -22,10 +26,18 @@ class _Lease:
 
 
 class LeaseTracker:
-    def __init__(self, missed: int = 3) -> None:
+    """Leases by worker. ``expired`` is meant to be called every fraction of a second; a gap of
+    more than ``pause_s`` between two calls is this process's own pause, and every lease is
+    then judged from the end of it (``listening_since``)."""
+
+    def __init__(self, missed: int = 3, pause_s: float = 0.5) -> None:
         self.missed = missed
+        self.pause_s = pause_s
         self.workers: dict[str, _Lease] = {}
         self.holder: dict[str, str] = {}  # request id -> worker that last reported it
+        self.listening_since = float("-inf")
+        self.paused_s = 0.0  # the own pause the latest check found (0 when none), for the log
+        self._last_check: float | None = None
 
     def on_heartbeat(self, worker: str, now: float, interval: float, inflight: list[str]) -> None:
         lease = self.workers.setdefault(worker, _Lease(now, interval))
@@ -36,15 +48,23 @@ class LeaseTracker:
 
     def expired(self, now: float) -> dict[str, set[str]]:
         """Workers past their lease, with the request ids they held; they are forgotten."""
+        self._note_pause(now)
         out: dict[str, set[str]] = {}
         for worker, lease in list(self.workers.items()):
-            if now - lease.last > self.missed * lease.interval:
+            if now - max(lease.last, self.listening_since) > self.missed * lease.interval:
                 held = {rid for rid, w in self.holder.items() if w == worker}
                 out[worker] = held
                 del self.workers[worker]
                 for rid in held:
                     del self.holder[rid]
         return out
+
+    def _note_pause(self, now: float) -> None:
+        gap = 0.0 if self._last_check is None else now - self._last_check
+        self.paused_s = gap if gap > self.pause_s else 0.0
+        if self.paused_s:
+            self.listening_since = now
+        self._last_check = now
 
     def forget(self, request_id: str) -> None:
         self.holder.pop(request_id, None)

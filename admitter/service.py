@@ -410,6 +410,9 @@ class AdmitterService:
         while True:
             await asyncio.sleep(LEASE_TICK_S)
             expired = self.leases.expired(time.time())
+            if self.leases.paused_s:
+                log.warning("this admitter was paused for %.1fs: worker leases restart now (heartbeats sent "
+                            "meanwhile are still unread)", self.leases.paused_s)
             if not expired and time.monotonic() - last_sweep < self._sweep_interval():
                 continue
             last_sweep = time.monotonic()

@@ -1,5 +1,7 @@
 """The capacity-following total: pure arithmetic."""
 
+import pytest
+
 from admitter.dynamic import DynamicTotal, DynamicTotalSettings
 from admitter.leases import LeaseTracker
 
@@ -51,3 +53,26 @@ def test_leases_expire_after_missed_heartbeats_and_report_what_they_held():
     assert leases.expired(2.9) == {}
     assert leases.expired(3.1) == {"w1": {"a", "b"}}
     assert leases.reported("c") and not leases.reported("a")
+
+
+def test_a_pause_of_the_admitter_itself_does_not_expire_leases():
+    """Heartbeats sent while this process could not run are still unread in its socket: the
+    silence after its own pause is not the workers' (a starved machine once made an admitter
+    rescue — run twice — the work of a live worker streaming a long answer)."""
+    leases = LeaseTracker(missed=3, pause_s=0.5)
+    leases.on_heartbeat("w1", now=0.0, interval=1.0, inflight=["a"])
+    assert leases.expired(0.1) == {} and leases.paused_s == 0.0
+    assert leases.expired(10.0) == {} and leases.paused_s == pytest.approx(9.9)  # our own pause
+    assert all(leases.expired(10.0 + k / 10) == {} for k in range(1, 30))  # still silent, for 2.9 s of listening
+    assert leases.paused_s == 0.0
+    assert leases.expired(13.1) == {"w1": {"a"}}  # 3.1 s heard nothing: expired
+
+
+def test_heartbeats_read_after_a_pause_keep_the_lease():
+    leases = LeaseTracker(missed=3, pause_s=0.5)
+    leases.on_heartbeat("w1", now=0.0, interval=1.0, inflight=["a"])
+    leases.expired(0.1)
+    assert leases.expired(8.0) == {}
+    leases.on_heartbeat("w1", now=8.01, interval=1.0, inflight=["a"])  # the backlog, read at last
+    assert all(leases.expired(8.0 + k / 10) == {} for k in range(1, 30))
+    assert leases.reported("a")
