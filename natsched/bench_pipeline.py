@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -84,6 +85,11 @@ async def reference_rtts(bus: Bus, samples: int = 300) -> tuple[float, float]:
 
 
 SLOW_MS = 100.0  # a second whose slowest hand-off took this long is listed in "slow_seconds"
+#: the hand-off in three stages, from the timestamps an assignment carries: publish (the
+#: request's ``created``) -> the admitter's commit (``admitted_at``) -> the router's decision
+#: (``routed_at``) -> the WORK message reaching a subscriber. One machine, one clock.
+STAGES = ("admission", "routing", "delivery")
+STAGE_SAMPLES = 100_000  # a uniform sample (reservoir) of that many requests: bounded memory in a soak
 
 
 @dataclass
@@ -106,8 +112,13 @@ class _Tally:
     completed: int = 0
     rejected: int = 0
     finals: int = 0
+    stage_cap: int = STAGE_SAMPLES
+    stage_samples: list[tuple[float, float, float]] = field(default_factory=list)
+    stage_seen: int = 0
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
 
-    def on_assigned(self, rid: str, now: float) -> None:
+    def on_assigned(self, rid: str, now: float, stamps: tuple[float, float, float, float] | None = None) -> None:
+        """``stamps``: (created, admitted_at, routed_at, received) wall-clock seconds."""
         sent = self.awaiting_assignment.pop(rid, None)
         if sent is not None:  # the first assignment only: a redelivery is no new hand-off
             ms = (now - sent) * 1000
@@ -116,6 +127,24 @@ class _Tally:
             second = int(sent - self.t0)  # when it was published: a stall shows where it began
             if ms > self.worst_by_second.get(second, 0.0):
                 self.worst_by_second[second] = ms
+            if stamps is not None:
+                self.on_stages(stamps)
+
+    def on_stages(self, stamps: tuple[float, float, float, float]) -> None:
+        """Keep a uniform sample of the stage durations (Algorithm R)."""
+        created, admitted, routed, received = stamps
+        sample = ((admitted - created) * 1000, (routed - admitted) * 1000, (received - routed) * 1000)
+        self.stage_seen += 1
+        if len(self.stage_samples) < self.stage_cap:
+            self.stage_samples.append(sample)
+            return
+        j = self.rng.randrange(self.stage_seen)
+        if j < self.stage_cap:
+            self.stage_samples[j] = sample
+
+    def stages_ms(self) -> dict[str, dict[str, float]]:
+        return {name: {"p50": _pct(column, 0.5), "p99": _pct(column, 0.99)}
+                for name, column in zip(STAGES, map(list, zip(*self.stage_samples)))}
 
     def on_final(self, rid: str, kind: str, worker: str | None) -> None:
         if rid not in self.awaiting_final:
@@ -144,7 +173,10 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
     sampling: asyncio.Task | None = None
 
     async def on_work(subject: str, data: bytes, headers: dict) -> None:
-        tally.on_assigned(Assignment.decode(data).request.id, time.perf_counter())
+        now, a = time.perf_counter(), Assignment.decode(data)
+        created = a.request.created
+        stamps = None if created is None else (created, a.admitted_at, a.routed_at, time.time())
+        tally.on_assigned(a.request.id, now, stamps)
 
     async def on_reply(subject: str, data: bytes, headers: dict) -> None:
         reply = Reply.decode(data)
@@ -200,6 +232,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
             "overhead_p50_ms": _pct(overhead, 0.5), "overhead_p99_ms": _pct(overhead, 0.99),
             "sustained_rps": assigned / span if span == span and span > 0 else 0.0,
             "nats_rtt_p50_ms": nats_rtt, "js_publish_p50_ms": js_rtt,
+            "stages_ms": tally.stages_ms(),
         }
         if cpu:
             result["cpu_ms_per_request"] = cpu
@@ -306,6 +339,10 @@ def print_table(results: list[dict]) -> None:
     r = results[-1]
     print(f"reference: core NATS request/reply p50 {r['nats_rtt_p50_ms']:.3f} ms, "
           f"JetStream publish+ack p50 {r['js_publish_p50_ms']:.3f} ms")
+    stages = r.get("stages_ms")
+    if stages:
+        print("stages p50/p99 ms: " + ", ".join(f"{name} {v['p50']:.2f}/{v['p99']:.2f}" for name, v in stages.items())
+              + "  (publish -> admission commit -> routing decision -> WORK received)")
     cpu = r.get("cpu_ms_per_request")
     if cpu:
         print("CPU ms per request: " + ", ".join(f"{name} {ms:.3f}" for name, ms in cpu.items()))

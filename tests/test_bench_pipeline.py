@@ -17,6 +17,7 @@ from natsched.bench_memory import (
     stream_summaries,
     warmup_seconds,
 )
+from natsched.bench_pipeline import _Tally
 from natsched.cli import main
 
 SOAK_S = 600.0
@@ -134,5 +135,22 @@ def test_a_short_soak_samples_every_process_and_loses_nothing(tmp_path, capsys):
     assert set(cpu) == expected | {"total"} and all(ms > 0 for name, ms in cpu.items() if name != "offline")
     assert cpu["total"] == pytest.approx(sum(ms for name, ms in cpu.items() if name != "total"))
     assert all(0 <= int(sec) < 6 and ms >= 100 for sec, ms in data["slow_seconds"].items())
+    stages = data["stages_ms"]  # where the hand-off's time goes, from the assignments' timestamps
+    assert list(stages) == ["admission", "routing", "delivery"]
+    assert all(0 <= v["p50"] <= v["p99"] for v in stages.values()), stages
+    assert sum(v["p50"] for v in stages.values()) <= data["overhead_p99_ms"] + 1.0, (stages, data["overhead_p99_ms"])
     text = capsys.readouterr().out
     assert "slope MiB/min" in text and "soak: nothing lost;" in text and "CPU ms per request:" in text
+    assert "stages p50/p99 ms: admission" in text
+
+
+def test_stage_samples_stay_bounded_and_uniform():
+    """A soak's millions of requests keep a fixed-size uniform sample of stage durations."""
+    tally = _Tally(stage_cap=500)
+    for k in range(20_000):  # admission k/1000 ms, routing 1 ms, delivery 2 ms
+        tally.on_stages((100.0, 100.0 + k / 1e6, 100.001 + k / 1e6, 100.003 + k / 1e6))
+    assert len(tally.stage_samples) == 500 and tally.stage_seen == 20_000
+    stages = tally.stages_ms()
+    assert stages["admission"]["p50"] == pytest.approx(10.0, abs=1.5)  # the median of 0..20 ms, not of the first 500
+    assert stages["routing"]["p50"] == pytest.approx(1.0) and stages["delivery"]["p99"] == pytest.approx(2.0)
+    assert _Tally().stages_ms() == {}
