@@ -81,6 +81,7 @@ class AdmitterService:
         self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
         self.quota_entries: dict[str, bytes] = {}
         self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
+        self._releasing: list[tuple[Completion | None, Reservation]] = []  # waiting for the next commit
         self._wake = asyncio.Event()
         self._suspect: object = None  # drift seen on the previous reconciliation
         self._reconciled_revision = -1  # the usage revision at the previous reconciliation
@@ -168,7 +169,8 @@ class AdmitterService:
         now = time.time()
 
         def attempt(usage):
-            self.core.usage = new = usage
+            # completions waiting for the lock are given back in the same commit (see _release_taken)
+            self.core.usage = new = self._minus(usage, releasing)
             decisions = []
             for d, request in items:
                 dec = self.core.evaluate(request, now, d.subject)
@@ -180,11 +182,18 @@ class AdmitterService:
             return (new if new is not usage else None), decisions
 
         async with self._lock:
-            decisions = await self.shared.change_usage(attempt)
+            releasing, self._releasing = self._releasing, []
+            try:
+                decisions = await self.shared.change_usage(attempt)
+            except BaseException:
+                self._releasing[:0] = releasing
+                raise
             for (_, request), dec in zip(items, decisions):
                 if dec.decision != ALLOW:
                     self.core.apply(request, dec, now)
             self.core.usage = self.shared.usage
+            if releasing:
+                self._released(releasing)
         elapsed = time.perf_counter() - started
         for _ in items:
             self.metrics.latency.observe(elapsed / len(items))
@@ -363,22 +372,40 @@ class AdmitterService:
         await asyncio.gather(*(d.ack() for d in batch if not d.settled))
 
     async def _release_taken(self, pairs: list[tuple[Completion | None, Reservation]]) -> None:
-        def minus(usage):
-            for _, res in pairs:
-                usage = usage.minus(res.tenant, res.model, res.tokens, self.core.is_long(res.tokens))
-            return usage, None
+        """Give back what ``pairs`` reserved, in the next usage commit.
 
+        Releases wait in ``_releasing`` for the lock; an admission batch that gets it first folds
+        them into its own compare-and-swap (and may admit into the freed room), so under load one
+        commit carries both and the completions no longer hold up the requests. Whoever finds
+        releases still waiting once it has the lock commits them: when this returns, they are in
+        the shared usage.
+        """
+        self._releasing.extend(pairs)
         async with self._lock:
-            await self.shared.change_usage(minus)
-            now = time.time()
-            for c, _ in pairs:
-                if c is not None:
-                    self.core.release(c, now)  # learning (output EWMA, release rate)
+            mine, self._releasing = self._releasing, []
+            if mine:
+                try:
+                    await self.shared.change_usage(lambda usage: (self._minus(usage, mine), None))
+                except BaseException:
+                    self._releasing[:0] = mine
+                    raise
+                self._released(mine)
             self.core.usage = self.shared.usage
-        self._wake.set()
+
+    def _minus(self, usage, pairs: list[tuple[Completion | None, Reservation]]):
+        for _, res in pairs:
+            usage = usage.minus(res.tenant, res.model, res.tokens, self.core.is_long(res.tokens))
+        return usage
+
+    def _released(self, pairs: list[tuple[Completion | None, Reservation]]) -> None:
+        """After the commit that gave ``pairs`` back: learning, the queue woken, one line each."""
+        now = time.time()
         for c, res in pairs:
+            if c is not None:
+                self.core.release(c, now)  # learning (output EWMA, release rate)
             log.info("request %s released %d runtime tokens (%s)", res.request_id, res.tokens,
                      "completion" if c is not None else "reclaimed")
+        self._wake.set()
 
     async def release(self, request_id: str, completion: Completion | None = None, why: str = "completion") -> int:
         """Free one reservation once (duplicates, other replicas and lease reclaims free nothing)."""

@@ -288,3 +288,38 @@ async def test_between_full_reconciliations_a_replica_keeps_only_recent_own_reco
         assert (await adm.shared.lookup("r-old")) is not None
     finally:
         await stop(adm)
+
+
+async def test_a_release_waiting_for_the_lock_rides_on_the_next_admission_commit(bus, nats_url):
+    """Under load a completion and a request batch both wait for the replica's commit lock: the
+    batch gives the released tokens back in its own compare-and-swap (one commit, not two) and
+    can admit into them at once, instead of queueing behind a full cluster."""
+    await set_quotas(bus, cluster__total=300)
+    adm = await start_admitter(nats_url)
+    try:
+        first, second = request(), request()  # 300 runtime tokens each: one fills the cluster
+        await publish(bus, first)
+        assert await until(lambda: adm.shared.usage.used == 300)
+        taken = await adm.shared.take(first.id)  # a completion's first step: the record is gone
+        sub = await bus.inbox(S.reply(second.id))
+        waiters = lambda: len(adm._lock._waiters or ())  # noqa: E731 - asyncio.Lock's queue, FIFO
+        async with adm._lock:
+            await publish(bus, second)
+            assert await until(lambda: waiters() == 1)  # the batch with `second` waits first...
+            release = asyncio.create_task(adm._release_taken([(make_completion(first.id, runtime_tokens=300),
+                                                               taken)]))
+            assert await until(lambda: waiters() == 2)  # ...then the release
+            commits, change_usage = [], adm.shared.change_usage
+
+            async def counted(fn):
+                commits.append(fn)
+                return await change_usage(fn)
+
+            adm.shared.change_usage = counted
+        await release
+        status = Reply.decode((await sub.next_msg(timeout=5)).data)
+        assert (status.kind, status.status) == ("status", "admitted")  # never queued
+        assert len(commits) == 1  # both in one compare-and-swap
+        assert adm.shared.usage.used == 300 and adm.shared.usage.tenants == {"t1": 300}
+    finally:
+        await stop(adm)
