@@ -5,7 +5,6 @@ Workers list their in-flight request ids in every heartbeat. A worker silent for
 this process could have heard counts: after a pause of its own (a stalled event loop, a
 starved or frozen machine, a long GC), the heartbeats sent meanwhile are still unread in its
 socket, and judging by them would "rescue" — run twice — the work of live workers. The
-
 reconciliation compares the shared aggregate with the reservation records (and the records
 with what workers report) and says what to repair; the service performs the repair.
 """
