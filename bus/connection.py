@@ -100,6 +100,8 @@ DEAD_LETTER_MAX_DATA = 512 * 1024
 #: (subject, message, msg id, headers) for :meth:`Bus.jpublish_batch`
 Outgoing = tuple[str, "Schema | bytes", "str | None", "dict[str, str] | None"]
 BATCH_ACK_WAIT_S = 2.0  # a batch's acks normally take a round trip; then each is retried alone
+#: how long a durable consumer's creation is retried on timeouts (a cluster electing leaders)
+BIND_BUDGET_S = 30.0
 
 def _with_msg_id(headers: dict[str, str] | None, msg_id: str | None) -> dict[str, str] | None:
     """``headers`` plus ``Nats-Msg-Id`` when there is a msg id (None when both are empty)."""
@@ -453,8 +455,12 @@ class Bus:
             max_ack_pending=spec.max_ack_pending,
             deliver_policy=api.DeliverPolicy.NEW if spec.deliver_new else api.DeliverPolicy.ALL,
         )
-        # binds (creating it if needed) the durable consumer; its own fetch is not used
-        await self.js.pull_subscribe(spec.filter_subject or "", durable=spec.durable, stream=spec.stream, config=config)
+        # binds (creating it if needed) the durable consumer; its own fetch is not used. Retried:
+        # a service started while its cluster still elects stream leaders gets timeouts at first
+        await self._retrying(
+            lambda _remaining: self.js.pull_subscribe(spec.filter_subject or "", durable=spec.durable,
+                                                      stream=spec.stream, config=config),
+            BIND_BUDGET_S, f"binding consumer {spec.durable}", logging.WARNING)
         puller = Puller(self.nc, spec.stream, spec.durable, spec.batch)
         await puller.start()
         task = asyncio.create_task(self._consume_loop(puller, spec, handler, source), name=f"consume:{spec.durable}")

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from nats.js import api
 
-from bus.connection import Bus
+from bus.connection import Bus, ConsumerSpec
 from bus.puller import Puller
 from bus.server import EmbeddedServer, free_port
 
@@ -111,6 +111,39 @@ async def test_reading_goes_on_across_a_server_crash_and_restart(tmp_path):
         got = await read(puller, 1, timeout=15)
         assert got[0].data == b"after"
         await puller.stop()
+    finally:
+        await bus.close()
+        server.stop()
+
+
+async def test_a_consumer_started_while_the_server_is_down_binds_once_it_is_back(tmp_path):
+    """A service starting while its cluster elects leaders gets timeouts on the consumer's
+    creation: ``Bus.consume`` retries them instead of failing the service's start (a router once
+    exited this way in the chaos run). The outage is longer than one JetStream API timeout (5 s)."""
+    server = EmbeddedServer(port=free_port(), data_dir=tmp_path / "data").start()
+    bus = await Bus.connect(server.url, name="bind-retry")
+    got: list[bytes] = []
+
+    async def handler(d) -> None:
+        got.append(d.data)
+        await d.ack()
+
+    try:
+        await bus.js.add_stream(api.StreamConfig(name=STREAM, subjects=["pulltest.>"]))  # file: survives
+        loop = asyncio.get_running_loop()
+        server.proc.kill()
+        await loop.run_in_executor(None, server.proc.wait)
+        starting = asyncio.create_task(bus.consume(ConsumerSpec(STREAM, "late"), handler, "test"))
+        await asyncio.sleep(6.5)
+        assert not starting.done()  # still retrying, not failed
+        await loop.run_in_executor(None, server.start)
+        await asyncio.wait_for(starting, 30)
+        await bus.jpublish("pulltest.x", b"after")
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.1)
+        assert got == [b"after"]
     finally:
         await bus.close()
         server.stop()
