@@ -10,9 +10,12 @@ message back onto ADMITTED as the next *attempt*, naming the dead worker in ``av
    once, for every message found;
 2. wait (bounded) until the completions stored so far are processed: a worker that died between
    publishing a completion and acking left a *finished* request behind, whose release may still
-   be on its way;
-3. for each message: a record that is gone now means the request's completion was counted: the
-   message is only removed, never re-run. Otherwise publish the :class:`~bus.schema.Admitted`
+   be on its way. When the admitters' ack floor does not reach the newest completion in time
+   (a killed admitter's un-acked deliveries hold it back for the whole ack wait), read the
+   completions stored above it and note their request ids;
+3. for each message: a record that is gone now, or a request whose completion was read in 2,
+   finished: the message is only removed, never re-run (a reservation still held is released
+   when its completion is processed). Otherwise publish the :class:`~bus.schema.Admitted`
    with ``Nats-Msg-Id`` ``<id>:adm:<attempt>`` (two replicas rescuing the same message at once
    store it once), tell the producer (status ``rerouted``), write an audit record (``rescue``);
 4. delete the WORK message (a replica that finds it already deleted did nothing wrong).
@@ -34,7 +37,7 @@ from admitter.shared import SharedState
 from bus import subjects as S
 from bus.connection import Bus
 from bus.errors import MessageError
-from bus.schema import Admitted, Assignment, Decision, Reply, WorkerId
+from bus.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +96,9 @@ class Rescuer:
     """Moves stranded assignments back to routing; one sweep at a time per replica."""
 
     def __init__(self, bus: Bus, shared: SharedState, name: str, max_per_sweep: int = 10_000,
-                 catch_up_s: float = 5.0) -> None:
+                 catch_up_s: float = 5.0, max_scan: int = 20_000) -> None:
         self.bus = bus
+        self.max_scan = max_scan
         self.catch_up_s = catch_up_s
         self.shared = shared
         self.name = name
@@ -111,8 +115,8 @@ class Rescuer:
         if not found:
             return report
         await _overlapped(self._mark(s) for s in found)
-        await self._completions_caught_up()
-        await _overlapped(self._rescue_one(s, report) for s in found)
+        done = await self._completed_unprocessed(await self._completions_caught_up())
+        await _overlapped(self._rescue_one(s, report, done) for s in found)
         return report
 
     async def _read_subject(self, worker: WorkerId, subject: str, limit: int, report: RescueReport) -> list[Stranded]:
@@ -135,8 +139,9 @@ class Rescuer:
     async def _mark(self, s: Stranded) -> None:
         await self.shared.mark_moved(s.assignment.request.id, s.worker)
 
-    async def _completions_caught_up(self) -> None:
-        """Wait (bounded) until the admitters have processed every completion stored so far.
+    async def _completions_caught_up(self) -> tuple[int, int]:
+        """Wait (bounded) until the admitters have processed every completion stored so far;
+        returns (ack floor, newest completion) as last seen.
 
         A worker publishes its completion, then acks: one that died between the two left a
         finished request on WORK. Its completion is stored, but may not be processed yet; once
@@ -145,23 +150,43 @@ class Rescuer:
         last = await self.bus.stream_last_seq(S.STREAM_COMPLETIONS)
         deadline = time.monotonic() + self.catch_up_s
         all_delivered_at = None
+        acked = 0
         while time.monotonic() < deadline:
             acked, delivered = await self.bus.consumer_progress(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS)
             if acked >= last:
-                return
-            # all delivered but not all acked: handlers still at work, or an ack lost in a leader
-            # election, which holds the ack floor back for the whole ack wait although its
-            # completion was processed: give the handlers a moment, not the ack wait
+                return acked, last
+            # all delivered but not all acked: handlers still at work, or acks that will not come
+            # before the ack wait (lost in a leader election, or of a killed admitter): give the
+            # handlers a moment, not the ack wait
             if delivered >= last:
                 all_delivered_at = all_delivered_at or time.monotonic()
                 if time.monotonic() - all_delivered_at >= HANDLER_GRACE_S:
-                    return
+                    return acked, last
             await asyncio.sleep(0.02)
-        log.warning("rescue: completions not processed within %.0fs; rescuing anyway", self.catch_up_s)
+        log.warning("rescue: completions not processed within %.0fs; reading the rest", self.catch_up_s)
+        return acked, last
 
-    async def _rescue_one(self, s: Stranded, report: RescueReport) -> None:
+    async def _completed_unprocessed(self, progress: tuple[int, int]) -> set[str]:
+        """Request ids of the completions stored above the ack floor (at most ``max_scan``
+        read): their requests finished, whether or not a release has counted them yet."""
+        acked, last = progress
+        first = max(acked + 1, last - self.max_scan + 1)
+        if first > last:
+            return set()
+        if first > acked + 1:
+            log.warning("rescue: %d completions not processed; reading only the newest %d", last - acked,
+                        self.max_scan)
+        ids = set()
+        for _subject, data in await self.bus.messages_between(S.STREAM_COMPLETIONS, first, last):
+            try:
+                ids.add(Completion.decode(data).request_id)
+            except MessageError:
+                continue  # the admitters' consumer dead-letters it
+        return ids
+
+    async def _rescue_one(self, s: Stranded, report: RescueReport, done: set[str]) -> None:
         a, worker, rid = s.assignment, s.worker, s.assignment.request.id
-        if await self.shared.mark_moved(rid, worker) is None:
+        if rid in done or await self.shared.mark_moved(rid, worker) is None:
             report.finished.append(rid)  # completed (or released) already: nothing to run again
         else:
             adm = readmission(a, worker, self.name)

@@ -667,6 +667,11 @@ class Bus:
             return []
         return await self._direct_messages(stream, info.state.first_seq, info.state.last_seq, subject)
 
+    async def messages_between(self, stream: str, first: int, last: int) -> list[tuple[str, bytes]]:
+        """(subject, data) of the messages stored with sequences ``first``..``last`` (gaps skipped),
+        read one by one with no consumer: for short ranges (a rescue's unprocessed completions)."""
+        return await self._direct_messages(stream, max(1, first), last, None)
+
     async def _direct_messages(self, stream: str, first: int, last: int, subject: str | None):
         out = []
         for seq in range(first, last + 1):

@@ -203,3 +203,33 @@ async def test_a_worker_that_died_between_its_completion_and_its_ack_is_not_run_
         assert await admitted(bus) == [] and await bus.stream_messages(S.STREAM_WORK) == []
     finally:
         await stop(adm)
+
+
+async def test_a_finished_request_whose_completion_is_never_acked_is_not_run_again(bus, nats_url):
+    """As a killed admitter leaves it: the completion was delivered and will not be acked before
+    the ack wait, so the ack floor stays below it. The sweep reads the completions above the
+    floor, sees this request finished, and only removes the message (the reservation waits for
+    the completion's redelivery)."""
+    adm = AdmitterService(await Bus.connect(nats_url, name="stuck"), AdmitterServiceSettings(
+        name="stuck", rescue_grace_s=0.0, reconcile_interval_s=3600))
+
+    async def never(batch):
+        await asyncio.Event().wait()
+
+    adm._on_completions = never
+    await adm.start()
+    try:
+        done, running = make_assignment(), make_assignment()
+        for a in (done, running):
+            await reserve(adm, a)
+            await bus.jpublish(S.work(a.worker), a)
+        await bus.jpublish(S.completion("t1"), Completion(request_id=done.request.id, tenant="t1", status="ok",
+                                                          runtime_tokens=300), msg_id=f"{done.request.id}:done")
+        report = await adm.reclaim({})
+        assert report.finished == [done.request.id]
+        assert report.rescued == {running.request.id: "wdead"}
+        assert [x.request.id for x in await admitted(bus)] == [running.request.id]
+        assert await bus.stream_messages(S.STREAM_WORK) == []
+        assert (await adm.shared.lookup(done.request.id)).moved_from == "wdead"  # released by its completion
+    finally:
+        await stop(adm)

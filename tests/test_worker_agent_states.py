@@ -10,7 +10,7 @@ import asyncio
 import time
 
 from bus import subjects as S
-from bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, WorkerId
+from bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
 from tests.factories import make_request
 from workers.agent import WorkerAgent, WorkerSettings
 from workers.backoff import BackoffMonitor, BackoffSettings
@@ -190,3 +190,27 @@ async def test_engine_dying_while_idle_is_noticed_by_the_heartbeat(bus):
     await asyncio.wait_for(agent.wait_drained(), 5)
     assert agent.failure == "gone"
     await agent.stop()
+
+
+async def test_a_request_whose_completion_another_run_stored_is_counted_and_still_answered(bus):
+    """Rescued from a worker that only looked dead, a request runs twice; the second completion
+    is deduplicated by its msg id. The worker counts that, and still sends its result: the
+    producer, told "rerouted", ignores the first run's."""
+    engine = ScriptedEngine()
+    agent = WorkerAgent(bus, engine, settings("w2nd"))
+    await agent.start()
+    try:
+        req = make_request(id="twice")
+        req.reply = S.tenant_reply(req.tenant, req.id)
+        replies = await collect(bus, req.reply, Reply)
+        first = Completion(request_id=req.id, tenant=req.tenant, status="ok", runtime_tokens=100, worker="w1st")
+        await bus.jpublish(S.completion(req.tenant), first, msg_id=f"{req.id}:done")
+        a = Assignment(request=req, worker=WorkerId("w2nd"), runtime_tokens=100, admitted_at=time.time(),
+                       routed_at=time.time(), attempt=1, avoid=["w1st"])
+        await bus.jpublish(S.work(WorkerId("w2nd")), a, msg_id=f"{req.id}:work:1")
+        assert await wait_for(lambda: any(r.kind == "result" for r in replies))
+        assert agent.metrics.duplicate_runs._value.get() == 1
+        stored = [Completion.decode(d) for _, d in await bus.stream_messages(S.STREAM_COMPLETIONS)]
+        assert [c.worker for c in stored] == ["w1st"]
+    finally:
+        await agent.stop()

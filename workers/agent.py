@@ -218,7 +218,13 @@ class WorkerAgent:
             cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot,
             e2e=now - (req.created or started), expected_cached_tokens=a.expected_cached_tokens, ts=now,
         )
-        await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
+        ack = await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
+        if ack.duplicate:
+            # another run's completion is stored (one of the two was rescued from a worker that
+            # looked dead): that one is counted. The reply still goes out: a producer that was told
+            # "rerouted" ignores the other run's, and would otherwise wait in vain
+            log.warning("request %s ran twice; its completion from another run is the one kept", req.id)
+            self.metrics.duplicate_runs.inc()
         self._observe(completion)
         if req.reply:
             if ok:
