@@ -59,7 +59,6 @@ def bench_reply(run: str) -> str:
 CONSUMER_ADMITTER = "admitter"
 CONSUMER_ADMITTER_COMPLETIONS = "admitter-completions"
 CONSUMER_ROUTER = "router"
-CONSUMER_ROUTER_COMPLETIONS = "router-completions"
 CONSUMER_WORKER_PREFIX = "worker-"  # + worker id
 
 # --- KV buckets ---------------------------------------------------------------------------

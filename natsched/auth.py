@@ -270,10 +270,9 @@ def router_role() -> Role:
         S.WORK_ALL, S.COMPLETIONS_ALL, subject("decision", stage="routing"), subject("control"),
         S.deadletter("router"),
         *consumer_permissions(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL),
-        *consumer_permissions(S.STREAM_COMPLETIONS, S.CONSUMER_ROUTER_COMPLETIONS, S.COMPLETIONS_ALL),
         *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG),
     ]
-    return Role("router", "router", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CACHE_EVENTS_ALL])
+    return Role("router", "router", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CACHE_EVENTS_ALL, S.COMPLETIONS_ALL])
 
 
 def worker_role(worker: str) -> Role:

@@ -55,10 +55,9 @@ class RouterService:
         self.bus.spawn(self._tick_loop(), "router-tick")
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
         await self.bus.subscribe(S.CACHE_EVENTS_ALL, self._on_cache_event)
-        await self.bus.consume(
-            ConsumerSpec(S.STREAM_COMPLETIONS, S.CONSUMER_ROUTER_COMPLETIONS, S.COMPLETIONS_ALL, deliver_new=True),
-            self._on_completion, source="router",
-        )
+        # completions are watched, not consumed: every replica sees each one (it releases the load
+        # of what it routed itself), and a missed one costs only accuracy until the next heartbeat
+        await self.bus.subscribe(S.COMPLETIONS_ALL, self._on_completion)
         await self.bus.consume_batches(self._spec, self._on_admitted, source="router")
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -136,13 +135,16 @@ class RouterService:
             self.metrics.snapshot_requests.inc()
             await self.bus.publish(S.control(ev.worker), Control(kind="snapshot", ts=time.time(), by=self.settings.name))
 
-    async def _on_completion(self, d: Delivery) -> None:
-        c = Completion.decode(d.data)
+    async def _on_completion(self, subject: str, data: bytes, headers: dict) -> None:
+        try:
+            c = Completion.decode(data)
+        except MessageError as exc:  # the admitters' durable consumer dead-letters it
+            log.warning("ignoring an undecodable completion on %s: %s", subject, exc)
+            return
         self.core.on_completion(c, time.time())
         if c.worker and c.status == "ok":
             self.metrics.cached_tokens.labels(c.worker, "actual").inc(c.cached_tokens)
             self.metrics.cached_tokens.labels(c.worker, "expected").inc(c.expected_cached_tokens or 0)
-        await d.ack()
 
     async def _on_admitted(self, batch: list[Delivery]) -> None:
         """Route a batch in order (the core sees each decision before the next), publish concurrently."""

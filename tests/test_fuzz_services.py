@@ -384,11 +384,13 @@ def test_work_subject(fresh, data):
 
 
 async def _consumers_done(bus: Bus, seq: int) -> bool:
-    for durable in (S.CONSUMER_ADMITTER_COMPLETIONS, S.CONSUMER_ROUTER_COMPLETIONS):
-        info = await bus.js.consumer_info(S.STREAM_COMPLETIONS, durable)
-        if info.ack_floor.stream_seq < seq or info.num_ack_pending:
-            return False
-    return True
+    info = await bus.js.consumer_info(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS)
+    return info.ack_floor.stream_seq >= seq and not info.num_ack_pending
+
+
+def _router_feedback(env, worker: str) -> float:
+    """The cached tokens the router has read from ``worker``'s completions (its watch on ``done.>``)."""
+    return env.router.metrics.cached_tokens.labels(worker, "actual")._value.get()
 
 
 @FUZZ
@@ -399,9 +401,16 @@ def test_completions_subject(fresh, data):
     base = valid_messages(rid=rid)["Completion"].to_wire()
     payload = data.draw(payloads(base))
     ack = env.run(env.bus.jpublish(S.completion("fz"), payload, msg_id=f"{rid}:done"))
-    # both consumers (admitter release, router feedback) acked or terminated it
+    # the admitters' consumer (release) acked or terminated it
     done = env.wait_async(lambda: _consumers_done(env.bus, ack.seq))
     assert done, f"completion {payload[:200]!r} still pending (redelivered: a handler raised?)"
+    # the router's watch (feedback) still reads the next one
+    before = _router_feedback(env, SENTINEL)
+    sentinel = Completion(request_id=new_id(), tenant="fz", status="ok", runtime_tokens=1, worker=SENTINEL,
+                          cached_tokens=7)
+    env.run(env.bus.jpublish(S.completion("fz"), sentinel, msg_id=f"{sentinel.request_id}:done"))
+    assert env.wait(lambda: _router_feedback(env, SENTINEL) == before + 7), f"completion {payload[:200]!r} " \
+        "stopped the router's completion handler"
     dead = env.observer.dead.get(f"{rid}:done", [])
     assert all(d.reason in ("malformed", "invalid") for d in dead), [(d.reason, d.error) for d in dead]
     env.assert_no_crash(f"completion {payload[:200]!r}")
@@ -578,7 +587,8 @@ def test_a_completion_whose_request_id_is_not_a_token_is_dead_lettered_once(fres
     wire = valid_messages(rid=rid)["Completion"].to_wire() | {"request_id": "\x96©"}
     ack = env.run(env.bus.jpublish(S.completion("fz"), pack(wire), msg_id=f"{rid}:done"))
     assert env.wait_async(lambda: _consumers_done(env.bus, ack.seq))
-    assert sorted(d.reason for d in env.observer.dead.get(f"{rid}:done", [])) == ["invalid", "invalid"]
+    # by the admitters' consumer; the routers only watch completions and skip it
+    assert [d.reason for d in env.observer.dead.get(f"{rid}:done", [])] == ["invalid"]
     env.assert_no_crash("a completion with request_id '\\x96©'")
 
 

@@ -8,7 +8,7 @@ import pytest
 from bus import codec
 from bus import subjects as S
 from bus.connection import Bus
-from bus.schema import Admitted, Assignment, CacheEvent, Control
+from bus.schema import Admitted, Assignment, CacheEvent, Completion, Control
 from router.core import RouterSettings
 from router.service import RouterService, RouterServiceSettings
 from tests.factories import make_heartbeat, make_request
@@ -142,3 +142,32 @@ async def test_a_worker_cannot_report_for_another(router, bus):
     assert "wimpostor" not in router.core.workers
     assert router.metrics.bad_reports.labels("heartbeat")._value.get() == 1
     assert router.metrics.bad_reports.labels("cache_event")._value.get() == 1
+
+
+async def test_every_router_replica_releases_what_it_routed_when_the_completion_comes(bus, nats_url):
+    """Completions are watched by every replica, not shared out by a durable consumer: a replica
+    handed another's completion could not release the load (or the ledger entry) of its own."""
+    replicas = []
+    for name in ("ra", "rb"):
+        service = RouterService(await Bus.connect(nats_url, name=name), RouterServiceSettings(
+            name=name, core=RouterSettings(policy="least_loaded", heartbeat_timeout_s=5.0), tick_s=0.2))
+        await service.start()
+        replicas.append(service)
+    try:
+        seen = await WorkSeen().start(bus)
+        await beat(bus, "wc", 1)
+        assert await until(lambda: all("wc" in r.core.workers for r in replicas))
+        ids = await admit(bus, 20)
+        assert await until(lambda: len(seen.assigned) == 20)
+        assert sum(len(r.core.registry.ledger) for r in replicas) == 20
+        assert all(r.core.registry.ledger for r in replicas)  # both routed some
+        # one replica's completions first: a consumer shared round-robin would hand about half of
+        # them to the other replica (in routing order it can happen to match)
+        ordered = [rid for r in replicas for rid in ids if rid in r.core.registry.ledger]
+        for rid in ordered:
+            await bus.jpublish(S.completion("t1"), Completion(request_id=rid, tenant="t1", status="ok",
+                                                              runtime_tokens=10, worker="wc"), msg_id=f"{rid}:done")
+        assert await until(lambda: not any(r.core.registry.ledger for r in replicas))
+    finally:
+        for r in replicas:
+            await r.bus.close()
