@@ -276,7 +276,9 @@ def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
         asyncio.run(_set_quota(url, run.audit_max_bytes))
         time.sleep(1.0)  # workers' first heartbeats reach the routers
         pids = {**sup.pids(), "load generator": os.getpid()}
-        return asyncio.run(drive(url, run, pids))
+        from natsched.commands import run_loop  # uvloop, as the services run: the generator's own CPU is shared
+
+        return run_loop(drive(url, run, pids))
     finally:
         sup.stop(quiet=True)
         shutil.rmtree(data_dir, ignore_errors=True)
