@@ -195,17 +195,30 @@ class Supervisor:
         for child in self.children:
             self._spawn(child)
         for child in self.children:
-            remaining = self.s.ready_timeout_s - (time.monotonic() - started)
-            if not child.ready.wait(max(0.1, remaining)):
-                code = child.proc.poll() if child.proc else None
-                raise ServerError(f"{child.name} was not ready within {self.s.ready_timeout_s:.0f}s"
-                                  + (f" (exited with code {code})" if code is not None else ""))
+            self._await_ready(child, started + self.s.ready_timeout_s, say)
             say(f"ready: {child.name} (pid {child.proc.pid}) {child.detail}".rstrip(), flush=True)
         try_it = ("natsched submit --tenant demo --prompt 'hello'" if self.auth is None else
                   f"natsched submit --credentials {self.auth.creds('producer-TENANT')} --tenant TENANT --prompt 'hello'")
         say(f"natsched is up in {time.monotonic() - started:.1f}s on {url}; try: {try_it}  (Ctrl-C stops)",
             flush=True)
         return url
+
+    def _await_ready(self, child: Child, deadline: float, say) -> None:
+        """Until ``child`` says it is ready; one that exits first is started again, as after start-up
+        (a cluster still electing leaders can fail a service's first JetStream calls)."""
+        exits: list[int] = []
+        while not child.ready.wait(max(0.0, min(0.1, deadline - time.monotonic()))):
+            code = child.proc.poll() if child.proc else None
+            if time.monotonic() >= deadline:
+                exits += [] if code is None else [code]
+                raise ServerError(f"{child.name} was not ready within {self.s.ready_timeout_s:.0f}s"
+                                  + (f" (exited {len(exits)} times, last with code {exits[-1]})" if exits else ""))
+            if code is not None and not child.ready.is_set():
+                exits.append(code)
+                say(f"{child.name} exited with code {code} while starting; starting it again", flush=True)
+                log.warning("%s exited with code %s while starting; starting it again", child.name, code)
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                self._spawn(child)
 
     def pids(self) -> dict[str, int]:
         """The system's running processes by name, the embedded nats-server first.
