@@ -214,3 +214,35 @@ async def test_a_request_whose_completion_another_run_stored_is_counted_and_stil
         assert [c.worker for c in stored] == ["w1st"]
     finally:
         await agent.stop()
+
+
+async def test_a_restarted_worker_rerunning_a_request_its_predecessor_answered_does_not_answer_again(bus):
+    """The first process under this id ran the request, stored its completion and answered, then
+    died before its ack reached the server: the restarted worker gets the copy and runs it (it has
+    no memory of it). Its completion is deduplicated; the producer already has its answer and
+    gets no second one."""
+    first = ScriptedEngine()
+    first.gate.clear()  # holds the request: the process "dies" with it un-acked
+    old = WorkerAgent(bus, first, settings("wre", ack_wait_s=1.0))
+    await old.start()
+    req = make_request(id="again")
+    req.reply = S.tenant_reply(req.tenant, req.id)
+    replies = await collect(bus, req.reply, Reply)
+    a = Assignment(request=req, worker=WorkerId("wre"), runtime_tokens=100, admitted_at=time.time(),
+                   routed_at=time.time())
+    await bus.jpublish(S.work(WorkerId("wre")), a, msg_id=f"{req.id}:work")
+    assert await wait_for(lambda: old.inflight)
+    await old.stop()  # no ack: the message stays on WORK
+    # what the first process had done before it died: its completion stored, its answer sent
+    done = Completion(request_id=req.id, tenant=req.tenant, status="ok", runtime_tokens=100, worker="wre")
+    await bus.jpublish(S.completion(req.tenant), done, msg_id=f"{req.id}:done")
+    await bus.publish(req.reply, Reply(request_id=req.id, kind="result", worker="wre"))
+    new = WorkerAgent(bus, ScriptedEngine(), settings("wre", ack_wait_s=1.0))
+    await new.start()
+    try:
+        assert await wait_for(lambda: new.metrics.duplicate_runs._value.get() == 1, timeout=10)
+        assert await wait_for(lambda: req.id in new.finished)
+        await asyncio.sleep(0.3)
+        assert [r.kind for r in replies if r.final] == ["result"]  # the predecessor's only
+    finally:
+        await new.stop()

@@ -83,6 +83,7 @@ class WorkerAgent:
         self.metrics = WorkerMetrics(settings.id, settings.model)
         self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # its producer gave up on it
         self.finished = RecentIds(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)  # completed here: never run again
+        self._redelivered: set[str] = set()  # running from a WORK message delivered before (to us or our predecessor)
 
     async def start(self) -> None:
         await self.engine.start()
@@ -149,6 +150,8 @@ class WorkerAgent:
         req = a.request
         started = time.time()
         keepalive = asyncio.create_task(self._keep_alive(d))
+        if d.num_delivered > 1:
+            self._redelivered.add(req.id)
         self.metrics.dispatch_wait.observe(max(0.0, started - a.routed_at))
         log.info("request %s running on %s", req.id, self.id)
         try:
@@ -171,6 +174,7 @@ class WorkerAgent:
             await d.ack()
         finally:
             keepalive.cancel()
+            self._redelivered.discard(req.id)
             if d.settled:  # its outcome is published and it was acked: a copy must not run it again
                 self.finished.add(req.id)
             self.inflight.pop(req.id, None)
@@ -219,14 +223,19 @@ class WorkerAgent:
             e2e=now - (req.created or started), expected_cached_tokens=a.expected_cached_tokens, ts=now,
         )
         ack = await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
+        answered = False
         if ack.duplicate:
-            # another run's completion is stored (one of the two was rescued from a worker that
-            # looked dead): that one is counted. The reply still goes out: a producer that was told
-            # "rerouted" ignores the other run's, and would otherwise wait in vain
-            log.warning("request %s ran twice; its completion from another run is the one kept", req.id)
+            # another run's completion is stored: that one is counted. Its worker answered too. If
+            # that was this worker id before a restart (this copy is a redelivery: its ack was lost),
+            # the producer took that answer, and a second one is not sent. After a rescue (another
+            # worker, a first delivery here) the reply goes out: a producer told "rerouted" ignores
+            # the other run's, and would otherwise wait in vain
+            answered = req.id in self._redelivered
+            log.warning("request %s ran twice; its completion from another run is the one kept%s", req.id,
+                        " (answered then)" if answered else "")
             self.metrics.duplicate_runs.inc()
         self._observe(completion)
-        if req.reply:
+        if req.reply and not answered:
             if ok:
                 reply = Reply(request_id=req.id, kind="result", text=None if req.stream else text,
                               worker=self.id, finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
