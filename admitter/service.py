@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 from admitter.dynamic import DynamicTotal, DynamicTotalSettings
 from admitter.errors import AdmitterError, QuotaError
@@ -25,12 +26,14 @@ from admitter.policy import ALLOW, DEGRADE, QUEUE, AdmissionDecision, AdmissionS
 from admitter.quotas import Quotas
 from admitter.rescue import RescueReport, Rescuer
 from admitter.shared import Reservation, SharedState
+from admitter.usage import Usage
 from bus import subjects as S
 from bus.connection import Bus, ConsumerSpec, Delivery
 from bus.errors import BusError, MessageError
 from bus.schema import Admitted, Completion, Decision, Heartbeat, Reply, Request
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LEASE_TICK_S = 0.1  # how often leases are checked: a fraction of any heartbeat period
 FAST_SWEEP_S = 0.1  # rescue sweeps this often ...
@@ -169,8 +172,7 @@ class AdmitterService:
         now = time.time()
 
         def attempt(usage):
-            # completions waiting for the lock are given back in the same commit (see _release_taken)
-            self.core.usage = new = self._minus(usage, releasing)
+            self.core.usage = new = usage  # the releases waiting for the lock already given back (_commit)
             decisions = []
             for d, request in items:
                 dec = self.core.evaluate(request, now, d.subject)
@@ -182,18 +184,11 @@ class AdmitterService:
             return (new if new is not usage else None), decisions
 
         async with self._lock:
-            releasing, self._releasing = self._releasing, []
-            try:
-                decisions = await self.shared.change_usage(attempt)
-            except BaseException:
-                self._releasing[:0] = releasing
-                raise
+            decisions = await self._commit(attempt)
             for (_, request), dec in zip(items, decisions):
                 if dec.decision != ALLOW:
                     self.core.apply(request, dec, now)
             self.core.usage = self.shared.usage
-            if releasing:
-                self._released(releasing)
         elapsed = time.perf_counter() - started
         for _ in items:
             self.metrics.latency.observe(elapsed / len(items))
@@ -382,15 +377,29 @@ class AdmitterService:
         """
         self._releasing.extend(pairs)
         async with self._lock:
-            mine, self._releasing = self._releasing, []
-            if mine:
-                try:
-                    await self.shared.change_usage(lambda usage: (self._minus(usage, mine), None))
-                except BaseException:
-                    self._releasing[:0] = mine
-                    raise
-                self._released(mine)
+            if self._releasing:  # else an admission commit took them meanwhile
+                await self._commit(lambda usage: (None, None))
             self.core.usage = self.shared.usage
+
+    async def _commit(self, change: Callable[[Usage], tuple[Usage | None, T]]) -> T:
+        """One usage compare-and-swap (caller holds ``_lock``) that also gives back the releases
+        waiting for the lock: ``change`` sees the usage without them, like ``change_usage``'s
+        function; they are put back for the next commit if this one fails."""
+        releasing, self._releasing = self._releasing, []
+
+        def attempt(usage: Usage) -> tuple[Usage | None, T]:
+            base = self._minus(usage, releasing)
+            new, result = change(base)
+            return (base if new is None and base is not usage else new), result
+
+        try:
+            result = await self.shared.change_usage(attempt)
+        except BaseException:
+            self._releasing[:0] = releasing
+            raise
+        if releasing:
+            self._released(releasing)
+        return result
 
     def _minus(self, usage, pairs: list[tuple[Completion | None, Reservation]]):
         for _, res in pairs:

@@ -210,7 +210,8 @@ class Supervisor:
         while not child.ready.wait(max(0.0, min(0.1, deadline - time.monotonic()))):
             code = child.proc.poll() if child.proc else None
             if time.monotonic() >= deadline:
-                exits += [] if code is None else [code]
+                if code is not None:
+                    exits.append(code)
                 raise ServerError(f"{child.name} was not ready within {self.s.ready_timeout_s:.0f}s"
                                   + (f" (exited {len(exits)} times, last with code {exits[-1]})" if exits else ""))
             if code is not None and not child.ready.is_set():
