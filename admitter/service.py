@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 from admitter.dynamic import DynamicTotal, DynamicTotalSettings
 from admitter.errors import AdmitterError, QuotaError
@@ -60,6 +60,24 @@ class AdmitterServiceSettings:
     metrics_port: int | None = None
 
 
+class InlineRouter(Protocol):
+    """A router in the admitter's process (``router.service.RouterService``): what the admitter
+    allows goes straight to a worker's WORK subject instead of through ADMITTED and a router.
+
+    Why: on a small machine every stored hop is a round of wake-ups in three processes (the
+    admitter publishing, the server storing, a router pulling); routing in-process skips one
+    (``natsched bench pipeline --inline-routing``). ``decide`` is synchronous (state in, decision
+    out) and returns ``outgoing`` None when no worker can take the request: it is then handed to
+    ADMITTED as usual, where this router's own consumer (and any other router) retries it.
+    """
+
+    async def start(self) -> None: ...
+
+    def decide(self, adm: Admitted) -> Any: ...  # router.service.Routed
+
+    async def assigned(self, routed: Any) -> None: ...
+
+
 @dataclass
 class Held:
     delivery: Delivery
@@ -69,7 +87,7 @@ class Held:
 
 class AdmitterService:
     def __init__(self, bus: Bus, settings: AdmitterServiceSettings | None = None,
-                 metrics: AdmitterMetrics | None = None) -> None:
+                 metrics: AdmitterMetrics | None = None, router: InlineRouter | None = None) -> None:
         self.bus = bus
         self.settings = s = settings or AdmitterServiceSettings()
         self.core = AdmitterCore(s.admission)
@@ -86,6 +104,7 @@ class AdmitterService:
         self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
         self._releasing: list[tuple[Completion | None, Reservation]] = []  # waiting for the next commit
         self._wake = asyncio.Event()
+        self.router = router  # inline routing (see InlineRouter), or None: ADMITTED to the routers
         self._suspect: object = None  # drift seen on the previous reconciliation
         self._reconciled_revision = -1  # the usage revision at the previous reconciliation
         self._full_at: float | None = None  # when the reservation records were last read in full
@@ -104,6 +123,8 @@ class AdmitterService:
         await asyncio.wait_for(quotas_ready.wait(), 10)
         self.apply_quotas()  # the bucket's content at start; the watch applies every later change
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
+        if self.router is not None:  # before the first request: it routes from the first batch on
+            await self.router.start()
         await self.bus.consume_batches(self._completions_spec, self._on_completions, source="admitter")
         await self.bus.consume_batches(self._spec, self._on_requests, source="admitter")
         for loop in (self._dequeue_loop, self._keepalive_loop, self._lease_loop, self._reconcile_loop,
@@ -225,14 +246,16 @@ class AdmitterService:
 
     async def _act_batch(self, entries: list[tuple[Request, AdmissionDecision, Delivery, float, float]]) -> None:
         """Carry out a batch of decisions: records, reservations and hand-offs published together
-        (one wait for all their acks), then the producers told and the requests acked.
+        (one wait for all their acks), then the producers told and the requests acked. With an
+        inline router an allowed request's hand-off is its WORK message (ADMITTED only if no
+        worker can take it now).
 
         Per batch rather than per request: a service answering hundreds of requests a second
         spends most of its time in per-message machinery (a task, a timer and a wake-up per
         publish), and one shared wait costs what one publish did.
         """
         now = time.time()
-        reservations, handoffs = [], []
+        reservations, handoffs, routed = [], [], {}
         for request, dec, d, queue_wait, latency_ms in entries:
             await self._record(request, dec, queue_wait, latency_ms)
             rid = request.id
@@ -241,18 +264,25 @@ class AdmitterService:
                 reservations.append((res, self.shared.outgoing(res)))
                 admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                     admitter=self.settings.name, queue_wait=queue_wait)
-                handoffs.append((S.admitted(request.cls, request.tenant), admitted, f"{rid}:adm", None))
+                r = self.router.decide(admitted) if self.router is not None else None
+                if r is not None and r.outgoing is not None:  # straight to the worker's WORK subject
+                    routed[rid] = r
+                    handoffs.append(r.outgoing)
+                else:
+                    handoffs.append((S.admitted(request.cls, request.tenant), admitted, f"{rid}:adm", None))
             elif dec.decision == DEGRADE:
                 handoffs.append((S.offline(request.tenant), request, f"{rid}:offline", None))
             elif dec.decision == QUEUE:
                 self.held[rid] = Held(d, request, now)
         # the reservation records go out first on this connection, so the server stores them
-        # before the hand-offs; the completion that deletes one is two services further away
+        # before the hand-offs; the completion that deletes one is a service or two further away
         acks = await self.bus.jpublish_batch([out for _, out in reservations] + handoffs)
         for (res, _), ack in zip(reservations, acks):
             self.shared.recorded(res, ack.seq)
         for request, dec, d, queue_wait, _ in entries:
             await self._tell_producer(request, dec)
+            if request.id in routed:  # its WORK message is stored: "assigned" follows "admitted"
+                await self.router.assigned(routed[request.id])
             if dec.decision != QUEUE:
                 await d.ack()
             self.metrics.decisions.labels(request.tenant, request.cls, dec.decision, dec.reason or "").inc()

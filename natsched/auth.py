@@ -221,7 +221,7 @@ class Role:
     """One NATS user: what it may publish and subscribe to."""
 
     user: str
-    kind: str  # admin | admitter | router | worker | offline | gateway | batch | producer
+    kind: str  # admin | admitter | router | scheduler | worker | offline | gateway | batch | producer
     publish: list[str] = field(default_factory=list)
     subscribe: list[str] = field(default_factory=list)
     tenants: list[str] = field(default_factory=list)  # whose requests it may publish (producer, batch, gateway)
@@ -273,6 +273,14 @@ def router_role() -> Role:
         *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG),
     ]
     return Role("router", "router", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CACHE_EVENTS_ALL, S.COMPLETIONS_ALL])
+
+
+def scheduler_role() -> Role:
+    """An admitter with inline routing (``natsched admitter --route``): both services' rights in
+    one process, no more (the union of :func:`admitter_role` and :func:`router_role`)."""
+    adm, rtr = admitter_role(), router_role()
+    return Role("scheduler", "scheduler", publish=_unique(adm.publish + rtr.publish),
+                subscribe=_unique(adm.subscribe + rtr.subscribe))
 
 
 def worker_role(worker: str) -> Role:
@@ -348,7 +356,7 @@ def roles(tenants: list[str], workers: list[str], gateway_tenants: list[str] | N
     (empty: no gateway user / no batch users)."""
     gateway_tenants = tenants if gateway_tenants is None else gateway_tenants
     batch_tenants = tenants if batch_tenants is None else batch_tenants
-    return [admin_role(), admitter_role(), router_role(), *([offline_role()] if offline else []),
+    return [admin_role(), admitter_role(), router_role(), scheduler_role(), *([offline_role()] if offline else []),
             *(worker_role(w) for w in workers), *([gateway_role(gateway_tenants)] if gateway_tenants else []),
             *(batch_role(t) for t in batch_tenants), *(producer_role(t) for t in tenants)]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import orjson
 
-from natsched.argtypes import fraction, positive_float, positive_int
+from natsched.argtypes import fraction, non_negative_int, positive_float, positive_int
 from workers.profiles import DEFAULT_PROFILE, PROFILES
 
 DEFAULT_RATE = 1000.0  # bench pipeline, requests per second
@@ -100,7 +100,10 @@ def _add_pipeline_parser(bsub) -> None:
     pp.add_argument("--duration", type=positive_float, default=None,
                     help=f"seconds of load (default {DEFAULT_DURATION_S:.0f}; with --soak {SOAK_DURATION_S:.0f})")
     pp.add_argument("--admitters", type=positive_int, default=1, help="admitter replicas (default 1)")
-    pp.add_argument("--routers", type=positive_int, default=1, help="router replicas (default 1)")
+    pp.add_argument("--routers", type=non_negative_int, default=None,
+                    help="router replicas (default 1; 0 with --inline-routing)")
+    pp.add_argument("--inline-routing", action="store_true",
+                    help="the admitters route what they admit in their own process (natsched admitter --route)")
     pp.add_argument("--workers", type=positive_int, default=2, help="null-engine workers (default 2)")
     mode = pp.add_mutually_exclusive_group()
     mode.add_argument("--find-max", action="store_true",
@@ -190,14 +193,16 @@ def _cmd_shared(args) -> int:
 
 def _soak_rate(args, base) -> float | None:
     """The soak's rate: --rate, else half of --max-rate, else half of what a --find-max ramp measures now."""
-    from natsched.bench_pipeline import PipelineRun, find_max
+    from dataclasses import replace
+
+    from natsched.bench_pipeline import find_max
 
     if args.rate is not None:
         return args.rate
     if args.max_rate is not None:
         return args.max_rate / 2
     print("soak: measuring the maximum rate first (--max-rate M skips this)", file=sys.stderr, flush=True)
-    ramp = PipelineRun(0.0, DEFAULT_DURATION_S, base.admitters, base.routers, base.workers)
+    ramp = replace(base, rate=0.0, duration_s=DEFAULT_DURATION_S, sample_every_s=None, audit_max_bytes=None)
     best, _ = find_max(ramp, list(RAMP_RATES), args.nats_url)
     return best["rate"] / 2 if best else None
 
@@ -212,7 +217,11 @@ def _cmd_pipeline(args) -> int:
     if args.max_rate is not None and args.rate is not None:
         return _fail("give the soak's --rate or the --max-rate it halves, not both")
     duration = args.duration or (SOAK_DURATION_S if args.soak else DEFAULT_DURATION_S)
-    base = PipelineRun(args.rate or DEFAULT_RATE, duration, args.admitters, args.routers, args.workers,
+    routers = args.routers if args.routers is not None else (0 if args.inline_routing else 1)
+    if routers == 0 and not args.inline_routing:
+        return _fail("--routers 0 needs --inline-routing (someone has to route)")
+    base = PipelineRun(args.rate or DEFAULT_RATE, duration, args.admitters, routers, args.workers,
+                       inline_routing=args.inline_routing,
                        sample_every_s=args.sample_every,
                        audit_max_bytes=args.audit_max_mib * 2**20 if args.audit_max_mib else None)
     try:

@@ -26,7 +26,7 @@ import tempfile
 import time
 import uuid
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import orjson
 
@@ -45,6 +45,7 @@ class PipelineRun:
     admitters: int = 1
     routers: int = 1
     workers: int = 2
+    inline_routing: bool = False  # admitters route in-process (admitter --route); routers may be 0
     drain_s: float = 15.0
     sample_every_s: float | None = None  # sample memory and streams this often; None: not at all
     audit_max_bytes: int | None = None  # cap REQUESTS, DECISIONS, COMPLETIONS (a soak that reaches retention)
@@ -226,6 +227,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
         nats_rtt, js_rtt = await reference_rtts(bus)
         result = {
             "rate": run.rate, "duration_s": run.duration_s, "admitters": run.admitters, "routers": run.routers,
+            "inline_routing": run.inline_routing,
             "requests": total, "published": tally.published, "assigned": assigned,
             "completed": tally.completed, "rejected": tally.rejected,
             "lost": total - tally.finals,
@@ -269,12 +271,13 @@ def cpu_per_request(before: dict[str, float | None], pids: dict[str, int], serve
 def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
     """Start a fresh system (embedded server unless ``nats_url``), drive it, stop it."""
     data_dir = tempfile.mkdtemp(prefix="natsched-bench-")
-    sup = Supervisor(UpSettings(workers=run.workers, admitters=run.admitters, routers=run.routers, engine="null",
+    sup = Supervisor(UpSettings(workers=run.workers, admitters=run.admitters, routers=run.routers,
+                                inline_routing=run.inline_routing, engine="null",
                                 nats_url=nats_url, port=free_port(), data_dir=data_dir, log_level="warning"))
     try:
         url = sup.start(quiet=True)
         asyncio.run(_set_quota(url, run.audit_max_bytes))
-        time.sleep(1.0)  # workers' first heartbeats reach the routers
+        time.sleep(1.0)  # workers' first heartbeats reach the routers (inline ones too)
         pids = {**sup.pids(), "load generator": os.getpid()}
         from natsched.commands import run_loop  # uvloop, as the services run: the generator's own CPU is shared
 
@@ -314,7 +317,7 @@ def find_max(base: PipelineRun, rates: list[float], nats_url: str | None) -> tup
     """Ramp the rate; the best run is the highest rate with p99 <= 10 ms and nothing lost."""
     results, best = [], None
     for rate in rates:
-        res = run_pipeline(PipelineRun(rate, base.duration_s, base.admitters, base.routers, base.workers), nats_url)
+        res = run_pipeline(replace(base, rate=rate, sample_every_s=None, audit_max_bytes=None), nats_url)
         results.append(res)
         print(_row(res), file=sys.stderr, flush=True)
         if res["lost"] == 0 and res["overhead_p99_ms"] <= 10.0:
@@ -324,12 +327,13 @@ def find_max(base: PipelineRun, rates: list[float], nats_url: str | None) -> tup
     return best, results
 
 
-HEADER = (f"{'rate':>7} {'adm':>3} {'rtr':>3} {'sent':>7} {'lost':>5} {'p50 ms':>8} {'p99 ms':>8} {'sustained/s':>12} "
+HEADER = (f"{'rate':>7} {'adm':>3} {'rtr':>4} {'sent':>7} {'lost':>5} {'p50 ms':>8} {'p99 ms':>8} {'sustained/s':>12} "
           f"{'cpu ms/req':>11}")
 
 
 def _row(r: dict) -> str:
-    return (f"{r['rate']:>7.0f} {r['admitters']:>3} {r['routers']:>3} {r['requests']:>7} {r['lost']:>5} "
+    routers = f"{r['routers']}{'+i' if r.get('inline_routing') else ''}"  # +i: the admitters route inline
+    return (f"{r['rate']:>7.0f} {r['admitters']:>3} {routers:>4} {r['requests']:>7} {r['lost']:>5} "
             f"{r['overhead_p50_ms']:>8.2f} {r['overhead_p99_ms']:>8.2f} {r['sustained_rps']:>12.0f} "
             f"{r.get('cpu_ms_per_request', {}).get('total', float('nan')):>11.3f}")
 

@@ -43,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start the whole system in the foreground; Ctrl-C or SIGTERM stops it cleanly.")
     up.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
     up.add_argument("--admitters", type=int, default=1, help="admitter replicas (default 1)")
-    up.add_argument("--routers", type=int, default=1, help="router replicas (default 1)")
+    up.add_argument("--routers", type=int, default=None,
+                    help="router replicas (default 1; 0 with --inline-routing)")
+    up.add_argument("--inline-routing", action="store_true",
+                    help="every admitter routes what it admits in its own process (admitter --route): one "
+                         "stored hop and one process fewer per request; separate routers become optional")
     up.add_argument("--engine", choices=["sim", "vllm", "null"], default="sim", help="worker engine (default sim)")
     up.add_argument("--nats-url", default=os.environ.get(ENV_URL),
                     help=f"use this NATS server instead of the embedded one (default: ${ENV_URL})")
@@ -66,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     _url_flag(adm)
     adm.add_argument("--name", default="admitter", help="replica name in audit records")
     adm.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    adm.add_argument("--route", action="store_true",
+                     help="inline routing: route what this replica admits in its own process, straight to "
+                          "the workers' WORK subjects (ADMITTED only when no worker can take a request now)")
+    adm.add_argument("--policy", default="natsched", help="with --route: routing policy (default natsched)")
+    adm.add_argument("--block-size", type=int, default=32, help="with --route: prefix block size (default 32)")
 
     rt = sub.add_parser("router", help="run one router replica", description="Run one router replica.")
     _url_flag(rt)

@@ -42,6 +42,7 @@ class UpSettings:
     workers: int = 2
     admitters: int = 1
     routers: int = 1
+    inline_routing: bool = False  # admitters run with --route (then routers may be 0)
     engine: str = "sim"
     nats_url: str | None = None  # None: run the embedded server
     host: str = DEFAULT_HOST
@@ -86,7 +87,11 @@ class Supervisor:
         kids = []
         for i in range(1, self.s.admitters + 1):
             name = "admitter" if self.s.admitters == 1 else f"admitter-{i}"
-            kids.append(Child(name, self._cmd("admitter", *common, "--name", name), user="admitter"))
+            if self.s.inline_routing:  # the scheduler role: an admitter's and a router's permissions
+                kids.append(Child(name, self._cmd("admitter", *common, "--name", name, "--route", "--policy",
+                                                  self.s.policy), user="scheduler"))
+            else:
+                kids.append(Child(name, self._cmd("admitter", *common, "--name", name), user="admitter"))
         for i in range(1, self.s.routers + 1):
             name = "router" if self.s.routers == 1 else f"router-{i}"
             kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy),

@@ -34,6 +34,19 @@ class RouterServiceSettings:
     metrics_port: int | None = None  # serve Prometheus metrics here (router.metrics)
 
 
+@dataclass
+class Routed:
+    """One routing decision on its way out: the WORK message to store, then :meth:`RouterService.assigned`."""
+
+    delivery: Delivery | None  # the ADMITTED message, or None on the fused in-process path
+    adm: Admitted
+    decision: RouteDecision
+    latency_ms: float
+    first_block: int | None
+    assignment: Assignment | None = None
+    outgoing: tuple | None = None
+
+
 class RouterService:
     def __init__(self, bus: Bus, settings: RouterServiceSettings | None = None,
                  metrics: RouterMetrics | None = None) -> None:
@@ -155,19 +168,41 @@ class RouterService:
             except MessageError as exc:
                 await self.bus.settle_failed(d, self._spec, "router", exc)
                 continue
-            started = time.perf_counter()
-            rr = RouteRequest.from_request(adm.request, self.core.settings.block_size, adm.runtime_tokens)
-            rr.avoid = frozenset(adm.avoid)
-            decision = self.core.route(rr, time.time())
-            elapsed = time.perf_counter() - started
-            self.metrics.latency.observe(elapsed)
-            routed.append((d, adm, decision, elapsed * 1000, rr.hashes[0] if rr.hashes else None))
-        assigned = [item for item in routed if item[2].worker is not None]
-        for d, adm, decision, _, _ in routed:
-            if decision.worker is None:
-                await self._no_worker(d, adm, decision)
+            routed.append(self.decide(adm, d))
+        assigned = [r for r in routed if r.decision.worker is not None]
+        for r in routed:
+            if r.decision.worker is None:
+                await self._no_worker(r.delivery, r.adm, r.decision)
         if assigned:
-            await self._dispatch(assigned)
+            await self.bus.jpublish_batch([r.outgoing for r in assigned])
+            for r in assigned:
+                await self.assigned(r)
+
+    def decide(self, adm: Admitted, d: Delivery | None = None) -> "Routed":
+        """Route one admitted request (state in, decision out) and build its WORK message.
+
+        Also the in-process path of a fused scheduler (``admitter.service`` with a router): it
+        publishes ``outgoing`` with its own batch and calls :meth:`assigned` once stored.
+        """
+        started = time.perf_counter()
+        rr = RouteRequest.from_request(adm.request, self.core.settings.block_size, adm.runtime_tokens)
+        rr.avoid = frozenset(adm.avoid)
+        decision = self.core.route(rr, time.time())
+        elapsed = time.perf_counter() - started
+        self.metrics.latency.observe(elapsed)
+        r = Routed(d, adm, decision, elapsed * 1000, rr.hashes[0] if rr.hashes else None)
+        if decision.worker is not None:
+            req = adm.request
+            r.assignment = Assignment(request=req, worker=decision.worker, runtime_tokens=adm.runtime_tokens,
+                                      admitted_at=adm.admitted_at, routed_at=time.time(), policy=decision.policy,
+                                      expected_cached_tokens=decision.expected_cached_tokens, attempt=adm.attempt,
+                                      avoid=adm.avoid)
+            # one id per request and attempt: a router that crashes after this publish and re-routes
+            # on redelivery is deduplicated by the server instead of running the request twice; a
+            # rescue (its worker died) is a new attempt, which must not be deduplicated away
+            msg_id = f"{req.id}:work" + (f":{adm.attempt}" if adm.attempt else "")
+            r.outgoing = (S.work(decision.worker), r.assignment, msg_id, None)
+        return r
 
     async def _no_worker(self, d: Delivery, adm: Admitted, decision: RouteDecision) -> None:
         """Retry later while the request may still wait for a worker; then fail it."""
@@ -179,42 +214,23 @@ class RouterService:
         await self._fail(adm, decision, "no_worker", f"no healthy worker for {waited:.0f}s")
         await d.ack()
 
-    async def _dispatch(self, routed: list[tuple[Delivery, Admitted, RouteDecision, float, int | None]]) -> None:
-        """Hand a routed batch to its workers: every WORK message published at once, one wait for
-        their acks (bus.jpublish_batch), then the decision records, the producers told, the acks."""
-        now = time.time()
-        assignments, outgoing = [], []
-        for d, adm, decision, _, _ in routed:
-            req = adm.request
-            a = Assignment(request=req, worker=decision.worker, runtime_tokens=adm.runtime_tokens,
-                           admitted_at=adm.admitted_at, routed_at=now, policy=decision.policy,
-                           expected_cached_tokens=decision.expected_cached_tokens, attempt=adm.attempt,
-                           avoid=adm.avoid)
-            # one id per request and attempt: a router that crashes after this publish and re-routes
-            # on redelivery is deduplicated by the server instead of running the request twice; a
-            # rescue (its worker died) is a new attempt, which must not be deduplicated away
-            msg_id = f"{req.id}:work" + (f":{adm.attempt}" if adm.attempt else "")
-            assignments.append(a)
-            outgoing.append((S.work(decision.worker), a, msg_id, None))
-        await self.bus.jpublish_batch(outgoing)
-        for (d, adm, decision, latency_ms, first_block), a in zip(routed, assignments):
-            await self._assigned(d, adm, decision, latency_ms, first_block, a)
-
-    async def _assigned(self, d: Delivery, adm: Admitted, decision: RouteDecision, latency_ms: float,
-                        first_block: int | None, assignment: Assignment) -> None:
+    async def assigned(self, r: "Routed") -> None:
+        """A WORK message is stored: record the decision, tell the producer, ack the hand-off."""
+        adm, decision, assignment = r.adm, r.decision, r.assignment
         req = adm.request
-        await self._record(adm, decision, "assign", latency_ms)
+        await self._record(adm, decision, "assign", r.latency_ms)
         if req.reply:
             await self.bus.publish(req.reply, Reply(request_id=req.id, kind="status", status="assigned",
                                                     worker=decision.worker))
-        await d.ack()
+        if r.delivery is not None:
+            await r.delivery.ack()
         m = self.metrics
         m.decisions.labels(decision.policy or "", "assign", "").inc()
         m.wait.observe(max(0.0, assignment.routed_at - adm.admitted_at))
         m.expected_cached.labels(decision.policy or "").inc(decision.expected_cached_tokens)
         m.prompt_tokens.labels(decision.policy or "").inc(estimate_prompt_tokens(req))
         m.assignments.labels(decision.policy or "", decision.worker).inc()
-        self._count_migration(first_block, decision.worker)
+        self._count_migration(r.first_block, decision.worker)
         log.info("request %s assigned to %s by %s (expected cached %d)", req.id, decision.worker, decision.policy,
                  decision.expected_cached_tokens)
 

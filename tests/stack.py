@@ -41,7 +41,9 @@ async def start_stack(
     kv_blocks: int | None = None,
     max_model_len: int = 131072,
     timeouts: Timeouts | None = None,
+    inline_routing: bool = False,
 ) -> Stack:
+    """``inline_routing``: the router runs inside the admitter, on its connection (admitter --route)."""
     buses = []
 
     async def connect(name: str) -> Bus:
@@ -49,11 +51,18 @@ async def start_stack(
         buses.append(b)
         return b
 
-    admitter = AdmitterService(await connect("admitter"), AdmitterServiceSettings())
-    await admitter.start()
-    router = RouterService(await connect("router"), RouterServiceSettings(
-        core=RouterSettings(policy=policy), no_worker_wait_s=no_worker_wait_s, retry_delay_s=0.2))
-    await router.start()
+    router_settings = RouterServiceSettings(core=RouterSettings(policy=policy), no_worker_wait_s=no_worker_wait_s,
+                                            retry_delay_s=0.2)
+    if inline_routing:
+        bus = await connect("admitter")
+        router = RouterService(bus, router_settings)
+        admitter = AdmitterService(bus, AdmitterServiceSettings(), router=router)
+        await admitter.start()  # starts its router too
+    else:
+        admitter = AdmitterService(await connect("admitter"), AdmitterServiceSettings())
+        await admitter.start()
+        router = RouterService(await connect("router"), router_settings)
+        await router.start()
     agents = []
     for i in range(1, workers + 1):
         engine = SimEngine(H100_LLAMA8B, block_size=32, time_scale=time_scale, kv_blocks=kv_blocks,

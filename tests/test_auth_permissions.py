@@ -143,8 +143,8 @@ def test_generated_config_is_accepted_by_nats_server_and_secrets_are_private(tmp
     files = make_auth(tmp_path)
     check = subprocess.run([find_binary(), "-c", str(files.config), "-t"], capture_output=True, text=True, timeout=30)
     assert check.returncode == 0, check.stderr
-    assert set(files.credentials) == {"admin", "admitter", "router", "offline", "worker-w1", "worker-w2", "gateway",
-                                      "batch-A", "batch-B", "producer-A", "producer-B"}
+    assert set(files.credentials) == {"admin", "admitter", "router", "scheduler", "offline", "worker-w1", "worker-w2",
+                                      "gateway", "batch-A", "batch-B", "producer-A", "producer-B"}
     for path in [files.config, *files.credentials.values()]:
         assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
     creds = Credentials.load(files.creds("producer-A"))
@@ -168,7 +168,7 @@ def test_auth_init_command_writes_every_role(tmp_path, capsys):
                               "--workers", "g1"])
     assert cmd_auth(args) == 0
     printed = capsys.readouterr().out
-    for user in ("admin", "admitter", "router", "offline", "worker-g1", "gateway", "batch-acme", "batch-globex",
+    for user in ("admin", "admitter", "router", "scheduler", "offline", "worker-g1", "gateway", "batch-acme", "batch-globex",
                  "producer-acme", "producer-globex"):
         assert (tmp_path / "out" / "creds" / f"{user}.json").is_file()
         assert user in printed

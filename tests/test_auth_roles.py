@@ -94,7 +94,8 @@ def test_init_flags_name_the_gateway_batch_and_offline_users(tmp_path):
     args = parser.parse_args(["auth", "init", "--out", str(out), "--tenants", "acme,globex", "--workers", "g1",
                               "--gateway-tenants", "acme", "--batch-tenants", "", "--no-offline"])
     assert cmd_auth(args) == 0
-    assert {p.stem for p in (out / "creds").iterdir()} == {"admin", "admitter", "router", "worker-g1", "gateway",
+    assert {p.stem for p in (out / "creds").iterdir()} == {"admin", "admitter", "router", "scheduler", "worker-g1",
+                                                           "gateway",
                                                            "producer-acme", "producer-globex"}
     gateway = orjson.loads((out / "creds" / "gateway.json").read_bytes())
     assert (gateway["role"], gateway["tenants"]) == ("gateway", ["acme"])
