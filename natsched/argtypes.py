@@ -22,21 +22,19 @@ def fraction(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _int_at_least(text, 0)

@@ -5,7 +5,8 @@ with 3 replicas), 2 admitter replicas, 2 router replicas and 3 sim workers, all 
 every node. A producer (:class:`bus.client.Client`) sends N requests at a steady rate; during
 the run one worker, one admitter, one router and one NATS node are each killed with SIGKILL at
 a seeded random moment and started again a few seconds later (the same command, the same
-worker id, the node on its own data dir so it rejoins). Then the run waits (bounded) for every
+worker id, the node on its own data dir so it rejoins). With ``--inline-routing`` the admitters
+route in-process and no router runs, so there is no router to kill. Then the run waits (bounded) for every
 request's final outcome, waits until what a lost ack brings back has come back (30 s ack_wait
 after the last kill), lets the shared state settle (bounded) and reports:
 
@@ -92,7 +93,8 @@ class ChaosSettings:
     max_tokens: int = 16
     nodes: int = 3
     admitters: int = 2
-    routers: int = 2
+    routers: int = 2  # 0 with inline_routing (natsched chaos --inline-routing)
+    inline_routing: bool = False  # the admitters route in-process (admitter --route): no router to kill
     workers: int = 3
     time_scale: float = 2.0  # sim engine: ~0.3 s per request, so a killed worker holds some
     heartbeat_s: float = 1.0
@@ -328,7 +330,8 @@ class ChaosRun:
                                                     ready_timeout_s=s.ready_timeout_s))
         self.cluster.start()  # provisions: 3 replicas on 3 nodes
         self.sup = Supervisor(UpSettings(
-            workers=s.workers, admitters=s.admitters, routers=s.routers, engine="sim", nats_url=self.cluster.url,
+            workers=s.workers, admitters=s.admitters, routers=s.routers, inline_routing=s.inline_routing,
+            engine="sim", nats_url=self.cluster.url,
             time_scale=s.time_scale, log_level=s.child_log_level, ready_timeout_s=s.ready_timeout_s, offline=False,
             log_dir=root / "logs", extra_worker_args=["--heartbeat", str(s.heartbeat_s)]))
         self.sup.start(quiet=True)
@@ -649,7 +652,8 @@ class ChaosRun:
             "kills": self.events, "phases_s": self.phases,
             "seed": s.seed, "rate": s.rate, "heartbeat_s": s.heartbeat_s, "down_s": s.down_s,
             **_e2e(self.e2e),
-            "system": {"nodes": s.nodes, "admitters": s.admitters, "routers": s.routers, "workers": s.workers,
+            "system": {"nodes": s.nodes, "admitters": s.admitters, "routers": s.routers,
+                       "inline_routing": s.inline_routing, "workers": s.workers,
                        "engine": "sim", "time_scale": s.time_scale, "max_tokens": s.max_tokens},
         })
         return report
@@ -687,13 +691,17 @@ def add_chaos_parser(sub) -> None:
     ch.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON here")
     ch.add_argument("--finish-timeout", type=positive_float, default=90.0,
                     help="seconds after the last send to wait for every outcome (default 90)")
+    ch.add_argument("--inline-routing", action="store_true",
+                    help="the admitters route in their own process (natsched admitter --route) and no router runs: "
+                         "the admitter kill then also kills a router")
     ch.add_argument("--data-dir", type=Path, default=None,
                     help="nodes' data and the processes' logs, kept (default: a temporary dir, deleted)")
 
 
 def cmd_chaos(args) -> int:
     settings = ChaosSettings(requests=args.requests, rate=args.rate, seed=args.seed,
-                             finish_timeout_s=args.finish_timeout, data_dir=args.data_dir)
+                             finish_timeout_s=args.finish_timeout, data_dir=args.data_dir,
+                             inline_routing=args.inline_routing, routers=0 if args.inline_routing else 2)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: finally stops all
     # the producer's publish retries during a leader election are expected, one line per request:
     # their effect is in the report

@@ -108,6 +108,7 @@ def test_report_from_sampler_shaped_samples():
 @pytest.mark.parametrize("flags, message", [
     (["--max-rate", "800"], "--max-rate goes with --soak"),
     (["--soak", "--max-rate", "800", "--rate", "300"], "not both"),
+    (["--routers", "0"], "--routers 0 needs --inline-routing"),
 ])
 def test_soak_flags_are_checked_before_anything_starts(flags, message, capsys):
     assert main(["bench", "pipeline", *flags]) == 1

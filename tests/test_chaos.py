@@ -130,6 +130,12 @@ def test_target_names_match_what_the_supervisor_and_the_cluster_start():
                      "router": ["router-1", "router-2"], "node": ["n1", "n2", "n3"]}
 
 
+def test_with_inline_routing_there_is_no_router_to_kill():
+    names = target_names(ChaosSettings(inline_routing=True, routers=0))
+    assert names["router"] == [] and names["admitter"] == ["admitter-1", "admitter-2"]
+    assert sorted(k.kind for k in kill_schedule(3, 40.0, 6.0, names)) == ["admitter", "node", "worker"]
+
+
 def test_the_table_shows_numbers_kills_and_targets():
     report = compute_report(facts(reclaims={"w1": 3.4}))
     report["kills"] = [{"kind": "worker", "name": "w1", "killed_at_s": 2.0, "ready_at_s": 8.1}]
@@ -167,6 +173,8 @@ def test_a_short_chaos_run_accounts_for_every_request(tmp_path):
     assert report["completed"] + report["rejected"] + report["lost"] == 150
     # a string, which pytest prints whole (a dict message is cut to a line)
     assert report["duplicated"] == 0, json.dumps({k: report[k] for k in ("detail", "kills")})
+    assert report["lost"] == 0, json.dumps({k: report[k] for k in ("lost_ids", "detail", "kills")})
+    assert report["leaked_runtime_tokens"] == 0, json.dumps({k: report[k] for k in ("reclaim_detail", "kills")})
     assert {k["kind"] for k in report["kills"]} == set(KINDS)
     assert all("error" not in k for k in report["kills"])  # everything killed came back
     assert "targets:" in proc.stdout
