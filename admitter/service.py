@@ -472,22 +472,41 @@ class AdmitterService:
         self.worker_load[hb.worker] = (hb.capacity_tokens, hb.runtime_tokens, now)
 
     async def _lease_loop(self) -> None:
+        """Judge leases every ``LEASE_TICK_S``; reclaim beside the loop, one reclaim at a time.
+
+        A reclaim can take seconds while the cluster elects leaders. Awaited here, it stopped
+        the ticks: other leases went unjudged, and the next tick took the gap for a pause of
+        this process and restarted every lease (a second death was then seen late).
+        """
         last_sweep = 0.0
-        while True:
-            await asyncio.sleep(LEASE_TICK_S)
-            expired = self.leases.expired(time.time())
-            if self.leases.paused_s:
-                log.warning("this admitter was paused for %.1fs: worker leases restart now (heartbeats sent "
-                            "meanwhile are still unread)", self.leases.paused_s)
-            if not expired and time.monotonic() - last_sweep < self._sweep_interval():
-                continue
-            last_sweep = time.monotonic()
-            try:
-                await self.reclaim(expired)
-            except (AdmitterError, BusError) as exc:
-                log.warning("lease reclaim deferred: %s", exc)
-            except Exception:  # e.g. a permission refused: say so loudly, but never stop reclaiming
-                log.exception("lease reclaim failed; retrying at the next sweep")
+        waiting: dict[str, set[str]] = {}  # expired while a reclaim ran: the next one takes them
+        running: asyncio.Task | None = None
+        try:
+            while True:
+                await asyncio.sleep(LEASE_TICK_S)
+                for worker, held in self.leases.expired(time.time()).items():
+                    waiting.setdefault(worker, set()).update(held)
+                if self.leases.paused_s:
+                    log.warning("this admitter was paused for %.1fs: worker leases restart now (heartbeats sent "
+                                "meanwhile are still unread)", self.leases.paused_s)
+                if running is not None and not running.done():
+                    continue
+                if not waiting and time.monotonic() - last_sweep < self._sweep_interval():
+                    continue
+                last_sweep = time.monotonic()
+                expired, waiting = waiting, {}
+                running = asyncio.create_task(self._reclaim_once(expired), name="lease-reclaim")
+        finally:  # the Bus closing cancels this loop: the reclaim in flight stops with it
+            if running is not None:
+                running.cancel()
+
+    async def _reclaim_once(self, expired: dict[str, set[str]]) -> None:
+        try:
+            await self.reclaim(expired)
+        except (AdmitterError, BusError) as exc:
+            log.warning("lease reclaim deferred: %s", exc)
+        except Exception:  # e.g. a permission refused: say so loudly, but never stop reclaiming
+            log.exception("lease reclaim failed; retrying at the next sweep")
 
     def _sweep_interval(self) -> float:
         """Soon after a death, routers may still be sending the dead worker work for a moment

@@ -194,6 +194,40 @@ async def test_a_silent_workers_leases_are_reclaimed(bus, nats_url):
         await stop(adm)
 
 
+async def test_leases_are_judged_while_a_slow_reclaim_runs(bus, nats_url, caplog):
+    """A reclaim slowed by the cluster (here: a stand-in that sleeps, as a leader election makes
+    the real one wait) must not stop the lease checks, nor be taken for a pause of the admitter
+    that restarts every other lease: a second worker dying meanwhile is seen on time."""
+    adm = await start_admitter(nats_url, lease_missed=3)
+    calls: list[tuple[float, set[str]]] = []
+
+    async def slow_reclaim(expired):
+        calls.append((time.monotonic(), set(expired)))
+        if "w1" in expired:
+            await asyncio.sleep(2.0)
+
+    adm.reclaim = slow_reclaim
+    try:
+        async def beat(worker: str, n: int) -> None:
+            for seq in range(1, n + 1):
+                await bus.publish(S.heartbeat(worker), Heartbeat(worker=worker, seq=seq, ts=time.time(), interval=0.1))
+                await asyncio.sleep(0.1)
+
+        await asyncio.gather(beat("w1", 5), beat("w2", 5))
+        await beat("w2", 3)  # w1 is silent from here, w2 a little later
+        w2_silent = time.monotonic()
+        assert await until(lambda: "w2" not in adm.leases.workers, timeout=5)
+        judged_after = time.monotonic() - w2_silent
+        assert await until(lambda: any("w2" in workers for _, workers in calls), timeout=5)
+        first = next(t for t, workers in calls if "w1" in workers)
+        second = next(t for t, workers in calls if "w2" in workers)
+        assert second - first >= 1.9  # one reclaim at a time: w2's waited for w1's to end
+        assert judged_after < 1.0, judged_after  # its lease was judged during w1's reclaim, not after it
+        assert "was paused" not in caplog.text
+    finally:
+        await stop(adm)
+
+
 async def test_reconciliation_repairs_a_drifted_aggregate(bus, nats_url):
     adm = await start_admitter(nats_url)
     try:
