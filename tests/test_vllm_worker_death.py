@@ -61,6 +61,8 @@ async def test_engine_core_death_is_reported_and_the_worker_exits_1(nats_url, tm
         assert await wait_for(lambda: got["done"]), proc.tail()
         c = got["done"][0]
         assert c.request_id == "dying" and c.status == "error" and c.reason == "engine_dead"
+        # the reply follows the completion's publish ack: it may not be here yet
+        assert await wait_for(lambda: any(r.final for r in got["reply"])), proc.tail()
         err = [r for r in got["reply"] if r.final][0]
         assert err.kind == "error" and err.reason == "engine_dead" and err.message
         code = await asyncio.to_thread(proc.wait, 60)
