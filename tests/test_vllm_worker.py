@@ -175,7 +175,8 @@ async def test_drain_finishes_inflight_work_then_the_process_leaves(worker):
     assert await wait_for(lambda: sum(r.kind == "token" for r in listener.replies.get(req.id, [])) >= 5)
     await bus.publish(S.control(WID), Control(kind="drain", by="test"))
     # it says so while the request still runs ...
-    assert await wait_for(lambda: any(hb.state == "quiescing" and req.id in hb.inflight for hb in listener.hbs))
+    assert await wait_for(lambda: any(hb.state == "quiescing" and req.id in hb.inflight for hb in listener.hbs)), \
+        _drain_story(listener, req.id)  # failed once in CI: what the heartbeats said, and when the request ended
     # ... and finishes it
     c = await finished(listener, req, timeout=120)
     assert c.status == "ok" and c.output_tokens == 4000
@@ -183,3 +184,11 @@ async def test_drain_finishes_inflight_work_then_the_process_leaves(worker):
     assert code == 0, proc.tail()
     assert await wait_for(lambda: listener.hbs[-1].inflight == [] and listener.kvs[-1].kind == "cleared")
     assert listener.hbs[-1].state == "quiescing"
+
+
+def _drain_story(listener: "Listener", rid: str) -> str:
+    """The heartbeats (time, state, whether ``rid`` was in flight) and the request's replies' kinds."""
+    beats = [(round(hb.ts % 1000, 2), hb.state, rid in hb.inflight) for hb in listener.hbs[-40:]]
+    replies = listener.replies.get(rid, [])
+    return (f"last heartbeats {beats}; {sum(r.kind == 'token' for r in replies)} tokens, "
+            f"final: {[(r.kind, r.reason) for r in replies if r.final]}")
