@@ -217,9 +217,12 @@ def _cmd_pipeline(args) -> int:
     if args.max_rate is not None and args.rate is not None:
         return _fail("give the soak's --rate or the --max-rate it halves, not both")
     duration = args.duration or (SOAK_DURATION_S if args.soak else DEFAULT_DURATION_S)
-    routers = args.routers if args.routers is not None else (0 if args.inline_routing else 1)
-    if routers == 0 and not args.inline_routing:
-        return _fail("--routers 0 needs --inline-routing (someone has to route)")
+    from natsched.supervisor import router_count
+
+    try:
+        routers = router_count(args.routers, args.inline_routing)
+    except ValueError as exc:
+        return _fail(str(exc))
     base = PipelineRun(args.rate or DEFAULT_RATE, duration, args.admitters, routers, args.workers,
                        inline_routing=args.inline_routing,
                        sample_every_s=args.sample_every,

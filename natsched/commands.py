@@ -31,14 +31,12 @@ def _fail(message: str, code: int = 1) -> int:
 
 def up_settings(args):
     """``natsched up``'s flags as :class:`~natsched.supervisor.UpSettings` (ValueError: a bad combination)."""
-    from natsched.supervisor import UpSettings
+    from natsched.supervisor import UpSettings, router_count
 
-    inline = getattr(args, "inline_routing", False)
-    routers = args.routers if args.routers is not None else (0 if inline else 1)
-    if args.workers < 0 or args.admitters < 1 or routers < (0 if inline else 1):
-        raise ValueError("--admitters must be >= 1, --workers >= 0, --routers >= 1 (>= 0 with --inline-routing)")
-    return UpSettings(workers=args.workers, admitters=args.admitters, routers=routers, inline_routing=inline,
-                      engine=args.engine,
+    if args.workers < 0 or args.admitters < 1:
+        raise ValueError("--admitters must be >= 1, --workers >= 0")
+    return UpSettings(workers=args.workers, admitters=args.admitters, inline_routing=args.inline_routing,
+                      routers=router_count(args.routers, args.inline_routing), engine=args.engine,
                       nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, policy=args.policy,
                       time_scale=args.time_scale, log_level=args.log_level, gateway_port=args.gateway,
                       gateway_keys=args.gateway_keys, auth_dir=args.auth_dir,
@@ -76,25 +74,22 @@ def _worker_passthrough(args) -> list[str]:
 
 
 def cmd_admitter(args) -> int:
+    from admitter.metrics import AdmitterMetrics
     from admitter.service import AdmitterService, AdmitterServiceSettings
     from natsched.runtime import serve
 
     async def start(bus):
-        settings = AdmitterServiceSettings(name=args.name, metrics_port=args.metrics_port)
-        router = None
+        metrics, router = AdmitterMetrics(), None
         if args.route:  # inline routing: a router on this connection, its metrics beside ours
-            from admitter.metrics import AdmitterMetrics
             from router.core import RouterSettings
             from router.metrics import RouterMetrics
             from router.service import RouterService, RouterServiceSettings
 
-            metrics = AdmitterMetrics()
             router = RouterService(bus, RouterServiceSettings(
                 name=args.name, core=RouterSettings(policy=args.policy, block_size=args.block_size)),
                 RouterMetrics(metrics.registry))
-            service = AdmitterService(bus, settings, metrics, router=router)
-        else:
-            service = AdmitterService(bus, settings)
+        service = AdmitterService(bus, AdmitterServiceSettings(name=args.name, metrics_port=args.metrics_port),
+                                  metrics, router=router)
         await service.start()
         return f"total={service.total}" + (f" routing={router.core.policy.name}" if router else "")
 

@@ -37,6 +37,17 @@ async def _provision(url: str, credentials: Path | None = None) -> None:
     finally:
         await bus.close()
 
+def router_count(routers: int | None, inline_routing: bool) -> int:
+    """``--routers`` as given, else 1 (0 when the admitters route inline); ValueError when no
+    process would route."""
+    count = routers if routers is not None else (0 if inline_routing else 1)
+    if count < 0:
+        raise ValueError(f"--routers must be >= 0, got {count}")
+    if count == 0 and not inline_routing:
+        raise ValueError("--routers 0 needs --inline-routing (someone has to route)")
+    return count
+
+
 @dataclass
 class UpSettings:
     workers: int = 2
@@ -87,11 +98,10 @@ class Supervisor:
         kids = []
         for i in range(1, self.s.admitters + 1):
             name = "admitter" if self.s.admitters == 1 else f"admitter-{i}"
-            if self.s.inline_routing:  # the scheduler role: an admitter's and a router's permissions
-                kids.append(Child(name, self._cmd("admitter", *common, "--name", name, "--route", "--policy",
-                                                  self.s.policy), user="scheduler"))
-            else:
-                kids.append(Child(name, self._cmd("admitter", *common, "--name", name), user="admitter"))
+            # inline routing: the scheduler role, an admitter's and a router's permissions together
+            route = ["--route", "--policy", self.s.policy] if self.s.inline_routing else []
+            kids.append(Child(name, self._cmd("admitter", *common, "--name", name, *route),
+                              user="scheduler" if self.s.inline_routing else "admitter"))
         for i in range(1, self.s.routers + 1):
             name = "router" if self.s.routers == 1 else f"router-{i}"
             kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy),

@@ -38,7 +38,7 @@ class RouterServiceSettings:
 class Routed:
     """One routing decision on its way out: the WORK message to store, then :meth:`RouterService.assigned`."""
 
-    delivery: Delivery | None  # the ADMITTED message, or None on the fused in-process path
+    delivery: Delivery | None  # the ADMITTED message, or None on the inline path (in the admitter)
     adm: Admitted
     decision: RouteDecision
     latency_ms: float
@@ -181,8 +181,8 @@ class RouterService:
     def decide(self, adm: Admitted, d: Delivery | None = None) -> "Routed":
         """Route one admitted request (state in, decision out) and build its WORK message.
 
-        Also the in-process path of a fused scheduler (``admitter.service`` with a router): it
-        publishes ``outgoing`` with its own batch and calls :meth:`assigned` once stored.
+        Also the inline path (``admitter.service`` with a router in its process): the admitter
+        publishes ``outgoing`` with its own batch and calls :meth:`assigned` once it is stored.
         """
         started = time.perf_counter()
         rr = RouteRequest.from_request(adm.request, self.core.settings.block_size, adm.runtime_tokens)
