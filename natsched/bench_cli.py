@@ -104,6 +104,10 @@ def _add_pipeline_parser(bsub) -> None:
                     help="router replicas (default 1; 0 with --inline-routing)")
     pp.add_argument("--inline-routing", action="store_true",
                     help="the admitters route what they admit in their own process (natsched admitter --route)")
+    pp.add_argument("--floor", action="store_true",
+                    help="a bare relay (pull, send to a worker, ack; no quota, records or statuses) in place of "
+                         "the admitters and routers: what the bus, the client and this machine cost before "
+                         "anything is decided, measured by the same harness")
     pp.add_argument("--workers", type=positive_int, default=2, help="null-engine workers (default 2)")
     mode = pp.add_mutually_exclusive_group()
     mode.add_argument("--find-max", action="store_true",
@@ -219,12 +223,15 @@ def _cmd_pipeline(args) -> int:
     duration = args.duration or (SOAK_DURATION_S if args.soak else DEFAULT_DURATION_S)
     from natsched.supervisor import router_count
 
+    if args.floor and (args.inline_routing or args.routers is not None or args.admitters != 1):
+        return _fail("--floor puts a bare relay in place of the admitters and routers: "
+                     "leave out --admitters, --routers and --inline-routing")
     try:
-        routers = router_count(args.routers, args.inline_routing)
+        routers = 0 if args.floor else router_count(args.routers, args.inline_routing)
     except ValueError as exc:
         return _fail(str(exc))
     base = PipelineRun(args.rate or DEFAULT_RATE, duration, args.admitters, routers, args.workers,
-                       inline_routing=args.inline_routing,
+                       inline_routing=args.inline_routing, floor=args.floor,
                        sample_every_s=args.sample_every,
                        audit_max_bytes=args.audit_max_mib * 2**20 if args.audit_max_mib else None)
     try:

@@ -10,6 +10,9 @@ admitted-and-routed requests per second, requests lost (published, acknowledged 
 but with no final reply after the drain), and as references the core NATS request/reply round
 trip and the JetStream publish-with-ack round trip on this machine.
 
+With ``floor`` a bare relay (:mod:`natsched.bench_relay`) stands where the admitter would: the
+same harness then measures what two stored hops cost on this machine before anything is decided.
+
 With ``sample_every_s`` the run also samples the memory of every process of the system and
 the size of every stream (:mod:`natsched.bench_memory`), which is what a soak looks at.
 """
@@ -19,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import select
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +54,7 @@ class PipelineRun:
     drain_s: float = 15.0
     sample_every_s: float | None = None  # sample memory and streams this often; None: not at all
     audit_max_bytes: int | None = None  # cap REQUESTS, DECISIONS, COMPLETIONS (a soak that reaches retention)
+    floor: bool = False  # a bare relay instead of admitters and routers (natsched.bench_relay)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -227,7 +233,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
         nats_rtt, js_rtt = await reference_rtts(bus)
         result = {
             "rate": run.rate, "duration_s": run.duration_s, "admitters": run.admitters, "routers": run.routers,
-            "inline_routing": run.inline_routing,
+            "inline_routing": run.inline_routing, "floor": run.floor,
             "requests": total, "published": tally.published, "assigned": assigned,
             "completed": tally.completed, "rejected": tally.rejected,
             "lost": total - tally.finals,
@@ -271,20 +277,43 @@ def cpu_per_request(before: dict[str, float | None], pids: dict[str, int], serve
 def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
     """Start a fresh system (embedded server unless ``nats_url``), drive it, stop it."""
     data_dir = tempfile.mkdtemp(prefix="natsched-bench-")
+    if run.floor:  # no admitter or router: the relay takes their place
+        run = replace(run, admitters=0, routers=0, inline_routing=False)
     sup = Supervisor(UpSettings(workers=run.workers, admitters=run.admitters, routers=run.routers,
                                 inline_routing=run.inline_routing, engine="null",
                                 nats_url=nats_url, port=free_port(), data_dir=data_dir, log_level="warning"))
+    relay = None
     try:
         url = sup.start(quiet=True)
         asyncio.run(_set_quota(url, run.audit_max_bytes))
+        pids = {**sup.pids()}
+        if run.floor:
+            relay = start_relay(url, [f"w{i}" for i in range(1, run.workers + 1)])
+            pids["relay"] = relay.pid
         time.sleep(1.0)  # workers' first heartbeats reach the routers (inline ones too)
-        pids = {**sup.pids(), "load generator": os.getpid()}
+        pids["load generator"] = os.getpid()
         from natsched.commands import run_loop  # uvloop, as the services run: the generator's own CPU is shared
 
         return run_loop(drive(url, run, pids))
     finally:
+        if relay is not None:
+            relay.kill()
+            relay.wait()
         sup.stop(quiet=True)
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def start_relay(url: str, workers: list[str], timeout_s: float = 30.0) -> subprocess.Popen:
+    """``python -m natsched.bench_relay`` started and ready (its consumer bound), or RuntimeError."""
+    proc = subprocess.Popen([sys.executable, "-m", "natsched.bench_relay", url, *workers],
+                            stdout=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else ""
+    if line.strip() != "ready":
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the relay did not start within {timeout_s:.0f}s (exit {proc.returncode})")
+    return proc
 
 
 async def _set_quota(url: str, audit_max_bytes: int | None = None) -> None:
@@ -333,7 +362,10 @@ HEADER = (f"{'rate':>7} {'adm':>3} {'rtr':>4} {'sent':>7} {'lost':>5} {'p50 ms':
 
 def _row(r: dict) -> str:
     routers = f"{r['routers']}{'+i' if r.get('inline_routing') else ''}"  # +i: the admitters route inline
-    return (f"{r['rate']:>7.0f} {r['admitters']:>3} {routers:>4} {r['requests']:>7} {r['lost']:>5} "
+    admitters = r["admitters"]
+    if r.get("floor"):
+        admitters, routers = "-", "flr"  # the bare relay in their place
+    return (f"{r['rate']:>7.0f} {admitters:>3} {routers:>4} {r['requests']:>7} {r['lost']:>5} "
             f"{r['overhead_p50_ms']:>8.2f} {r['overhead_p99_ms']:>8.2f} {r['sustained_rps']:>12.0f} "
             f"{r.get('cpu_ms_per_request', {}).get('total', float('nan')):>11.3f}")
 

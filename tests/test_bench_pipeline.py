@@ -109,6 +109,8 @@ def test_report_from_sampler_shaped_samples():
     (["--max-rate", "800"], "--max-rate goes with --soak"),
     (["--soak", "--max-rate", "800", "--rate", "300"], "not both"),
     (["--routers", "0"], "--routers 0 needs --inline-routing"),
+    (["--floor", "--inline-routing"], "--floor puts a bare relay in place of the admitters and routers"),
+    (["--floor", "--admitters", "2"], "leave out --admitters"),
 ])
 def test_soak_flags_are_checked_before_anything_starts(flags, message, capsys):
     assert main(["bench", "pipeline", *flags]) == 1
@@ -155,3 +157,19 @@ def test_stage_samples_stay_bounded_and_uniform():
     assert stages["admission"]["p50"] == pytest.approx(10.0, abs=1.5)  # the median of 0..20 ms, not of the first 500
     assert stages["routing"]["p50"] == pytest.approx(1.0) and stages["delivery"]["p99"] == pytest.approx(2.0)
     assert _Tally().stages_ms() == {}
+
+
+def test_the_floor_runs_the_same_harness_with_a_bare_relay_and_loses_nothing(tmp_path, capsys):
+    """``--floor``: no admitter or router runs; the relay's CPU is counted in their place."""
+    out = tmp_path / "floor.json"
+    code = main(["--log-level", "warning", "bench", "pipeline", "--floor", "--duration", "2", "--rate", "100",
+                 "--workers", "2", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["floor"] is True and (data["admitters"], data["routers"]) == (0, 0)
+    assert data["lost"] == 0 and data["requests"] == data["assigned"] == data["completed"] == 200
+    assert 0 < data["overhead_p50_ms"] <= data["overhead_p99_ms"]
+    cpu = data["cpu_ms_per_request"]
+    assert "relay" in cpu and "admitter" not in cpu and "router" not in cpu
+    assert {"worker w1", "worker w2"} <= set(cpu)
+    assert "-  flr" in capsys.readouterr().out  # the table's row says what ran
