@@ -117,12 +117,15 @@ def test_soak_flags_are_checked_before_anything_starts(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def run_bench(tmp_path, *flags: str) -> dict:
+    """``natsched bench pipeline FLAGS --json OUT`` on a fresh system; its exit code 0, its JSON."""
+    out = tmp_path / "bench.json"
+    assert main(["--log-level", "warning", "bench", "pipeline", *flags, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
 def test_a_short_soak_samples_every_process_and_loses_nothing(tmp_path, capsys):
-    out = tmp_path / "soak.json"
-    code = main(["--log-level", "warning", "bench", "pipeline", "--soak", "--duration", "6", "--rate", "100",
-                 "--sample-every", "1", "--json", str(out)])
-    assert code == 0
-    data = json.loads(out.read_text())
+    data = run_bench(tmp_path, "--soak", "--duration", "6", "--rate", "100", "--sample-every", "1")
     assert data["lost"] == 0 and data["requests"] == 600
     memory = data["memory"]
     samples = memory["samples"]
@@ -161,11 +164,7 @@ def test_stage_samples_stay_bounded_and_uniform():
 
 def test_the_floor_runs_the_same_harness_with_a_bare_relay_and_loses_nothing(tmp_path, capsys):
     """``--floor``: no admitter or router runs; the relay's CPU is counted in their place."""
-    out = tmp_path / "floor.json"
-    code = main(["--log-level", "warning", "bench", "pipeline", "--floor", "--duration", "2", "--rate", "100",
-                 "--workers", "2", "--json", str(out)])
-    assert code == 0
-    data = json.loads(out.read_text())
+    data = run_bench(tmp_path, "--floor", "--duration", "2", "--rate", "100", "--workers", "2")
     assert data["floor"] is True and (data["admitters"], data["routers"]) == (0, 0)
     assert data["lost"] == 0 and data["requests"] == data["assigned"] == data["completed"] == 200
     assert 0 < data["overhead_p50_ms"] <= data["overhead_p99_ms"]
