@@ -286,9 +286,9 @@ def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
     try:
         url = sup.start(quiet=True)
         asyncio.run(_set_quota(url, run.audit_max_bytes))
-        pids = {**sup.pids()}
+        pids = sup.pids()
         if run.floor:
-            relay = start_relay(url, [f"w{i}" for i in range(1, run.workers + 1)])
+            relay = start_relay(url, sup.worker_ids())
             pids["relay"] = relay.pid
         time.sleep(1.0)  # workers' first heartbeats reach the routers (inline ones too)
         pids["load generator"] = os.getpid()

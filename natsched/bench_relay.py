@@ -37,7 +37,8 @@ class Relay:
         self.spec = ConsumerSpec(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER, S.REQUESTS_ALL, batch=batch)
 
     async def start(self) -> None:
-        await self.bus.provision()
+        """Bind the admitter's consumer and relay from now on (the streams exist: the benchmark's
+        system provisioned them before anything started)."""
         await self.bus.consume_batches(self.spec, self.on_batch, source="relay")
 
     async def on_batch(self, batch: list[Delivery]) -> None:

@@ -93,6 +93,10 @@ class Supervisor:
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "natsched", "--log-level", self.s.log_level, *args]
 
+    def worker_ids(self) -> list[str]:
+        """The ids the workers run under: w1, w2, ... (what else sends to them uses these)."""
+        return [f"w{i}" for i in range(1, self.s.workers + 1)]
+
     def plan(self, url: str) -> list[Child]:
         common = ["--nats-url", url]
         kids = []
@@ -108,10 +112,10 @@ class Supervisor:
                               user="router"))
         if self.s.offline:
             kids.append(Child("offline", self._cmd("offline", *common, "--name", "offline"), user="offline"))
-        for i in range(1, self.s.workers + 1):
-            args = ["worker", *common, "--id", f"w{i}", "--engine", self.s.engine,
+        for wid in self.worker_ids():
+            args = ["worker", *common, "--id", wid, "--engine", self.s.engine,
                     "--time-scale", str(self.s.time_scale), *self.s.extra_worker_args]
-            kids.append(Child(f"worker w{i}", self._cmd(*args), user=f"worker-w{i}"))
+            kids.append(Child(f"worker {wid}", self._cmd(*args), user=f"worker-{wid}"))
         if self.s.gateway_port is not None:
             auth = ["--keys", str(self.s.gateway_keys)] if self.s.gateway_keys else ["--insecure-open"]
             if self._open_tenant and not self.s.gateway_keys:
