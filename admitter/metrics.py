@@ -26,5 +26,9 @@ class AdmitterMetrics:
                                ["kind"], registry=r)
         self.cas_conflicts = Counter("natsched_admission_cas_conflicts", "Shared-usage writes that lost a race",
                                      registry=r)
+        self.credit_allows = Counter("natsched_admission_credit_allows",
+                                     "Allows paid from this replica's credit (no shared write)", registry=r)
+        self.credit_unspent = Gauge("natsched_admission_credit_unspent_runtime_tokens",
+                                    "Runtime tokens this replica holds in credit, unspent", registry=r)
         self.bad_quota_entries = Counter("natsched_admission_bad_quota_entries", "Corrupted quota entries ignored",
                                          registry=r)

@@ -403,9 +403,22 @@ class AdmitterCore:
         return min(1.0, max(share, 0.01))
 
     # ------------------------------------------------------------------ helpers
-    def _planner(self, now: float) -> Planner:
+    def grantable(self, usage: Usage, tenant: str, model: str, tokens: int, now: float) -> bool:
+        """Whether ``usage`` leaves room for a credit block of ``tokens`` for (tenant, model)
+        (``admitter.credit``): as for a short request of that size — the tenant known, within
+        the total, its cap and the model's limit, not into the long reserve while a long request
+        waits, not into other backlogged tenants' floors. No side effects."""
+        quota = self.quotas.tenant_quota(tenant)
+        if quota is None or never_fits(self.quotas, self.total, tenant, model, tokens):
+            return False
+        plan = self._planner(now, usage)
+        return (plan.fits_total(tokens) and plan.blocked(tenant, model, tokens, False, quota) is None
+                and plan.headroom_ok(tenant, quota, tokens))
+
+    def _planner(self, now: float, usage: Usage | None = None) -> Planner:
         s = self.settings
-        return Planner(self.queue, self.quotas, self.total, self.usage, now, aging_s=s.aging_s,
+        return Planner(self.queue, self.quotas, self.total, self.usage if usage is None else usage, now,
+                       aging_s=s.aging_s,
                        reserve_long_share=s.reserve_long_share, class_rank=s.class_rank, scan_limit=s.scan_limit)
 
     def _decision(self, kind: str, cost: int, request: Request, reason: str | None = None,

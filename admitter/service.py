@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, TypeVar
 
+from admitter.credit import Credit, CreditSettings, KeeperPlan
 from admitter.dynamic import DynamicTotal, DynamicTotalSettings
 from admitter.errors import AdmitterError, QuotaError
 from admitter.leases import LeaseTracker, reconcile
@@ -57,6 +58,7 @@ class AdmitterServiceSettings:
     full_reconcile_s: float = 600.0  # under load, every reservation record is read this often (see reconcile_once)
     orphan_after_s: float = 120.0  # a reservation no live worker reports after this is leaked
     dynamic: DynamicTotalSettings = field(default_factory=DynamicTotalSettings)
+    credit: CreditSettings = field(default_factory=CreditSettings)
     metrics_port: int | None = None
 
 
@@ -92,6 +94,8 @@ class AdmitterService:
         self.settings = s = settings or AdmitterServiceSettings()
         self.core = AdmitterCore(s.admission)
         self.shared = SharedState(bus, s.name)
+        self.credit = Credit(s.name, s.credit)  # blocks reserved ahead: allows without a write
+        self._keeper_wake = asyncio.Event()
         self.leases = LeaseTracker(s.lease_missed)
         self.rescuer = Rescuer(bus, self.shared, s.name)
         self._started = time.monotonic()
@@ -128,7 +132,7 @@ class AdmitterService:
         await self.bus.consume_batches(self._completions_spec, self._on_completions, source="admitter")
         await self.bus.consume_batches(self._spec, self._on_requests, source="admitter")
         for loop in (self._dequeue_loop, self._keepalive_loop, self._lease_loop, self._reconcile_loop,
-                     self._dynamic_loop):
+                     self._dynamic_loop, self._keeper_loop):
             self.bus.spawn(loop(), loop.__name__)
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -191,30 +195,81 @@ class AdmitterService:
             return
         started = time.perf_counter()
         now = time.time()
-
-        def attempt(usage):
-            self.core.usage = new = usage  # the releases waiting for the lock already given back (_commit)
-            decisions = []
-            for d, request in items:
-                dec = self.core.evaluate(request, now, d.subject)
-                if dec.decision == ALLOW:  # the next request in the batch sees this reservation
-                    new = new.plus(request.tenant, request.model, dec.runtime_tokens,
-                                   self.core.is_long(dec.runtime_tokens))
-                    self.core.usage = new
-                decisions.append(dec)
-            return (new if new is not usage else None), decisions
-
         async with self._lock:
-            decisions = await self._commit(attempt)
+            decisions, paid, returned = await self._commit(lambda usage: self._decide(items, usage, now))
             for (_, request), dec in zip(items, decisions):
                 if dec.decision != ALLOW:
                     self.core.apply(request, dec, now)
+            paid = self._spent(items, decisions, paid, returned)
             self.core.usage = self.shared.usage
         elapsed = time.perf_counter() - started
         for _ in items:
             self.metrics.latency.observe(elapsed / len(items))
         await self._act_batch([(request, dec, d, 0.0, elapsed * 1000 / len(items))
-                               for (d, request), dec in zip(items, decisions)])
+                               for (d, request), dec in zip(items, decisions)], paid)
+
+    def _decide(self, items: list[tuple[Delivery, Request]], usage: Usage, now: float):
+        """Decide a batch on ``usage``: (the usage to write or None, (decisions, ids paid from
+        credit, credit given back)).
+
+        Each request is decided on the usage minus this replica's unspent credit. An allow the
+        credit of its (tenant, model) covers is paid from it (nothing to write); any other allow
+        is reserved on the shared usage, and if only this replica's own unspent credit stands in
+        its way, that credit is given back in the same write (so credit never makes a request
+        wait). The next request in the batch sees every reservation before it. Pure: re-run
+        after a lost race (``admitter.credit``).
+        """
+        free = dict(self.credit.free) if self.credit.usable(usage, time.monotonic()) else {}
+        shared, view = usage, self.credit.view(usage, free)
+        decisions, paid, returned = [], set(), {}
+        for d, request in items:
+            self.core.usage = view
+            dec = self.core.evaluate(request, now, d.subject)
+            if dec.decision == ALLOW:
+                tokens, key = dec.runtime_tokens, (request.tenant, request.model)
+                long = self.core.is_long(tokens)
+                if not long and free.get(key, 0) >= tokens:
+                    free[key] -= tokens
+                    paid.add(request.id)
+                else:
+                    if any(free.values()) and not self._allows(shared, request, now, d.subject):
+                        shared = self._give_back(shared, free, returned)  # now the same as the view
+                    shared = shared.plus(request.tenant, request.model, tokens, long)
+                view = view.plus(request.tenant, request.model, tokens, long)
+            decisions.append(dec)
+        return (shared if shared is not usage else None), (decisions, paid, returned)
+
+    def _allows(self, usage: Usage, request: Request, now: float, subject: str) -> bool:
+        self.core.usage = usage
+        return self.core.evaluate(request, now, subject).decision == ALLOW
+
+    def _give_back(self, usage: Usage, free: dict, returned: dict) -> Usage:
+        """Every unspent token of this replica's credit back into ``usage`` (noted in ``returned``)."""
+        for (tenant, model), n in free.items():
+            if n > 0:
+                usage = usage.give_back(self.settings.name, self.credit.epoch, tenant, model, n)
+                returned[(tenant, model)] = returned.get((tenant, model), 0) + n
+        free.clear()
+        return usage
+
+    def _spent(self, items, decisions, paid: set[str], returned: dict) -> dict[str, str]:
+        """After the batch's commit: the credit it paid is spent, what it gave back is gone, and
+        the demand is noted (the caller holds the lock). Returns the epoch each paid request's
+        record carries."""
+        mono = time.monotonic()
+        for key, n in returned.items():
+            self.credit.spend(key, n)
+        for (_, request), dec in zip(items, decisions):
+            if dec.decision != ALLOW or self.core.is_long(dec.runtime_tokens):
+                continue
+            key = (request.tenant, request.model)
+            if request.id in paid:
+                self.credit.spend(key, dec.runtime_tokens)
+                self.metrics.credit_allows.inc()
+            self.credit.note(key, dec.runtime_tokens, mono)
+            if self.credit.low(key, mono):
+                self._keeper_wake.set()
+        return {rid: self.credit.epoch for rid in paid}
 
     async def _seen_before(self, request: Request, d: Delivery) -> bool:
         """A redelivered request that was decided before (its ack was lost): settled here, True.
@@ -244,7 +299,8 @@ class AdmitterService:
         await d.ack()
         log.info("request %s redelivered after its allow; handed off again", request.id)
 
-    async def _act_batch(self, entries: list[tuple[Request, AdmissionDecision, Delivery, float, float]]) -> None:
+    async def _act_batch(self, entries: list[tuple[Request, AdmissionDecision, Delivery, float, float]],
+                         paid: dict[str, str] | None = None) -> None:
         """Carry out a batch of decisions: records, reservations and hand-offs published together
         (one wait for all their acks), then the producers told and the requests acked. With an
         inline router an allowed request's hand-off is its WORK message (ADMITTED only if no
@@ -252,7 +308,8 @@ class AdmitterService:
 
         Per batch rather than per request: a service answering hundreds of requests a second
         spends most of its time in per-message machinery (a task, a timer and a wake-up per
-        publish), and one shared wait costs what one publish did.
+        publish), and one shared wait costs what one publish did. ``paid``: the requests paid
+        from this replica's credit, with the epoch of the block (their records carry it).
         """
         now = time.time()
         reservations, handoffs, routed = [], [], {}
@@ -260,7 +317,8 @@ class AdmitterService:
             await self._record(request, dec, queue_wait, latency_ms)
             rid = request.id
             if dec.decision == ALLOW:
-                res = Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now, self.settings.name)
+                res = Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now, self.settings.name,
+                                  credit=(paid or {}).get(rid, ""))
                 reservations.append((res, self.shared.outgoing(res)))
                 admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                     admitter=self.settings.name, queue_wait=queue_wait)
@@ -379,6 +437,60 @@ class AdmitterService:
                 except Exception as exc:  # connection blip: ack_wait still leaves room
                     log.warning("in_progress for %s failed: %s", held.request.id, exc)
 
+    # --- credit (admitter.credit) ----------------------------------------------------------
+    async def _keeper_loop(self) -> None:
+        """Top up, give back and renew this replica's credit; drop silent replicas' entries."""
+        while True:
+            try:
+                await asyncio.wait_for(self._keeper_wake.wait(), self.settings.credit.tick_s)
+            except asyncio.TimeoutError:
+                pass
+            self._keeper_wake.clear()
+            try:
+                await self.keep_credit()
+            except AdmitterError as exc:
+                log.warning("credit upkeep deferred: %s", exc)
+
+    async def keep_credit(self) -> KeeperPlan | None:
+        """One look (and, if needed, one write): returns the plan written, or None."""
+        now = time.monotonic()
+        self.credit.forget_demand(now)
+        if self._credit_plan(self.shared.usage, now) is None:
+            return None  # the common case, without taking the lock
+        async with self._lock:
+            sent = time.monotonic()
+            plan = await self._commit(lambda usage: self._with_plan(self._credit_plan(usage, sent)))
+            if plan is not None:
+                self.credit.applied(plan, sent)
+                self._log_plan(plan)
+            self.core.usage = self.shared.usage
+        return plan
+
+    def _credit_plan(self, usage: Usage, now: float) -> KeeperPlan | None:
+        return self.credit.plan(usage, now, self.core.total, self.core.queued() > 0,
+                                lambda u, tenant, model, n: self.core.grantable(u, tenant, model, n, time.time()))
+
+    @staticmethod
+    def _with_plan(plan: KeeperPlan | None) -> tuple[Usage | None, KeeperPlan | None]:
+        return (plan.usage if plan is not None else None), plan
+
+    def _log_plan(self, plan: KeeperPlan) -> None:
+        for replica in plan.dropped:
+            log.warning("credit of admitter %s dropped: its entry did not change for %gs (its unspent part "
+                        "stays reserved until the reconciliation repairs it)", replica, self.settings.credit.lease_s)
+        if plan.lost:
+            log.warning("this admitter's credit was dropped by another replica (paused past its lease?)")
+        for (tenant, model), delta in plan.deltas.items():
+            log.debug("credit %s/%s %+d runtime tokens", tenant, model, delta)
+
+    async def stop(self) -> None:
+        """Give back the unspent credit, so the others need not wait out its lease."""
+        self.credit.settings = replace(self.credit.settings, enabled=False)
+        try:
+            await asyncio.wait_for(self.keep_credit(), 3)
+        except (asyncio.TimeoutError, AdmitterError, BusError) as exc:
+            log.warning("credit not given back at stop (%s): it is dropped after its lease", exc)
+
     # --- completions, leases, reconciliation ----------------------------------------------
     async def _on_completions(self, batch: list[Delivery]) -> None:
         """Release a batch of completions: reservations taken concurrently, one usage commit."""
@@ -393,8 +505,28 @@ class AdmitterService:
         for c in completions:
             self.leases.forget(c.request_id)
         if pairs:
+            pairs = await self._refund(pairs)
+        if pairs:
             await self._release_taken(pairs)
         await asyncio.gather(*(d.ack() for d in batch if not d.settled))
+
+    async def _refund(self, pairs: list[tuple[Completion | None, Reservation]]):
+        """Requests paid from this replica's live credit go back into it, without a write; the
+        rest is returned for a release by compare-and-swap. Under the lock, so the keeper cannot
+        drop the block in between (a refund into a dropped block would be lost)."""
+        async with self._lock:
+            if not self.credit.usable(self.shared.usage, time.monotonic()):
+                return pairs
+            rest, refunded = [], []
+            for c, res in pairs:
+                if res.credit and res.credit == self.credit.epoch and res.by == self.settings.name:
+                    self.credit.refund((res.tenant, res.model), res.tokens)
+                    refunded.append((c, res))
+                else:
+                    rest.append((c, res))
+            if refunded:
+                self._released(refunded)
+            return rest
 
     async def _release_taken(self, pairs: list[tuple[Completion | None, Reservation]]) -> None:
         """Give back what ``pairs`` reserved, in the next usage commit.
@@ -432,8 +564,9 @@ class AdmitterService:
         return result
 
     def _minus(self, usage, pairs: list[tuple[Completion | None, Reservation]]):
-        for _, res in pairs:
-            usage = usage.minus(res.tenant, res.model, res.tokens, self.core.is_long(res.tokens))
+        for _, res in pairs:  # (out of the block it was paid from, if that block still exists)
+            usage = usage.release_from(res.by, res.credit, res.tenant, res.model, res.tokens,
+                                       self.core.is_long(res.tokens))
         return usage
 
     def _released(self, pairs: list[tuple[Completion | None, Reservation]]) -> None:
@@ -452,7 +585,8 @@ class AdmitterService:
         self.leases.forget(request_id)
         if res is None:
             return 0
-        await self._release_taken([(completion, res)])
+        if await self._refund([(completion, res)]):  # (not paid from our credit)
+            await self._release_taken([(completion, res)])
         if completion is None:
             log.info("request %s: %s", request_id, why)
         return res.tokens
@@ -573,7 +707,8 @@ class AdmitterService:
         self._full_at = time.monotonic()
         now = time.time()
         ages = {rid: now - r.ts for rid, r in records.items()}
-        repair = reconcile(self.shared.usage, records, self.shared.drift(records, self.core.is_long), self.leases,
+        repair = reconcile(self.shared.usage, records, self.shared.drift(records, self.core.is_long, self.shared.usage),
+                           self.leases,
                            now, self.settings.orphan_after_s, ages)
         repaired = 0
         for rid in repair.orphans:
@@ -583,8 +718,13 @@ class AdmitterService:
         seen = (self.shared.revision, repair.usage)
         if repair.usage is not None and self._suspect == seen:
             async with self._lock:
-                expected = self.shared.drift(await self.shared.snapshot(), self.core.is_long)
-                await self.shared.change_usage(lambda u: ((expected if u != expected else None), None))
+                records = await self.shared.snapshot()
+
+                def fix(u: Usage) -> tuple[Usage | None, None]:
+                    expected = self.shared.drift(records, self.core.is_long, u)  # with u's credit entries
+                    return (expected if u != expected else None), None
+
+                await self.shared.change_usage(fix)
                 self.core.usage = self.shared.usage
             self.metrics.repairs.labels("aggregate").inc()
             log.warning("usage drift repaired: aggregate now %d runtime tokens", self.shared.usage.used)
@@ -620,3 +760,4 @@ class AdmitterService:
         for cls, depth in self.core.queue_depths().items():
             self.metrics.queue_depth.labels(cls).set(depth)
         self.metrics.total.set(self.total)
+        self.metrics.credit_unspent.set(sum(self.credit.free.values()))

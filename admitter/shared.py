@@ -60,18 +60,21 @@ class Reservation:
     by: str
     revision: int = 0
     moved_from: str = ""  # the dead worker it was rescued from (its tokens stay reserved)
+    credit: str = ""  # the epoch of ``by``'s credit block it was paid from ("": reserved on its own)
 
     def to_json(self) -> bytes:
         record = {"tenant": self.tenant, "model": self.model, "tokens": self.tokens, "ts": self.ts, "by": self.by}
         if self.moved_from:
             record["moved_from"] = self.moved_from
+        if self.credit:
+            record["credit"] = self.credit
         return orjson.dumps(record)
 
     @classmethod
     def from_json(cls, request_id: str, raw: bytes, revision: int) -> "Reservation":
         d = orjson.loads(raw)
         return cls(request_id, str(d["tenant"]), str(d.get("model", "default")), int(d["tokens"]), float(d["ts"]),
-                   str(d.get("by", "")), revision, str(d.get("moved_from", "")))
+                   str(d.get("by", "")), revision, str(d.get("moved_from", "")), str(d.get("credit", "")))
 
 
 class SharedState:
@@ -247,9 +250,17 @@ class SharedState:
         return Reservation.from_json(request_id, current[0], current[1])
 
     @staticmethod
-    def drift(records: dict[str, Reservation], is_long: Callable[[int], bool]) -> Usage:
-        """What the aggregate should be according to the reservation records."""
-        expected = Usage()
+    def drift(records: dict[str, Reservation], is_long: Callable[[int], bool], usage: Usage | None = None) -> Usage:
+        """What the aggregate should be according to the reservation records and the credit
+        entries of ``usage``: every block, plus every record not paid from a block that still
+        exists (those are inside their block)."""
+        credits = usage.credits if usage is not None else {}
+        expected = Usage(credits=credits)
         for res in records.values():
+            if res.credit and res.by in credits and credits[res.by].epoch == res.credit:
+                continue
             expected = expected.plus(res.tenant, res.model, res.tokens, is_long(res.tokens))
+        for entry in credits.values():
+            for (tenant, model), tokens in entry.blocks.items():
+                expected = expected.plus(tenant, model, tokens)
         return expected

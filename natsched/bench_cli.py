@@ -108,6 +108,9 @@ def _add_pipeline_parser(bsub) -> None:
                     help="a bare relay (pull, send to a worker, ack; no quota, records or statuses) in place of "
                          "the admitters and routers: what the bus, the client and this machine cost before "
                          "anything is decided, measured by the same harness")
+    pp.add_argument("--no-credit", action="store_true",
+                    help="admitters without credit (natsched admitter --no-credit): every allow committed to the "
+                         "shared usage before its request goes out, for comparison")
     pp.add_argument("--workers", type=positive_int, default=2, help="null-engine workers (default 2)")
     mode = pp.add_mutually_exclusive_group()
     mode.add_argument("--find-max", action="store_true",
@@ -223,15 +226,15 @@ def _cmd_pipeline(args) -> int:
     duration = args.duration or (SOAK_DURATION_S if args.soak else DEFAULT_DURATION_S)
     from natsched.supervisor import router_count
 
-    if args.floor and (args.inline_routing or args.routers is not None or args.admitters != 1):
+    if args.floor and (args.inline_routing or args.routers is not None or args.admitters != 1 or args.no_credit):
         return _fail("--floor puts a bare relay in place of the admitters and routers: "
-                     "leave out --admitters, --routers and --inline-routing")
+                     "leave out --admitters, --routers, --inline-routing and --no-credit")
     try:
         routers = 0 if args.floor else router_count(args.routers, args.inline_routing)
     except ValueError as exc:
         return _fail(str(exc))
     base = PipelineRun(args.rate or DEFAULT_RATE, duration, args.admitters, routers, args.workers,
-                       inline_routing=args.inline_routing, floor=args.floor,
+                       inline_routing=args.inline_routing, floor=args.floor, credit=not args.no_credit,
                        sample_every_s=args.sample_every,
                        audit_max_bytes=args.audit_max_mib * 2**20 if args.audit_max_mib else None)
     try:

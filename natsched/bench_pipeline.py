@@ -55,6 +55,7 @@ class PipelineRun:
     sample_every_s: float | None = None  # sample memory and streams this often; None: not at all
     audit_max_bytes: int | None = None  # cap REQUESTS, DECISIONS, COMPLETIONS (a soak that reaches retention)
     floor: bool = False  # a bare relay instead of admitters and routers (natsched.bench_relay)
+    credit: bool = True  # False: admitters --no-credit (every allow committed to the shared usage)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -233,7 +234,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
         nats_rtt, js_rtt = await reference_rtts(bus)
         result = {
             "rate": run.rate, "duration_s": run.duration_s, "admitters": run.admitters, "routers": run.routers,
-            "inline_routing": run.inline_routing, "floor": run.floor,
+            "inline_routing": run.inline_routing, "floor": run.floor, "credit": run.credit,
             "requests": total, "published": tally.published, "assigned": assigned,
             "completed": tally.completed, "rejected": tally.rejected,
             "lost": total - tally.finals,
@@ -280,7 +281,7 @@ def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
     if run.floor:  # no admitter or router: the relay takes their place
         run = replace(run, admitters=0, routers=0, inline_routing=False)
     sup = Supervisor(UpSettings(workers=run.workers, admitters=run.admitters, routers=run.routers,
-                                inline_routing=run.inline_routing, engine="null",
+                                inline_routing=run.inline_routing, credit=run.credit, engine="null",
                                 nats_url=nats_url, port=free_port(), data_dir=data_dir, log_level="warning"))
     relay = None
     try:

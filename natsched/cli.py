@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--admitters", type=int, default=1, help="admitter replicas (default 1)")
     up.add_argument("--routers", type=int, default=None,
                     help="router replicas (default 1; 0 with --inline-routing)")
+    up.add_argument("--no-credit", action="store_true",
+                    help="admitters commit every allow to the shared usage (natsched admitter --no-credit)")
     up.add_argument("--inline-routing", action="store_true",
                     help="every admitter routes what it admits in its own process (admitter --route): one "
                          "stored hop and one process fewer per request; separate routers become optional")
@@ -70,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     _url_flag(adm)
     adm.add_argument("--name", default="admitter", help="replica name in audit records")
     adm.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    adm.add_argument("--no-credit", action="store_true",
+                     help="commit every allow to the shared usage (no credit reserved ahead): exact per-tenant "
+                          "views across replicas, one more round trip per batch (see the README's Admission)")
     adm.add_argument("--route", action="store_true",
                      help="inline routing: route what this replica admits in its own process, straight to "
                           "the workers' WORK subjects (ADMITTED only when no worker can take a request now)")

@@ -36,6 +36,7 @@ def up_settings(args):
     if args.workers < 0 or args.admitters < 1:
         raise ValueError("--admitters must be >= 1, --workers >= 0")
     return UpSettings(workers=args.workers, admitters=args.admitters, inline_routing=args.inline_routing,
+                      credit=not args.no_credit,
                       routers=router_count(args.routers, args.inline_routing), engine=args.engine,
                       nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, policy=args.policy,
                       time_scale=args.time_scale, log_level=args.log_level, gateway_port=args.gateway,
@@ -74,6 +75,7 @@ def _worker_passthrough(args) -> list[str]:
 
 
 def cmd_admitter(args) -> int:
+    from admitter.credit import CreditSettings
     from admitter.metrics import AdmitterMetrics
     from admitter.service import AdmitterService, AdmitterServiceSettings
     from natsched.runtime import serve
@@ -88,12 +90,19 @@ def cmd_admitter(args) -> int:
             router = RouterService(bus, RouterServiceSettings(
                 name=args.name, core=RouterSettings(policy=args.policy, block_size=args.block_size)),
                 RouterMetrics(metrics.registry))
-        service = AdmitterService(bus, AdmitterServiceSettings(name=args.name, metrics_port=args.metrics_port),
-                                  metrics, router=router)
+        nonlocal service
+        service = AdmitterService(bus, AdmitterServiceSettings(
+            name=args.name, metrics_port=args.metrics_port, credit=CreditSettings(enabled=not args.no_credit)),
+            metrics, router=router)
         await service.start()
         return f"total={service.total}" + (f" routing={router.core.policy.name}" if router else "")
 
-    return _run(serve(args.nats_url, "admitter", start, credentials=args.credentials))
+    async def stop():
+        if service is not None:
+            await service.stop()
+
+    service = None
+    return _run(serve(args.nats_url, "admitter", start, stop=stop, credentials=args.credentials))
 
 
 def cmd_router(args) -> int:

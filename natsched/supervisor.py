@@ -54,6 +54,7 @@ class UpSettings:
     admitters: int = 1
     routers: int = 1
     inline_routing: bool = False  # admitters run with --route (then routers may be 0)
+    credit: bool = True  # admitters spend credit reserved ahead (admitter.credit); False: --no-credit
     engine: str = "sim"
     nats_url: str | None = None  # None: run the embedded server
     host: str = DEFAULT_HOST
@@ -104,6 +105,7 @@ class Supervisor:
             name = "admitter" if self.s.admitters == 1 else f"admitter-{i}"
             # inline routing: the scheduler role, an admitter's and a router's permissions together
             route = ["--route", "--policy", self.s.policy] if self.s.inline_routing else []
+            route += [] if self.s.credit else ["--no-credit"]
             kids.append(Child(name, self._cmd("admitter", *common, "--name", name, *route),
                               user="scheduler" if self.s.inline_routing else "admitter"))
         for i in range(1, self.s.routers + 1):

@@ -111,6 +111,7 @@ def test_report_from_sampler_shaped_samples():
     (["--routers", "0"], "--routers 0 needs --inline-routing"),
     (["--floor", "--inline-routing"], "--floor puts a bare relay in place of the admitters and routers"),
     (["--floor", "--admitters", "2"], "leave out --admitters"),
+    (["--floor", "--no-credit"], "--no-credit"),
 ])
 def test_soak_flags_are_checked_before_anything_starts(flags, message, capsys):
     assert main(["bench", "pipeline", *flags]) == 1

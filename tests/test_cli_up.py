@@ -145,3 +145,19 @@ def test_up_hands_its_model_and_vllm_flags_to_every_worker():
     bad = build_parser().parse_args(["up", "--workers", "2", "--kv-events-port", "5557"])
     with pytest.raises(ValueError, match="kv-events-port"):
         up_settings(bad)
+
+
+def test_up_no_credit_reaches_every_admitter_and_credit_is_the_default():
+    from natsched.cli import build_parser
+    from natsched.commands import up_settings
+    from natsched.supervisor import Supervisor
+
+    def admitters(*flags):
+        args = build_parser().parse_args(["up", "--admitters", "2", *flags])
+        return [c.args for c in Supervisor(up_settings(args)).plan("nats://127.0.0.1:4222")
+                if c.name.startswith("admitter")]
+
+    assert [("--no-credit" in cmd) for cmd in admitters("--no-credit")] == [True, True]
+    assert [("--no-credit" in cmd) for cmd in admitters()] == [False, False]
+    parsed = build_parser().parse_args(admitters("--no-credit")[0][admitters("--no-credit")[0].index("admitter"):])
+    assert parsed.no_credit is True  # the flag the supervisor passes is one the admitter takes
