@@ -259,6 +259,7 @@ class AdmitterService:
         mono = time.monotonic()
         for key, n in returned.items():
             self.credit.spend(key, n)
+        keys = set()
         for (_, request), dec in zip(items, decisions):
             if dec.decision != ALLOW or self.core.is_long(dec.runtime_tokens):
                 continue
@@ -267,8 +268,9 @@ class AdmitterService:
                 self.credit.spend(key, dec.runtime_tokens)
                 self.metrics.credit_allows.inc()
             self.credit.note(key, dec.runtime_tokens, mono)
-            if self.credit.low(key, mono):
-                self._keeper_wake.set()
+            keys.add(key)
+        if any(self.credit.low(key, mono) for key in keys):  # once per pair, not per request
+            self._keeper_wake.set()
         return {rid: self.credit.epoch for rid in paid}
 
     async def _seen_before(self, request: Request, d: Delivery) -> bool:

@@ -45,6 +45,16 @@ class CreditEntry:
     def total(self) -> int:
         return sum(self.blocks.values())
 
+    def adjusted(self, tenant: str, model: str, delta: int) -> "CreditEntry":
+        """The same entry with (tenant, model)'s block changed by ``delta`` (never below 0)."""
+        blocks = dict(self.blocks)
+        left = max(0, self.block(tenant, model) + delta)
+        if left:
+            blocks[(tenant, model)] = left
+        else:
+            blocks.pop((tenant, model), None)
+        return CreditEntry(self.epoch, self.beat, blocks)
+
     def to_obj(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "beat": self.beat,
                 "blocks": [[t, m, n] for (t, m), n in sorted(self.blocks.items())]}
@@ -105,21 +115,13 @@ class Usage:
         if tokens < 0:
             raise ValueError(f"cannot grant a negative credit ({tokens}); use give_back()")
         entry = self._entry(replica, epoch)
-        blocks = dict(entry.blocks)
-        blocks[(tenant, model)] = entry.block(tenant, model) + tokens
-        return self.plus(tenant, model, tokens)._with(replica, CreditEntry(epoch, entry.beat, blocks))
+        return self.plus(tenant, model, tokens)._with(replica, entry.adjusted(tenant, model, tokens))
 
     def give_back(self, replica: str, epoch: str, tenant: str, model: str, tokens: int) -> "Usage":
         """``tokens`` of a block returned unused (no more than the block holds)."""
         entry = self._entry(replica, epoch)
         tokens = min(max(0, tokens), entry.block(tenant, model))
-        blocks = dict(entry.blocks)
-        left = entry.block(tenant, model) - tokens
-        if left:
-            blocks[(tenant, model)] = left
-        else:
-            blocks.pop((tenant, model), None)
-        return self.minus(tenant, model, tokens)._with(replica, CreditEntry(epoch, entry.beat, blocks))
+        return self.minus(tenant, model, tokens)._with(replica, entry.adjusted(tenant, model, -tokens))
 
     def release_from(self, by: str, epoch: str, tenant: str, model: str, tokens: int, long: bool = False) -> "Usage":
         """Release a reservation: out of ``by``'s block when it was paid from that block (``epoch``)
@@ -128,13 +130,7 @@ class Usage:
         entry = self.credit(by, epoch) if epoch else None
         if entry is None:
             return self.minus(tenant, model, tokens, long)
-        blocks = dict(entry.blocks)
-        left = max(0, entry.block(tenant, model) - max(0, tokens))
-        if left:
-            blocks[(tenant, model)] = left
-        else:
-            blocks.pop((tenant, model), None)
-        return self.minus(tenant, model, tokens, long)._with(by, CreditEntry(epoch, entry.beat, blocks))
+        return self.minus(tenant, model, tokens, long)._with(by, entry.adjusted(tenant, model, -max(0, tokens)))
 
     def renew(self, replica: str, epoch: str) -> "Usage":
         """The holder's write: ``beat`` moves on, so the others see it alive (creates the entry)."""
