@@ -38,6 +38,7 @@ from bus.errors import ConflictError, ConnectError, MessageError
 from bus.provision import ProvisionSettings, provision, stored_settings
 from bus.puller import Puller
 from bus.schema import DeadLetter, Reply, Schema
+from bus.snapshot import read_kv
 from bus.server import DEFAULT_URL
 
 log = logging.getLogger(__name__)
@@ -615,21 +616,9 @@ class Bus:
             return []
 
     async def kv_snapshot(self, bucket: str, keys: str = ">") -> dict[str, tuple[bytes, int]]:
-        """The current value and revision of every live key matching ``keys``, read once (one
-        ordered consumer over the last value per key; deleted keys left out)."""
-        kv = await self._bucket(bucket)
-        watcher = await kv.watch(keys, ignore_deletes=True)
-        out: dict[str, tuple[bytes, int]] = {}
-        try:
-            async for entry in watcher:
-                if entry is None:  # the end of the current values
-                    break
-                out[entry.key] = (entry.value, entry.revision)
-                if len(out) % 256 == 0:
-                    await asyncio.sleep(0)  # a long read must not stall the service's other work
-        finally:
-            await watcher.stop()
-        return out
+        """The current value and revision of every live key matching ``keys``, read in windows
+        so the service's other messages are not kept waiting behind it (``bus.snapshot``)."""
+        return await read_kv(self.nc, self.js, bucket, keys)
 
     async def kv_watch(
         self, bucket: str, keys: str = ">", ready: asyncio.Event | None = None

@@ -180,6 +180,13 @@ def kv_read_permissions(bucket: str, key: str = ">") -> list[str]:
     ]
 
 
+def kv_snapshot_permissions(bucket: str) -> list[str]:
+    """Read the whole bucket in acknowledged windows (``bus.snapshot``): a read of it, and the
+    acks of the reader's own consumers (they confirm a read, nothing else: the role can read and
+    write this bucket already)."""
+    return [*kv_read_permissions(bucket), f"{JS_ACK}.{_kv_stream(bucket)}.>"]
+
+
 def kv_write_permissions(bucket: str, key: str = ">") -> list[str]:
     """Put, create, update and delete ``key`` of one bucket (the ack comes on the inbox)."""
     return [_kv_key(bucket, key)]
@@ -258,7 +265,7 @@ def admitter_role() -> Role:
         _js("STREAM", "MSG", "GET", S.STREAM_WORK), _js("STREAM", "MSG", "DELETE", S.STREAM_WORK),
         *consumer_permissions(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER, S.REQUESTS_ALL),
         *consumer_permissions(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS, S.COMPLETIONS_ALL),
-        *kv_read_permissions(S.BUCKET_INFLIGHT), *kv_write_permissions(S.BUCKET_INFLIGHT),
+        *kv_snapshot_permissions(S.BUCKET_INFLIGHT), *kv_write_permissions(S.BUCKET_INFLIGHT),
         *kv_read_permissions(S.BUCKET_QUOTAS), *kv_write_permissions(S.BUCKET_QUOTAS, S.KEY_DYNAMIC_TOTAL),
         *kv_read_permissions(S.BUCKET_WORKERS),
     ]

@@ -19,6 +19,7 @@ import pytest
 
 from admitter.offline import OfflineRunner, OfflineSettings
 from admitter.service import AdmitterService
+from bus.snapshot import read_kv
 from bus import subjects as S
 from bus.audit import AuditError
 from bus.batch import BatchClient, JobStore
@@ -149,6 +150,10 @@ async def test_gateway_batch_and_offline_roles_do_their_work_within_their_permis
         found = await JobStore(batch.bus).find(rows[0]["id"], "A")
         assert found is not None and found[1].path == "offline" and found[1].status == "completed"
         await sdk.close()
+        # the admitter reads its whole bucket in acknowledged windows (its reconciliation)
+        records = await read_kv(admitter.bus.nc, admitter.bus.js, S.BUCKET_INFLIGHT, window=2, stall_s=5)
+        assert S.KEY_USAGE in records
+        await admitter.reconcile_once()
     finally:
         await gw.close()
         await worker.stop()
