@@ -602,7 +602,13 @@ class Bus:
             headers = {"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": f"{int(marker_ttl_s)}s"}
             if last:
                 headers["Nats-Expected-Last-Subject-Sequence"] = str(last)
-            await self._kv_cas(lambda: self.js.publish(S.kv_subject(bucket, key), b"", headers=headers))
+            subject = S.kv_subject(bucket, key)
+            try:  # first on the shared ack inbox: one of these per completion, no request timer each
+                await (await (await self._ack_inbox()).publish(subject, b"", headers))
+                return
+            except _NOT_PROCESSED:  # nobody took it (an election): sent again below, like any write
+                pass
+            await self._kv_cas(lambda: self.js.publish(subject, b"", headers=headers))
         except APIError as exc:
             if exc.err_code in (10071, 10164):
                 raise ConflictError(f"{bucket}/{key} changed since revision {last}") from exc

@@ -246,3 +246,38 @@ async def test_a_restarted_worker_rerunning_a_request_its_predecessor_answered_d
         assert [r.kind for r in replies if r.final] == ["result"]  # the predecessor's only
     finally:
         await new.stop()
+
+
+async def test_a_request_running_longer_than_the_ack_wait_is_kept_alive_and_runs_once(bus):
+    """The server would redeliver a WORK message after its ack wait; a request that runs 2.5
+    ack waits is marked in progress meanwhile, so it is delivered and run once."""
+    engine = ScriptedEngine(steps=5, step_s=0.5)
+    runs: list[str] = []
+    generate = engine.generate
+
+    def counting(request):
+        runs.append(request.id)
+        return generate(request)
+
+    engine.generate = counting
+    agent = WorkerAgent(bus, engine, settings("wk", ack_wait_s=1.0))
+    deliveries: list[int] = []
+    on_assignment = agent._on_assignment
+
+    async def counting_deliveries(d):
+        deliveries.append(d.num_delivered)
+        await on_assignment(d)
+
+    agent._on_assignment = counting_deliveries
+    dones = await collect(bus, S.completion("t1"), Completion)
+    await agent.start()
+    try:
+        req = await assign(bus, "wk", tenant="t1")
+        assert await wait_for(lambda: len(dones) == 1, timeout=10)
+        await asyncio.sleep(1.5)  # a redelivered copy would have come back by now
+        assert runs == [req.id]
+        assert deliveries == [1]  # never redelivered while it ran
+        assert agent.metrics.duplicate_runs._value.get() == 0
+        assert not agent._progress  # nothing left to keep alive
+    finally:
+        await agent.stop()

@@ -84,6 +84,7 @@ class WorkerAgent:
         self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # its producer gave up on it
         self.finished = RecentIds(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)  # completed here: never run again
         self._redelivered: set[str] = set()  # running from a WORK message delivered before (to us or our predecessor)
+        self._progress: dict[str, tuple[Delivery, float]] = {}  # running: its message, when the server last heard
 
     async def start(self) -> None:
         await self.engine.start()
@@ -101,6 +102,7 @@ class WorkerAgent:
         )
         await self.bus.consume(spec, self._on_assignment, source="worker")
         self.bus.spawn(self._heartbeat_loop(), "heartbeat")
+        self.bus.spawn(self._keep_alive_loop(), "keep-alive")
         await self._publish_cache("snapshot", self.engine.cached_hashes())
         await self._heartbeat()
         if self.settings.metrics_port is not None:
@@ -149,7 +151,7 @@ class WorkerAgent:
     async def _run(self, a: Assignment, d: Delivery) -> None:
         req = a.request
         started = time.time()
-        keepalive = asyncio.create_task(self._keep_alive(d))
+        self._progress[req.id] = (d, time.monotonic())
         if d.num_delivered > 1:
             self._redelivered.add(req.id)
         self.metrics.dispatch_wait.observe(max(0.0, started - a.routed_at))
@@ -173,7 +175,7 @@ class WorkerAgent:
                                started, None)
             await d.ack()
         finally:
-            keepalive.cancel()
+            self._progress.pop(req.id, None)
             self._redelivered.discard(req.id)
             if d.settled:  # its outcome is published and it was acked: a copy must not run it again
                 self.finished.add(req.id)
@@ -260,10 +262,21 @@ class WorkerAgent:
             if value is not None:
                 hist.observe(value)
 
-    async def _keep_alive(self, d: Delivery) -> None:
+    async def _keep_alive_loop(self) -> None:
+        """One loop for every running request (not a task and a timer each, at hundreds a second):
+        a message running longer than a third of the ack wait is marked in progress, so the server
+        hears about it at least every half ack wait and never redelivers a request that runs."""
+        every = self.settings.ack_wait_s / 3
         while True:
-            await asyncio.sleep(self.settings.ack_wait_s / 3)
-            await d.in_progress()
+            await asyncio.sleep(every / 2)
+            now = time.monotonic()
+            for rid, (d, last) in list(self._progress.items()):
+                if now - last >= every and not d.settled:
+                    self._progress[rid] = (d, now)
+                    try:
+                        await d.in_progress()
+                    except Exception as exc:  # the connection is reconnecting: the next round tries again
+                        log.warning("could not mark %s in progress: %s", rid, exc)
 
     # --- reports --------------------------------------------------------------------------
     def _on_cache_change(self, kind: str, hashes: list) -> None:
