@@ -17,7 +17,7 @@ from natsched.bench_memory import (
     stream_summaries,
     warmup_seconds,
 )
-from natsched.bench_pipeline import _Tally
+from natsched.bench_pipeline import PipelineRun, _Tally, find_max
 from natsched.cli import main
 
 SOAK_S = 600.0
@@ -173,3 +173,34 @@ def test_the_floor_runs_the_same_harness_with_a_bare_relay_and_loses_nothing(tmp
     assert "relay" in cpu and "admitter" not in cpu and "router" not in cpu
     assert {"worker w1", "worker w2"} <= set(cpu)
     assert "-  flr" in capsys.readouterr().out  # the table's row says what ran
+
+
+def ramp_with_limit(limit_rate: float, lost_from: float | None = None):
+    """A stand-in for one live run (the ramp's logic is what is tested here; the live runs are
+    above): p99 rises past 10 ms above ``limit_rate``; requests are lost from ``lost_from``."""
+    def run(cfg: PipelineRun, _url):
+        return {"rate": cfg.rate, "admitters": 1, "routers": 1, "requests": int(cfg.rate), "sustained_rps": cfg.rate,
+                "overhead_p50_ms": 1.0, "overhead_p99_ms": 5.0 if cfg.rate <= limit_rate else 20.0,
+                "lost": 1 if lost_from is not None and cfg.rate >= lost_from else 0}
+    return run
+
+
+@pytest.mark.parametrize("limit, refine, expect_best, expect_rates", [
+    (800, 2, 750, [250, 500, 1000, 750, 900]),  # the gap 500..1,000 halved twice
+    (500, 2, 500, [250, 500, 1000, 750, 600]),
+    (100, 2, 100, [250, 100, 200]),  # even the first rate fails: halved from 0
+    (2500, 1, 2500, [250, 500, 1000, 2000, 3000, 2500]),
+    (800, 0, 500, [250, 500, 1000]),  # the coarse ramp alone
+])
+def test_find_max_ramps_then_halves_the_gap_to_the_first_failure(limit, refine, expect_best, expect_rates):
+    best, results = find_max(PipelineRun(rate=0, duration_s=1), [250, 500, 1000, 2000, 3000], None,
+                             refine=refine, run=ramp_with_limit(limit))
+    assert [r["rate"] for r in results] == expect_rates
+    assert best["rate"] == expect_best
+
+
+def test_find_max_counts_a_lost_request_as_a_failure():
+    best, results = find_max(PipelineRun(rate=0, duration_s=1), [250, 500, 1000], None,
+                             run=ramp_with_limit(10_000, lost_from=500))
+    assert [r["rate"] for r in results] == [250, 500, 400, 450]
+    assert best["rate"] == 450
