@@ -677,12 +677,16 @@ class AdmitterService:
         return report
 
     async def _reconcile_loop(self) -> None:
+        """A pass that fails (a contended usage, a read that stalled, a server away) is tried again
+        at the next interval: a background repair must never stop for good on one bad moment."""
         while True:
             await asyncio.sleep(self.settings.reconcile_interval_s)
             try:
                 await self.reconcile_once()
-            except AdmitterError as exc:
-                log.warning("reconciliation deferred: %s", exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("reconciliation deferred to the next pass: %r", exc)
 
     async def reconcile_once(self) -> int:
         """Repair drift seen twice in a row (once may be a commit between its two writes), and

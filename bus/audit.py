@@ -35,6 +35,7 @@ from nats.js.errors import NotFoundError
 from bus import subjects as S
 from bus.errors import BusError, MessageError
 from bus.schema import Completion, Decision, JobRecord, Request
+from bus.snapshot import KV_DELETE, KV_OPERATION, KV_PURGE
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,6 @@ async def read_filtered(js: Any, stream: str, subject: str, since: float | None 
         await sub.unsubscribe()
 
 
-KV_OPERATION, KV_DELETE, KV_PURGE = "KV-Operation", "DEL", "PURGE"  # NATS KV's delete markers
 
 
 async def kv_snapshot(js: Any, bucket: str, pattern: str = ">", timeout: float = 10.0

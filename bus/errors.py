@@ -11,6 +11,7 @@ Every error here derives from :class:`BusError`, so a caller can catch the whole
     │   └── PortInUseError      its port is already taken
     ├── ProvisionError          a stream or bucket exists with an incompatible config
     ├── ConflictError           a compare-and-swap lost: the key changed since it was read
+    ├── SnapshotError           (bus.snapshot) a bucket read that stopped arriving
     ├── BatchError              (bus.batch) a batch that cannot be submitted or read
     │   ├── BatchFileError      the batch file cannot be read (bad lines are reported, not raised)
     │   ├── NotFound            no such batch or job
@@ -104,3 +105,7 @@ class RequestFailed(RequestError):
     def __init__(self, message: str, request_id: str | None, reason: str) -> None:
         super().__init__(message, request_id)
         self.reason = reason
+
+
+class SnapshotError(BusError):
+    """A windowed bucket read (``bus.snapshot``) got nothing for its stall time with messages pending."""

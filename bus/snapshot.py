@@ -21,10 +21,11 @@ import collections
 import uuid
 from typing import Any
 
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 
-KV_OPERATION, KV_MARKERS = "KV-Operation", ("DEL", "PURGE")
+from bus.errors import SnapshotError
+
+KV_OPERATION, KV_DELETE, KV_PURGE = "KV-Operation", "DEL", "PURGE"  # NATS KV's delete markers
 WINDOW = 256  # messages the server may have sent and we not yet acknowledged
 PAUSE_S = 0.005  # between half windows: a background read takes a fraction of the service's time
 STALL_S = 10.0  # nothing arriving this long with messages still pending: the read fails
@@ -47,7 +48,7 @@ async def read_kv(nc: Any, js: Any, bucket: str, keys: str = ">", window: int = 
 
     Ends at what was stored when the read began (values written meanwhile may or may not be
     in it, as with any snapshot of a changing bucket); deleted keys are left out. Raises
-    :class:`nats.errors.TimeoutError` if the server stops sending with messages pending.
+    :class:`SnapshotError` if the server stops sending with messages pending.
     """
     stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
     got: collections.deque = collections.deque()
@@ -70,12 +71,12 @@ async def read_kv(nc: Any, js: Any, bucket: str, keys: str = ">", window: int = 
                 try:
                     await asyncio.wait_for(arrived.wait(), stall_s)
                 except asyncio.TimeoutError:
-                    raise NatsTimeout(f"reading {bucket}: nothing for {stall_s:g}s, {pending} pending") from None
+                    raise SnapshotError(f"reading {bucket}: nothing for {stall_s:g}s with {pending} pending") from None
                 continue
             msg = got.popleft()
             meta = msg.metadata
             pending = 0 if meta.sequence.stream >= last else meta.num_pending
-            if (msg.headers or {}).get(KV_OPERATION) not in KV_MARKERS:
+            if (msg.headers or {}).get(KV_OPERATION) not in (KV_DELETE, KV_PURGE):
                 out[msg.subject[len(prefix):]] = (msg.data, meta.sequence.stream)
             unacked += 1
             if pending and unacked >= window // 2:  # one ack for the half window: the next half comes

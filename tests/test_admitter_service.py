@@ -357,3 +357,25 @@ async def test_a_release_waiting_for_the_lock_rides_on_the_next_admission_commit
         assert adm.shared.usage.used == 300 and adm.shared.usage.tenants == {"t1": 300}
     finally:
         await stop(adm)
+
+
+async def test_a_reconciliation_pass_that_fails_is_tried_again_at_the_next_interval(nats_url, bus):
+    """The reservation read can stall or the server be away for a moment: the loop logs it and
+    runs the next pass, it does not end (it ended on anything but an AdmitterError before)."""
+    from bus.errors import SnapshotError
+
+    adm = await start_admitter(nats_url, reconcile_interval_s=0.1)
+    calls = []
+    snapshot = adm.shared.snapshot
+
+    async def failing_once():
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise SnapshotError("reading inflight: nothing for 10s with 5 pending")
+        return await snapshot()
+
+    adm.shared.snapshot = failing_once
+    try:
+        assert await until(lambda: len(calls) >= 2, timeout=10)
+    finally:
+        await stop(adm)
