@@ -379,3 +379,16 @@ async def test_a_reconciliation_pass_that_fails_is_tried_again_at_the_next_inter
         assert await until(lambda: len(calls) >= 2, timeout=10)
     finally:
         await stop(adm)
+
+
+async def test_the_reconciliation_loop_ends_once_the_connection_is_closed_for_good(nats_url, bus):
+    """A closed connection (reconnects exhausted, or closed under it) cannot come back: the loop
+    ends instead of warning at every interval for the rest of the process (it did in CI)."""
+    adm = await start_admitter(nats_url, reconcile_interval_s=0.05)
+    loop = next(t for t in adm.bus._tasks if t.get_name() == "_reconcile_loop")
+    try:
+        await adm.bus.nc.close()
+        assert await until(loop.done, timeout=5)
+        assert loop.exception() is None
+    finally:
+        await stop(adm)
