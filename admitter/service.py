@@ -73,9 +73,11 @@ class InlineRouter(Protocol):
     ADMITTED as usual, where this router's own consumer (and any other router) retries it.
     """
 
-    async def start(self) -> None: ...
+    async def start(self, watch_completions: bool = True) -> None: ...
 
     def decide(self, adm: Admitted) -> Any: ...  # router.service.Routed
+
+    def observe_completion(self, c: Completion) -> None: ...
 
     async def assigned(self, routed: Any) -> None: ...
 
@@ -128,7 +130,9 @@ class AdmitterService:
         self.apply_quotas()  # the bucket's content at start; the watch applies every later change
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
         if self.router is not None:  # before the first request: it routes from the first batch on
-            await self.router.start()
+            # fed from our COMPLETIONS consumer: with one admitter it sees every completion, with K
+            # about 1/K (the rest the next heartbeat tells it, as for any completion it missed)
+            await self.router.start(watch_completions=False)
         await self.bus.consume_batches(self._completions_spec, self._on_completions, source="admitter")
         await self.bus.consume_batches(self._spec, self._on_requests, source="admitter")
         for loop in (self._dequeue_loop, self._keepalive_loop, self._lease_loop, self._reconcile_loop,
@@ -506,6 +510,8 @@ class AdmitterService:
         pairs = [(c, res) for c, res in zip(completions, taken) if res is not None]
         for c in completions:
             self.leases.forget(c.request_id)
+            if self.router is not None:
+                self.router.observe_completion(c)
         if pairs:
             pairs = await self._refund(pairs)
         if pairs:

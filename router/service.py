@@ -59,7 +59,10 @@ class RouterService:
         self._spec = ConsumerSpec(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL, max_deliver=attempts + 3,
                                   redeliver_delay_s=self.settings.retry_delay_s, batch=256)
 
-    async def start(self) -> None:
+    async def start(self, watch_completions: bool = True) -> None:
+        """``watch_completions`` False: an inline admitter hands over each completion it consumes
+        (:meth:`observe_completion`) instead of this router watching ``done.>`` beside it, which
+        brought every completion into the same process twice."""
         await self.bus.provision()
         current = await self.bus.kv_get(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG)
         if current is not None:
@@ -70,7 +73,8 @@ class RouterService:
         await self.bus.subscribe(S.CACHE_EVENTS_ALL, self._on_cache_event)
         # completions are watched, not consumed: every replica sees each one (it releases the load
         # of what it routed itself), and a missed one costs only accuracy until the next heartbeat
-        await self.bus.subscribe(S.COMPLETIONS_ALL, self._on_completion)
+        if watch_completions:
+            await self.bus.subscribe(S.COMPLETIONS_ALL, self._on_completion)
         await self.bus.consume_batches(self._spec, self._on_admitted, source="router")
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -154,6 +158,10 @@ class RouterService:
         except MessageError as exc:  # the admitters' durable consumer dead-letters it
             log.warning("ignoring an undecodable completion on %s: %s", subject, exc)
             return
+        self.observe_completion(c)
+
+    def observe_completion(self, c: Completion) -> None:
+        """Release the load of a finished request and score the cache claim it confirms or refutes."""
         self.core.on_completion(c, time.time())
         if c.worker and c.status == "ok":
             self.metrics.cached_tokens.labels(c.worker, "actual").inc(c.cached_tokens)

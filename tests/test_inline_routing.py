@@ -57,6 +57,23 @@ async def test_allowed_requests_go_straight_to_work_and_are_audited_as_before(bu
         await stack.close()
 
 
+async def test_the_inline_router_learns_completions_from_the_admitters_own_consumer(bus, nats_url):
+    """No second copy of every completion: the admitter hands each one it consumes to its router,
+    which releases the load it booked and scores the cache claim, as when it watched ``done.>``."""
+    stack = await start_stack(nats_url, inline_routing=True)
+    try:
+        results = await asyncio.gather(*(stack.client.submit(make_request("t1", f"feedback {i} " * 10, max_tokens=2))
+                                         for i in range(4)))
+        assert all(r.status == "completed" for r in results)
+        watched = {sub.subject for sub in stack.admitter.bus.nc._subs.values()}
+        assert S.COMPLETIONS_ALL not in watched and S.HEARTBEATS_ALL in watched
+        assert await wait_for(lambda: not stack.router.core.registry.ledger)  # every booked load released
+        seen = sum(stack.router.metrics.cached_tokens.labels(w, "actual")._value.get() for w in ("w1", "w2"))
+        assert seen == sum(r.cached_tokens for r in results)
+    finally:
+        await stack.close()
+
+
 async def test_a_request_no_worker_can_take_falls_back_to_admitted_and_runs_later(bus, nats_url):
     stack = await start_stack(nats_url, workers=0, inline_routing=True)
     agent = None
