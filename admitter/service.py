@@ -712,7 +712,8 @@ class AdmitterService:
         """
         quiet = self.shared.revision == self._reconciled_revision
         self._reconciled_revision = self.shared.revision
-        full = quiet or self._full_at is None or time.monotonic() - self._full_at >= self.settings.full_reconcile_s
+        full = (quiet or self._full_at is None or self.shared.corrupted
+                or time.monotonic() - self._full_at >= self.settings.full_reconcile_s)
         if not full:
             # the full read is also what forgets records other replicas released: between two,
             # keep only the recent ones (an older own request pays one read at its release)
@@ -731,13 +732,14 @@ class AdmitterService:
                 self.metrics.repairs.labels("orphan").inc()
                 repaired += 1
         seen = (self.shared.revision, repair.usage)
-        if repair.usage is not None and self._suspect == seen:
+        # an undecodable usage is repaired at once: there is no commit in flight to wait for
+        if self.shared.corrupted or (repair.usage is not None and self._suspect == seen):
             async with self._lock:
                 records = await self.shared.snapshot()
 
                 def fix(u: Usage) -> tuple[Usage | None, None]:
                     expected = self.shared.drift(records, self.core.is_long, u)  # with u's credit entries
-                    return (expected if u != expected else None), None
+                    return (expected if u != expected or self.shared.corrupted else None), None
 
                 await self.shared.change_usage(fix)
                 self.core.usage = self.shared.usage

@@ -30,7 +30,7 @@ from typing import Callable, TypeVar
 
 import orjson
 
-from admitter.errors import AdmitterError
+from admitter.errors import AdmitterError, UsageError
 from admitter.usage import Usage
 from bus import subjects as S
 from bus.connection import Bus
@@ -96,6 +96,8 @@ class SharedState:
         #: before it decides — for a writer that decides a few times a second, not per request
         self.watch = watch
         self.conflicts = 0
+        #: revision of a ``usage`` value that cannot be decoded, until a write replaces it (0: none)
+        self.corrupted = 0
         self.ready = asyncio.Event()
 
     async def start(self) -> None:
@@ -115,16 +117,31 @@ class SharedState:
 
     def _apply(self, key: str, value: bytes | None, rev: int) -> None:
         if key == USAGE and rev >= self.revision:
-            self.usage = Usage() if value is None else Usage.from_json(value)
-            self.revision = rev
+            self._adopt(value, rev)
+
+    def _adopt(self, value: bytes | None, rev: int) -> None:
+        """Take the usage at ``rev``. One that cannot be decoded keeps the last good value but
+        takes its revision, so the next compare-and-swap replaces it: refusing it instead made
+        every later commit lose its race, re-read it and fail, and the admitter stopped admitting.
+        What the lost value held that the last good one does not, reconciliation rebuilds from
+        the reservation records (it repairs at once while ``corrupted`` is set)."""
+        try:
+            usage = Usage() if value is None else Usage.from_json(value)
+        except UsageError as exc:
+            if self.corrupted != rev:
+                log.error("shared usage at revision %d cannot be decoded (%s): deciding on the last good "
+                          "value until it is overwritten", rev, exc)
+            self.corrupted, self.revision = rev, rev
+            return
+        self.usage, self.revision, self.corrupted = usage, rev, 0
 
     async def refresh(self) -> None:
         """Read ``usage`` now (after a lost race the mirror may not have caught up yet)."""
         current = await self.bus.kv_get(S.BUCKET_INFLIGHT, USAGE)
         if current is None:
-            self.usage, self.revision = Usage(), 0
+            self.usage, self.revision, self.corrupted = Usage(), 0, 0
         else:
-            self.usage, self.revision = Usage.from_json(current[0]), current[1]
+            self._adopt(*current)
 
     async def change_usage(self, fn: Callable[[Usage], tuple[Usage | None, T]]) -> T:
         """Apply ``fn`` to the current usage and write its result by compare-and-swap.
@@ -148,7 +165,7 @@ class SharedState:
                 await self.refresh()
                 continue
             if rev > self.revision:
-                self.usage, self.revision = new, rev
+                self.usage, self.revision, self.corrupted = new, rev, 0
             return result
         raise AdmitterError(f"usage update lost {self.max_attempts} races in a row")
 

@@ -392,3 +392,41 @@ async def test_the_reconciliation_loop_ends_once_the_connection_is_closed_for_go
         assert loop.exception() is None
     finally:
         await stop(adm)
+
+
+async def test_an_undecodable_usage_is_overwritten_by_the_next_commit_not_fatal(bus, nats_url, caplog):
+    """Garbage in the shared ``usage`` key (a bad manual edit, a buggy tool): the admitter keeps
+    deciding on the last good value and its next commit replaces the garbage. Before, every
+    commit lost its race to it, re-read it, failed to decode it, and nothing was admitted again."""
+    adm = await start_admitter(nats_url)
+    try:
+        first, second = request(), request()
+        await publish(bus, first)
+        assert await until(lambda: adm.shared.usage.used == 300)
+        await bus.kv_put(S.BUCKET_INFLIGHT, S.KEY_USAGE, b"{not a usage")
+        assert await until(lambda: adm.shared.corrupted > 0)
+        assert "cannot be decoded" in caplog.text
+        assert adm.shared.usage.used == 300  # the last good value, still decided on
+        sub = await bus.inbox(S.reply(second.id))
+        await publish(bus, second)
+        assert Reply.decode((await sub.next_msg(timeout=5)).data).status == "admitted"
+        stored = Usage.from_json((await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))[0])
+        assert stored.used == 600 and adm.shared.corrupted == 0
+    finally:
+        await stop(adm)
+
+
+async def test_reconciliation_rebuilds_an_undecodable_usage_from_the_records_at_once(bus, nats_url):
+    """No commit may come for a while (credit pays, traffic stops): the next pass rewrites it from
+    the reservation records, without the second look drift gets (nothing can be in flight)."""
+    adm = await start_admitter(nats_url)
+    try:
+        await publish(bus, request())
+        assert await until(lambda: adm.shared.usage.used == 300)
+        await bus.kv_put(S.BUCKET_INFLIGHT, S.KEY_USAGE, orjson.dumps({"used": -5}))
+        assert await until(lambda: adm.shared.corrupted > 0)
+        assert await adm.reconcile_once() == 1
+        stored = Usage.from_json((await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))[0])
+        assert stored.used == 300 and stored.tenants == {"t1": 300} and adm.shared.corrupted == 0
+    finally:
+        await stop(adm)
