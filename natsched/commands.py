@@ -244,6 +244,30 @@ async def _read_quotas(bus):
     return quotas, errors, (orjson.loads(dynamic) if dynamic else None), entries
 
 
+async def _read_usage(bus):
+    """The shared usage, or None (with a warning) when the stored value cannot be decoded."""
+    from admitter.errors import UsageError
+    from admitter.usage import Usage
+
+    raw = await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
+    try:
+        return Usage.from_json(raw[0]) if raw else Usage()
+    except UsageError as exc:
+        print(f"natsched: warning: the shared usage cannot be decoded ({exc}); the admitters overwrite it "
+              "at their next commit", file=sys.stderr)
+        return None
+
+
+def _credit_by_tenant(usage) -> dict[str, int]:
+    """Runtime tokens the admitters hold as credit blocks, by tenant: counted in ``used`` when a
+    block is granted, so an idle cluster with credit shows usage that no request holds."""
+    out: dict[str, int] = {}
+    for entry in usage.credits.values():
+        for (tenant, _model), tokens in entry.blocks.items():
+            out[tenant] = out.get(tenant, 0) + tokens
+    return out
+
+
 def _edit_quotas(quotas, args):
     """Apply the flags to a copy of the quotas; raises QuotaError/ValueError on a bad edit."""
     import copy
@@ -283,7 +307,6 @@ def _edit_quotas(quotas, args):
 
 async def _quota(args) -> int:
     from admitter.errors import QuotaError
-    from admitter.usage import Usage
     from bus.connection import Bus
 
     bus = await Bus.connect(args.nats_url, name="natsched-cli", connect_budget_s=5.0, credentials=args.credentials)
@@ -303,21 +326,25 @@ async def _quota(args) -> int:
             print(f"quotas updated ({len(changed)} entries): " + ", ".join(sorted(changed)) if changed
                   else "quotas unchanged")
             return 0
-        usage_raw = await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
-        usage = Usage.from_json(usage_raw[0]) if usage_raw else Usage()
+        usage = await _read_usage(bus)
+        credit = _credit_by_tenant(usage) if usage else {}
         view = {"total": quotas.total, "hard_cap": quotas.hard_cap, "dynamic_total": dynamic,
                 "unknown_tenant": quotas.unknown_tenant, "default_tenant": asdict(quotas.default_tenant),
-                "tenants": {t: asdict(q) | {"used": usage.tenants.get(t, 0)} for t, q in sorted(quotas.tenants.items())},
+                "tenants": {t: asdict(q) | {"used": usage.tenants.get(t, 0) if usage else None,
+                                            "credit": credit.get(t, 0)}
+                            for t, q in sorted(quotas.tenants.items())},
                 "models": dict(quotas.models), "queue_limits": dict(quotas.queue_limits),
-                "used": usage.used}
+                "used": usage.used if usage else None, "credit": sum(credit.values())}
         if args.json:
             print(orjson.dumps(view).decode())
             return 0
         print(f"cluster total {view['total']} runtime tokens (hard cap {view['hard_cap']}, dynamic {dynamic}); "
-              f"in use {usage.used}")
-        print(f"{'tenant':<16}{'floor':>8}{'weight':>8}{'cap':>12}{'used':>12}")
+              f"in use {view['used'] if usage else 'unknown'}, of which {view['credit']} in admitters' credit "
+              "blocks (reserved ahead, spent or not)")
+        print(f"{'tenant':<16}{'floor':>8}{'weight':>8}{'cap':>12}{'used':>12}{'credit':>12}")
         for name, t in view["tenants"].items():
-            print(f"{name:<16}{t['floor']:>8.2f}{t['weight']:>8.2f}{str(t['cap']):>12}{t['used']:>12}")
+            print(f"{name:<16}{t['floor']:>8.2f}{t['weight']:>8.2f}{str(t['cap']):>12}{str(t['used']):>12}"
+                  f"{t['credit']:>12}")
         print(f"unknown tenants: {quotas.unknown_tenant}; models: {view['models'] or '-'}; "
               f"queue limits: {view['queue_limits']}")
         return 0

@@ -80,7 +80,7 @@ def test_up_serves_submit_and_stops_cleanly(up, tmp_path):
     assert json.loads(up.cli("quota", "show", "--json").stdout)["total"] == 123456
     up.cli("quota", "set", "--tenant", "acme", "--floor", "0.4", "--weight", "2", "--cap", "50000")
     shown = json.loads(up.cli("quota", "show", "--json").stdout)
-    assert shown["tenants"]["acme"] | {"used": 0} == {"floor": 0.4, "weight": 2.0, "cap": 50000, "used": 0}
+    assert shown["tenants"]["acme"] | {"used": 0} == {"floor": 0.4, "weight": 2.0, "cap": 50000, "used": 0, "credit": 0}
     refused = up.cli("quota", "set", "--tenant", "other", "--floor", "0.7", check=False)
     assert refused.returncode == 1 and "refused" in refused.stderr
     assert "other" not in json.loads(up.cli("quota", "show", "--json").stdout)["tenants"]

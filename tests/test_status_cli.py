@@ -68,3 +68,31 @@ async def test_status_against_no_server_says_so(tmp_path):
     proc = await natsched("status", "--nats-url", "nats://127.0.0.1:1")
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 1 and b"could not reach NATS" in err
+
+
+async def test_quota_show_splits_out_credit_and_survives_an_undecodable_usage(bus, nats_url):
+    """``used`` counts credit blocks from the moment they are granted: shown apart, so an idle
+    cluster's usage is explained. A corrupted usage is a warning, not a traceback."""
+    from admitter.usage import CreditEntry, Usage
+
+    await bus.kv_put(S.BUCKET_QUOTAS, S.tenant_quota_key("acme"), orjson.dumps({"floor": 0.1}))
+    usage = Usage(used=700, tenants={"acme": 700}, models={"m": 700}, credits={
+        "adm-a": CreditEntry("e1", 1, {("acme", "m"): 400}), "adm-b": CreditEntry("e2", 1, {("acme", "m"): 100})})
+    await bus.kv_put(S.BUCKET_INFLIGHT, S.KEY_USAGE, usage.to_json())
+    try:
+        proc = await natsched("quota", "show", "--json", "--nats-url", nats_url)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        shown = orjson.loads(out)
+        assert (shown["used"], shown["credit"]) == (700, 500)
+        assert (shown["tenants"]["acme"]["used"], shown["tenants"]["acme"]["credit"]) == (700, 500)
+
+        await bus.kv_put(S.BUCKET_INFLIGHT, S.KEY_USAGE, b"{garbage")
+        proc = await natsched("quota", "show", "--nats-url", nats_url)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        assert "the shared usage cannot be decoded" in err.decode() and "Traceback" not in err.decode()
+        assert "in use unknown" in out.decode()
+    finally:
+        await bus.kv_delete(S.BUCKET_INFLIGHT, S.KEY_USAGE)
+        await bus.kv_delete(S.BUCKET_QUOTAS, S.tenant_quota_key("acme"))
