@@ -90,6 +90,15 @@ class Usage:
     def model(self, model: str) -> int:
         return self.models.get(model, 0)
 
+    def credit_by_tenant(self) -> dict[str, int]:
+        """Runtime tokens the admitters hold as credit blocks, by tenant: counted in ``used`` from
+        the moment a block is granted, spent or not (an idle cluster with credit shows usage)."""
+        out: dict[str, int] = {}
+        for entry in self.credits.values():
+            for (tenant, _model), tokens in entry.blocks.items():
+                out[tenant] = out.get(tenant, 0) + tokens
+        return out
+
     def plus(self, tenant: str, model: str, tokens: int, long: bool = False) -> "Usage":
         """A new usage with ``tokens`` more reserved for ``tenant`` / ``model`` (by a long request)."""
         if tokens < 0:

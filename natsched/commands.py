@@ -258,16 +258,6 @@ async def _read_usage(bus):
         return None
 
 
-def _credit_by_tenant(usage) -> dict[str, int]:
-    """Runtime tokens the admitters hold as credit blocks, by tenant: counted in ``used`` when a
-    block is granted, so an idle cluster with credit shows usage that no request holds."""
-    out: dict[str, int] = {}
-    for entry in usage.credits.values():
-        for (tenant, _model), tokens in entry.blocks.items():
-            out[tenant] = out.get(tenant, 0) + tokens
-    return out
-
-
 def _edit_quotas(quotas, args):
     """Apply the flags to a copy of the quotas; raises QuotaError/ValueError on a bad edit."""
     import copy
@@ -327,7 +317,7 @@ async def _quota(args) -> int:
                   else "quotas unchanged")
             return 0
         usage = await _read_usage(bus)
-        credit = _credit_by_tenant(usage) if usage else {}
+        credit = usage.credit_by_tenant() if usage else {}
         view = {"total": quotas.total, "hard_cap": quotas.hard_cap, "dynamic_total": dynamic,
                 "unknown_tenant": quotas.unknown_tenant, "default_tenant": asdict(quotas.default_tenant),
                 "tenants": {t: asdict(q) | {"used": usage.tenants.get(t, 0) if usage else None,
