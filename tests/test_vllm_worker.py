@@ -170,10 +170,11 @@ async def test_too_long_prompt_is_answered_with_an_error(worker):
 async def test_drain_finishes_inflight_work_then_the_process_leaves(worker):
     """Last in the module: the worker leaves."""
     bus, listener, proc = worker
-    # long enough that a fast CPU cannot finish it between two heartbeats
-    req = await assign(bus, prompt_token_ids=[7 + i % 500 for i in range(64)], max_tokens=4000, stream=True)
-    # drain as soon as the worker says the request runs: waiting for a few token replies instead
-    # failed in CI, where the first replies came most of the way through the run
+    # long enough that a fast CPU cannot finish it between two heartbeats. Not streamed: 4,000
+    # token replies to decode here, in a process the engine's threads starve of CPU, delayed the
+    # heartbeats behind them by 6 s in CI, and the request had ended before the drain went out
+    req = await assign(bus, prompt_token_ids=[7 + i % 500 for i in range(64)], max_tokens=4000)
+    # drain as soon as the worker says the request runs
     assert await wait_for(lambda: any(req.id in hb.inflight for hb in listener.hbs))
     drained_at = time.time()
     await bus.publish(S.control(WID), Control(kind="drain", by="test"))
