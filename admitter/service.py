@@ -29,6 +29,7 @@ from admitter.rescue import RescueReport, Rescuer
 from admitter.shared import Reservation, SharedState
 from admitter.usage import Usage
 from bus import subjects as S
+from bus.aio import wait_event
 from bus.connection import Bus, ConsumerSpec, Delivery
 from bus.errors import BusError, MessageError
 from bus.schema import Admitted, Completion, Decision, Heartbeat, Reply, Request
@@ -383,10 +384,7 @@ class AdmitterService:
     # --- the queue ----------------------------------------------------------------------
     async def _dequeue_loop(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.settings.dequeue_interval_s)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._wake, self.settings.dequeue_interval_s)
             self._wake.clear()
             if self.core.queued():
                 try:
@@ -447,10 +445,7 @@ class AdmitterService:
     async def _keeper_loop(self) -> None:
         """Top up, give back and renew this replica's credit; drop silent replicas' entries."""
         while True:
-            try:
-                await asyncio.wait_for(self._keeper_wake.wait(), self.settings.credit.tick_s)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._keeper_wake, self.settings.credit.tick_s)
             self._keeper_wake.clear()
             try:
                 await self.keep_credit()

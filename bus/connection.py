@@ -503,11 +503,9 @@ class Bus:
         """Bad input is dead-lettered and terminated; anything else is retried, up to max_deliver."""
         if isinstance(exc, MessageError):
             await self.dead_letter(d, source, exc.code, str(exc))
-            await d.term()
         elif d.num_delivered >= spec.max_deliver:
             log.error("giving up on %s after %d deliveries: %s", d.subject, d.num_delivered, exc)
             await self.dead_letter(d, source, "max_deliver", f"{type(exc).__name__}: {exc}")
-            await d.term()
         else:
             log.error("handler %s failed on %s (delivery %d): %r", source, d.subject, d.num_delivered, exc)
             # doubling: 1, 2, 4, 8 s by default, so a few seconds of leader election cannot use up
@@ -515,8 +513,10 @@ class Bus:
             await d.nak(delay=min(30.0, spec.redeliver_delay_s * 2 ** max(0, d.num_delivered - 1)))
 
     async def dead_letter(self, d: Delivery, source: str, reason: str, error: str) -> None:
-        """Keep the message on ``dead.<source>`` and tell its producer, when we know who that is."""
+        """Keep the message on ``dead.<source>``, terminate it, then tell its producer (when we know
+        who that is): a producer that hears of the failure finds the message settled, not pending."""
         await self.dead_letter_raw(d.subject, d.data, source, reason, error, d.headers)
+        await d.term()
         reply_to = d.headers.get(S.HDR_REPLY)
         request_id = d.headers.get(S.HDR_MSG_ID, "unknown")
         parts = d.subject.split(".")

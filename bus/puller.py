@@ -25,6 +25,8 @@ from typing import Any
 
 import orjson
 
+from bus.aio import wait_event
+
 log = logging.getLogger(__name__)
 
 STATUS = "Status"
@@ -99,9 +101,7 @@ class Puller:
             wait = 2 * self.heartbeat_s
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.monotonic()))
-            try:
-                await asyncio.wait_for(self._arrived.wait(), wait)
-            except asyncio.TimeoutError:
+            if not await wait_event(self._arrived, wait):
                 if time.monotonic() - self._heard > 2 * self.heartbeat_s:
                     self._asked = 0  # the server forgot our requests (reconnect, restart): ask anew
                     self._heard = time.monotonic()

@@ -23,6 +23,7 @@ from typing import Any
 
 from nats.js import api
 
+from bus.aio import wait_event
 from bus.errors import SnapshotError
 
 KV_OPERATION, KV_DELETE, KV_PURGE = "KV-Operation", "DEL", "PURGE"  # NATS KV's delete markers
@@ -68,9 +69,7 @@ async def read_kv(nc: Any, js: Any, bucket: str, keys: str = ">", window: int = 
         while pending:
             if not got:
                 arrived.clear()
-                try:
-                    await asyncio.wait_for(arrived.wait(), stall_s)
-                except asyncio.TimeoutError:
+                if not await wait_event(arrived, stall_s):
                     raise SnapshotError(f"reading {bucket}: nothing for {stall_s:g}s with {pending} pending") from None
                 continue
             msg = got.popleft()

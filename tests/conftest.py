@@ -20,6 +20,7 @@ hypothesis_settings.load_profile("natsched")
 
 from bus.connection import Bus
 from bus.server import EmbeddedServer, free_port
+from tests.serverwatch import MONITORS, wait_gone
 
 
 def _docker_available() -> bool:
@@ -49,11 +50,14 @@ def nats_url():
             container.stop()
         return
     data_dir = tempfile.mkdtemp(prefix="natsched-test-")
-    server = EmbeddedServer(port=free_port(), data_dir=data_dir)
+    monitor_port = free_port()
+    server = EmbeddedServer(port=free_port(), data_dir=data_dir, extra_args=["-m", str(monitor_port)])
     server.start()
+    MONITORS[server.url] = f"http://{server.host}:{monitor_port}"
     try:
         yield server.url
     finally:
+        MONITORS.pop(server.url, None)
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
 
@@ -75,6 +79,7 @@ async def bus(nats_url):
         yield b
     finally:
         await b.close()
+        await wait_gone(nats_url, [b])
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from admitter.service import AdmitterService, AdmitterServiceSettings
 from bus.client import Client, Timeouts
 from bus.connection import Bus
+from tests.serverwatch import wait_gone
 from router.core import RouterSettings
 from router.service import RouterService, RouterServiceSettings
 from workers.agent import WorkerAgent, WorkerSettings
@@ -22,12 +23,14 @@ class Stack:
     workers: list[WorkerAgent]
     client: Client
     buses: list[Bus] = field(default_factory=list)
+    url: str = ""
 
     async def close(self) -> None:
         for w in self.workers:
             await w.stop()
         for b in self.buses:
             await b.close()
+        await wait_gone(self.url, self.buses)  # nothing of this stack reaches the next test's streams
 
 
 async def start_stack(
@@ -71,7 +74,7 @@ async def start_stack(
         await agent.start()
         agents.append(agent)
     client = Client(await connect("producer"), timeouts or Timeouts(admission=10, idle=20))
-    stack = Stack(admitter, router, agents, client, buses)
+    stack = Stack(admitter, router, agents, client, buses, url)
     for _ in range(100):  # the router has seen every worker's first heartbeat
         if len(router.core.workers) == workers:
             break
