@@ -114,7 +114,7 @@ class _Tally:
     awaiting_final: set[str] = field(default_factory=set)
     overhead_ms: array = field(default_factory=lambda: array("d"))
     last_assigned: float = float("nan")
-    worst_by_second: dict[int, float] = field(default_factory=dict)  # whole seconds since t0 -> max overhead ms
+    overhead_second: array = field(default_factory=lambda: array("I"))  # publish second of each overhead sample
     t0: float = 0.0
     published: int = 0
     publish_failed: int = 0
@@ -133,11 +133,17 @@ class _Tally:
             ms = (now - sent) * 1000
             self.overhead_ms.append(ms)
             self.last_assigned = now
-            second = int(sent - self.t0)  # when it was published: a stall shows where it began
-            if ms > self.worst_by_second.get(second, 0.0):
-                self.worst_by_second[second] = ms
+            self.overhead_second.append(max(0, int(sent - self.t0)))  # when it was published: a stall shows where it began
             if stamps is not None:
                 self.on_stages(stamps)
+
+    def by_second(self) -> dict[int, dict[str, float]]:
+        """Overhead per publish second (n, p50, p99, max): warm-up, stalls and drift over a run."""
+        groups: dict[int, list[float]] = {}
+        for second, ms in zip(self.overhead_second, self.overhead_ms):
+            groups.setdefault(second, []).append(ms)
+        return {k: {"n": len(v), "p50_ms": _pct(v, 0.5), "p99_ms": _pct(v, 0.99), "max_ms": max(v)}
+                for k, v in sorted(groups.items())}
 
     def on_stages(self, stamps: tuple[float, float, float, float]) -> None:
         """Keep a uniform sample of the stage durations (Algorithm R)."""
@@ -246,9 +252,11 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
         }
         if cpu:
             result["cpu_ms_per_request"] = cpu
-        # the seconds whose requests waited longest: where a long run's tail comes from
-        result["slow_seconds"] = {str(k): round(v, 1) for k, v in sorted(tally.worst_by_second.items())
-                                  if v >= SLOW_MS}
+        # second by second, and the seconds whose requests waited longest: where a run's tail comes from
+        per_second = tally.by_second()
+        result["per_second"] = {str(k): {name: round(v, 3) for name, v in row.items()} for k, row in per_second.items()}
+        result["slow_seconds"] = {str(k): round(row["max_ms"], 1) for k, row in per_second.items()
+                                  if row["max_ms"] >= SLOW_MS}
         if memory is not None:
             result["memory"] = memory
         return result
@@ -408,6 +416,13 @@ def print_table(results: list[dict]) -> None:
     if stages:
         print("stages p50/p99 ms: " + ", ".join(f"{name} {v['p50']:.2f}/{v['p99']:.2f}" for name, v in stages.items())
               + "  (publish -> admission commit -> routing decision -> WORK received)")
+    per_second = r.get("per_second")
+    if per_second:  # a long run would make a long line: the first 30 seconds and the worst one
+        shown = list(per_second.items())[:30]
+        worst = max(per_second.items(), key=lambda kv: kv[1]["p99_ms"])
+        print("p99 ms by publish second: " + " ".join(f"{row['p99_ms']:.1f}" for _, row in shown)
+              + (" ..." if len(per_second) > len(shown) else "") + f"  (worst: second {worst[0]}, "
+              f"p99 {worst[1]['p99_ms']:.1f}, max {worst[1]['max_ms']:.1f})")
     cpu = r.get("cpu_ms_per_request")
     if cpu:
         print("CPU ms per request: " + ", ".join(f"{name} {ms:.3f}" for name, ms in cpu.items()))

@@ -142,11 +142,17 @@ def test_a_short_soak_samples_every_process_and_loses_nothing(tmp_path, capsys):
     assert set(cpu) == expected | {"total"} and all(ms > 0 for name, ms in cpu.items() if name != "offline")
     assert cpu["total"] == pytest.approx(sum(ms for name, ms in cpu.items() if name != "total"))
     assert all(0 <= int(sec) < 6 and ms >= 100 for sec, ms in data["slow_seconds"].items())
+    per_second = data["per_second"]  # every assignment counted once, under the second it was published in
+    assert sum(row["n"] for row in per_second.values()) == data["assigned"] == 600
+    assert all(0 <= int(sec) <= 6 and 0 <= row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
+               for sec, row in per_second.items()), per_second
+    assert max(row["max_ms"] for row in per_second.values()) >= data["overhead_p99_ms"]
     stages = data["stages_ms"]  # where the hand-off's time goes, from the assignments' timestamps
     assert list(stages) == ["admission", "routing", "delivery"]
     assert all(0 <= v["p50"] <= v["p99"] for v in stages.values()), stages
     assert sum(v["p50"] for v in stages.values()) <= data["overhead_p99_ms"] + 1.0, (stages, data["overhead_p99_ms"])
     text = capsys.readouterr().out
+    assert "p99 ms by publish second:" in text
     assert "slope MiB/min" in text and "soak: nothing lost;" in text and "CPU ms per request:" in text
     assert "stages p50/p99 ms: admission" in text
 
