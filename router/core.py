@@ -82,10 +82,19 @@ class RouterCore:
     # ------------------------------------------------------------------ inputs
 
     def on_heartbeat(self, hb: Heartbeat, now: float) -> None:
+        w = hb.worker
+        joined = w not in self.registry.views
         if self.registry.on_heartbeat(hb, now):
-            self.index.reset_worker(hb.worker, now)
-            self.claims.reset(hb.worker)
-        self._check_fresh(hb.worker)
+            self.index.reset_worker(w, now)
+            self.claims.reset(w)
+        if joined and hb.kv_seq and not self.index.has_seen(w):
+            # this router started after the worker's cache events did: what it holds is unknown,
+            # so ask now rather than at the first delta (a gap), one request in after the load began
+            # (expected whenever a router starts beside running workers: not a warning)
+            if self.index.distrust(w, f"first heard at cache-event seq {hb.kv_seq}", logging.INFO) and \
+                    self.index.needs_snapshot(w, now):
+                self._snapshot_requests[w] = None
+        self._check_fresh(w)
 
     def on_cache_event(self, ev: CacheEvent, now: float) -> bool:
         """Apply a cache delta; False when a sequence gap means a snapshot is needed."""

@@ -264,16 +264,16 @@ class PrefixIndex:
         self._mark += 1
         self._reset_mark[w] = self._mark
 
-    def distrust(self, w: WorkerId, reason: str) -> bool:
+    def distrust(self, w: WorkerId, reason: str, level: int = logging.WARNING) -> bool:
         """Ignore ``w``'s claims until its next snapshot; True if it was trusted until now."""
         if w in self._untrusted:
             return False
-        self._mark_untrusted(w, reason)
+        self._mark_untrusted(w, reason, level)
         return True
 
-    def _mark_untrusted(self, w: WorkerId, reason: str) -> None:
+    def _mark_untrusted(self, w: WorkerId, reason: str, level: int = logging.WARNING) -> None:
         if w not in self._untrusted:
-            log.warning("index: worker %s untrusted until snapshot (%s)", w, reason)
+            log.log(level, "index: worker %s untrusted until snapshot (%s)", w, reason)
         self._untrusted.add(w)
 
     def is_trusted(self, w: WorkerId) -> bool:
@@ -281,6 +281,10 @@ class PrefixIndex:
 
     def last_seq(self, w: WorkerId) -> int:
         return self._seq.get(w, 0)
+
+    def has_seen(self, w: WorkerId) -> bool:
+        """Whether any cache event (or snapshot) of ``w`` reached this index."""
+        return w in self._seq
 
     def is_fresh(self, w: WorkerId, kv_seq: int) -> bool:
         """Trusted and caught up with the sequence number the worker's heartbeat announced."""

@@ -77,6 +77,24 @@ def test_sequence_gap_returns_false_then_snapshot_restores_trust():
     assert core.index.match_one(PREFIX, "w1", NOW) == 20
 
 
+def test_a_worker_first_heard_mid_stream_is_asked_for_a_snapshot_at_once():
+    """A router that starts after its workers did missed their first cache events: it asks at
+    the first heartbeat, not at the first delta after the load began."""
+    from router.core import RouterCore, RouterSettings
+
+    core = RouterCore(RouterSettings(policy="natsched"))
+    core.on_heartbeat(make_hb("late", kv_seq=7), NOW)  # 7 events out, none seen here
+    core.on_heartbeat(make_hb("fresh", kv_seq=0), NOW)  # nothing published yet: nothing missed
+    core.on_cache_event(make_event("early", 1, kind="snapshot", hashes=PREFIX), NOW)
+    core.on_heartbeat(make_hb("early", kv_seq=1), NOW)  # its first snapshot came before its heartbeat
+    assert core.pop_snapshot_requests() == ["late"]
+    assert not core.index.is_trusted("late") and core.index.is_trusted("fresh") and core.index.is_trusted("early")
+    core.on_heartbeat(make_hb("late", seq=2, kv_seq=7), NOW + 0.5)
+    assert core.pop_snapshot_requests() == []  # asked once (again only after snapshot_retry_s)
+    assert core.on_cache_event(make_event("late", 8, kind="snapshot", hashes=PREFIX), NOW + 1) is True
+    assert core.index.is_trusted("late") and core.index.match_one(PREFIX, "late", NOW + 1) == 20
+
+
 # ---------------------------------------------------------------- restart / re-register
 
 
