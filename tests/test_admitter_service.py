@@ -308,7 +308,7 @@ async def test_a_released_reservation_leaves_only_an_expiring_tombstone(bus, nat
 
 async def test_between_full_reconciliations_a_replica_keeps_only_recent_own_records(bus, nats_url):
     """Its memory of its own records is bounded without a full read; the records stay stored."""
-    from admitter.service import REMEMBER_S
+    from admitter.repair import REMEMBER_S
     from admitter.shared import Reservation
 
     adm = await start_admitter(nats_url)
