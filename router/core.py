@@ -88,12 +88,10 @@ class RouterCore:
             self.index.reset_worker(w, now)
             self.claims.reset(w)
         if joined and hb.kv_seq and not self.index.has_seen(w):
-            # this router started after the worker's cache events did: what it holds is unknown,
-            # so ask now rather than at the first delta (a gap), one request in after the load began
-            # (expected whenever a router starts beside running workers: not a warning)
-            if self.index.distrust(w, f"first heard at cache-event seq {hb.kv_seq}", logging.INFO) and \
-                    self.index.needs_snapshot(w, now):
-                self._snapshot_requests[w] = None
+            # this router started after the worker's cache events did: ask for what it holds now,
+            # before the first delta after the load began shows the gap. Trust is left as it was:
+            # a gap still distrusts and asks at once, and whichever snapshot comes settles it
+            self._snapshot_requests[w] = None
         self._check_fresh(w)
 
     def on_cache_event(self, ev: CacheEvent, now: float) -> bool:

@@ -264,16 +264,16 @@ class PrefixIndex:
         self._mark += 1
         self._reset_mark[w] = self._mark
 
-    def distrust(self, w: WorkerId, reason: str, level: int = logging.WARNING) -> bool:
+    def distrust(self, w: WorkerId, reason: str) -> bool:
         """Ignore ``w``'s claims until its next snapshot; True if it was trusted until now."""
         if w in self._untrusted:
             return False
-        self._mark_untrusted(w, reason, level)
+        self._mark_untrusted(w, reason)
         return True
 
-    def _mark_untrusted(self, w: WorkerId, reason: str, level: int = logging.WARNING) -> None:
+    def _mark_untrusted(self, w: WorkerId, reason: str) -> None:
         if w not in self._untrusted:
-            log.log(level, "index: worker %s untrusted until snapshot (%s)", w, reason)
+            log.warning("index: worker %s untrusted until snapshot (%s)", w, reason)
         self._untrusted.add(w)
 
     def is_trusted(self, w: WorkerId) -> bool:

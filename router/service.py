@@ -117,11 +117,13 @@ class RouterService:
             self.metrics.set_worker_states([str(getattr(s, "value", s)) for s in
                                             (self.core.registry.state(w, now) for w in list(self.core.workers))])
             self.metrics.index_entries.set(self.core.index.stats()["entries"])
-            for worker in self.core.pop_snapshot_requests():
-                log.info("asking worker %s for a cache snapshot", worker)
-                self.metrics.snapshot_requests.inc()
-                await self.bus.publish(S.control(worker), Control(kind="snapshot", ts=time.time(),
-                                                                  by=self.settings.name))
+            await self._ask_snapshots()
+
+    async def _ask_snapshots(self) -> None:
+        for worker in self.core.pop_snapshot_requests():
+            log.info("asking worker %s for a cache snapshot", worker)
+            self.metrics.snapshot_requests.inc()
+            await self.bus.publish(S.control(worker), Control(kind="snapshot", ts=time.time(), by=self.settings.name))
 
     async def _on_heartbeat(self, subject: str, data: bytes, headers: dict) -> None:
         try:
@@ -135,6 +137,7 @@ class RouterService:
             self.metrics.bad_reports.labels("heartbeat").inc()
             return
         self.core.on_heartbeat(hb, time.time())
+        await self._ask_snapshots()  # a worker first heard mid-stream: ask now, not at the next tick
 
     async def _on_cache_event(self, subject: str, data: bytes, headers: dict) -> None:
         try:
