@@ -51,6 +51,10 @@ _RETRYABLE = (NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnav
 _NOT_PROCESSED = (NoRespondersError, NoStreamResponseError, ServiceUnavailableError)
 
 
+#: ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ts>.<pending>``
+_ACK_V1_TOKENS = 9
+
+
 class Delivery:
     """One JetStream message handed to a consumer handler, with its ack verbs."""
 
@@ -70,7 +74,12 @@ class Delivery:
 
     @property
     def num_delivered(self) -> int:
-        return self._msg.metadata.num_delivered
+        """Read off the ack subject's one token: every handler asks (is this a redelivery?), and
+        nats-py's full ``metadata`` (sequences, a datetime, names) costs several times more."""
+        tokens = (self._msg.reply or "").split(".")
+        if len(tokens) == _ACK_V1_TOKENS and tokens[:2] == ["$JS", "ACK"] and tokens[4].isdigit():
+            return int(tokens[4])
+        return self._msg.metadata.num_delivered  # the domain form, or not a JetStream message (raises)
 
     @property
     def stream_seq(self) -> int:

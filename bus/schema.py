@@ -49,6 +49,8 @@ class _Spec:
     key: str
     required: bool
     check: Any  # callable(value, path) -> value
+    exact: frozenset = frozenset()  # value types taken as they are, without calling ``check``
+    nested: bool = False  # a Schema or a list of them: ``to_wire`` converts it
 
 
 def _scalar_check(types_: tuple[type, ...], label: str):
@@ -99,6 +101,34 @@ def _checker(tp: Any):
     return lambda v, p: v
 
 
+def _exact_types(tp: Any) -> frozenset:
+    """The value types a field of annotation ``tp`` accepts with no conversion and no further
+    check (``type(v) in ...``: a bool is never taken for an int). Decoding takes these as they
+    are, which is most fields of most messages; anything else goes through the field's checker,
+    which converts or raises naming the field. Empty where every value needs the checker."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _exact_types(inner[0]) if len(inner) == 1 else frozenset()
+    supertype = getattr(tp, "__supertype__", None)  # NewType
+    if supertype is not None:
+        return _exact_types(supertype)
+    if tp is float:
+        return frozenset((int, float))
+    if tp in (int, str, bool, bytes):
+        return frozenset((tp,))
+    if origin is dict:
+        return frozenset((dict,))
+    return frozenset()
+
+
+def _is_nested(tp: Any) -> bool:
+    """Could a value of this annotation hold a Schema (itself, in a list, or in a union)?"""
+    if isinstance(tp, type) and issubclass(tp, Schema):
+        return True
+    return any(_is_nested(a) for a in typing.get_args(tp))
+
+
 class Schema:
     """Base of every wire message: versioned, tolerant of unknown fields, strict on known ones."""
 
@@ -115,7 +145,9 @@ class Schema:
             specs = []
             for f in dataclasses.fields(cls):  # type: ignore[arg-type]
                 required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                specs.append(_Spec(f.name, f.metadata.get("wire", f.name), required, _checker(hints[f.name])))
+                tp = hints[f.name]
+                specs.append(_Spec(f.name, f.metadata.get("wire", f.name), required, _checker(tp),
+                                   _exact_types(tp), _is_nested(tp)))
             cls._specs = tuple(specs)
         return cls._specs
 
@@ -125,14 +157,18 @@ class Schema:
         if not isinstance(data, dict):
             raise SchemaError(f"{path or cls.__name__} must be a map, got {type(data).__name__}", path or None)
         kwargs = {}
-        for spec in cls._compile():
-            where = f"{path}.{spec.key}" if path else spec.key
-            value = data.get(spec.key)
+        get = data.get
+        for spec in cls._specs or cls._compile():
+            value = get(spec.key)
             if value is None:
                 if spec.required:
+                    where = f"{path}.{spec.key}" if path else spec.key
                     raise SchemaError(f"missing required field '{where}' in {cls.__name__}", where)
                 continue
-            kwargs[spec.name] = spec.check(value, where)
+            if type(value) in spec.exact:  # the common case: a scalar of the declared type
+                kwargs[spec.name] = value
+            else:
+                kwargs[spec.name] = spec.check(value, f"{path}.{spec.key}" if path else spec.key)
         obj = cls(**kwargs)
         obj.__post_init_check__()
         return obj
@@ -142,14 +178,16 @@ class Schema:
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for spec in type(self)._compile():
+        cls = type(self)
+        for spec in cls._specs or cls._compile():
             value = getattr(self, spec.name)
             if value is None:
                 continue
-            if isinstance(value, Schema):
-                value = value.to_wire()
-            elif isinstance(value, list) and value and isinstance(value[0], Schema):
-                value = [v.to_wire() for v in value]
+            if spec.nested:
+                if isinstance(value, Schema):
+                    value = value.to_wire()
+                elif isinstance(value, list) and value and isinstance(value[0], Schema):
+                    value = [v.to_wire() for v in value]
             out[spec.key] = value
         return out
 

@@ -83,6 +83,9 @@ HDR_MSG_ID = "Nats-Msg-Id"  # JetStream dedup: the request id
 HDR_REPLY = "Natsched-Reply"  # reply subject, readable even when the body is not
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_T = r"[A-Za-z0-9_-]{1,128}"
+#: the reply subjects a request may name (``reply_allowed``); groups 1 and 2 capture the tenant
+_REPLY = re.compile(rf"resp\.(?:{_T}|({_T})\.{_T})|outcome\.({_T})\.{_T}\.{_T}|bench\.resp\.{_T}")
 
 
 def token(value: str, what: str = "token") -> str:
@@ -137,14 +140,11 @@ def reply_allowed(reply: str, tenant: str | None = None) -> bool:
     ``bench.resp.<run>`` are accepted, never another tenant's, a KV key or a stream subject.
     ``tenant=None`` accepts any tenant's.
     """
-    parts = reply.split(".")
-    if not all(_TOKEN.match(p) for p in parts):
+    m = _REPLY.fullmatch(reply)  # one match: it runs on every request decoded
+    if m is None:
         return False
-    if parts[0] == "resp":
-        return len(parts) == 2 or (len(parts) == 3 and tenant in (None, parts[1]))
-    if parts[0] == "outcome":
-        return len(parts) == 4 and tenant in (None, parts[1])
-    return len(parts) == 3 and parts[:2] == ["bench", "resp"]
+    owner = m.group(1) or m.group(2)  # resp.<id> and bench.resp.<run> belong to no tenant
+    return tenant is None or owner is None or owner == tenant
 
 
 def decision(stage: str, tenant: TenantId) -> str:

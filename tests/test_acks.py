@@ -83,3 +83,20 @@ async def test_no_responders_is_reported_at_once(bus):
     future = await inbox.publish("nobody.listens.here", b"x", None)
     with pytest.raises(NoRespondersError):
         await asyncio.wait_for(future, 2.0)
+
+
+async def test_an_ack_with_more_than_a_plain_publishs_fields_is_read_whole(bus):
+    """The common ack (stream, seq, duplicate) is built directly; any other field a server adds
+    (counters' ``val``, batches) goes through nats-py's own reader, so nothing is dropped."""
+    inbox = AckInbox(bus.nc)
+    await inbox.start()
+    sink = await bus.nc.subscribe("acktest.sink")  # someone listens, so the server says nothing itself
+    plain = await inbox.publish("acktest.sink", b"x", None)
+    other = await inbox.publish("acktest.sink", b"x", None)
+    token = lambda f: next(t for t, (fut, _) in inbox._waiting.items() if fut is f)  # noqa: E731
+    for future, body in ((plain, b'{"stream":"S","seq":7,"duplicate":true}'),
+                         (other, b'{"stream":"S","seq":8,"val":"12"}')):
+        await bus.nc.publish(inbox._prefix + token(future), body)
+    assert (await plain).seq == 7 and (await plain).duplicate is True
+    assert (await other).seq == 8 and (await other).val == "12"
+    await sink.unsubscribe()

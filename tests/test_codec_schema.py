@@ -113,3 +113,58 @@ def test_negative_counts_are_refused_and_named(message, field):
     or make a worker look better than idle: the message is invalid instead."""
     with pytest.raises(SchemaError, match=f"'{field}' must be >= 0"):
         type(message).decode(message.encode())
+
+
+@pytest.mark.parametrize("reply,tenant,allowed", [
+    ("resp.r1", "t", True), ("resp.t.r1", "t", True), ("resp.t.r1", None, True), ("resp.u.r1", "t", False),
+    ("outcome.t.b.j", "t", True), ("outcome.u.b.j", "t", False), ("outcome.t.b", "t", False),
+    ("bench.resp.run", "t", True), ("bench.other.run", "t", False), ("resp.a.b.c", None, False),
+    ("resp", None, False), ("resp.", None, False), ("resp.*", None, False), ("resp.r1\n", None, False),
+    ("work.w1", None, False), ("$KV.inflight.usage", None, False), ("", None, False),
+])
+def test_reply_subjects_a_request_may_name(reply, tenant, allowed):
+    """One regular expression decides it (it runs on every request decoded): the same table as
+    the rule in subjects.md, including a trailing newline, which a per-token ``match`` let through."""
+    from bus.subjects import reply_allowed
+
+    assert reply_allowed(reply, tenant) is allowed
+
+
+def test_a_number_field_keeps_an_int_and_a_bool_is_never_an_int():
+    """Decoding takes a value of the declared type as it is and sends anything else to the
+    field's checker: an int where a float is declared stays an int, a bool is refused for an int."""
+    wire = Completion(request_id="r", tenant="t", status="ok", runtime_tokens=3, ttft=1).to_wire()
+    assert type(Completion.from_wire(wire).ttft) is int
+    with pytest.raises(SchemaError) as err:
+        Completion.from_wire(wire | {"runtime_tokens": False})
+    assert err.value.field == "runtime_tokens" and "bool" in str(err.value)
+
+
+class _Msg:
+    def __init__(self, reply):
+        self.reply, self.subject, self.data, self.headers = reply, "s", b"", None
+
+    @property
+    def metadata(self):
+        from nats.aio.msg import Msg
+
+        return Msg.Metadata._from_reply(self.reply)
+
+
+@pytest.mark.parametrize("reply,delivered", [
+    ("$JS.ACK.WORK.worker-w1.3.17.9.1700000000000000000.0", 3),  # the form a server without a domain sends
+    ("$JS.ACK.hub.ACCHASH.WORK.worker-w1.4.17.9.1700000000000000000.2.xyz", 4),  # with a domain: nats-py's parser
+])
+def test_a_deliverys_count_is_read_off_its_ack_subject(reply, delivered):
+    from bus.connection import Delivery
+
+    assert Delivery(_Msg(reply)).num_delivered == delivered
+
+
+def test_a_message_without_an_ack_subject_is_no_delivery():
+    from nats.errors import Error
+
+    from bus.connection import Delivery
+
+    with pytest.raises(Error):
+        Delivery(_Msg("")).num_delivered
