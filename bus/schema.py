@@ -337,6 +337,12 @@ class Reply(Schema):
     output_tokens: int | None = None
     ttft: float | None = None
     tpot: float | None = None
+    # on a worker's final reply: when the request was admitted, routed, and received by the
+    # worker (unix seconds; the first two copied from its Assignment). What the producer waited
+    # for before any engine work, by stage, on the clocks of the services that did it.
+    admitted_at: float | None = None
+    routed_at: float | None = None
+    received_at: float | None = None
     v: int = SCHEMA_VERSION
 
     @property

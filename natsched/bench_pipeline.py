@@ -2,8 +2,11 @@
 
 Workers run the :class:`~workers.nullengine.NullEngine` (no compute), so what is measured is
 admission + routing + the bus. The benchmark process publishes requests open-loop at a fixed
-rate and watches ``work.>`` with a plain subscription: the moment an assignment is published
-to a worker's subject is the moment that worker is handed it.
+rate; each worker's final reply carries the moment its agent received the assignment (and the
+admitter's and router's stamps), so the overhead ends where the issue puts it, at the worker,
+and the generator needs nothing but the replies a producer gets anyway. (Earlier versions
+watched ``work.>`` with a plain subscription: that copy leaves the server when the hand-off is
+published, before it is stored and delivered, and cost the generator a decode per request.)
 
 Reported, in the same run: overhead (publish -> assignment) p50/p99, sustained
 admitted-and-routed requests per second, requests lost (published, acknowledged by JetStream,
@@ -38,7 +41,7 @@ import orjson
 
 from bus import subjects as S
 from bus.connection import Bus
-from bus.schema import Assignment, Reply, Request
+from bus.schema import Reply, Request
 from bus.server import free_port
 from natsched.bench_memory import MemorySampler, memory_report, read_cpu_s
 from natsched.supervisor import Supervisor, UpSettings
@@ -96,7 +99,7 @@ async def reference_rtts(bus: Bus, samples: int = 300) -> tuple[float, float]:
 SLOW_MS = 100.0  # a second whose slowest hand-off took this long is listed in "slow_seconds"
 #: the hand-off in three stages, from the timestamps an assignment carries: publish (the
 #: request's ``created``) -> the admitter's commit (``admitted_at``) -> the router's decision
-#: (``routed_at``) -> the WORK message reaching a subscriber. One machine, one clock.
+#: (``routed_at``) -> the worker's agent receiving it (``received_at``). One machine, one clock.
 STAGES = ("admission", "routing", "delivery")
 STAGE_SAMPLES = 100_000  # a uniform sample (reservoir) of that many requests: bounded memory in a soak
 
@@ -110,7 +113,7 @@ class _Tally:
     so the generator's own memory stays flat too (it is one of the sampled processes).
     """
 
-    awaiting_assignment: dict[str, float] = field(default_factory=dict)  # request id -> publish time
+    awaiting_assignment: dict[str, float] = field(default_factory=dict)  # request id -> publish time (unix s)
     awaiting_final: set[str] = field(default_factory=set)
     overhead_ms: array = field(default_factory=lambda: array("d"))
     last_assigned: float = float("nan")
@@ -187,19 +190,19 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
     sampler: MemorySampler | None = None
     sampling: asyncio.Task | None = None
 
-    async def on_work(subject: str, data: bytes, headers: dict) -> None:
-        now, a = time.perf_counter(), Assignment.decode(data)
-        created = a.request.created
-        stamps = None if created is None else (created, a.admitted_at, a.routed_at, time.time())
-        tally.on_assigned(a.request.id, now, stamps)
-
     async def on_reply(subject: str, data: bytes, headers: dict) -> None:
         reply = Reply.decode(data)
-        if reply.final:
-            tally.on_final(reply.request_id, reply.kind, reply.worker)
+        if not reply.final:
+            return
+        if reply.received_at is not None:  # a worker had it: the hand-off ended at its receipt
+            created = tally.awaiting_assignment.get(reply.request_id)
+            stamps = None
+            if created is not None and reply.admitted_at is not None and reply.routed_at is not None:
+                stamps = (created, reply.admitted_at, reply.routed_at, reply.received_at)
+            tally.on_assigned(reply.request_id, reply.received_at, stamps)
+        tally.on_final(reply.request_id, reply.kind, reply.worker)
 
     try:
-        await bus.subscribe(S.WORK_ALL, on_work)
         await bus.subscribe(reply_to, on_reply)
         await bus.nc.flush()
         total = int(run.rate * run.duration_s)
@@ -208,16 +211,18 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
             sampler = MemorySampler(pids, bus.js, run.sample_every_s, time.monotonic())
             sampling = asyncio.create_task(sampler.run(), name="memory-sampler")
         cpu0 = {name: read_cpu_s(pid) for name, pid in (pids or {}).items()}
-        t0 = tally.t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the pacing clock; the tally's is the wall clock the services stamp
+        tally.t0 = time.time()
         for i in range(total):
             target = t0 + i / run.rate
             delay = target - time.perf_counter()
             if delay > 0.001:
                 await asyncio.sleep(delay)
             rid = f"{run_id}-{i}"
+            created = time.time()
             req = Request(id=rid, tenant="bench", cls=S.ONLINE, prompt="ping " * 8, max_tokens=1, reply=reply_to,
-                          created=time.time())
-            tally.awaiting_assignment[rid] = time.perf_counter()
+                          created=created)
+            tally.awaiting_assignment[rid] = created
             tally.awaiting_final.add(rid)
             future = await bus.js.publish_async(S.request(S.ONLINE, "bench"), req.encode(),
                                                 headers={S.HDR_MSG_ID: rid, S.HDR_REPLY: reply_to})
@@ -237,7 +242,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
             memory = memory_report(sampler.samples, run.duration_s, run.sample_every_s)
         assigned = len(tally.overhead_ms)
         overhead = list(tally.overhead_ms)
-        span = tally.last_assigned - t0
+        span = tally.last_assigned - tally.t0
         nats_rtt, js_rtt = await reference_rtts(bus)
         result = {
             "rate": run.rate, "duration_s": run.duration_s, "admitters": run.admitters, "routers": run.routers,
@@ -415,7 +420,7 @@ def print_table(results: list[dict]) -> None:
     stages = r.get("stages_ms")
     if stages:
         print("stages p50/p99 ms: " + ", ".join(f"{name} {v['p50']:.2f}/{v['p99']:.2f}" for name, v in stages.items())
-              + "  (publish -> admission commit -> routing decision -> WORK received)")
+              + "  (publish -> admission commit -> routing decision -> the worker received it)")
     per_second = r.get("per_second")
     if per_second:  # a long run would make a long line: the first 30 seconds and the worst one
         shown = list(per_second.items())[:30]

@@ -281,3 +281,32 @@ async def test_a_request_running_longer_than_the_ack_wait_is_kept_alive_and_runs
         assert not agent._progress  # nothing left to keep alive
     finally:
         await agent.stop()
+
+
+async def test_a_final_reply_says_when_the_request_was_admitted_routed_and_received(bus):
+    """The producer learns where its wait went before any engine work: the admitter's and the
+    router's stamps, copied from the assignment, and the moment this worker's agent received it
+    (what ``natsched bench pipeline`` measures the scheduler's overhead to). An engine failure's
+    error reply carries them too."""
+    engine = ScriptedEngine(steps=2)
+    agent = WorkerAgent(bus, engine, settings("wstamp"))
+    await agent.start()
+    try:
+        outcomes = {}
+        for rid, fail in (("stamped-ok", False), ("stamped-err", True)):
+            req = make_request(id=rid)
+            req.reply = S.tenant_reply(req.tenant, req.id)
+            replies = await collect(bus, req.reply, Reply)
+            engine.failure = "boom" if fail else None
+            routed = time.time()
+            a = Assignment(request=req, worker=WorkerId("wstamp"), runtime_tokens=100, admitted_at=routed - 0.5,
+                           routed_at=routed)
+            await bus.jpublish(S.work(WorkerId("wstamp")), a, msg_id=f"{req.id}:work")
+            assert await wait_for(lambda: any(r.final for r in replies))
+            outcomes[rid] = next(r for r in replies if r.final)
+            assert outcomes[rid].admitted_at == a.admitted_at and outcomes[rid].routed_at == a.routed_at
+            assert routed <= outcomes[rid].received_at <= time.time()
+        assert outcomes["stamped-ok"].kind == "result" and outcomes["stamped-err"].kind == "error"
+    finally:
+        engine.failure = None
+        await agent.stop()

@@ -131,6 +131,7 @@ class WorkerAgent:
 
     # --- assignments ------------------------------------------------------------------
     async def _on_assignment(self, d: Delivery) -> None:
+        received = time.time()  # the moment the scheduler's hand-off ends (Reply.received_at)
         assignment = Assignment.decode(d.data)  # MessageError -> dead letter (by the Bus)
         rid = assignment.request.id
         if rid in self.inflight:
@@ -143,12 +144,12 @@ class WorkerAgent:
             await d.nak(delay=1.0)  # not ours to run any more; redelivered to us or re-routed later
             return
         if rid in self.cancelled:  # its producer gave up before it reached us: close it, run nothing
-            await self._finish(assignment, _CANCELLED, time.time(), None)
+            await self._finish(assignment, _CANCELLED, time.time(), None, received=received)
             await d.ack()
             return
-        self.inflight[rid] = asyncio.create_task(self._run(assignment, d), name=f"run:{rid}")
+        self.inflight[rid] = asyncio.create_task(self._run(assignment, d, received), name=f"run:{rid}")
 
-    async def _run(self, a: Assignment, d: Delivery) -> None:
+    async def _run(self, a: Assignment, d: Delivery, received: float) -> None:
         req = a.request
         started = time.time()
         self._progress[req.id] = (d, time.monotonic())
@@ -159,20 +160,20 @@ class WorkerAgent:
         try:
             if req.deadline is not None and started > req.deadline:
                 final = EngineOutput(0, finished=True, finish_reason="error", error="deadline_exceeded")
-                await self._finish(a, final, started, None)
+                await self._finish(a, final, started, None, received=received)
             else:
-                await self._generate(a, started)
+                await self._generate(a, started, received)
             await d.ack()
         except asyncio.CancelledError:
             if req.id not in self.cancelled:
                 raise  # the agent is stopping: left un-acked, redelivered elsewhere
             asyncio.current_task().uncancel()  # our own cancel: the request ends, reported
-            await self._finish(a, _CANCELLED, started, None)
+            await self._finish(a, _CANCELLED, started, None, received=received)
             await d.ack()
         except Exception as exc:  # engine failure: recorded as an outcome, never dropped
             log.exception("request %s failed on %s", req.id, self.id)
             await self._finish(a, EngineOutput(0, finished=True, finish_reason="error", error=f"engine_error: {exc}"),
-                               started, None)
+                               started, None, received=received)
             await d.ack()
         finally:
             self._progress.pop(req.id, None)
@@ -184,7 +185,7 @@ class WorkerAgent:
             if self.state == "quiescing" and not self.inflight:
                 self._stopped.set()
 
-    async def _generate(self, a: Assignment, started: float) -> None:
+    async def _generate(self, a: Assignment, started: float, received: float) -> None:
         req = a.request
         engine_req = EngineRequest(
             id=req.id,
@@ -206,12 +207,13 @@ class WorkerAgent:
                                                         token_ids=out.token_ids, index=out.index,
                                                         worker=self.id))  # where to cancel, even before "assigned"
             if out.finished:
-                await self._finish(a, out, started, first_at, "".join(texts))
+                await self._finish(a, out, started, first_at, "".join(texts), received)
                 return
         raise RuntimeError("engine stream ended without a final output")
 
     async def _finish(
-        self, a: Assignment, out: EngineOutput, started: float, first_at: float | None, text: str = ""
+        self, a: Assignment, out: EngineOutput, started: float, first_at: float | None, text: str = "",
+        received: float | None = None,
     ) -> None:
         req, now = a.request, time.time()
         ok = out.error is None
@@ -238,14 +240,17 @@ class WorkerAgent:
             self.metrics.duplicate_runs.inc()
         self._observe(completion)
         if req.reply and not answered:
+            # where the time before the engine went: the scheduler's stamps and this worker's receipt
+            stamps = dict(admitted_at=a.admitted_at, routed_at=a.routed_at, received_at=received)
             if ok:
                 reply = Reply(request_id=req.id, kind="result", text=None if req.stream else text,
                               worker=self.id, finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
-                              cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot)
+                              cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot,
+                              **stamps)
             else:
                 reason, _, message = (out.error or "").partition(": ")
                 reply = Reply(request_id=req.id, kind="error", status="failed", reason=reason or "engine_error",
-                              message=message or out.error, worker=self.id)
+                              message=message or out.error, worker=self.id, **stamps)
             await self.bus.publish(req.reply, reply)
         log.info("request %s %s on %s: %d prompt (%d cached), %d out", req.id, completion.status, self.id,
                  out.prompt_tokens, out.cached_tokens, out.output_tokens)
