@@ -64,12 +64,24 @@ def _scalar_check(types_: tuple[type, ...], label: str):
     return check
 
 
+def _unwrap(tp: Any) -> Any:
+    """The annotation a field's values are checked against: ``X | None`` and ``NewType`` of X are X."""
+    while True:
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            inner = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(inner) != 1:
+                return tp  # a real union: any value goes (decoders of such fields check themselves)
+            tp = inner[0]
+        elif getattr(tp, "__supertype__", None) is not None:  # NewType
+            tp = tp.__supertype__
+        else:
+            return tp
+
+
 def _checker(tp: Any):
     """Build a validator for one annotation (Optional, list, dict, nested Schema, scalars)."""
+    tp = _unwrap(tp)
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _checker(inner[0]) if len(inner) == 1 else (lambda v, p: v)
     if origin is list:
         (item,) = typing.get_args(tp) or (Any,)
         item_check = _checker(item)
@@ -95,9 +107,6 @@ def _checker(tp: Any):
         return _scalar_check((tp,), {int: "an integer", str: "a string", bool: "a boolean"}[tp])
     if tp is bytes:
         return _scalar_check((bytes,), "bytes")
-    supertype = getattr(tp, "__supertype__", None)  # NewType
-    if supertype is not None:
-        return _checker(supertype)
     return lambda v, p: v
 
 
@@ -106,18 +115,12 @@ def _exact_types(tp: Any) -> frozenset:
     check (``type(v) in ...``: a bool is never taken for an int). Decoding takes these as they
     are, which is most fields of most messages; anything else goes through the field's checker,
     which converts or raises naming the field. Empty where every value needs the checker."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _exact_types(inner[0]) if len(inner) == 1 else frozenset()
-    supertype = getattr(tp, "__supertype__", None)  # NewType
-    if supertype is not None:
-        return _exact_types(supertype)
+    tp = _unwrap(tp)
     if tp is float:
         return frozenset((int, float))
     if tp in (int, str, bool, bytes):
         return frozenset((tp,))
-    if origin is dict:
+    if typing.get_origin(tp) is dict:
         return frozenset((dict,))
     return frozenset()
 

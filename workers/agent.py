@@ -162,7 +162,7 @@ class WorkerAgent:
                 final = EngineOutput(0, finished=True, finish_reason="error", error="deadline_exceeded")
                 await self._finish(a, final, started, None, received=received)
             else:
-                await self._generate(a, started, received)
+                await self._generate(a, started, received=received)
             await d.ack()
         except asyncio.CancelledError:
             if req.id not in self.cancelled:
@@ -185,7 +185,7 @@ class WorkerAgent:
             if self.state == "quiescing" and not self.inflight:
                 self._stopped.set()
 
-    async def _generate(self, a: Assignment, started: float, received: float) -> None:
+    async def _generate(self, a: Assignment, started: float, *, received: float) -> None:
         req = a.request
         engine_req = EngineRequest(
             id=req.id,
@@ -207,13 +207,13 @@ class WorkerAgent:
                                                         token_ids=out.token_ids, index=out.index,
                                                         worker=self.id))  # where to cancel, even before "assigned"
             if out.finished:
-                await self._finish(a, out, started, first_at, "".join(texts), received)
+                await self._finish(a, out, started, first_at, "".join(texts), received=received)
                 return
         raise RuntimeError("engine stream ended without a final output")
 
     async def _finish(
         self, a: Assignment, out: EngineOutput, started: float, first_at: float | None, text: str = "",
-        received: float | None = None,
+        *, received: float | None = None,
     ) -> None:
         req, now = a.request, time.time()
         ok = out.error is None
