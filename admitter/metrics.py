@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+HANDOFF_BUCKETS = LATENCY_BUCKETS + (0.25, 0.5, 1, 2.5)  # a busy bus takes seconds
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class AdmitterMetrics:
@@ -22,6 +24,13 @@ class AdmitterMetrics:
                                     ["class"], buckets=WAIT_BUCKETS, registry=r)
         self.latency = Histogram("natsched_admission_decision_latency_seconds",
                                  "Policy time plus the shared-state commit", buckets=LATENCY_BUCKETS, registry=r)
+        # where a request's time goes under load: how many are decided together, and how long
+        # each batch then waits for the bus to store its reservations and hand-offs
+        self.batch = Histogram("natsched_admission_batch_requests", "Pulled requests decided together",
+                               buckets=BATCH_BUCKETS, registry=r)
+        self.handoff = Histogram("natsched_admission_handoff_seconds",
+                                 "One batch's wait for its reservations and hand-offs to be stored",
+                                 buckets=HANDOFF_BUCKETS, registry=r)
         self.repairs = Counter("natsched_admission_reconciliation_repairs", "Drift repaired by reconciliation",
                                ["kind"], registry=r)
         self.cas_conflicts = Counter("natsched_admission_cas_conflicts", "Shared-usage writes that lost a race",

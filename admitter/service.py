@@ -196,6 +196,7 @@ class AdmitterService(Repairs):
                 items.append((d, request))
         if not items:
             return
+        self.metrics.batch.observe(len(items))
         started = time.perf_counter()
         now = time.time()
         async with self._lock:
@@ -339,7 +340,11 @@ class AdmitterService(Repairs):
                 self.held[rid] = Held(d, request, now)
         # the reservation records go out first on this connection, so the server stores them
         # before the hand-offs; the completion that deletes one is a service or two further away
-        acks = await self.bus.jpublish_batch([out for _, out in reservations] + handoffs)
+        outgoing = [out for _, out in reservations] + handoffs
+        sent = time.perf_counter()
+        acks = await self.bus.jpublish_batch(outgoing)
+        if outgoing:
+            self.metrics.handoff.observe(time.perf_counter() - sent)
         for (res, _), ack in zip(reservations, acks):
             self.shared.recorded(res, ack.seq)
         for request, dec, d, queue_wait, _ in entries:

@@ -71,6 +71,27 @@ def free_port(host: str = DEFAULT_HOST) -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, host: str = DEFAULT_HOST, tries: int = 50) -> int:
+    """The first of ``n`` consecutive ports free right now (for services numbered from a base port)."""
+    for _ in range(tries):
+        base = free_port(host)
+        if base + n - 1 > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise ServerError(f"no {n} consecutive free ports on {host} after {tries} tries")
+
+
 def _wait_listening(host: str, port: int, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -32,17 +32,19 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from array import array
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from bus import subjects as S
 from bus.connection import Bus
 from bus.schema import Reply, Request
-from bus.server import free_port
+from bus.server import free_port, free_ports
 from natsched.bench_memory import MemorySampler, memory_report, read_cpu_s
 from natsched.supervisor import Supervisor, UpSettings
 
@@ -181,8 +183,33 @@ class _Tally:
             self.published += 1
 
 
-async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) -> dict:
-    """Publish the load, wait for the replies, measure; sample memory when ``pids`` and ``run.sample_every_s``."""
+def admitter_batches(ports: list[int]) -> dict[str, float]:
+    """The admitters' batch histograms summed (``natsched_admission_batch_requests``,
+    ``_handoff_seconds``): how many requests each decision batch held and how long its
+    hand-offs took to be stored. Read from their Prometheus endpoints."""
+    want = {"natsched_admission_batch_requests_count": "batches", "natsched_admission_batch_requests_sum": "requests",
+            "natsched_admission_handoff_seconds_count": "handoffs", "natsched_admission_handoff_seconds_sum": "handoff_s"}
+    out = dict.fromkeys(want.values(), 0.0)
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in want:
+                    out[want[sample.name]] += sample.value
+    return out
+
+
+def _batch_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    d = {k: after[k] - before[k] for k in after}
+    return {"batches": int(d["batches"]), "mean_requests": d["requests"] / d["batches"] if d["batches"] else 0.0,
+            "handoff_mean_ms": 1000 * d["handoff_s"] / d["handoffs"] if d["handoffs"] else 0.0}
+
+
+async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None,
+                admitter_ports: list[int] | None = None) -> dict:
+    """Publish the load, wait for the replies, measure; sample memory when ``pids`` and ``run.sample_every_s``;
+    read the admitters' batch metrics when ``admitter_ports``."""
     bus = await Bus.connect(url, name="bench-pipeline")
     run_id = uuid.uuid4().hex[:12]
     reply_to = S.bench_reply(run_id)
@@ -211,6 +238,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
             sampler = MemorySampler(pids, bus.js, run.sample_every_s, time.monotonic())
             sampling = asyncio.create_task(sampler.run(), name="memory-sampler")
         cpu0 = {name: read_cpu_s(pid) for name, pid in (pids or {}).items()}
+        batches0 = await asyncio.to_thread(admitter_batches, admitter_ports) if admitter_ports else None
         t0 = time.perf_counter()  # the pacing clock; the tally's is the wall clock the services stamp
         tally.t0 = time.time()
         for i in range(total):
@@ -234,6 +262,8 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
         while tally.finals < tally.published and time.perf_counter() < deadline:
             await asyncio.sleep(0.05)
         cpu = cpu_per_request(cpu0, pids or {}, tally.finals)
+        batches = (_batch_summary(batches0, await asyncio.to_thread(admitter_batches, admitter_ports))
+                   if batches0 is not None else None)
         memory = None
         if sampler is not None:
             sampling.cancel()
@@ -257,6 +287,8 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None) 
         }
         if cpu:
             result["cpu_ms_per_request"] = cpu
+        if batches is not None:
+            result["admitter_batches"] = batches
         # second by second, and the seconds whose requests waited longest: where a run's tail comes from
         per_second = tally.by_second()
         result["per_second"] = {str(k): {name: round(v, 3) for name, v in row.items()} for k, row in per_second.items()}
@@ -294,9 +326,10 @@ def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
     data_dir = tempfile.mkdtemp(prefix="natsched-bench-")
     if run.floor:  # no admitter or router: the relay takes their place
         run = replace(run, admitters=0, routers=0, inline_routing=False)
-    sup = Supervisor(UpSettings(workers=run.workers, admitters=run.admitters, routers=run.routers,
-                                inline_routing=run.inline_routing, credit=run.credit, engine="null",
-                                nats_url=nats_url, port=free_port(), data_dir=data_dir, log_level="warning"))
+    up = UpSettings(workers=run.workers, admitters=run.admitters, routers=run.routers,
+                    inline_routing=run.inline_routing, credit=run.credit, engine="null",
+                    nats_url=nats_url, port=free_port(), data_dir=data_dir, log_level="warning")
+    sup = Supervisor(replace(up, metrics_port=free_ports(up.metered())))  # the admitters' batch metrics
     relay = None
     try:
         url = sup.start(quiet=True)
@@ -309,7 +342,8 @@ def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
         pids["load generator"] = os.getpid()
         from natsched.commands import run_loop  # uvloop, as the services run: the generator's own CPU is shared
 
-        return run_loop(drive(url, run, pids))
+        admitters = [port for name, port in sup.metrics_ports.items() if name.startswith("admitter")]
+        return run_loop(drive(url, run, pids, admitters))
     finally:
         if relay is not None:
             relay.kill()
@@ -428,6 +462,11 @@ def print_table(results: list[dict]) -> None:
         print("p99 ms by publish second: " + " ".join(f"{row['p99_ms']:.1f}" for _, row in shown)
               + (" ..." if len(per_second) > len(shown) else "") + f"  (worst: second {worst[0]}, "
               f"p99 {worst[1]['p99_ms']:.1f}, max {worst[1]['max_ms']:.1f})")
+    batches = r.get("admitter_batches")
+    if batches and batches["batches"]:
+        print(f"admitter batches: {batches['batches']:,}, {batches['mean_requests']:.2f} requests each, "
+              f"hand-off wait {batches['handoff_mean_ms']:.2f} ms on average  (the acks of a batch's "
+              f"reservations and hand-offs)")
     cpu = r.get("cpu_ms_per_request")
     if cpu:
         print("CPU ms per request: " + ", ".join(f"{name} {ms:.3f}" for name, ms in cpu.items()))

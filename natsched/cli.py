@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--auth-dir", type=Path, default=None, metavar="DIR",
                     help="a directory written by natsched auth init: the embedded server enforces its "
                          "permissions and every component connects with its own role's credentials")
+    up.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                    help="Prometheus metrics on PORT and the next ones: admitters, routers, workers, gateway, "
+                         "in that order (each ready line names its port)")
     add_vllm_flags(up)  # passed through to every worker with --engine vllm
 
     adm = sub.add_parser("admitter", help="run one admitter replica", description="Run one admitter replica.")

@@ -41,7 +41,7 @@ def up_settings(args):
                       nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, policy=args.policy,
                       time_scale=args.time_scale, log_level=args.log_level, gateway_port=args.gateway,
                       gateway_keys=args.gateway_keys, auth_dir=args.auth_dir,
-                      extra_worker_args=_worker_passthrough(args))
+                      extra_worker_args=_worker_passthrough(args), metrics_port=args.metrics_port)
 
 
 def cmd_up(args) -> int:

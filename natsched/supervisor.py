@@ -70,6 +70,16 @@ class UpSettings:
     offline: bool = True  # also run the offline runner
     auth_dir: Path | None = None  # from natsched auth init: the server runs its config, each child its role
     log_dir: Path | None = None  # children's stderr to <log_dir>/<name>.log; None: this process's stderr
+    metrics_port: int | None = None  # Prometheus on this port and the next ones: admitters, routers, workers, gateway
+
+    def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - self.metered() + 1:
+            raise ValueError(f"--metrics-port {self.metrics_port}: the {self.metered()} services need "
+                             f"ports {self.metrics_port}..{self.metrics_port + self.metered() - 1} within 1..65535")
+
+    def metered(self) -> int:
+        """How many children serve metrics (the offline runner has none)."""
+        return self.admitters + self.routers + self.workers + (self.gateway_port is not None)
 
 
 @dataclass
@@ -90,6 +100,7 @@ class Supervisor:
         self._stop = threading.Event()
         self.auth: AuthDir | None = None
         self._open_tenant: str | None = None  # an open gateway's tenant under auth
+        self.metrics_ports: dict[str, int] = {}  # child name -> its Prometheus port (metrics_port set)
 
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "natsched", "--log-level", self.s.log_level, *args]
@@ -127,7 +138,20 @@ class Supervisor:
         if self.auth is not None:
             for kid in kids:
                 kid.args += ["--credentials", str(self.auth.creds(kid.user))]
+        self._assign_metrics_ports(kids)
         return kids
+
+    def _assign_metrics_ports(self, kids: list[Child]) -> None:
+        """Consecutive ``--metrics-port``s from ``metrics_port``, in the plan's order."""
+        self.metrics_ports = {}
+        if self.s.metrics_port is None:
+            return
+        port = self.s.metrics_port
+        for kid in kids:
+            if kid.name != "offline":
+                kid.args += ["--metrics-port", str(port)]
+                self.metrics_ports[kid.name] = port
+                port += 1
 
     def _open_auth(self) -> None:
         """Before anything starts, check ``--auth-dir``: a credentials file for every child and
@@ -217,7 +241,8 @@ class Supervisor:
             self._spawn(child)
         for child in self.children:
             self._await_ready(child, started + self.s.ready_timeout_s, say)
-            say(f"ready: {child.name} (pid {child.proc.pid}) {child.detail}".rstrip(), flush=True)
+            metrics = f" metrics :{self.metrics_ports[child.name]}" if child.name in self.metrics_ports else ""
+            say(f"ready: {child.name} (pid {child.proc.pid}) {child.detail}".rstrip() + metrics, flush=True)
         try_it = ("natsched submit --tenant demo --prompt 'hello'" if self.auth is None else
                   f"natsched submit --credentials {self.auth.creds('producer-TENANT')} --tenant TENANT --prompt 'hello'")
         say(f"natsched is up in {time.monotonic() - started:.1f}s on {url}; try: {try_it}  (Ctrl-C stops)",

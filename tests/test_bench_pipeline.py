@@ -151,7 +151,11 @@ def test_a_short_soak_samples_every_process_and_loses_nothing(tmp_path, capsys):
     assert list(stages) == ["admission", "routing", "delivery"]
     assert all(0 <= v["p50"] <= v["p99"] for v in stages.values()), stages
     assert sum(v["p50"] for v in stages.values()) <= data["overhead_p99_ms"] + 1.0, (stages, data["overhead_p99_ms"])
+    batches = data["admitter_batches"]  # read from the admitter's own metrics, before and after the load
+    assert batches["batches"] >= 1 and batches["handoff_mean_ms"] > 0
+    assert batches["batches"] * batches["mean_requests"] == pytest.approx(600)  # every request, pulled once
     text = capsys.readouterr().out
+    assert "admitter batches:" in text
     assert "p99 ms by publish second:" in text
     assert "slope MiB/min" in text and "soak: nothing lost;" in text and "CPU ms per request:" in text
     assert "stages p50/p99 ms: admission" in text
@@ -177,6 +181,7 @@ def test_the_floor_runs_the_same_harness_with_a_bare_relay_and_loses_nothing(tmp
     assert 0 < data["overhead_p50_ms"] <= data["overhead_p99_ms"]
     cpu = data["cpu_ms_per_request"]
     assert "relay" in cpu and "admitter" not in cpu and "router" not in cpu
+    assert "admitter_batches" not in data  # no admitter ran
     assert {"worker w1", "worker w2"} <= set(cpu)
     assert "-  flr" in capsys.readouterr().out  # the table's row says what ran
 

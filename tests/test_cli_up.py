@@ -161,3 +161,28 @@ def test_up_no_credit_reaches_every_admitter_and_credit_is_the_default():
     assert [("--no-credit" in cmd) for cmd in admitters()] == [False, False]
     parsed = build_parser().parse_args(admitters("--no-credit")[0][admitters("--no-credit")[0].index("admitter"):])
     assert parsed.no_credit is True  # the flag the supervisor passes is one the admitter takes
+
+
+def test_up_metrics_port_numbers_every_service_from_it_and_refuses_ports_past_the_range():
+    from natsched.cli import build_parser
+    from natsched.commands import up_settings
+    from natsched.supervisor import Supervisor
+
+    args = build_parser().parse_args(["up", "--admitters", "2", "--workers", "2", "--gateway", "8100",
+                                      "--metrics-port", "9100"])
+    sup = Supervisor(up_settings(args))
+    kids = sup.plan("nats://127.0.0.1:4222")
+    ports = {c.name: int(c.args[c.args.index("--metrics-port") + 1]) for c in kids if "--metrics-port" in c.args}
+    assert ports == {"admitter-1": 9100, "admitter-2": 9101, "router": 9102, "worker w1": 9103,
+                     "worker w2": 9104, "gateway": 9105}  # the offline runner serves none
+    assert sup.metrics_ports == ports
+    for kid in kids:  # each flag is one its own command takes
+        cmd = kid.args[kid.args.index("--log-level") + 2:]
+        if kid.name == "gateway":
+            continue  # natsched gateway has its own parser (gateway.cli), tested with the gateway
+        assert build_parser().parse_args(cmd).metrics_port == ports.get(kid.name)
+    assert all("--metrics-port" not in c.args for c in Supervisor(up_settings(
+        build_parser().parse_args(["up"]))).plan("nats://127.0.0.1:4222"))  # none unless asked
+    too_high = build_parser().parse_args(["up", "--workers", "2", "--metrics-port", "65534"])
+    with pytest.raises(ValueError, match="4 services need ports 65534..65537"):
+        up_settings(too_high)

@@ -30,6 +30,8 @@ EXPECTED = {
         "natsched_admission_queue_depth": "gauge",
         "natsched_admission_queue_wait_seconds": "histogram",
         "natsched_admission_decision_latency_seconds": "histogram",
+        "natsched_admission_batch_requests": "histogram",
+        "natsched_admission_handoff_seconds": "histogram",
         "natsched_admission_reconciliation_repairs": "counter",
         "natsched_admission_cas_conflicts": "counter",
         "natsched_admission_bad_quota_entries": "counter",
@@ -155,6 +157,12 @@ async def test_each_service_serves_its_documented_metrics_and_they_count_real_tr
     assert value(adm, "natsched_admission_queue_wait_seconds", "natsched_admission_queue_wait_seconds_count") == 1
     assert value(adm, "natsched_admission_decision_latency_seconds",
                  "natsched_admission_decision_latency_seconds_count") >= 5
+    # five requests were pulled (the sixth decision is the queued one's allow, from the queue);
+    # every allow's hand-off was waited for in some batch
+    assert value(adm, "natsched_admission_batch_requests", "natsched_admission_batch_requests_sum") == 5
+    handoffs = value(adm, "natsched_admission_handoff_seconds", "natsched_admission_handoff_seconds_count")
+    assert 1 <= handoffs <= 5
+    assert value(adm, "natsched_admission_handoff_seconds", "natsched_admission_handoff_seconds_sum") > 0
     assert value(rt, "natsched_routing_decision_latency_seconds",
                  "natsched_routing_decision_latency_seconds_count") == 5
     assert value(rt, "natsched_routing_decisions", "natsched_routing_decisions_total", decision="assign") == 5

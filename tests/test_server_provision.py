@@ -89,3 +89,18 @@ async def test_publishes_and_reads_ride_out_a_server_restart(tmp_path):
     finally:
         await bus.close()
         server.stop()
+
+
+def test_free_ports_finds_consecutive_ports_that_bind():
+    import socket
+
+    from bus.server import free_ports
+
+    base = free_ports(4)
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(4)]
+    try:
+        for offset, sock in enumerate(socks):
+            sock.bind(("127.0.0.1", base + offset))  # raises if any of them was taken
+    finally:
+        for sock in socks:
+            sock.close()
