@@ -61,8 +61,29 @@ def summarize(runs: dict[float, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     wins = {k: sum(1 for t in per_point if t.get(k)) for k in ("ttft_p50", "ttft_p99", "hit_ratio", "load_cv")}
     return {
         "speedups": list(runs), "points": len(runs), "mean": mean, "targets_on_mean": targets(mean),
-        "wins": wins, "runs": {f"{s:.6g}": r for s, r in runs.items()},
+        "wins": wins, "paired": paired(runs, mean), "runs": {f"{s:.6g}": r for s, r in runs.items()},
     }
+
+
+#: metric -> True when higher is better
+PAIRED = {"ttft_p50_s": False, "ttft_p99_s": False, "hit_ratio": True}
+
+
+def paired(runs: dict[float, dict[str, dict[str, Any]]], mean: dict[str, dict[str, float]],
+           ours: str = OURS) -> dict[str, dict[str, Any]]:
+    """Ours minus the closest peer (the best one on the means), load by load: the mean difference
+    and its standard error. Every policy meets the same arrivals at each load, so the pairs cancel
+    what the load itself does; a difference within about two standard errors is not a ranking."""
+    peers = [n for n in mean if n != ours]
+    if ours not in mean or not peers:
+        return {}
+    out = {}
+    for key, higher in PAIRED.items():
+        peer = (max if higher else min)(peers, key=lambda n: mean[n][key])
+        diffs = [r[ours][key] - r[peer][key] for r in runs.values()]
+        se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
+        out[key] = {"peer": peer, "mean_diff": statistics.fmean(diffs), "se": se}
+    return out
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -81,7 +102,21 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"met point by point: ttft p50 {w['ttft_p50']}/{n}, ttft p99 {w['ttft_p99']}/{n}, hit ratio "
         f"{w['hit_ratio']}/{n}, load cv {w['load_cv']}/{n}",
     ]
+    if summary.get("paired"):
+        verdict.append(format_paired(summary["paired"], n))
     return "\n".join([title, "", *lines, "", *verdict])
+
+
+def format_paired(pairs: dict[str, dict[str, Any]], n: int) -> str:
+    """One line: ours minus the closest peer per metric, mean ± standard error."""
+    def cell(key: str, label: str, pct: bool) -> str:
+        p = pairs[key]
+        fmt = (lambda v: f"{v * 100:+.2f} points") if pct else (lambda v: f"{v:+.3f} s")
+        se = "" if p["se"] is None else f" ± {p['se'] * 100:.2f}" if pct else f" ± {p['se']:.3f}"
+        return f"{label} {fmt(p['mean_diff'])}{se} vs {p['peer']}"
+    return (f"{OURS} minus the closest peer, mean ± standard error over {n} loads: "
+            + ", ".join([cell("ttft_p50_s", "ttft p50", False), cell("ttft_p99_s", "ttft p99", False),
+                         cell("hit_ratio", "hit ratio", True)]))
 
 
 def format_targets(t: dict[str, Any], label: str) -> str:

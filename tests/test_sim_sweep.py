@@ -52,6 +52,23 @@ def test_summary_means_and_point_by_point_wins():
     assert s["mean"]["natsched"]["hit_ratio_stdev"] > 0
     assert s["targets_on_mean"]["hit_ratio"] and s["wins"]["hit_ratio"] == 2  # lost the first point
     assert s["wins"]["ttft_p50"] == 3 and set(s["runs"]) == {"0.95", "1", "1.05"}
+    hit = s["paired"]["hit_ratio"]  # ours minus the peer, load by load: -0.01, +0.02, +0.02
+    assert hit["peer"] == "preble_e2" and hit["mean_diff"] == pytest.approx(0.01)
+    assert hit["se"] == pytest.approx(0.03 ** 0.5 / 10 / 3 ** 0.5)  # sample stdev sqrt(0.0003), over sqrt(3)
+    p99 = s["paired"]["ttft_p99_s"]
+    assert p99["peer"] == "preble_e2" and p99["mean_diff"] == pytest.approx(-1.0) and p99["se"] == pytest.approx(0.0)
+
+
+def test_paired_differences_take_the_closest_peer_per_metric_and_need_two_loads_for_an_error():
+    runs = {1.0: {"natsched": metrics(p50=0.10, p99=3.0, hit=0.30),
+                  "fast": metrics(p50=0.05, p99=3.5, hit=0.10),
+                  "sticky": metrics(p50=0.20, p99=2.9, hit=0.31)}}
+    s = summarize(runs)
+    assert {k: v["peer"] for k, v in s["paired"].items()} == {
+        "ttft_p50_s": "fast", "ttft_p99_s": "sticky", "hit_ratio": "sticky"}
+    assert s["paired"]["ttft_p50_s"]["mean_diff"] == pytest.approx(0.05)
+    assert all(v["se"] is None for v in s["paired"].values())  # one load: no spread to measure
+    assert summarize({1.0: {"natsched": metrics()}})["paired"] == {}  # no peer
 
 
 def test_bench_routing_sweep_writes_means_and_verdicts(trace_file, tmp_path, capsys):  # noqa: F811
@@ -69,8 +86,12 @@ def test_bench_routing_sweep_writes_means_and_verdicts(trace_file, tmp_path, cap
     assert sweep["runs"]["1.5"]["natsched"]["hit_ratio"] == data["policies"]["natsched"]["hit_ratio"]
     hits = [sweep["runs"][k]["natsched"]["hit_ratio"] for k in sweep["runs"]]
     assert sweep["mean"]["natsched"]["hit_ratio"] == pytest.approx(sum(hits) / 3)
+    pair = sweep["paired"]["hit_ratio"]  # load by load against the best peer on the means
+    peer_hits = [sweep["runs"][k][pair["peer"]]["hit_ratio"] for k in sweep["runs"]]
+    assert pair["mean_diff"] == pytest.approx((sum(hits) - sum(peer_hits)) / 3) and pair["se"] is not None
     text = capsys.readouterr().out
     assert "targets (this run)" in text and "targets on the means" in text and "met point by point" in text
+    assert "natsched minus the closest peer, mean ± standard error over 3 loads: ttft p50" in text
 
 
 @pytest.mark.parametrize("argv", [["--sweep", "0"], ["--sweep-span", "1.5"], ["--sweep-span", "0"]])
