@@ -111,9 +111,9 @@ def format_paired(pairs: dict[str, dict[str, Any]], n: int) -> str:
     """One line: ours minus the closest peer per metric, mean ± standard error."""
     def cell(key: str, label: str, pct: bool) -> str:
         p = pairs[key]
-        fmt = (lambda v: f"{v * 100:+.2f} points") if pct else (lambda v: f"{v:+.3f} s")
-        se = "" if p["se"] is None else f" ± {p['se'] * 100:.2f}" if pct else f" ± {p['se']:.3f}"
-        return f"{label} {fmt(p['mean_diff'])}{se} vs {p['peer']}"
+        scale, unit, digits = (100, " points", 2) if pct else (1, " s", 3)
+        se = "" if p["se"] is None else f" ± {p['se'] * scale:.{digits}f}"
+        return f"{label} {p['mean_diff'] * scale:+.{digits}f}{unit}{se} vs {p['peer']}"
     return (f"{OURS} minus the closest peer, mean ± standard error over {n} loads: "
             + ", ".join([cell("ttft_p50_s", "ttft p50", False), cell("ttft_p99_s", "ttft p99", False),
                          cell("hit_ratio", "hit ratio", True)]))
