@@ -480,8 +480,9 @@ class Bus:
     async def _consume_loop(self, puller: Puller, spec: ConsumerSpec, handler: BatchHandler, source: str) -> None:
         """Pull batches and hand them to ``handler`` one after the other.
 
-        (Handling the next batch while the previous one waits for its acks was tried: smaller
-        batches, more commits and wake-ups per request, and at 1,000/s twice the latency.)
+        (Handling the next batch while the previous one waits for its acks was tried twice,
+        before and after admission credit: smaller batches, longer waits for their acks, and at
+        1,000/s up to twice the latency; see docs/pipeline-notes.md.)
         """
         while not self.closing:
             try:
