@@ -56,6 +56,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     rt.add_argument("--limit", type=positive_int, default=None, help="keep only the first N requests")
     rt.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
                     help=f"engine profile (default {DEFAULT_PROFILE})")
+    rt.add_argument("--kv-blocks", type=positive_int, default=None, metavar="N",
+                    help="KV cache blocks per simulated worker (default: the profile's KV capacity / the trace's "
+                         "block size): what more or less KV would do")
     rt.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
     rt.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
                     help="write a PNG (TTFT CDF, hit ratio vs ceiling); needs matplotlib")
@@ -159,7 +162,7 @@ def _cmd_routing(args) -> int:
             trace=str(args.trace), workers=args.workers, policies=args.policies, speedup=args.speedup,
             target_busy=args.target_busy, limit=args.limit, profile=args.profile, jobs=args.jobs,
             calib_limit=args.calib_limit, hb_interval=args.hb_interval, progress=not args.no_progress,
-            sweep=args.sweep, sweep_span=args.sweep_span,
+            sweep=args.sweep, sweep_span=args.sweep_span, kv_blocks=args.kv_blocks,
         )
         report = run_routing_benchmark(settings)
     except SimError as exc:

@@ -71,6 +71,7 @@ class RoutingBenchSettings:
     target_busy: float | None = None  # calibrate the speed-up to this busy fraction under least_loaded
     limit: int | None = None  # keep the first N requests of the trace
     profile: str = DEFAULT_PROFILE
+    kv_blocks: int | None = None  # KV cache blocks per worker; default: the profile's capacity / block size
     jobs: int = 2  # policies simulated at once (processes); 1 runs everything in this process
     calib_limit: int = 1000  # requests per calibration run
     hb_interval: float = 1.0
@@ -95,14 +96,25 @@ class RoutingBenchSettings:
             raise SimConfigError(f"limit must be >= 1, got {self.limit}")
         if self.jobs < 1 or self.calib_limit < 1:
             raise SimConfigError("jobs and calib_limit must be >= 1")
+        if self.kv_blocks is not None and (not isinstance(self.kv_blocks, int) or self.kv_blocks < 1):
+            raise SimConfigError(f"kv_blocks must be an integer >= 1, got {self.kv_blocks!r}")
         try:
             get_profile(self.profile)
         except ValueError as exc:
             raise SimConfigError(str(exc)) from None
 
     def sim_settings(self, policy: str) -> SimSettings:
+        extra = {**self.sim, "kv_blocks": self.kv_blocks} if self.kv_blocks is not None else self.sim
         return SimSettings(workers=self.workers, policy=policy, profile=self.profile, hb_interval=self.hb_interval,
-                           net_delay_s=self.net_delay_s, **self.sim)
+                           net_delay_s=self.net_delay_s, **extra)
+
+    def kv_blocks_for(self, block_size: int) -> int:
+        """The KV blocks each simulated worker has (what ``SimCore`` defaults to when not set)."""
+        if self.kv_blocks is not None:
+            return self.kv_blocks
+        if self.sim.get("kv_blocks") is not None:
+            return int(self.sim["kv_blocks"])
+        return get_profile(self.profile).kv_capacity_tokens // block_size
 
 
 @dataclass
@@ -119,16 +131,17 @@ class RoutingReport:
     wall_s: float = 0.0
     block_size: int = 512
     sweep: dict[str, Any] | None = None  # sim.sweep.summarize of the sweep, when one ran
+    kv_blocks: int = 0  # KV cache blocks per worker in every run
 
     def to_json(self) -> dict[str, Any]:
         """``{"trace", "requests", "workers", "profile", "speedup", "ceiling_hit_ratio",
         "policies": {NAME: {<METRIC_KEYS>, plus "wall_s", "steps", "preemptions",
-        "backoff_changes", "router_warnings"}}}``, plus ``"block_size"``, ``"wall_s"`` and, when calibrated,
-        ``"calibration"``."""
+        "backoff_changes", "router_warnings"}}}``, plus ``"block_size"``, ``"kv_blocks"`` (per worker),
+        ``"wall_s"`` and, when calibrated, ``"calibration"``."""
         out: dict[str, Any] = {
             "trace": self.trace, "requests": self.requests, "workers": self.workers, "profile": self.profile,
             "speedup": self.speedup, "ceiling_hit_ratio": self.ceiling_hit_ratio, "policies": self.policies,
-            "block_size": self.block_size, "wall_s": self.wall_s,
+            "block_size": self.block_size, "kv_blocks": self.kv_blocks, "wall_s": self.wall_s,
         }
         if self.calibration is not None:
             out["calibration"] = self.calibration.to_json()
@@ -327,7 +340,7 @@ def run_routing_benchmark(settings: RoutingBenchSettings, trace: Trace | None = 
         speedup=speedup, ceiling_hit_ratio=ceiling,
         policies={r["policy"]: r["metrics"] for r in results}, ttfts={r["policy"]: r["ttft"] for r in results},
         calibration=calibration, wall_s=round(time.perf_counter() - started, 2), block_size=trace.block_size,
-        sweep=summarize(swept) if settings.sweep > 1 else None,
+        sweep=summarize(swept) if settings.sweep > 1 else None, kv_blocks=settings.kv_blocks_for(trace.block_size),
     )
 
 
@@ -360,7 +373,8 @@ def format_table(report: RoutingReport) -> str:
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     title = (f"routing benchmark: {os.path.basename(report.trace)}, {report.requests} requests, {report.workers} "
-             f"workers, profile {report.profile}, speed-up {report.speedup:.4g}, block {report.block_size} tokens")
+             f"workers, profile {report.profile}, speed-up {report.speedup:.4g}, block {report.block_size} tokens, "
+             f"KV {report.kv_blocks:,} blocks ({report.kv_blocks * report.block_size:,} tokens) per worker")
     foot = (f"times in seconds; hit = prompt tokens served from cache; reuse ceiling (one infinite cache) "
             f"{report.ceiling_hit_ratio:.1%}; wall {report.wall_s:.1f} s")
     t = targets(report.policies)

@@ -109,11 +109,46 @@ def test_a_bad_trace_line_is_reported_with_its_number(tmp_path, capsys):
     ["--speedup", "0"],
     ["--workers", "0"],
     ["--profile", "nope"],
+    ["--kv-blocks", "0"],
+    ["--kv-blocks", "1.5"],
 ])
 def test_bad_flags_are_refused_by_the_parser(argv, tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "routing", "--trace", str(tmp_path / "t.jsonl"), *argv])
     assert exc.value.code == 2
+
+
+def test_kv_blocks_sets_every_workers_cache_and_is_reported(trace_file, tmp_path, capsys):
+    """A what-if for more or less KV: the size reaches every simulated engine (a small cache serves
+    less from cache than an unlimited one), the JSON and the title say it, and the default is the
+    profile's capacity over the trace's block size."""
+    base = dict(trace=str(trace_file), workers=2, policies="natsched", limit=200, progress=False)
+    default = run_routing_benchmark(RoutingBenchSettings(**base))
+    small = run_routing_benchmark(RoutingBenchSettings(**base, kv_blocks=64))
+    big = run_routing_benchmark(RoutingBenchSettings(**base, kv_blocks=100_000))
+    from workers.profiles import get_profile
+    assert default.kv_blocks == get_profile("h100-llama8b").kv_capacity_tokens // default.block_size
+    assert (small.kv_blocks, big.kv_blocks) == (64, 100_000)
+    hit = lambda r: r.policies["natsched"]["hit_ratio"]  # noqa: E731
+    assert hit(small) < hit(default) <= hit(big) <= big.ceiling_hit_ratio + 1e-9
+    assert big.to_json()["kv_blocks"] == 100_000
+    out = tmp_path / "kv.json"
+    assert main(["bench", "routing", "--trace", str(trace_file), "--limit", "50", "--workers", "2",
+                 "--policies", "least_loaded", "--kv-blocks", "64", "--json", str(out), "--no-progress"]) == 0
+    assert json.loads(out.read_text())["kv_blocks"] == 64
+    assert "KV 64 blocks (32,768 tokens) per worker" in capsys.readouterr().out
+
+
+def test_kv_too_small_for_a_request_rejects_it_and_bad_sizes_are_refused(tmp_path):
+    trace = write_trace(tmp_path / "t.jsonl", [trace_row(0, n_in=512 * 8, n_out=4, ids=list(range(8))),
+                                              trace_row(10, n_in=512, n_out=4, ids=[100])])
+    report = run_routing_benchmark(RoutingBenchSettings(trace=str(trace), workers=1, policies="least_loaded",
+                                                        kv_blocks=4, progress=False))
+    m = report.policies["least_loaded"]
+    assert (m["completed"], m["rejected"]) == (1, 1)  # 8 blocks never fit in 4; 1 does
+    for bad in (0, -3, 2.5):
+        with pytest.raises(SimConfigError, match="kv_blocks must be an integer >= 1"):
+            RoutingBenchSettings(trace=str(trace), kv_blocks=bad)
 
 
 def test_unknown_policy_is_a_clear_error(trace_file, capsys):
