@@ -177,7 +177,7 @@ def _cmd_routing(args) -> int:
             title = (f"{Path(report.trace).name}: {report.requests} requests, {report.workers} workers, "
                      f"speed-up {report.speedup:.3g}")
             plot_routing(args.plot, report.ttfts, {n: m["hit_ratio"] for n, m in report.policies.items()},
-                         report.ceiling_hit_ratio, title)
+                         report.ceiling_hit_ratio, title, pooled=report.pooled_hit_ratio)
             print(f"wrote {args.plot}", file=sys.stderr)
     except OSError as exc:
         return _fail(f"cannot write output: {exc}")

@@ -26,7 +26,7 @@ from sim.admission import AdmissionHook
 from sim.calibrate import Calibration, find_speedup
 from sim.des import SimSettings, simulate
 from sim.errors import SimConfigError
-from sim.metrics import ceiling_hit_ratio
+from sim.metrics import ceiling_hit_ratio, pooled_hit_ratio
 from sim.progress import Progress
 from sim.sweep import format_summary, format_targets, summarize, sweep_speedups, targets
 from sim.trace import Trace, check_speedup, load_mooncake
@@ -132,16 +132,18 @@ class RoutingReport:
     block_size: int = 512
     sweep: dict[str, Any] | None = None  # sim.sweep.summarize of the sweep, when one ran
     kv_blocks: int = 0  # KV cache blocks per worker in every run
+    pooled_hit_ratio: float = 0.0  # one LRU of all workers' KV together (sim.metrics)
 
     def to_json(self) -> dict[str, Any]:
         """``{"trace", "requests", "workers", "profile", "speedup", "ceiling_hit_ratio",
         "policies": {NAME: {<METRIC_KEYS>, plus "wall_s", "steps", "preemptions",
         "backoff_changes", "router_warnings"}}}``, plus ``"block_size"``, ``"kv_blocks"`` (per worker),
-        ``"wall_s"`` and, when calibrated, ``"calibration"``."""
+        ``"pooled_hit_ratio"``, ``"wall_s"`` and, when calibrated, ``"calibration"``."""
         out: dict[str, Any] = {
             "trace": self.trace, "requests": self.requests, "workers": self.workers, "profile": self.profile,
             "speedup": self.speedup, "ceiling_hit_ratio": self.ceiling_hit_ratio, "policies": self.policies,
-            "block_size": self.block_size, "kv_blocks": self.kv_blocks, "wall_s": self.wall_s,
+            "block_size": self.block_size, "kv_blocks": self.kv_blocks, "pooled_hit_ratio": self.pooled_hit_ratio,
+            "wall_s": self.wall_s,
         }
         if self.calibration is not None:
             out["calibration"] = self.calibration.to_json()
@@ -309,6 +311,7 @@ def run_routing_benchmark(settings: RoutingBenchSettings, trace: Trace | None = 
         trace = trace.head(settings.limit)
     trace = trace.scaled(1.0)
     ceiling = ceiling_hit_ratio(trace.requests, trace.block_size)
+    kv_blocks = settings.kv_blocks_for(trace.block_size)
     runner = _Runner(trace, settings, stream)
     try:
         calibration = None
@@ -340,7 +343,8 @@ def run_routing_benchmark(settings: RoutingBenchSettings, trace: Trace | None = 
         speedup=speedup, ceiling_hit_ratio=ceiling,
         policies={r["policy"]: r["metrics"] for r in results}, ttfts={r["policy"]: r["ttft"] for r in results},
         calibration=calibration, wall_s=round(time.perf_counter() - started, 2), block_size=trace.block_size,
-        sweep=summarize(swept) if settings.sweep > 1 else None, kv_blocks=settings.kv_blocks_for(trace.block_size),
+        sweep=summarize(swept) if settings.sweep > 1 else None, kv_blocks=kv_blocks,
+        pooled_hit_ratio=pooled_hit_ratio(trace.requests, trace.block_size, kv_blocks * settings.workers),
     )
 
 
@@ -376,7 +380,8 @@ def format_table(report: RoutingReport) -> str:
              f"workers, profile {report.profile}, speed-up {report.speedup:.4g}, block {report.block_size} tokens, "
              f"KV {report.kv_blocks:,} blocks ({report.kv_blocks * report.block_size:,} tokens) per worker")
     foot = (f"times in seconds; hit = prompt tokens served from cache; reuse ceiling (one infinite cache) "
-            f"{report.ceiling_hit_ratio:.1%}; wall {report.wall_s:.1f} s")
+            f"{report.ceiling_hit_ratio:.1%}; one LRU as large as all workers' KV {report.pooled_hit_ratio:.1%}; "
+            f"wall {report.wall_s:.1f} s")
     t = targets(report.policies)
     verdict = [format_targets(t, "(this run)")] if t else []
     sweep = ["", format_summary(report.sweep)] if report.sweep is not None else []

@@ -10,6 +10,10 @@ Definitions (each is a key of the routing benchmark's JSON):
 - ``ceiling_hit_ratio``: the same for one infinite cache that has seen every earlier request's full
   blocks: per request, its longest previously-seen prefix (capped, like the engine, so that at
   least the last prompt token is computed);
+- ``pooled_hit_ratio``: the same for one LRU cache as large as all workers' KV together, fed every
+  request in arrival order (a request's blocks freed tail-first, as vLLM frees them): what the
+  cluster's KV keeps if placement never duplicated a block. A reference for capacity, not a bound:
+  per-worker caches that the router keeps apart can do a little better than one LRU;
 - ``throughput_tok_s``: (prompt + output tokens of completed requests) / (last finish - first arrival);
 - ``load_cv``: coefficient of variation (population std / mean) of per-worker busy time;
 - ``migration_rate``: among requests whose first block was seen before, the share routed to a
@@ -22,6 +26,7 @@ Definitions (each is a key of the routing benchmark's JSON):
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -62,18 +67,34 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 def ceiling_hit_ratio(requests: Iterable[TraceRequest], block_size: int) -> float:
     """Share of prompt tokens one infinite cache could serve (see the module docstring)."""
-    seen: set[int] = set()
+    return pooled_hit_ratio(requests, block_size, None)
+
+
+def pooled_hit_ratio(requests: Iterable[TraceRequest], block_size: int, capacity_blocks: int | None) -> float:
+    """Share of prompt tokens one LRU cache of ``capacity_blocks`` (None: unlimited) would serve.
+
+    Each request reuses its longest cached prefix (capped so that its last prompt token is
+    computed), then its blocks become the most recent ones, its first block last: a chain is
+    evicted from its tail, so what stays cached is always a usable prefix."""
+    if capacity_blocks is not None and capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    lru: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
     for r in sorted(requests, key=lambda r: r.index):
         n = 0
         for h in r.hashes:
-            if h not in seen:
+            if h not in lru:
                 break
             n += 1
         n = min(n, (max(1, r.input_length) - 1) // block_size)
         hit += n * block_size
         total += max(1, r.input_length)
-        seen.update(r.hashes)
+        for h in reversed(r.hashes):
+            lru[h] = None
+            lru.move_to_end(h)
+        if capacity_blocks is not None:
+            while len(lru) > capacity_blocks:
+                lru.popitem(last=False)
     return hit / total if total else 0.0
 
 

@@ -26,8 +26,9 @@ def require_matplotlib():
 
 
 def plot_routing(path: str | Path, ttfts: Mapping[str, Sequence[float]], hit_ratios: Mapping[str, float],
-                 ceiling: float, title: str) -> Path:
-    """Write a PNG: left, the TTFT CDF of every policy (log x); right, hit ratio vs the ceiling."""
+                 ceiling: float, title: str, pooled: float | None = None) -> Path:
+    """Write a PNG: left, the TTFT CDF of every policy (log x); right, hit ratio vs the reuse
+    ceiling and (when given) what one LRU as large as all workers' KV would serve."""
     plt = require_matplotlib()
     path = Path(path)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
@@ -49,12 +50,14 @@ def plot_routing(path: str | Path, ttfts: Mapping[str, Sequence[float]], hit_rat
         bars = ax2.barh(names, [hit_ratios[n] for n in names], color="tab:blue")
         ax2.bar_label(bars, labels=[f"{hit_ratios[n]:.1%}" for n in names], padding=3, fontsize="small")
         ax2.axvline(ceiling, color="tab:red", linestyle="--", label=f"ceiling {ceiling:.1%}")
+        if pooled is not None:
+            ax2.axvline(pooled, color="tab:gray", linestyle=":", label=f"pooled LRU {pooled:.1%}")
         ax2.set_xlim(0, max(1e-9, max([ceiling, *hit_ratios.values()])) * 1.15)
         ax2.xaxis.set_major_formatter(lambda x, _: f"{x:.0%}")
         ax2.invert_yaxis()
         ax2.set_xlabel("prompt tokens served from cache")
         ax2.set_title("hit ratio vs the reuse ceiling")
-        ax2.legend(loc="lower right", fontsize="small")
+        ax2.legend(loc="upper right", fontsize="small")
         fig.suptitle(title)
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -132,11 +132,15 @@ def test_kv_blocks_sets_every_workers_cache_and_is_reported(trace_file, tmp_path
     hit = lambda r: r.policies["natsched"]["hit_ratio"]  # noqa: E731
     assert hit(small) < hit(default) <= hit(big) <= big.ceiling_hit_ratio + 1e-9
     assert big.to_json()["kv_blocks"] == 100_000
+    # the pooled-LRU reference follows the cluster's KV: 2 x 64 blocks keep less than 2 x 100,000
+    assert 0.0 <= small.pooled_hit_ratio < big.pooled_hit_ratio == pytest.approx(big.ceiling_hit_ratio)
+    assert big.to_json()["pooled_hit_ratio"] == big.pooled_hit_ratio
     out = tmp_path / "kv.json"
     assert main(["bench", "routing", "--trace", str(trace_file), "--limit", "50", "--workers", "2",
                  "--policies", "least_loaded", "--kv-blocks", "64", "--json", str(out), "--no-progress"]) == 0
     assert json.loads(out.read_text())["kv_blocks"] == 64
-    assert "KV 64 blocks (32,768 tokens) per worker" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "KV 64 blocks (32,768 tokens) per worker" in table and "one LRU as large as all workers' KV" in table
 
 
 def test_kv_too_small_for_a_request_rejects_it_and_bad_sizes_are_refused(tmp_path):

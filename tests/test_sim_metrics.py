@@ -1,4 +1,4 @@
-"""Benchmark metrics: the reuse ceiling on a hand-made trace, percentiles, migration, load CV."""
+"""Benchmark metrics: the reuse ceiling and the pooled LRU on hand-made traces, percentiles, migration, load CV."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 
 from sim.metrics import (RequestRecord, ceiling_hit_ratio, coefficient_of_variation, migration_rate, percentile,
-                         summarize)
+                         pooled_hit_ratio, summarize)
 from sim.testing import make_trace, trace_row
 
 
@@ -33,6 +33,32 @@ def test_ceiling_uses_arrival_order_not_file_order():
 def test_ceiling_of_distinct_requests_is_zero():
     t = make_trace([trace_row(i, ids=[i, i + 100]) for i in range(5)])
     assert ceiling_hit_ratio(t.requests, 512) == 0.0
+
+
+def test_pooled_lru_evicts_a_chain_from_its_tail():
+    t = make_trace([
+        trace_row(0, ids=[1, 2, 3]),             # fills the 3-block cache; its first block is the most recent
+        trace_row(1, ids=[7]),                   # pushes out block 3 of the chain, not block 1
+        trace_row(2, n_in=2048, ids=[1, 2, 3, 4]),  # so blocks 1 and 2 are still a usable prefix: 1024
+    ])
+    assert pooled_hit_ratio(t.requests, 512, 3) == pytest.approx(1024 / (1536 + 512 + 2048))
+    assert pooled_hit_ratio(t.requests, 512, 4) == pytest.approx(1536 / (1536 + 512 + 2048))  # nothing evicted
+
+
+def test_pooled_lru_runs_from_nothing_to_the_ceiling_as_it_grows():
+    import random
+
+    rng = random.Random(3)
+    rows = [trace_row(i, ids=[rng.randrange(4)] + [rng.randrange(6) for _ in range(rng.randrange(1, 6))])
+            for i in range(200)]
+    reqs = make_trace(rows).requests
+    ratios = [pooled_hit_ratio(reqs, 512, cap) for cap in (0, 2, 5, 10, 40, 10_000)]
+    assert ratios[0] == 0.0
+    assert ratios == sorted(ratios) and ratios[1] < ratios[-1]
+    assert ratios[-1] == pytest.approx(ceiling_hit_ratio(reqs, 512))
+    assert pooled_hit_ratio(reqs, 512, None) == ceiling_hit_ratio(reqs, 512)
+    with pytest.raises(ValueError, match="capacity_blocks must be >= 0"):
+        pooled_hit_ratio(reqs, 512, -1)
 
 
 def test_percentile_interpolates_and_handles_empty():
