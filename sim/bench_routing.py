@@ -114,7 +114,7 @@ class RoutingBenchSettings:
             return self.kv_blocks
         if self.sim.get("kv_blocks") is not None:
             return int(self.sim["kv_blocks"])
-        return get_profile(self.profile).kv_capacity_tokens // block_size
+        return get_profile(self.profile).kv_blocks(block_size)
 
 
 @dataclass

@@ -127,7 +127,7 @@ def test_kv_blocks_sets_every_workers_cache_and_is_reported(trace_file, tmp_path
     small = run_routing_benchmark(RoutingBenchSettings(**base, kv_blocks=64))
     big = run_routing_benchmark(RoutingBenchSettings(**base, kv_blocks=100_000))
     from workers.profiles import get_profile
-    assert default.kv_blocks == get_profile("h100-llama8b").kv_capacity_tokens // default.block_size
+    assert default.kv_blocks == get_profile("h100-llama8b").kv_blocks(default.block_size) == 834
     assert (small.kv_blocks, big.kv_blocks) == (64, 100_000)
     hit = lambda r: r.policies["natsched"]["hit_ratio"]  # noqa: E731
     assert hit(small) < hit(default) <= hit(big) <= big.ceiling_hit_ratio + 1e-9

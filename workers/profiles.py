@@ -50,6 +50,10 @@ class EngineProfile:
         free = self.memory_bytes * self.gpu_memory_utilization - self.weight_bytes
         return max(0, int(free / self.kv_bytes_per_token))
 
+    def kv_blocks(self, block_size: int) -> int:
+        """Whole KV blocks of ``block_size`` tokens in :attr:`kv_capacity_tokens` (a partial one is unusable)."""
+        return self.kv_capacity_tokens // block_size
+
     def prefill_seconds(self, tokens: int, context_start: int = 0) -> float:
         """Compute-bound time to prefill ``tokens`` new tokens after ``context_start`` cached ones."""
         if tokens <= 0:

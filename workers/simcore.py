@@ -72,7 +72,7 @@ class SimCore:
     ) -> None:
         self.profile = profile
         self.block_size = block_size
-        self.kv_blocks = kv_blocks if kv_blocks is not None else profile.kv_capacity_tokens // block_size
+        self.kv_blocks = kv_blocks if kv_blocks is not None else profile.kv_blocks(block_size)
         self.max_num_seqs = max_num_seqs or profile.max_num_seqs
         self.max_batched_tokens = max_batched_tokens or profile.max_num_batched_tokens
         self.free = self.kv_blocks
