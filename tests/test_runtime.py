@@ -28,7 +28,8 @@ def test_freeze_keeps_the_live_heap_out_of_collections_and_still_collects_later_
         del later
         gc.collect()
         assert alive() is None
-        assert gc.get_freeze_count() == frozen  # nothing new was frozen by that pass
+        # a collection freezes nothing more (reference counting may free a frozen object meanwhile)
+        assert gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()  # give the test process its collector back
 
