@@ -20,7 +20,7 @@ def test_freeze_keeps_the_live_heap_out_of_collections_and_still_collects_later_
     before = gc.get_freeze_count()
     try:
         frozen = runtime.freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > before
+        assert frozen > before  # (other threads of this process may free frozen objects at any time)
         assert not tracked(kept)  # no collection walks it any more
         # what is allocated afterwards is collected as before: a dropped cycle goes at the next pass
         later = _Node()
