@@ -109,12 +109,10 @@ class RoutingBenchSettings:
                            net_delay_s=self.net_delay_s, **extra)
 
     def kv_blocks_for(self, block_size: int) -> int:
-        """The KV blocks each simulated worker has (what ``SimCore`` defaults to when not set)."""
-        if self.kv_blocks is not None:
-            return self.kv_blocks
-        if self.sim.get("kv_blocks") is not None:
-            return int(self.sim["kv_blocks"])
-        return get_profile(self.profile).kv_blocks(block_size)
+        """The KV blocks each simulated worker has: what :meth:`sim_settings` gives every run, else
+        the profile's (``SimCore``'s default)."""
+        chosen = self.sim_settings(CALIBRATION_POLICY).kv_blocks
+        return chosen if chosen is not None else get_profile(self.profile).kv_blocks(block_size)
 
 
 @dataclass
