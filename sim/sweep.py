@@ -67,6 +67,19 @@ def summarize(runs: dict[float, dict[str, dict[str, Any]]]) -> dict[str, Any]:
 
 #: metric -> True when higher is better
 PAIRED = {"ttft_p50_s": False, "ttft_p99_s": False, "hit_ratio": True}
+#: a paired difference within this many standard errors of zero ranks neither policy
+LEVEL_SE = 2.0
+
+
+def verdict(mean_diff: float, se: float | None, higher_is_better: bool) -> str:
+    """``ahead``, ``behind`` or ``level``: the sign of the difference only where it is beyond
+    ``LEVEL_SE`` standard errors. Why: the targets compare means, and a mean ahead by less than its
+    noise is a tie that a 0.01 % change of load can turn round. One load has no spread to measure
+    (``se`` None), so it ranks nothing: ``level``."""
+    if se is None or abs(mean_diff) <= LEVEL_SE * se:
+        return "level"
+    better = mean_diff > 0 if higher_is_better else mean_diff < 0
+    return "ahead" if better else "behind"
 
 
 def paired(runs: dict[float, dict[str, dict[str, Any]]], mean: dict[str, dict[str, float]],
@@ -82,7 +95,8 @@ def paired(runs: dict[float, dict[str, dict[str, Any]]], mean: dict[str, dict[st
         peer = (max if higher else min)(peers, key=lambda n: mean[n][key])
         diffs = [r[ours][key] - r[peer][key] for r in runs.values()]
         se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
-        out[key] = {"peer": peer, "mean_diff": statistics.fmean(diffs), "se": se}
+        diff = statistics.fmean(diffs)
+        out[key] = {"peer": peer, "mean_diff": diff, "se": se, "verdict": verdict(diff, se, higher)}
     return out
 
 
@@ -108,13 +122,14 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def format_paired(pairs: dict[str, dict[str, Any]], n: int) -> str:
-    """One line: ours minus the closest peer per metric, mean ± standard error."""
+    """One line: ours minus the closest peer per metric, mean ± standard error, and the verdict."""
     def cell(key: str, label: str, pct: bool) -> str:
         p = pairs[key]
         scale, unit, digits = (100, " points", 2) if pct else (1, " s", 3)
         se = "" if p["se"] is None else f" ± {p['se'] * scale:.{digits}f}"
-        return f"{label} {p['mean_diff'] * scale:+.{digits}f}{unit}{se} vs {p['peer']}"
-    return (f"{OURS} minus the closest peer, mean ± standard error over {n} loads: "
+        return f"{label} {p['mean_diff'] * scale:+.{digits}f}{unit}{se} vs {p['peer']} ({p['verdict']})"
+    return (f"{OURS} minus the closest peer, mean ± standard error over {n} loads (level: within "
+            f"{LEVEL_SE:g} standard errors): "
             + ", ".join([cell("ttft_p50_s", "ttft p50", False), cell("ttft_p99_s", "ttft p99", False),
                          cell("hit_ratio", "hit ratio", True)]))
 

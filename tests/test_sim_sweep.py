@@ -7,7 +7,7 @@ import json
 import pytest
 
 from natsched.cli import main
-from sim.sweep import summarize, sweep_speedups, targets
+from sim.sweep import summarize, sweep_speedups, targets, verdict
 from tests.test_sim_bench import trace_file  # noqa: F401  (the module fixture: the shared trace)
 
 
@@ -57,6 +57,17 @@ def test_summary_means_and_point_by_point_wins():
     assert hit["se"] == pytest.approx(0.03 ** 0.5 / 10 / 3 ** 0.5)  # sample stdev sqrt(0.0003), over sqrt(3)
     p99 = s["paired"]["ttft_p99_s"]
     assert p99["peer"] == "preble_e2" and p99["mean_diff"] == pytest.approx(-1.0) and p99["se"] == pytest.approx(0.0)
+    assert hit["verdict"] == "level"  # +0.01 with a standard error of 0.01: within two of them
+    assert p99["verdict"] == "ahead" and s["paired"]["ttft_p50_s"]["verdict"] == "ahead"
+
+
+@pytest.mark.parametrize("diff, se, higher, want", [
+    (0.05, 0.01, True, "ahead"), (-0.05, 0.01, True, "behind"), (0.015, 0.01, True, "level"),
+    (-0.05, 0.01, False, "ahead"), (0.05, 0.01, False, "behind"), (0.02, 0.01, False, "level"),
+    (0.3, None, True, "level"), (0.0, 0.0, True, "level"), (-0.1, 0.0, False, "ahead"),
+])
+def test_a_paired_difference_ranks_only_beyond_two_standard_errors(diff, se, higher, want):
+    assert verdict(diff, se, higher) == want
 
 
 def test_paired_differences_take_the_closest_peer_per_metric_and_need_two_loads_for_an_error():
@@ -68,6 +79,7 @@ def test_paired_differences_take_the_closest_peer_per_metric_and_need_two_loads_
         "ttft_p50_s": "fast", "ttft_p99_s": "sticky", "hit_ratio": "sticky"}
     assert s["paired"]["ttft_p50_s"]["mean_diff"] == pytest.approx(0.05)
     assert all(v["se"] is None for v in s["paired"].values())  # one load: no spread to measure
+    assert {v["verdict"] for v in s["paired"].values()} == {"level"}  # ... so it ranks nothing
     assert summarize({1.0: {"natsched": metrics()}})["paired"] == {}  # no peer
 
 
@@ -91,7 +103,9 @@ def test_bench_routing_sweep_writes_means_and_verdicts(trace_file, tmp_path, cap
     assert pair["mean_diff"] == pytest.approx((sum(hits) - sum(peer_hits)) / 3) and pair["se"] is not None
     text = capsys.readouterr().out
     assert "targets (this run)" in text and "targets on the means" in text and "met point by point" in text
-    assert "natsched minus the closest peer, mean ± standard error over 3 loads: ttft p50" in text
+    assert "natsched minus the closest peer, mean ± standard error over 3 loads (level: within 2 standard " \
+        "errors): ttft p50" in text
+    assert f"vs {pair['peer']} ({pair['verdict']})" in text and pair["verdict"] in {"ahead", "behind", "level"}
 
 
 @pytest.mark.parametrize("argv", [["--sweep", "0"], ["--sweep-span", "1.5"], ["--sweep-span", "0"]])
