@@ -65,7 +65,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     rt.add_argument("--jobs", type=positive_int, default=2,
                     help="policies simulated in parallel processes (default 2; 1 = in this process)")
     rt.add_argument("--calib-limit", type=positive_int, default=1000,
-                    help="requests per calibration run of --target-busy (default 1000)")
+                    help="requests per run of --target-busy's first, coarse calibration (default 1000); "
+                         "a longer trace is then calibrated on all its requests from that answer")
     rt.add_argument("--hb-interval", type=positive_float, default=1.0,
                     help="virtual seconds between worker heartbeats (default 1)")
     rt.add_argument("--no-progress", action="store_true", help="no progress line on stderr")

@@ -2,8 +2,8 @@
 
 One trace is loaded once; each policy replays it through :mod:`sim.des` (the shipped RouterCore
 and SimCore objects) in its own process (``jobs`` at a time: two on a 2-core machine). With
-``target_busy`` the speed-up is first calibrated under ``least_loaded`` on short runs
-(:mod:`sim.calibrate`), then used for every policy. The result prints as a table and serialises to
+``target_busy`` the speed-up is first calibrated under ``least_loaded`` on short runs, then on the
+whole trace (:mod:`sim.calibrate`), then used for every policy. The result prints as a table and serialises to
 the JSON documented in :meth:`RoutingReport.to_json`; :mod:`sim.plot` draws it.
 
 An admission hook factory (``admission``) can be plugged in: it is called once per run, in the
@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 METRIC_KEYS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "tpot_p50_s", "hit_ratio",
                "throughput_tok_s", "load_cv", "migration_rate", "busy", "completed", "rejected")
 CALIBRATION_POLICY = "least_loaded"
+REFINE_TOL = 0.005  # the whole trace's busy within this of the target (the prefix's: 0.01)
+REFINE_ROUNDS = 8  # rounds on the whole trace, from the prefix's answer, before interpolating
 
 
 def available_policies() -> list[str]:
@@ -73,7 +75,7 @@ class RoutingBenchSettings:
     profile: str = DEFAULT_PROFILE
     kv_blocks: int | None = None  # KV cache blocks per worker; default: the profile's capacity / block size
     jobs: int = 2  # policies simulated at once (processes); 1 runs everything in this process
-    calib_limit: int = 1000  # requests per calibration run
+    calib_limit: int = 1000  # requests per run of the first, coarse calibration
     hb_interval: float = 1.0
     net_delay_s: float = 0.0
     progress: bool = True
@@ -282,19 +284,27 @@ class _Runner:
 
 
 def calibrate(runner: _Runner, settings: RoutingBenchSettings, n_requests: int) -> Calibration:
+    """The speed-up of ``settings.target_busy`` for the whole trace: first on the first
+    ``calib_limit`` requests (cheap, from 1.0), then, when the trace is longer, on all of it from
+    that answer — the prefix's busy is not the whole run's (see :mod:`sim.calibrate`)."""
     limit = min(settings.calib_limit, n_requests)
-    count = [0]
 
-    def evaluate(speedups: Sequence[float]) -> list[float]:
-        jobs = []
-        for s in speedups:
-            count[0] += 1
-            jobs.append(("calibrate", CALIBRATION_POLICY, s, limit, f"x{s:.3g}"))
-        out = runner.run(f"calibrating busy={settings.target_busy:.2f} ({limit} requests, {CALIBRATION_POLICY})",
-                         jobs)
-        return [r["busy"] for r in out]
+    def evaluate_on(n: int):
+        def evaluate(speedups: Sequence[float]) -> list[float]:
+            jobs = [("calibrate", CALIBRATION_POLICY, s, n, f"x{s:.4g}") for s in speedups]
+            out = runner.run(f"calibrating busy={settings.target_busy:.2f} ({n} requests, {CALIBRATION_POLICY})",
+                             jobs)
+            return [r["busy"] for r in out]
+        return evaluate
 
-    return find_speedup(settings.target_busy, evaluate, parallel=settings.jobs)
+    coarse = find_speedup(settings.target_busy, evaluate_on(limit), parallel=settings.jobs)
+    coarse.requests = limit
+    if limit >= n_requests:
+        return coarse
+    fine = find_speedup(settings.target_busy, evaluate_on(n_requests), parallel=settings.jobs, tol=REFINE_TOL,
+                        max_rounds=REFINE_ROUNDS, guess=coarse.speedup)
+    fine.requests, fine.coarse = n_requests, coarse
+    return fine
 
 
 def run_routing_benchmark(settings: RoutingBenchSettings, trace: Trace | None = None,
@@ -317,6 +327,9 @@ def run_routing_benchmark(settings: RoutingBenchSettings, trace: Trace | None = 
             calibration = calibrate(runner, settings, len(trace))
             speedup = calibration.speedup
             measured = f"busy {calibration.busy:.3f}" if calibration.busy is not None else "interpolated"
+            measured += f" on {calibration.requests} requests"
+            if calibration.coarse is not None:
+                measured += f"; x{calibration.coarse.speedup:.4g} on the first {calibration.coarse.requests}"
             if settings.progress:
                 print(f"calibrated: speed-up {speedup:.4g} ({measured})", file=stream, flush=True)
         else:

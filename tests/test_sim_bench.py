@@ -196,3 +196,22 @@ def test_parser_can_be_added_to_the_main_cli():
     assert callable(cmd_bench)
 
 
+
+
+def test_a_longer_trace_is_calibrated_again_on_all_of_it(trace_file):
+    """The first requests' busy is not the whole run's: the speed-up is refined on the whole trace,
+    so the reported run of least_loaded is busy the target share (the point of --target-busy)."""
+    report = run_routing_benchmark(RoutingBenchSettings(
+        trace=str(trace_file), workers=4, policies="least_loaded", limit=400, target_busy=0.6,
+        calib_limit=100, progress=False))
+    cal = report.calibration
+    assert cal is not None and cal.requests == 400 and report.speedup == cal.speedup
+    assert cal.coarse is not None and cal.coarse.requests == 100 and cal.coarse.coarse is None
+    assert cal.points and all(p not in cal.coarse.points for p in cal.points)  # runs of its own
+    busy = report.policies["least_loaded"]["busy"]
+    if cal.busy is not None:  # measured, not interpolated: the reported run is that run
+        assert busy == pytest.approx(cal.busy) and abs(busy - 0.6) <= 0.005
+    else:
+        assert abs(busy - 0.6) <= 0.02
+    j = report.to_json()["calibration"]
+    assert j["requests"] == 400 and j["coarse"]["requests"] == 100 and "coarse" not in j["coarse"]
