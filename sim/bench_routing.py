@@ -3,8 +3,8 @@
 One trace is loaded once; each policy replays it through :mod:`sim.des` (the shipped RouterCore
 and SimCore objects) in its own process (``jobs`` at a time: two on a 2-core machine). With
 ``target_busy`` the speed-up is first calibrated under ``least_loaded`` on short runs, then on the
-whole trace (:mod:`sim.calibrate`), then used for every policy. The result prints as a table and serialises to
-the JSON documented in :meth:`RoutingReport.to_json`; :mod:`sim.plot` draws it.
+whole trace (:mod:`sim.calibrate`), then used for every policy. The result prints as a table and
+serialises to the JSON documented in :meth:`RoutingReport.to_json`; :mod:`sim.plot` draws it.
 
 An admission hook factory (``admission``) can be plugged in: it is called once per run, in the
 process that runs it, so every policy meets a fresh hook (see :mod:`sim.admission`).

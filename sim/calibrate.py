@@ -60,7 +60,7 @@ def find_speedup(target: float, evaluate: Evaluate, parallel: int = 2, tol: floa
 
     ``guess`` (a speed-up believed close, e.g. from a shorter run) replaces the start at 1.0: the
     first round measures around it (±``GUESS_SPREAD``) and the search steps by ``GUESS_STEP``
-    instead of doubling, so a good guess costs one or two rounds."""
+    instead of doubling, so it stays near the guess (4 rounds on the Mooncake trace)."""
     if not (isinstance(target, (int, float)) and 0.0 < target < 1.0):
         raise SimConfigError(f"target busy must be a fraction strictly between 0 and 1, got {target!r}")
     parallel = max(1, parallel)

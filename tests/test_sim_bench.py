@@ -196,8 +196,6 @@ def test_parser_can_be_added_to_the_main_cli():
     assert callable(cmd_bench)
 
 
-
-
 def test_a_longer_trace_is_calibrated_again_on_all_of_it(trace_file):
     """The first requests' busy is not the whole run's: the speed-up is refined on the whole trace,
     so the reported run of least_loaded is busy the target share (the point of --target-busy)."""
