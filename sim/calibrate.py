@@ -81,11 +81,11 @@ def find_speedup(target: float, evaluate: Evaluate, parallel: int = 2, tol: floa
     def best() -> tuple[float, float]:
         return min(points, key=lambda p: abs(p[1] - target))
 
-    step = 2.0 if guess is None else GUESS_STEP
     if guess is None:
-        measure([1.0, 2.0][:parallel] if parallel > 1 else [1.0])
+        step, first = 2.0, [1.0, 2.0][:parallel]
     else:
-        measure(_around(guess, parallel))
+        step, first = GUESS_STEP, _around(guess, parallel)
+    measure(first)
     rounds = 0
     while rounds < max_rounds:
         s_best, b_best = best()
