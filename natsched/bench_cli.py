@@ -20,7 +20,7 @@ from pathlib import Path
 import orjson
 
 from natsched.argtypes import fraction, non_negative_int, positive_float, positive_int
-from workers.profiles import DEFAULT_PROFILE, PROFILES
+from natsched.workers.profiles import DEFAULT_PROFILE, PROFILES
 
 DEFAULT_RATE = 1000.0  # bench pipeline, requests per second
 DEFAULT_DURATION_S = 10.0
@@ -77,7 +77,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     rt.add_argument("--sweep-span", type=fraction, default=0.05, metavar="F",
                     help="the sweep covers speed-up x [1-F, 1+F] (default 0.05)")
     _add_pipeline_parser(bsub)
-    from sim.bench_admission import add_admission_parser
+    from natsched.sim.bench_admission import add_admission_parser
 
     add_admission_parser(bsub)
     ss = bsub.add_parser("shared-state", help="cost of the admitters' compare-and-swap on the shared usage",
@@ -145,16 +145,16 @@ def cmd_bench(args) -> int:
     if name == "shared-state":
         return _cmd_shared(args)
     if name == "admission":
-        from sim.bench_admission import run_admission
+        from natsched.sim.bench_admission import run_admission
 
         return run_admission(args)
     return _fail(f"unknown benchmark {getattr(args, 'bench', None)!r}")
 
 
 def _cmd_routing(args) -> int:
-    from sim.bench_routing import RoutingBenchSettings, run_routing_benchmark
-    from sim.errors import SimError
-    from sim.plot import plot_routing, require_matplotlib
+    from natsched.sim.bench_routing import RoutingBenchSettings, run_routing_benchmark
+    from natsched.sim.errors import SimError
+    from natsched.sim.plot import plot_routing, require_matplotlib
 
     try:
         if args.plot is not None:
@@ -220,7 +220,7 @@ def _soak_rate(args, base) -> float | None:
 
 
 def _cmd_pipeline(args) -> int:
-    from bus.errors import BusError
+    from natsched.bus.errors import BusError
     from natsched.bench_memory import print_memory, soak_summary
     from natsched.bench_pipeline import PipelineRun, find_max, print_table, run_pipeline
 

@@ -1,6 +1,6 @@
 """``natsched bench pipeline``: the scheduler's own cost, on the real services and a real server.
 
-Workers run the :class:`~workers.nullengine.NullEngine` (no compute), so what is measured is
+Workers run the :class:`~natsched.workers.nullengine.NullEngine` (no compute), so what is measured is
 admission + routing + the bus. The benchmark process publishes requests open-loop at a fixed
 rate; each worker's final reply carries the moment its agent received the assignment (and the
 admitter's and router's stamps), so the overhead ends where the issue puts it, at the worker,
@@ -41,10 +41,10 @@ from typing import Callable
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus import subjects as S
-from bus.connection import Bus
-from bus.schema import Reply, Request
-from bus.server import free_port, free_ports
+from natsched.bus import subjects as S
+from natsched.bus.connection import Bus
+from natsched.bus.schema import Reply, Request
+from natsched.bus.server import free_port, free_ports
 from natsched.bench_memory import MemorySampler, memory_report, read_cpu_s
 from natsched.supervisor import Supervisor, UpSettings
 
@@ -378,8 +378,8 @@ async def _set_quota(url: str, audit_max_bytes: int | None = None) -> None:
 async def _cap_audit_streams(bus: Bus, max_bytes: int) -> None:
     """Retention as an operator sets it (``natsched retention set``), small enough that a soak
     reaches it: then the server's memory must level off while old records are discarded."""
-    from bus.provision import default_limits, ensure_stream, overrides_to_json, stored_overrides, stored_settings
-    from bus.provision import StreamLimits, stream_config
+    from natsched.bus.provision import default_limits, ensure_stream, overrides_to_json, stored_overrides, stored_settings
+    from natsched.bus.provision import StreamLimits, stream_config
 
     audit = (S.STREAM_REQUESTS, S.STREAM_DECISIONS, S.STREAM_COMPLETIONS)
     overrides = await stored_overrides(bus.js)

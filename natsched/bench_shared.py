@@ -1,7 +1,7 @@
 """``natsched bench shared-state``: what the admitters' compare-and-swap on ``inflight/usage`` costs.
 
 Each replica (its own connection, like a separate admitter) commits one-token reservations
-through :meth:`admitter.shared.SharedState.change_usage` as fast as it can, for a while. The
+through :meth:`natsched.admitter.shared.SharedState.change_usage` as fast as it can, for a while. The
 benchmark reports commits per second, lost races (conflicts) per commit, and checks that the
 final aggregate equals the number of commits: no update lost, nothing admitted twice.
 One commit stands for a whole batch of decisions in the admitter, so these numbers bound how
@@ -15,11 +15,11 @@ import shutil
 import tempfile
 import time
 
-from admitter.shared import SharedState
-from admitter.usage import Usage
-from bus import subjects as S
-from bus.connection import Bus
-from bus.server import EmbeddedServer, free_port
+from natsched.admitter.shared import SharedState
+from natsched.admitter.usage import Usage
+from natsched.bus import subjects as S
+from natsched.bus.connection import Bus
+from natsched.bus.server import EmbeddedServer, free_port
 
 
 async def _replica(url: str, name: str, seconds: float) -> tuple[int, int]:

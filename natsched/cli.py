@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 
-from bus.server import DEFAULT_PORT, DEFAULT_URL
-from gateway.cli import add_gateway_parser
+from natsched.bus.server import DEFAULT_PORT, DEFAULT_URL
+from natsched.gateway.cli import add_gateway_parser
 from natsched.auth import add_auth_parser
 from natsched.bench_cli import add_bench_parser
 from natsched.chaos import add_chaos_parser
@@ -17,8 +17,8 @@ from natsched.cluster import add_cluster_parser
 from natsched.cmd_jobs import add_parsers as add_job_parsers
 from natsched.runtime import setup_logging
 from natsched.status import add_status_parser
-from workers.calibrate import add_calibrate_flags
-from workers.vllm_worker import add_vllm_flags
+from natsched.workers.calibrate import add_calibrate_flags
+from natsched.workers.vllm_worker import add_vllm_flags
 
 ENV_URL = "NATSCHED_NATS_URL"
 ENV_CREDENTIALS = "NATSCHED_CREDENTIALS"

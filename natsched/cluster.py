@@ -12,7 +12,7 @@ PR_SET_PDEATHSIG, so Ctrl-C, SIGTERM or even a SIGKILLed parent leaves no orphan
 
 Ports: clients ``P, P+1, ...``; routes ``P+2000, P+2001, ...`` (4222 -> 6222, NATS's defaults).
 
-Errors: :class:`ClusterError`, a :class:`bus.errors.ServerError` (like a single embedded server
+Errors: :class:`ClusterError`, a :class:`natsched.bus.errors.ServerError` (like a single embedded server
 that cannot start), so the CLI reports both the same way.
 """
 
@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bus.connection import Bus
-from bus.errors import ServerError
-from bus.provision import cluster_nodes
-from bus.server import DEFAULT_HOST, DEFAULT_PORT, ClusterMember, EmbeddedServer, default_data_dir, free_port
+from natsched.bus.connection import Bus
+from natsched.bus.errors import ServerError
+from natsched.bus.provision import cluster_nodes
+from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, ClusterMember, EmbeddedServer, default_data_dir, free_port
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class LocalCluster:
                 raise ClusterError(f"JetStream cluster of {self.s.nodes} not ready within "
                                    f"{self.s.ready_timeout_s:.0f}s: {last}; see the logs in {self.data_dir}")
             if self.s.provision:
-                await bus.provision()
+                await natsched.bus.provision()
         finally:
             await bus.close()
 

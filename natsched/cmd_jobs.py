@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from bus.server import DEFAULT_URL
+from natsched.bus.server import DEFAULT_URL
 from natsched.argtypes import positive_float, positive_int
 
 ENV_URL = "NATSCHED_NATS_URL"  # as natsched.cli.ENV_URL (not imported: cli imports this module)
@@ -38,7 +38,7 @@ def _url(p: argparse.ArgumentParser) -> None:
 def parse_time(text: str, now: float | None = None) -> float:
     """``now``, an age (``90s``, ``15m``, ``2h``, ``7d``, also ``-15m`` or ``15m ago``), unix seconds,
     or ISO 8601 (``2025-05-01T12:00:00``, local time unless it names a zone) -> unix seconds."""
-    from bus.provision import parse_duration
+    from natsched.bus.provision import parse_duration
 
     now = time.time() if now is None else now
     raw = text.strip().lower().removesuffix(" ago").lstrip("-").strip()
@@ -175,9 +175,9 @@ def _retention_parser(sub) -> None:
 # ------------------------------------------------------------------ running
 
 def run(args: argparse.Namespace) -> int:
-    from bus.errors import BusError
+    from natsched.bus.errors import BusError
     from natsched.commands import run_loop
-    from sim.errors import SimError
+    from natsched.sim.errors import SimError
 
     handler = {"batch": _batch, "jobs": _jobs, "audit": _audit, "replay": _replay, "offline": _offline,
                "retention": _retention}[args.command]
@@ -204,7 +204,7 @@ def _print_json(value: Any) -> None:
 
 
 async def _connect(args):
-    from bus.connection import Bus
+    from natsched.bus.connection import Bus
 
     return await Bus.connect(args.nats_url, name=f"natsched-{args.command}", connect_budget_s=5.0,
                              credentials=args.credentials)
@@ -239,7 +239,7 @@ class Bar:
 
 
 async def _batch(args) -> int:
-    from bus.batch import BatchClient, NotFound
+    from natsched.bus.batch import BatchClient, NotFound
 
     bus = await _connect(args)
     try:
@@ -306,8 +306,8 @@ async def _batch_results(client, args) -> int:
 # --- jobs -------------------------------------------------------------------------------------
 
 async def _jobs(args) -> int:
-    from bus import subjects as S
-    from bus.batch import JOB_STATUSES, JobStore
+    from natsched.bus import subjects as S
+    from natsched.bus.batch import JOB_STATUSES, JobStore
 
     bus = await _connect(args)
     try:
@@ -371,8 +371,8 @@ def _list_jobs(records: list, matched: int, as_json: bool) -> int:
 # --- audit ------------------------------------------------------------------------------------
 
 async def _audit(args) -> int:
-    from bus.audit import AuditNotFound, audit_request, audit_window
-    from bus.batch import JobStore
+    from natsched.bus.audit import AuditNotFound, audit_request, audit_window
+    from natsched.bus.batch import JobStore
 
     if args.request_id is None and args.since is None:
         raise ValueError("give a request id, or a window with --since TIME [--until TIME] [--tenant T]")
@@ -456,8 +456,8 @@ def _print_summary(s: dict) -> None:
 # --- replay -----------------------------------------------------------------------------------
 
 async def _replay(args) -> int:
-    from sim.replay import format_report, load_recording, replay
-    from workers.profiles import DEFAULT_PROFILE
+    from natsched.sim.replay import format_report, load_recording, replay
+    from natsched.workers.profiles import DEFAULT_PROFILE
 
     bus = await _connect(args)
     try:
@@ -478,7 +478,7 @@ async def _replay(args) -> int:
 # --- offline runner, retention ----------------------------------------------------------------
 
 async def _offline(args) -> int:
-    from admitter.offline import OfflineRunner, OfflineSettings
+    from natsched.admitter.offline import OfflineRunner, OfflineSettings
     from natsched.runtime import serve
 
     settings = OfflineSettings(name=args.name, low_watermark=args.low_watermark, max_attempts=args.max_attempts,
@@ -494,11 +494,11 @@ async def _offline(args) -> int:
 
 
 async def _retention(args) -> int:
-    from bus.provision import provision_jobs, stored_settings
+    from natsched.bus.provision import provision_jobs, stored_settings
 
     bus = await _connect(args)
     try:
-        await bus.provision(await stored_settings(bus.js))
+        await natsched.bus.provision(await stored_settings(bus.js))
         await provision_jobs(bus.js)
         if args.action == "show":
             return await _retention_show(bus, args.json)
@@ -508,14 +508,14 @@ async def _retention(args) -> int:
 
 
 def _stream_of(target: str) -> str:
-    from bus import subjects as S
+    from natsched.bus import subjects as S
 
     return f"KV_{S.BUCKET_JOBS}" if target == S.BUCKET_JOBS else target
 
 
 async def _retention_show(bus, as_json: bool) -> int:
-    from bus.audit import retention
-    from bus.provision import default_limits, retention_targets, stored_overrides
+    from natsched.bus.audit import retention
+    from natsched.bus.provision import default_limits, retention_targets, stored_overrides
 
     overrides = await stored_overrides(bus.js)
     rows = []
@@ -537,14 +537,14 @@ async def _retention_show(bus, as_json: bool) -> int:
 
 
 def retention_text(max_age_s: float, max_bytes: int) -> tuple[str, str]:
-    from bus.audit import fmt_age, fmt_size
+    from natsched.bus.audit import fmt_age, fmt_size
 
     return fmt_age(max_age_s), fmt_size(max_bytes)
 
 
 async def _retention_set(bus, args) -> int:
-    from bus import subjects as S
-    from bus.provision import (JobStoreLimits, StreamLimits, default_limits, ensure_jobs_bucket, ensure_stream,
+    from natsched.bus import subjects as S
+    from natsched.bus.provision import (JobStoreLimits, StreamLimits, default_limits, ensure_jobs_bucket, ensure_stream,
                                job_stream_config, overrides_to_json, parse_duration, parse_size, retention_targets,
                                stored_overrides, stored_settings, stream_config)
 

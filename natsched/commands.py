@@ -9,9 +9,9 @@ from dataclasses import asdict
 
 import orjson
 
-from bus import subjects as S
-from bus.errors import BusError, Rejected
-from bus.schema import Control
+from natsched.bus import subjects as S
+from natsched.bus.errors import BusError, Rejected
+from natsched.bus.schema import Control
 
 
 def run_loop(coro):
@@ -75,17 +75,17 @@ def _worker_passthrough(args) -> list[str]:
 
 
 def cmd_admitter(args) -> int:
-    from admitter.credit import CreditSettings
-    from admitter.metrics import AdmitterMetrics
-    from admitter.service import AdmitterService, AdmitterServiceSettings
+    from natsched.admitter.credit import CreditSettings
+    from natsched.admitter.metrics import AdmitterMetrics
+    from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
     from natsched.runtime import serve
 
     async def start(bus):
         metrics, router = AdmitterMetrics(), None
         if args.route:  # inline routing: a router on this connection, its metrics beside ours
-            from router.core import RouterSettings
-            from router.metrics import RouterMetrics
-            from router.service import RouterService, RouterServiceSettings
+            from natsched.router.core import RouterSettings
+            from natsched.router.metrics import RouterMetrics
+            from natsched.router.service import RouterService, RouterServiceSettings
 
             router = RouterService(bus, RouterServiceSettings(
                 name=args.name, core=RouterSettings(policy=args.policy, block_size=args.block_size)),
@@ -95,7 +95,7 @@ def cmd_admitter(args) -> int:
             name=args.name, metrics_port=args.metrics_port, credit=CreditSettings(enabled=not args.no_credit)),
             metrics, router=router)
         await service.start()
-        return f"total={service.total}" + (f" routing={router.core.policy.name}" if router else "")
+        return f"total={service.total}" + (f" routing={natsched.router.core.policy.name}" if router else "")
 
     async def stop():
         if service is not None:
@@ -107,8 +107,8 @@ def cmd_admitter(args) -> int:
 
 def cmd_router(args) -> int:
     from natsched.runtime import serve
-    from router.core import RouterSettings
-    from router.service import RouterService, RouterServiceSettings
+    from natsched.router.core import RouterSettings
+    from natsched.router.service import RouterService, RouterServiceSettings
 
     async def start(bus):
         settings = RouterServiceSettings(name=args.name, core=RouterSettings(policy=args.policy,
@@ -125,14 +125,14 @@ def cmd_worker(args) -> int:
     if args.action == "drain":
         return _run(_send_control(args.nats_url, args.worker_id, "drain", args.credentials))
     if args.action == "calibrate":
-        from workers.calibrate import calibrate_command
+        from natsched.workers.calibrate import calibrate_command
 
         return _run(calibrate_command(args, _make_engine(args)))
     if not args.id:
         return _fail("worker needs --id ID (or an action: drain, calibrate)")
     S.token(args.id, "worker id")
     from natsched.runtime import serve
-    from workers.agent import WorkerAgent, WorkerSettings
+    from natsched.workers.agent import WorkerAgent, WorkerSettings
 
     engine = _make_engine(args)
     holder: dict = {}
@@ -143,7 +143,7 @@ def cmd_worker(args) -> int:
                                                         heartbeat_interval_s=args.heartbeat, deployment=deployment,
                                                         metrics_port=args.metrics_port))
         holder["agent"] = agent
-        await bus.provision()  # its WORK stream may not exist yet when it starts first
+        await natsched.bus.provision()  # its WORK stream may not exist yet when it starts first
         await agent.start()
         return f"id={args.id} engine={args.engine} model={args.model} capacity={agent.capacity_tokens or 'kv'}"
 
@@ -162,21 +162,21 @@ def cmd_worker(args) -> int:
 
 def _make_engine(args):
     if args.engine == "null":
-        from workers.nullengine import NullEngine
+        from natsched.workers.nullengine import NullEngine
 
         return NullEngine(block_size=args.block_size)
     if args.engine == "sim":
-        from workers.profiles import get_profile
-        from workers.simengine import SimEngine
+        from natsched.workers.profiles import get_profile
+        from natsched.workers.simengine import SimEngine
 
         return SimEngine(get_profile(args.profile), block_size=args.block_size, time_scale=args.time_scale)
-    from workers.vllm_engine import VllmEngine  # noqa: the vllm extra
+    from natsched.workers.vllm_engine import VllmEngine  # noqa: the vllm extra
 
     return VllmEngine.from_args(args)
 
 
 async def _send_control(url: str, worker: str, kind: str, credentials=None) -> int:
-    from bus.connection import Bus
+    from natsched.bus.connection import Bus
 
     bus = await Bus.connect(url, name="natsched-cli", credentials=credentials)
     try:
@@ -193,7 +193,7 @@ def cmd_submit(args) -> int:
 
 
 async def _submit(args) -> int:
-    from bus.client import Client, Timeouts, make_request
+    from natsched.bus.client import Client, Timeouts, make_request
 
     client = await Client.connect(args.nats_url, Timeouts(admission=args.timeout), connect_budget_s=5.0,
                                   credentials=args.credentials)
@@ -232,7 +232,7 @@ def cmd_quota(args) -> int:
 
 
 async def _read_quotas(bus):
-    from admitter.quotas import Quotas
+    from natsched.admitter.quotas import Quotas
 
     entries = {}
     for key in await bus.kv_keys(S.BUCKET_QUOTAS):
@@ -246,8 +246,8 @@ async def _read_quotas(bus):
 
 async def _read_usage(bus):
     """The shared usage, or None (with a warning) when the stored value cannot be decoded."""
-    from admitter.errors import UsageError
-    from admitter.usage import Usage
+    from natsched.admitter.errors import UsageError
+    from natsched.admitter.usage import Usage
 
     raw = await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
     try:
@@ -262,7 +262,7 @@ def _edit_quotas(quotas, args):
     """Apply the flags to a copy of the quotas; raises QuotaError/ValueError on a bad edit."""
     import copy
 
-    from admitter.quotas import TenantQuota
+    from natsched.admitter.quotas import TenantQuota
 
     q = copy.deepcopy(quotas)
     if args.total is not None:
@@ -296,12 +296,12 @@ def _edit_quotas(quotas, args):
 
 
 async def _quota(args) -> int:
-    from admitter.errors import QuotaError
-    from bus.connection import Bus
+    from natsched.admitter.errors import QuotaError
+    from natsched.bus.connection import Bus
 
     bus = await Bus.connect(args.nats_url, name="natsched-cli", connect_budget_s=5.0, credentials=args.credentials)
     try:
-        await bus.provision()
+        await natsched.bus.provision()
         quotas, errors, dynamic, entries = await _read_quotas(bus)
         for err in errors:
             print(f"natsched: warning: {err}", file=sys.stderr)
@@ -343,7 +343,7 @@ async def _quota(args) -> int:
 
 
 def cmd_gateway(args) -> int:
-    from gateway.server import main
+    from natsched.gateway.server import main
 
     return main(args)
 
@@ -401,8 +401,8 @@ def cmd_route(args) -> int:
 
 
 async def _route(args) -> int:
-    from bus.connection import Bus
-    from router.policies import make_policy
+    from natsched.bus.connection import Bus
+    from natsched.router.policies import make_policy
 
     if args.action == "set":
         weights = orjson.loads(args.weights) if args.weights else {}
@@ -417,7 +417,7 @@ async def _route(args) -> int:
                   "canary_share": args.canary_share if args.canary else 0.0}
     bus = await Bus.connect(args.nats_url, name="natsched-cli", connect_budget_s=5.0, credentials=args.credentials)
     try:
-        await bus.provision()
+        await natsched.bus.provision()
         if args.action == "set":
             await bus.kv_put(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG, orjson.dumps(config))
             print(f"routing config set: {orjson.dumps(config).decode()}")
@@ -430,7 +430,7 @@ async def _route(args) -> int:
 
 
 def _run(coro) -> int:
-    from workers.errors import WorkerError
+    from natsched.workers.errors import WorkerError
 
     try:
         return run_loop(coro) or 0

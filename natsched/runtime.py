@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import Awaitable, Callable
 
-from bus.connection import Bus
+from natsched.bus.connection import Bus
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ so it works against any cluster it can reach on the bus):
 :class:`StatusState` is the pure accumulator (records in, :class:`StatusView` out); the
 :class:`StatusCollector` feeds it from the bus, first from the tail of the DECISIONS and
 COMPLETIONS streams, then live. The gateway keeps one collector running and renders the same
-view as HTML (``gateway.status_page``).
+view as HTML (``natsched.gateway.status_page``).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from dataclasses import asdict, dataclass, field
 
 import orjson
 
-from admitter.errors import UsageError
-from admitter.quotas import Quotas
-from admitter.usage import Usage
-from bus import subjects as S
-from bus.audit import kv_snapshot
-from bus.connection import Bus
-from bus.errors import MessageError
-from bus.schema import Completion, Decision, Heartbeat
+from natsched.admitter.errors import UsageError
+from natsched.admitter.quotas import Quotas
+from natsched.admitter.usage import Usage
+from natsched.bus import subjects as S
+from natsched.bus.audit import kv_snapshot
+from natsched.bus.connection import Bus
+from natsched.bus.errors import MessageError
+from natsched.bus.schema import Completion, Decision, Heartbeat
 
 log = logging.getLogger(__name__)
 

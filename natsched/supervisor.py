@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.connection import Bus
-from bus.errors import ServerError
-from bus.provision import provision_jobs
-from bus.server import DEFAULT_HOST, DEFAULT_PORT, EmbeddedServer, die_with_parent
+from natsched.bus.connection import Bus
+from natsched.bus.errors import ServerError
+from natsched.bus.provision import provision_jobs
+from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, EmbeddedServer, die_with_parent
 from natsched.auth import AuthDir, AuthError
 from natsched.runtime import READY_PREFIX
 
@@ -32,7 +32,7 @@ async def _provision(url: str, credentials: Path | None = None) -> None:
     create them (the services' roles may read stream info, not change it)."""
     bus = await Bus.connect(url, name="natsched-up", credentials=credentials)
     try:
-        await bus.provision()
+        await natsched.bus.provision()
         await provision_jobs(bus.js)
     finally:
         await bus.close()
@@ -54,7 +54,7 @@ class UpSettings:
     admitters: int = 1
     routers: int = 1
     inline_routing: bool = False  # admitters run with --route (then routers may be 0)
-    credit: bool = True  # admitters spend credit reserved ahead (admitter.credit); False: --no-credit
+    credit: bool = True  # admitters spend credit reserved ahead (natsched.admitter.credit); False: --no-credit
     engine: str = "sim"
     nats_url: str | None = None  # None: run the embedded server
     host: str = DEFAULT_HOST
@@ -172,8 +172,8 @@ class Supervisor:
             raise AuthError(f"{self.auth.creds('gateway')} names no tenant to publish for")
         if self.s.gateway_keys is None:
             return served[0]
-        from gateway.errors import ConfigError
-        from gateway.keys import KeyRing
+        from natsched.gateway.errors import ConfigError
+        from natsched.gateway.keys import KeyRing
 
         try:
             named = KeyRing.from_file(self.s.gateway_keys).tenants

@@ -18,8 +18,8 @@ from hypothesis import settings as hypothesis_settings
 hypothesis_settings.register_profile("natsched", deadline=None)
 hypothesis_settings.load_profile("natsched")
 
-from bus.connection import Bus
-from bus.server import EmbeddedServer, free_port
+from natsched.bus.connection import Bus
+from natsched.bus.server import EmbeddedServer, free_port
 from tests.serverwatch import MONITORS, wait_gone
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from admitter.service import AdmitterService, AdmitterServiceSettings
-from bus.client import Client, Timeouts
-from bus.connection import Bus
+from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
+from natsched.bus.client import Client, Timeouts
+from natsched.bus.connection import Bus
 from tests.serverwatch import wait_gone
-from router.core import RouterSettings
-from router.service import RouterService, RouterServiceSettings
-from workers.agent import WorkerAgent, WorkerSettings
-from workers.profiles import H100_LLAMA8B
-from workers.simengine import SimEngine
+from natsched.router.core import RouterSettings
+from natsched.router.service import RouterService, RouterServiceSettings
+from natsched.workers.agent import WorkerAgent, WorkerSettings
+from natsched.workers.profiles import H100_LLAMA8B
+from natsched.workers.simengine import SimEngine
 
 
 @dataclass
@@ -76,7 +76,7 @@ async def start_stack(
     client = Client(await connect("producer"), timeouts or Timeouts(admission=10, idle=20))
     stack = Stack(admitter, router, agents, client, buses, url)
     for _ in range(100):  # the router has seen every worker's first heartbeat
-        if len(router.core.workers) == workers:
+        if len(natsched.router.core.workers) == workers:
             break
         await asyncio.sleep(0.02)
     return stack

@@ -10,8 +10,8 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError
 
-from bus.acks import AckInbox
-from bus.connection import Bus
+from natsched.bus.acks import AckInbox
+from natsched.bus.connection import Bus
 
 STREAM = "ACKTEST"
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from admitter.policy import ALLOW, QUEUE, REJECT, AdmissionSettings, AdmitterCore, runtime_tokens
-from admitter.quotas import Quotas
+from natsched.admitter.policy import ALLOW, QUEUE, REJECT, AdmissionSettings, AdmitterCore, runtime_tokens
+from natsched.admitter.quotas import Quotas
 from tests.factories import make_completion, make_request
 
 

@@ -5,11 +5,11 @@ import argparse
 import orjson
 import pytest
 
-from admitter.policy import AdmitterCore
-from sim.admission_policies import make_request
-from sim.admission_workload import DEFAULT_WORKLOAD, AdmissionWorkload, AdmissionWorkloadError, generate
-from sim.bench_admission import POLICIES, add_admission_parser, run_admission, run_admission_benchmark
-from sim.errors import SimError
+from natsched.admitter.policy import AdmitterCore
+from natsched.sim.admission_policies import make_request
+from natsched.sim.admission_workload import DEFAULT_WORKLOAD, AdmissionWorkload, AdmissionWorkloadError, generate
+from natsched.sim.bench_admission import POLICIES, add_admission_parser, run_admission, run_admission_benchmark
+from natsched.sim.errors import SimError
 
 POLICY_KEYS = {"long_token_share", "long_completion_ratio", "short_completion_ratio", "tenants", "jain_backlogged",
                "queue_wait_p50_s", "queue_wait_p99_s", "decision_latency_p50_ms", "decision_latency_p99_ms",
@@ -133,10 +133,10 @@ def test_command_reports_bad_files_and_exits_1(tmp_path, capsys):
 def test_metrics_on_a_hand_made_run():
     """One long request stuck behind a big short one: count_fifo lets a later short one pass it,
     natsched keeps the order (and the reserve), which the long-token share tells apart."""
-    from sim.admission_metrics import summarize
-    from sim.admission_policies import CountFifo, NatschedAdmission
-    from sim.admission_sim import run_policy
-    from sim.admission_workload import SimRequest
+    from natsched.sim.admission_metrics import summarize
+    from natsched.sim.admission_policies import CountFifo, NatschedAdmission
+    from natsched.sim.admission_sim import run_policy
+    from natsched.sim.admission_workload import SimRequest
 
     w = AdmissionWorkload.from_dict(tiny(total_runtime_tokens=1000, duration_s=10, long_threshold_tokens=400,
                                          output_tokens=[2, 2], tenants=[{"name": "a", "floor": 1.0, "weight": 1,

@@ -2,9 +2,9 @@
 
 from hypothesis import given, settings, strategies as st
 
-from admitter.policy import ALLOW, QUEUE, REJECT, AdmissionSettings, AdmitterCore
-from admitter.quotas import Quotas, TenantQuota
-from admitter.usage import Usage
+from natsched.admitter.policy import ALLOW, QUEUE, REJECT, AdmissionSettings, AdmitterCore
+from natsched.admitter.quotas import Quotas, TenantQuota
+from natsched.admitter.usage import Usage
 from tests.factories import make_completion, make_request
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from admitter.estimator import OutputEstimator, ReleaseRate
-from admitter.policy import ALLOW, QUEUE, AdmissionSettings, AdmitterCore
-from admitter.quotas import Quotas, TenantQuota
+from natsched.admitter.estimator import OutputEstimator, ReleaseRate
+from natsched.admitter.policy import ALLOW, QUEUE, AdmissionSettings, AdmitterCore
+from natsched.admitter.quotas import Quotas, TenantQuota
 from tests.factories import make_completion, make_request
 
 

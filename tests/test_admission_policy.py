@@ -2,9 +2,9 @@
 
 import pytest
 
-from admitter.errors import QuotaError, SettingsError
-from admitter.policy import ALLOW, DEGRADE, QUEUE, REJECT, AdmissionSettings, AdmitterCore
-from admitter.quotas import Quotas, TenantQuota
+from natsched.admitter.errors import QuotaError, SettingsError
+from natsched.admitter.policy import ALLOW, DEGRADE, QUEUE, REJECT, AdmissionSettings, AdmitterCore
+from natsched.admitter.quotas import Quotas, TenantQuota
 from tests.factories import make_completion, make_request
 
 

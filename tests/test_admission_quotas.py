@@ -4,9 +4,9 @@ import orjson
 import pytest
 from hypothesis import given, strategies as st
 
-from admitter.errors import QuotaError, UsageError
-from admitter.quotas import Quotas, TenantQuota
-from admitter.usage import Usage
+from natsched.admitter.errors import QuotaError, UsageError
+from natsched.admitter.quotas import Quotas, TenantQuota
+from natsched.admitter.usage import Usage
 
 
 def sample_quotas() -> Quotas:

@@ -5,10 +5,10 @@ The service side (real nats-server) is in tests/test_admitter_credit_service.py.
 
 import pytest
 
-from admitter.credit import Credit, CreditSettings
-from admitter.errors import SettingsError, UsageError
-from admitter.shared import Reservation, SharedState
-from admitter.usage import Usage
+from natsched.admitter.credit import Credit, CreditSettings
+from natsched.admitter.errors import SettingsError, UsageError
+from natsched.admitter.shared import Reservation, SharedState
+from natsched.admitter.usage import Usage
 
 KEY = ("t1", "m")
 

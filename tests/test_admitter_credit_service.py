@@ -4,12 +4,12 @@ stop, and a silent replica's entry dropped without losing what it reserved."""
 
 import asyncio
 
-from admitter.credit import CreditSettings
-from admitter.service import AdmitterService, AdmitterServiceSettings
-from admitter.usage import Usage
-from bus import subjects as S
-from bus.connection import Bus
-from bus.schema import Decision
+from natsched.admitter.credit import CreditSettings
+from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
+from natsched.admitter.usage import Usage
+from natsched.bus import subjects as S
+from natsched.bus.connection import Bus
+from natsched.bus.schema import Decision
 from tests.factories import make_completion, make_request
 from tests.factories import wait_for as until
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from admitter.dynamic import DynamicTotal, DynamicTotalSettings
-from admitter.leases import LeaseTracker
+from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
+from natsched.admitter.leases import LeaseTracker
 
 
 def make_dynamic(**kw) -> DynamicTotal:

@@ -5,12 +5,12 @@ import time
 
 import orjson
 
-from admitter.service import AdmitterService, AdmitterServiceSettings
-from admitter.usage import Usage
-from bus import subjects as S
-from bus.client import make_request
-from bus.connection import Bus
-from bus.schema import Admitted, Decision, Heartbeat, Reply, Request
+from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
+from natsched.admitter.usage import Usage
+from natsched.bus import subjects as S
+from natsched.bus.client import make_request
+from natsched.bus.connection import Bus
+from natsched.bus.schema import Admitted, Decision, Heartbeat, Reply, Request
 from tests.factories import make_completion
 from tests.factories import wait_for as until
 
@@ -88,7 +88,7 @@ async def test_reservations_survive_an_admitter_restart(bus, nats_url):
 async def test_a_replica_frees_another_replicas_record_once_and_the_writer_forgets_it(bus, nats_url):
     """Replicas do not mirror each other's records: a release reads the record it never saw, and
     the writer drops its remembered copy at its next snapshot (its memory stays bounded)."""
-    from admitter.shared import Reservation
+    from natsched.admitter.shared import Reservation
 
     a = await start_admitter(nats_url, "adm-a")
     b = await start_admitter(nats_url, "adm-b")
@@ -285,7 +285,7 @@ async def test_metrics_count_decisions_by_tenant_class_and_reason(bus, nats_url)
 async def test_a_released_reservation_leaves_only_an_expiring_tombstone(bus, nats_url):
     """One key per request ever admitted must not stay in the bucket: the release purges the key
     with a marker that carries a TTL, and a release against a stale revision still conflicts."""
-    from admitter.shared import MARKER_TTL_S, Reservation
+    from natsched.admitter.shared import MARKER_TTL_S, Reservation
 
     adm = await start_admitter(nats_url)
     try:
@@ -308,8 +308,8 @@ async def test_a_released_reservation_leaves_only_an_expiring_tombstone(bus, nat
 
 async def test_between_full_reconciliations_a_replica_keeps_only_recent_own_records(bus, nats_url):
     """Its memory of its own records is bounded without a full read; the records stay stored."""
-    from admitter.repair import REMEMBER_S
-    from admitter.shared import Reservation
+    from natsched.admitter.repair import REMEMBER_S
+    from natsched.admitter.shared import Reservation
 
     adm = await start_admitter(nats_url)
     try:
@@ -362,7 +362,7 @@ async def test_a_release_waiting_for_the_lock_rides_on_the_next_admission_commit
 async def test_a_reconciliation_pass_that_fails_is_tried_again_at_the_next_interval(nats_url, bus):
     """The reservation read can stall or the server be away for a moment: the loop logs it and
     runs the next pass, it does not end (it ended on anything but an AdmitterError before)."""
-    from bus.errors import SnapshotError
+    from natsched.bus.errors import SnapshotError
 
     adm = await start_admitter(nats_url, reconcile_interval_s=0.1)
     calls = []

@@ -1,8 +1,8 @@
-"""bus.aio.wait_event: the event wait every service loop uses."""
+"""natsched.bus.aio.wait_event: the event wait every service loop uses."""
 
 import asyncio
 
-from bus.aio import wait_event
+from natsched.bus.aio import wait_event
 
 
 async def test_wait_event_says_whether_the_event_came():

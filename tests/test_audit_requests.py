@@ -6,10 +6,10 @@ from argparse import ArgumentTypeError
 import orjson
 import pytest
 
-from bus import subjects as S
-from bus.audit import AuditNotFound, audit_request, audit_window, read_window
-from bus.client import make_request
-from bus.errors import Rejected
+from natsched.bus import subjects as S
+from natsched.bus.audit import AuditNotFound, audit_request, audit_window, read_window
+from natsched.bus.client import make_request
+from natsched.bus.errors import Rejected
 from natsched.cmd_jobs import parse_time
 from tests.test_batch_submit import cli
 

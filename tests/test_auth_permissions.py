@@ -19,19 +19,19 @@ import nats
 import orjson
 import pytest
 
-from admitter.service import AdmitterService
-from bus import subjects as S
-from bus.client import Client, Timeouts, make_request
-from bus.connection import Bus, Credentials
-from bus.errors import ConnectError
-from bus.schema import Completion, Reply
-from bus.server import EmbeddedServer, find_binary, free_port
+from natsched.admitter.service import AdmitterService
+from natsched.bus import subjects as S
+from natsched.bus.client import Client, Timeouts, make_request
+from natsched.bus.connection import Bus, Credentials
+from natsched.bus.errors import ConnectError
+from natsched.bus.schema import Completion, Reply
+from natsched.bus.server import EmbeddedServer, find_binary, free_port
 from natsched.auth import AuthExistsError, AuthFiles, AuthSettings, add_auth_parser, cmd_auth, init, tenant_reply
-from router.core import RouterSettings
-from router.service import RouterService, RouterServiceSettings
-from workers.agent import WorkerAgent, WorkerSettings
-from workers.profiles import H100_LLAMA8B
-from workers.simengine import SimEngine
+from natsched.router.core import RouterSettings
+from natsched.router.service import RouterService, RouterServiceSettings
+from natsched.workers.agent import WorkerAgent, WorkerSettings
+from natsched.workers.profiles import H100_LLAMA8B
+from natsched.workers.simengine import SimEngine
 
 TENANTS = ["A", "B"]
 WORKERS = ["w1", "w2"]
@@ -288,7 +288,7 @@ async def start_role_stack(url: str, files: AuthFiles) -> RoleStack:
         workers.append(agent)
     producers = {t: Client(await connect(f"producer-{t}"), Timeouts(admission=10, idle=20)) for t in TENANTS}
     for _ in range(100):  # bounded: the router has seen every worker's first heartbeat
-        if len(router.core.workers) == len(WORKERS):
+        if len(natsched.router.core.workers) == len(WORKERS):
             break
         await asyncio.sleep(0.02)
     return RoleStack(buses, admitter, router, workers, producers)

@@ -17,24 +17,24 @@ import openai
 import orjson
 import pytest
 
-from admitter.offline import OfflineRunner, OfflineSettings
-from admitter.service import AdmitterService
-from bus.snapshot import read_kv
-from bus import subjects as S
-from bus.audit import AuditError
-from bus.batch import BatchClient, JobStore
-from bus.connection import Bus, Credentials
-from bus.provision import provision_jobs
-from bus.server import find_binary
-from gateway.testing import start_gateway
+from natsched.admitter.offline import OfflineRunner, OfflineSettings
+from natsched.admitter.service import AdmitterService
+from natsched.bus.snapshot import read_kv
+from natsched.bus import subjects as S
+from natsched.bus.audit import AuditError
+from natsched.bus.batch import BatchClient, JobStore
+from natsched.bus.connection import Bus, Credentials
+from natsched.bus.provision import provision_jobs
+from natsched.bus.server import find_binary
+from natsched.gateway.testing import start_gateway
 from natsched.auth import AuthSettings, add_auth_parser, cmd_auth, init
-from router.core import RouterSettings
-from router.service import RouterService, RouterServiceSettings
+from natsched.router.core import RouterSettings
+from natsched.router.service import RouterService, RouterServiceSettings
 from tests.factories import wait_for
 from tests.test_auth_permissions import assert_no_violation, probe, start_server  # noqa: F401 (probe: a fixture)
-from workers.agent import WorkerAgent, WorkerSettings
-from workers.profiles import H100_LLAMA8B
-from workers.simengine import SimEngine
+from natsched.workers.agent import WorkerAgent, WorkerSettings
+from natsched.workers.profiles import H100_LLAMA8B
+from natsched.workers.simengine import SimEngine
 
 TENANTS = ["A", "B"]
 GATEWAY_TENANTS = ["A"]  # the gateway serves A only

@@ -20,10 +20,10 @@ import openai
 import orjson
 import pytest
 
-from bus import subjects as S
-from bus.batch import BatchClient
-from bus.connection import Bus
-from bus.server import free_port, port_in_use
+from natsched.bus import subjects as S
+from natsched.bus.batch import BatchClient
+from natsched.bus.connection import Bus
+from natsched.bus.server import free_port, port_in_use
 from natsched.auth import AuthSettings, init
 from tests.factories import read_until_up, wait_for
 from tests.test_auth_permissions import Probe

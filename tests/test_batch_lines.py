@@ -3,9 +3,9 @@
 import orjson
 import pytest
 
-from bus import subjects as S
-from bus.batch import LineError, attempt_id, batch_id, parse_line, plan_batch, request_id, span_lines, to_spans
-from bus.schema import ID_PATTERN
+from natsched.bus import subjects as S
+from natsched.bus.batch import LineError, attempt_id, batch_id, parse_line, plan_batch, request_id, span_lines, to_spans
+from natsched.bus.schema import ID_PATTERN
 
 
 def jsonl(*rows) -> bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bus.snapshot import read_kv, windowed_consumer
+from natsched.bus.snapshot import read_kv, windowed_consumer
 
 BUCKET = "snaptest"
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from bus.server import free_port
+from natsched.bus.server import free_port
 from tests.factories import read_until_up
 
 PY = [sys.executable, "-m", "natsched"]
@@ -179,7 +179,7 @@ def test_up_metrics_port_numbers_every_service_from_it_and_refuses_ports_past_th
     for kid in kids:  # each flag is one its own command takes
         cmd = kid.args[kid.args.index("--log-level") + 2:]
         if kid.name == "gateway":
-            continue  # natsched gateway has its own parser (gateway.cli), tested with the gateway
+            continue  # natsched gateway has its own parser (natsched.gateway.cli), tested with the gateway
         assert build_parser().parse_args(cmd).metrics_port == ports.get(kid.name)
     assert all("--metrics-port" not in c.args for c in Supervisor(up_settings(
         build_parser().parse_args(["up"]))).plan("nats://127.0.0.1:4222"))  # none unless asked

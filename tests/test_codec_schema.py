@@ -2,9 +2,9 @@ import msgpack
 import pytest
 from hypothesis import given, strategies as st
 
-from bus import codec
-from bus.errors import DecodeError, SchemaError
-from bus.schema import Admitted, Completion, Heartbeat, Reply, Request
+from natsched.bus import codec
+from natsched.bus.errors import DecodeError, SchemaError
+from natsched.bus.schema import Admitted, Completion, Heartbeat, Reply, Request
 from tests.factories import make_request
 
 
@@ -125,7 +125,7 @@ def test_negative_counts_are_refused_and_named(message, field):
 def test_reply_subjects_a_request_may_name(reply, tenant, allowed):
     """One regular expression decides it (it runs on every request decoded): the same table as
     the rule in subjects.md, including a trailing newline, which a per-token ``match`` let through."""
-    from bus.subjects import reply_allowed
+    from natsched.bus.subjects import reply_allowed
 
     assert reply_allowed(reply, tenant) is allowed
 
@@ -156,7 +156,7 @@ class _Msg:
     ("$JS.ACK.hub.ACCHASH.WORK.worker-w1.4.17.9.1700000000000000000.2.xyz", 4),  # with a domain: nats-py's parser
 ])
 def test_a_deliverys_count_is_read_off_its_ack_subject(reply, delivered):
-    from bus.connection import Delivery
+    from natsched.bus.connection import Delivery
 
     assert Delivery(_Msg(reply)).num_delivered == delivered
 
@@ -164,7 +164,7 @@ def test_a_deliverys_count_is_read_off_its_ack_subject(reply, delivered):
 def test_a_message_without_an_ack_subject_is_no_delivery():
     from nats.errors import Error
 
-    from bus.connection import Delivery
+    from natsched.bus.connection import Delivery
 
     with pytest.raises(Error):
         Delivery(_Msg("")).num_delivered

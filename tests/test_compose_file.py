@@ -14,8 +14,8 @@ import orjson
 import pytest
 import yaml
 
-from bus.server import find_binary
-from gateway.keys import KeyRing
+from natsched.bus.server import find_binary
+from natsched.gateway.keys import KeyRing
 from natsched.cli import build_parser
 from tests.test_metrics_scrape import EXPECTED
 

@@ -1,6 +1,6 @@
 """Property-based tests of the codec and every wire schema: any bytes, any map, never a crash.
 
-A reader may only fail with the typed :class:`~bus.errors.MessageError` family (the consumers
+A reader may only fail with the typed :class:`~natsched.bus.errors.MessageError` family (the consumers
 dead-letter exactly that and retry anything else), and a message it accepts survives a
 re-encode unchanged.
 """
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus import codec, schema
-from bus.errors import DecodeError, MessageError
+from natsched.bus import codec, schema
+from natsched.bus.errors import DecodeError, MessageError
 
 SCHEMAS = [cls for cls in vars(schema).values()
            if isinstance(cls, type) and issubclass(cls, schema.Schema) and cls is not schema.Schema]

@@ -33,18 +33,18 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from admitter.service import AdmitterService
-from bus import subjects as S
-from bus.client import Client, Timeouts, make_request
-from bus.connection import Bus
-from bus.schema import CacheEvent, Completion, Control, DeadLetter, Decision, Heartbeat, Reply
-from router.core import RouterSettings
-from router.service import RouterService, RouterServiceSettings
+from natsched.admitter.service import AdmitterService
+from natsched.bus import subjects as S
+from natsched.bus.client import Client, Timeouts, make_request
+from natsched.bus.connection import Bus
+from natsched.bus.schema import CacheEvent, Completion, Control, DeadLetter, Decision, Heartbeat, Reply
+from natsched.router.core import RouterSettings
+from natsched.router.service import RouterService, RouterServiceSettings
 from tests.conftest import wipe
 from tests.test_fuzz_codec import mutated, valid_messages, values, wrong_values
-from workers.agent import WorkerAgent, WorkerSettings
-from workers.profiles import H100_LLAMA8B
-from workers.simengine import SimEngine
+from natsched.workers.agent import WorkerAgent, WorkerSettings
+from natsched.workers.profiles import H100_LLAMA8B
+from natsched.workers.simengine import SimEngine
 
 EXAMPLES = int(os.environ.get("NATSCHED_FUZZ_EXAMPLES", "100"))  # more for a deeper local run
 #: no shrinking: each step would replay against services whose state moved on, minutes per failure;
@@ -232,7 +232,7 @@ async def _start(url: str) -> tuple:
     observer = Observer()
     await observer.start(fuzzer)
     for _ in range(100):  # bounded: the router has seen both workers
-        if {"w1", "w2"} <= set(router.core.workers):
+        if {"w1", "w2"} <= set(natsched.router.core.workers):
             break
         await asyncio.sleep(0.02)
     return fuzzer, admitter, router, workers, client, observer, buses

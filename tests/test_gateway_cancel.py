@@ -7,11 +7,11 @@ import asyncio
 import orjson
 import pytest
 
-from bus import subjects as S
-from bus.client import make_request
-from bus.errors import RequestFailed
-from bus.schema import Completion
-from gateway.testing import ALPHA, start_gateway
+from natsched.bus import subjects as S
+from natsched.bus.client import make_request
+from natsched.bus.errors import RequestFailed
+from natsched.bus.schema import Completion
+from natsched.gateway.testing import ALPHA, start_gateway
 from tests.stack import start_stack
 from tests.factories import wait_for
 

@@ -9,13 +9,13 @@ import os
 import orjson
 import pytest
 
-from bus import subjects as S
-from bus.schema import Control, Decision
-from gateway.cli import add_gateway_parser, settings_from_args
-from gateway.errors import ConfigError
-from gateway.keys import KeyRing
-from gateway.server import main as gateway_main
-from gateway.testing import ALPHA, BETA, start_gateway
+from natsched.bus import subjects as S
+from natsched.bus.schema import Control, Decision
+from natsched.gateway.cli import add_gateway_parser, settings_from_args
+from natsched.gateway.errors import ConfigError
+from natsched.gateway.keys import KeyRing
+from natsched.gateway.server import main as gateway_main
+from natsched.gateway.testing import ALPHA, BETA, start_gateway
 from tests.stack import start_stack
 
 CHAT = "/v1/chat/completions"

@@ -8,9 +8,9 @@ import openai
 import orjson
 import pytest
 
-from bus import subjects as S
-from bus.schema import Decision
-from gateway.testing import ALPHA, start_gateway
+from natsched.bus import subjects as S
+from natsched.bus.schema import Decision
+from natsched.gateway.testing import ALPHA, start_gateway
 from tests.stack import start_stack
 
 SYSTEM = "You are a meticulous assistant who answers about KV caches. " * 24  # ~1.4 kB: several prefix blocks

@@ -8,13 +8,13 @@ import time
 import openai
 import pytest
 
-from bus import subjects as S
-from bus.schema import Completion
-from gateway.testing import ALPHA, start_gateway
+from natsched.bus import subjects as S
+from natsched.bus.schema import Completion
+from natsched.gateway.testing import ALPHA, start_gateway
 from tests.test_gateway_cancel import post
 from tests.stack import start_stack
-from workers.tiny_model import write_tiny_model
-from workers.vllm_worker import VllmWorkerProcess
+from natsched.workers.tiny_model import write_tiny_model
+from natsched.workers.vllm_worker import VllmWorkerProcess
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly
 pytestmark = pytest.mark.vllm

@@ -16,11 +16,11 @@ import subprocess
 
 import pytest
 
-from bus import subjects as S
-from bus.client import make_request
-from bus.connection import Bus
-from bus.server import free_port
-from bus.schema import Decision
+from natsched.bus import subjects as S
+from natsched.bus.client import make_request
+from natsched.bus.connection import Bus
+from natsched.bus.server import free_port
+from natsched.bus.schema import Decision
 from natsched.auth import admitter_role, router_role, scheduler_role
 from natsched.cli import build_parser
 from natsched.commands import up_settings
@@ -28,9 +28,9 @@ from natsched.supervisor import Supervisor
 from tests.factories import read_until_up, wait_for
 from tests.stack import start_stack
 from tests.test_auth_up import PY, auth_dir
-from workers.agent import WorkerAgent, WorkerSettings
-from workers.profiles import H100_LLAMA8B
-from workers.simengine import SimEngine
+from natsched.workers.agent import WorkerAgent, WorkerSettings
+from natsched.workers.profiles import H100_LLAMA8B
+from natsched.workers.simengine import SimEngine
 
 
 async def _decisions(bus) -> list[Decision]:

@@ -12,13 +12,13 @@ import time
 
 import pytest
 
-from bus import subjects as S
-from bus.connection import Bus, Delivery
-from bus.schema import Admitted, Assignment, Completion
+from natsched.bus import subjects as S
+from natsched.bus.connection import Bus, Delivery
+from natsched.bus.schema import Admitted, Assignment, Completion
 from tests.factories import make_request, wait_for
 from tests.test_admitter_service import start_admitter, stop
-from workers.agent import WorkerAgent, WorkerSettings
-from workers.nullengine import NullEngine
+from natsched.workers.agent import WorkerAgent, WorkerSettings
+from natsched.workers.nullengine import NullEngine
 
 
 @pytest.fixture

@@ -10,16 +10,16 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from admitter.service import AdmitterService, AdmitterServiceSettings
-from bus import subjects as S
-from bus.connection import Bus
-from bus.server import free_port
-from gateway.testing import ALPHA, start_gateway
-from router.core import RouterSettings
-from router.service import RouterService, RouterServiceSettings
-from workers.agent import WorkerAgent, WorkerSettings
-from workers.profiles import H100_LLAMA8B
-from workers.simengine import SimEngine
+from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
+from natsched.bus import subjects as S
+from natsched.bus.connection import Bus
+from natsched.bus.server import free_port
+from natsched.gateway.testing import ALPHA, start_gateway
+from natsched.router.core import RouterSettings
+from natsched.router.service import RouterService, RouterServiceSettings
+from natsched.workers.agent import WorkerAgent, WorkerSettings
+from natsched.workers.profiles import H100_LLAMA8B
+from natsched.workers.simengine import SimEngine
 
 #: every documented metric (README, "Metrics") -> its type, per service
 EXPECTED = {
@@ -138,7 +138,7 @@ async def test_each_service_serves_its_documented_metrics_and_they_count_real_tr
         await asyncio.sleep(0.05)
     first = asyncio.create_task(client.completions.create(model="default", prompt=list(range(100)), max_tokens=50))
     for _ in range(100):
-        if admitter.shared.usage.used:
+        if natsched.admitter.shared.usage.used:
             break
         await asyncio.sleep(0.02)
     await client.completions.create(model="default", prompt=list(range(100)), max_tokens=50)

@@ -14,12 +14,12 @@ from collections import Counter
 
 import orjson
 
-from bus import subjects as S
-from bus.audit import audit_request, audit_window
-from bus.batch import BatchClient, JobStore
-from bus.client import make_request
-from bus.schema import Completion, Decision
-from sim.replay import format_report, load_recording, replay
+from natsched.bus import subjects as S
+from natsched.bus.audit import audit_request, audit_window
+from natsched.bus.batch import BatchClient, JobStore
+from natsched.bus.client import make_request
+from natsched.bus.schema import Completion, Decision
+from natsched.sim.replay import format_report, load_recording, replay
 from tests.test_batch_submit import cli
 from tests.test_offline_runner import jobs_stack, records, wait_for
 

@@ -2,11 +2,11 @@
 
 import pytest
 
-from admitter.errors import SettingsError
-from admitter.offline import IdleGate, OfflineSettings, on_failure, on_reply, on_take
-from admitter.quotas import Quotas, TenantQuota
-from admitter.usage import Usage
-from bus.schema import JobRecord, Reply
+from natsched.admitter.errors import SettingsError
+from natsched.admitter.offline import IdleGate, OfflineSettings, on_failure, on_reply, on_take
+from natsched.admitter.quotas import Quotas, TenantQuota
+from natsched.admitter.usage import Usage
+from natsched.bus.schema import JobRecord, Reply
 from tests.factories import make_request
 
 

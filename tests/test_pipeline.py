@@ -5,11 +5,11 @@ import asyncio
 import orjson
 import pytest
 
-from bus import subjects as S
-from bus.client import make_request
-from bus.codec import encode
-from bus.errors import DuplicateRequest, Rejected, RequestFailed
-from bus.schema import Completion, Control, DeadLetter, Decision, Reply
+from natsched.bus import subjects as S
+from natsched.bus.client import make_request
+from natsched.bus.codec import encode
+from natsched.bus.errors import DuplicateRequest, Rejected, RequestFailed
+from natsched.bus.schema import Completion, Control, DeadLetter, Decision, Reply
 from tests.stack import start_stack
 from tests.factories import wait_for
 

@@ -8,9 +8,9 @@ from contextlib import asynccontextmanager
 
 from nats.js import api
 
-from bus.connection import Bus, ConsumerSpec
-from bus.puller import Puller
-from bus.server import EmbeddedServer, free_port
+from natsched.bus.connection import Bus, ConsumerSpec
+from natsched.bus.puller import Puller
+from natsched.bus.server import EmbeddedServer, free_port
 
 STREAM = "PULLTEST"
 

@@ -5,11 +5,11 @@ import time
 
 import pytest
 
-from bus import subjects as S
-from bus.client import make_request
-from bus.schema import Completion, Decision, Request
-from sim.errors import SimConfigError
-from sim.replay import ReplayError, WindowAgedOut, load_recording, match, replay
+from natsched.bus import subjects as S
+from natsched.bus.client import make_request
+from natsched.bus.schema import Completion, Decision, Request
+from natsched.sim.errors import SimConfigError
+from natsched.sim.replay import ReplayError, WindowAgedOut, load_recording, match, replay
 from tests.test_batch_submit import cli
 
 

@@ -12,18 +12,18 @@ from collections import Counter
 
 import pytest
 
-from admitter.rescue import readmission, stranded
-from admitter.shared import Reservation
-from bus import subjects as S
-from bus.client import Client, Timeouts
-from bus.errors import RequestFailed
-from bus.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
+from natsched.admitter.rescue import readmission, stranded
+from natsched.admitter.shared import Reservation
+from natsched.bus import subjects as S
+from natsched.bus.client import Client, Timeouts
+from natsched.bus.errors import RequestFailed
+from natsched.bus.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
 from natsched.runtime import READY_PREFIX
 from tests.factories import make_request, wait_for
 from tests.stack import start_stack
 from tests.test_admitter_service import start_admitter, stop
-from admitter.service import AdmitterService, AdmitterServiceSettings
-from bus.connection import Bus
+from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
+from natsched.bus.connection import Bus
 
 
 def make_assignment(worker: str = "wdead", *, attempt: int = 0, avoid: list[str] | None = None, **req) -> Assignment:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.backlog import advance, queued_prefill_s
-from router.costmodel import CostModel
-from router.testing import chain, make_core, make_hb, make_req
+from natsched.router.backlog import advance, queued_prefill_s
+from natsched.router.costmodel import CostModel
+from natsched.router.testing import chain, make_core, make_hb, make_req
 
 M = CostModel()
 NOW = 100.0

@@ -6,10 +6,10 @@ from collections import Counter
 
 import pytest
 
-from router.core import RouterCore, RouterSettings, in_canary
-from router.errors import ConfigError, UnknownPolicyError
-from router.index import IndexSettings
-from router.testing import chain, make_completion, make_core, make_event, make_hb, make_req
+from natsched.router.core import RouterCore, RouterSettings, in_canary
+from natsched.router.errors import ConfigError, UnknownPolicyError
+from natsched.router.index import IndexSettings
+from natsched.router.testing import chain, make_completion, make_core, make_event, make_hb, make_req
 
 NOW = 100.0
 PREFIX = chain(20, "sys")
@@ -80,7 +80,7 @@ def test_sequence_gap_returns_false_then_snapshot_restores_trust():
 def test_a_worker_first_heard_mid_stream_is_asked_for_a_snapshot_at_once():
     """A router that starts after its workers did missed their first cache events: it asks at
     the first heartbeat, not at the first delta after the load began."""
-    from router.core import RouterCore, RouterSettings
+    from natsched.router.core import RouterCore, RouterSettings
 
     core = RouterCore(RouterSettings(policy="natsched"))
     core.on_heartbeat(make_hb("late", kv_seq=7), NOW)  # 7 events out, none seen here

@@ -9,8 +9,8 @@ wrong claim by the worker; before the fix this workload demoted the workers doze
 
 from __future__ import annotations
 
-from sim.des import SimSettings, Simulator
-from sim.testing import make_trace, trace_row
+from natsched.sim.des import SimSettings, Simulator
+from natsched.sim.testing import make_trace, trace_row
 
 
 def queued_shared_prefix_trace():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.errors import ConfigError
-from router.index import IndexSettings, PrefixIndex
-from router.testing import chain, make_event
+from natsched.router.errors import ConfigError
+from natsched.router.index import IndexSettings, PrefixIndex
+from natsched.router.testing import chain, make_event
 
 
 def make_index(**kw) -> PrefixIndex:

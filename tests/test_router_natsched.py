@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from router.costmodel import CostModel
-from router.deps import PolicyDeps
-from router.errors import ConfigError
-from router.hashring import HashRing
-from router.index import IndexSettings, PrefixIndex
-from router.natsched import NatschedParams, NatschedPolicy
-from router.testing import chain, make_event, make_req, make_view
+from natsched.router.costmodel import CostModel
+from natsched.router.deps import PolicyDeps
+from natsched.router.errors import ConfigError
+from natsched.router.hashring import HashRing
+from natsched.router.index import IndexSettings, PrefixIndex
+from natsched.router.natsched import NatschedParams, NatschedPolicy
+from natsched.router.testing import chain, make_event, make_req, make_view
 
 NOW = 1000.0
 

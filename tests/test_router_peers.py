@@ -6,14 +6,14 @@ from collections import Counter
 
 import pytest
 
-from router.costmodel import CostModel
-from router.deps import PolicyDeps
-from router.errors import ConfigError, UnknownPolicyError
-from router.index import IndexSettings, PrefixIndex
-from router.peers import DynamoKv, DynamoParams, LlmdScorers, PrebleE2
-from router.policies import POLICIES, ConsistentHash, LeastLoaded, RoundRobin, make_policy
-from router.sglang import SglangCacheAware, SglangParams
-from router.testing import chain, make_event, make_req, make_view
+from natsched.router.costmodel import CostModel
+from natsched.router.deps import PolicyDeps
+from natsched.router.errors import ConfigError, UnknownPolicyError
+from natsched.router.index import IndexSettings, PrefixIndex
+from natsched.router.peers import DynamoKv, DynamoParams, LlmdScorers, PrebleE2
+from natsched.router.policies import POLICIES, ConsistentHash, LeastLoaded, RoundRobin, make_policy
+from natsched.router.sglang import SglangCacheAware, SglangParams
+from natsched.router.testing import chain, make_event, make_req, make_view
 
 NOW = 1000.0
 ALL = {"natsched", "round_robin", "least_loaded", "consistent_hash", "sglang_cache_aware", "dynamo_kv",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.errors import ConfigError
-from router.registry import Assignment, RegistrySettings, WorkerRegistry, WorkerState
-from router.testing import make_hb, make_req
+from natsched.router.errors import ConfigError
+from natsched.router.registry import Assignment, RegistrySettings, WorkerRegistry, WorkerState
+from natsched.router.testing import make_hb, make_req
 
 
 def make_registry(**kw) -> WorkerRegistry:

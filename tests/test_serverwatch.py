@@ -5,8 +5,8 @@ import tempfile
 
 import pytest
 
-from bus.connection import Bus
-from bus.server import EmbeddedServer, free_port
+from natsched.bus.connection import Bus
+from natsched.bus.server import EmbeddedServer, free_port
 from tests.serverwatch import MONITORS, wait_gone
 
 

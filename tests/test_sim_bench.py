@@ -11,10 +11,10 @@ import pytest
 
 from natsched.bench_cli import add_bench_parser, cmd_bench
 from natsched.cli import main
-from router.policies import POLICIES
-from sim.bench_routing import METRIC_KEYS, RoutingBenchSettings, resolve_policies, run_routing_benchmark
-from sim.errors import SimConfigError
-from sim.testing import trace_row, write_trace
+from natsched.router.policies import POLICIES
+from natsched.sim.bench_routing import METRIC_KEYS, RoutingBenchSettings, resolve_policies, run_routing_benchmark
+from natsched.sim.errors import SimConfigError
+from natsched.sim.testing import trace_row, write_trace
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 TOP_KEYS = {"trace", "requests", "workers", "profile", "speedup", "ceiling_hit_ratio", "policies"}
@@ -126,7 +126,7 @@ def test_kv_blocks_sets_every_workers_cache_and_is_reported(trace_file, tmp_path
     default = run_routing_benchmark(RoutingBenchSettings(**base))
     small = run_routing_benchmark(RoutingBenchSettings(**base, kv_blocks=64))
     big = run_routing_benchmark(RoutingBenchSettings(**base, kv_blocks=100_000))
-    from workers.profiles import get_profile
+    from natsched.workers.profiles import get_profile
     assert default.kv_blocks == get_profile("h100-llama8b").kv_blocks(default.block_size) == 834
     assert (small.kv_blocks, big.kv_blocks) == (64, 100_000)
     hit = lambda r: r.policies["natsched"]["hit_ratio"]  # noqa: E731

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from sim.calibrate import find_speedup
-from sim.errors import CalibrationError, SimConfigError
+from natsched.sim.calibrate import find_speedup
+from natsched.sim.errors import CalibrationError, SimConfigError
 
 
 def curve(rate=0.4):

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from bus.schema import CacheEvent, Completion, Heartbeat
-from router.core import RouterCore, RouterSettings
-from router.policies import POLICIES
-from router.policy import RouteDecision
-from sim.admission import ALLOW, QUEUE, REJECT
-from sim.des import SimSettings, Simulator, simulate
-from sim.errors import SimConfigError, SimError
-from sim.metrics import ceiling_hit_ratio
-from sim.testing import make_trace, repeated_prefix_rows, trace_row
-from workers.profiles import H100_LLAMA8B
+from natsched.bus.schema import CacheEvent, Completion, Heartbeat
+from natsched.router.core import RouterCore, RouterSettings
+from natsched.router.policies import POLICIES
+from natsched.router.policy import RouteDecision
+from natsched.sim.admission import ALLOW, QUEUE, REJECT
+from natsched.sim.des import SimSettings, Simulator, simulate
+from natsched.sim.errors import SimConfigError, SimError
+from natsched.sim.metrics import ceiling_hit_ratio
+from natsched.sim.testing import make_trace, repeated_prefix_rows, trace_row
+from natsched.workers.profiles import H100_LLAMA8B
 
 BLOCK = 512
 

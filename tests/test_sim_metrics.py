@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from sim.metrics import (RequestRecord, ceiling_hit_ratio, coefficient_of_variation, migration_rate, percentile,
+from natsched.sim.metrics import (RequestRecord, ceiling_hit_ratio, coefficient_of_variation, migration_rate, percentile,
                          pooled_hit_ratio, summarize)
-from sim.testing import make_trace, trace_row
+from natsched.sim.testing import make_trace, trace_row
 
 
 def test_ceiling_counts_the_longest_previously_seen_prefix_per_request():

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from natsched.cli import main
-from sim.sweep import summarize, sweep_speedups, targets, verdict
+from natsched.sim.sweep import summarize, sweep_speedups, targets, verdict
 from tests.test_sim_bench import trace_file  # noqa: F401  (the module fixture: the shared trace)
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sim.errors import EmptyTraceError, SimConfigError, SimError, TraceError, TraceFormatError
-from sim.testing import make_trace, trace_line, trace_row, write_trace
-from sim.trace import ROOT_HASH, BlockChainer, load_mooncake
+from natsched.sim.errors import EmptyTraceError, SimConfigError, SimError, TraceError, TraceFormatError
+from natsched.sim.testing import make_trace, trace_line, trace_row, write_trace
+from natsched.sim.trace import ROOT_HASH, BlockChainer, load_mooncake
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 

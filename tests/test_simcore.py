@@ -1,7 +1,7 @@
 """The engine model: batching, prefix cache, KV limits and preemption behave like vLLM's."""
 
-from workers.profiles import H100_LLAMA8B, H100_27B_INT4
-from workers.simcore import SimCore
+from natsched.workers.profiles import H100_LLAMA8B, H100_27B_INT4
+from natsched.workers.simcore import SimCore
 
 
 def make_core(**kw) -> SimCore:

@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bus import subjects as S
+from natsched.bus import subjects as S
 from tests.stack import start_stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +73,7 @@ async def test_status_against_no_server_says_so(tmp_path):
 async def test_quota_show_splits_out_credit_and_survives_an_undecodable_usage(bus, nats_url):
     """``used`` counts credit blocks from the moment they are granted: shown apart, so an idle
     cluster's usage is explained. A corrupted usage is a warning, not a traceback."""
-    from admitter.usage import CreditEntry, Usage
+    from natsched.admitter.usage import CreditEntry, Usage
 
     await bus.kv_put(S.BUCKET_QUOTAS, S.tenant_quota_key("acme"), orjson.dumps({"floor": 0.1}))
     usage = Usage(used=700, tenants={"acme": 700}, models={"m": 700}, credits={

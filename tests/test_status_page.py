@@ -9,10 +9,10 @@ from html.parser import HTMLParser
 import orjson
 import pytest
 
-from bus import subjects as S
-from bus.client import make_request
-from bus.errors import Rejected
-from gateway.testing import start_gateway
+from natsched.bus import subjects as S
+from natsched.bus.client import make_request
+from natsched.bus.errors import Rejected
+from natsched.gateway.testing import start_gateway
 from tests.stack import start_stack
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

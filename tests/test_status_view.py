@@ -7,10 +7,10 @@ import asyncio
 import orjson
 import pytest
 
-from bus import subjects as S
-from bus.client import make_request
-from bus.errors import Rejected
-from bus.schema import Completion, Decision, RequestId, TenantId
+from natsched.bus import subjects as S
+from natsched.bus.client import make_request
+from natsched.bus.errors import Rejected
+from natsched.bus.schema import Completion, Decision, RequestId, TenantId
 from natsched.status import StatusCollector, StatusSettings, StatusState, render_text
 from tests.factories import make_heartbeat
 from tests.stack import start_stack
@@ -152,7 +152,7 @@ async def test_collector_follows_a_live_cluster_and_backfills_from_the_streams(b
 
 
 def test_the_html_page_escapes_whatever_it_shows():
-    from gateway.status_page import render_html
+    from natsched.gateway.status_page import render_html
     from natsched.status import StatusView, WorkerRow
 
     view = StatusView(at=NOW, total=10, configured_total=10, used=0, rejections={"<b>x</b>": 1},

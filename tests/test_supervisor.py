@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from bus.errors import ServerError
+from natsched.bus.errors import ServerError
 from natsched.runtime import READY_PREFIX
 from natsched.supervisor import Child, Supervisor, UpSettings
 

@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from bus.blocks import request_block_hashes
-from bus.schema import Request
-from workers.backoff import BackoffMonitor, BackoffSettings
-from workers.calibrate import CalibrationSettings, calibrate
-from workers.engine import EngineRequest
-from workers.vllm_engine import VllmEngine, VllmEngineSettings
+from natsched.bus.blocks import request_block_hashes
+from natsched.bus.schema import Request
+from natsched.workers.backoff import BackoffMonitor, BackoffSettings
+from natsched.workers.calibrate import CalibrationSettings, calibrate
+from natsched.workers.engine import EngineRequest
+from natsched.workers.vllm_engine import VllmEngine, VllmEngineSettings
 from tests.factories import wait_for
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly
@@ -47,7 +47,7 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 async def engine(tmp_path_factory):
-    from workers.tiny_model import write_tiny_model
+    from natsched.workers.tiny_model import write_tiny_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path = write_tiny_model(tmp_path_factory.mktemp("tiny-ids"))

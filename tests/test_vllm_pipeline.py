@@ -11,17 +11,17 @@ import time
 
 import pytest
 
-from admitter.service import AdmitterService
-from bus import subjects as S
-from bus.blocks import request_block_hashes
-from bus.client import Client, Timeouts, make_request
-from bus.connection import Bus
-from bus.schema import CacheEvent
-from router.core import RouterSettings
-from router.service import RouterService, RouterServiceSettings
+from natsched.admitter.service import AdmitterService
+from natsched.bus import subjects as S
+from natsched.bus.blocks import request_block_hashes
+from natsched.bus.client import Client, Timeouts, make_request
+from natsched.bus.connection import Bus
+from natsched.bus.schema import CacheEvent
+from natsched.router.core import RouterSettings
+from natsched.router.service import RouterService, RouterServiceSettings
 from tests.conftest import wipe
-from workers.tiny_model import write_tiny_model
-from workers.vllm_worker import VllmWorkerProcess
+from natsched.workers.tiny_model import write_tiny_model
+from natsched.workers.vllm_worker import VllmWorkerProcess
 
 pytestmark = pytest.mark.vllm
 
@@ -51,7 +51,7 @@ class CacheView:
 async def cluster(nats_url, tmp_path_factory):
     bus = await Bus.connect(nats_url, name="test-vllm-pipeline")
     await wipe(bus)
-    await bus.provision()
+    await natsched.bus.provision()
     view = CacheView()
     await bus.subscribe(S.CACHE_EVENTS_ALL, view.on_event)
     path = write_tiny_model(tmp_path_factory.mktemp("tiny-pipeline"))
@@ -67,7 +67,7 @@ async def cluster(nats_url, tmp_path_factory):
         await router.start()
         services = [admitter, router]
         deadline = time.monotonic() + 30
-        while len(router.core.workers) < len(WORKERS) and time.monotonic() < deadline:
+        while len(natsched.router.core.workers) < len(WORKERS) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         client = Client(await Bus.connect(nats_url, name="producer"), Timeouts(admission=30, idle=120))
         yield client, router, view
@@ -82,8 +82,8 @@ async def cluster(nats_url, tmp_path_factory):
 
 async def test_router_sees_both_real_workers(cluster):
     _, router, _ = cluster
-    assert set(router.core.workers) == set(WORKERS)
-    assert all(w.model == MODEL and w.block_size == 32 for w in router.core.workers.values())
+    assert set(natsched.router.core.workers) == set(WORKERS)
+    assert all(w.model == MODEL and w.block_size == 32 for w in natsched.router.core.workers.values())
 
 
 async def test_repeated_long_prefix_is_served_from_the_chosen_workers_cache(cluster):

@@ -1,7 +1,7 @@
 """VllmEngine with a tokenizer: text prompts, and text-route-key hashes that follow vLLM's cache.
 
 The tiny model directory carries a small byte-level BPE tokenizer (BOS prepended, like Llama's)
-written by :mod:`workers.tiny_model`. One engine for the module.
+written by :mod:`natsched.workers.tiny_model`. One engine for the module.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import os
 
 import pytest
 
-from bus.blocks import request_block_hashes, root_hash, token_block_hashes
-from bus.schema import Request
-from workers.engine import EngineRequest
-from workers.vllm_engine import VllmEngine, VllmEngineSettings
+from natsched.bus.blocks import request_block_hashes, root_hash, token_block_hashes
+from natsched.bus.schema import Request
+from natsched.workers.engine import EngineRequest
+from natsched.workers.vllm_engine import VllmEngine, VllmEngineSettings
 from tests.factories import wait_for
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly
@@ -38,7 +38,7 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 async def engine(tmp_path_factory):
-    from workers.tiny_model import write_tiny_model
+    from natsched.workers.tiny_model import write_tiny_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path = write_tiny_model(tmp_path_factory.mktemp("tiny-text"), tokenizer=True)

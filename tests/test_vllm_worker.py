@@ -1,6 +1,6 @@
 """A real vLLM worker process on the bus: what it publishes is what the router will compute.
 
-The worker runs as a child process (:class:`workers.vllm_worker.VllmWorkerProcess`), exactly as
+The worker runs as a child process (:class:`natsched.workers.vllm_worker.VllmWorkerProcess`), exactly as
 ``natsched up`` / a deployment runs it; the test plays the router (publishes Assignments on
 ``work.<id>``) and listens to everything the worker says. One worker for the module; the last
 test drains it.
@@ -14,13 +14,13 @@ import time
 
 import pytest
 
-from bus import subjects as S
-from bus.blocks import request_block_hashes
-from bus.connection import Bus
-from bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, Request, WorkerId
+from natsched.bus import subjects as S
+from natsched.bus.blocks import request_block_hashes
+from natsched.bus.connection import Bus
+from natsched.bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, Request, WorkerId
 from tests.conftest import wipe
-from workers.calibrate import Calibration, store_calibration
-from workers.vllm_worker import VllmWorkerProcess
+from natsched.workers.calibrate import Calibration, store_calibration
+from natsched.workers.vllm_worker import VllmWorkerProcess
 from tests.factories import wait_for
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly
@@ -75,11 +75,11 @@ class Listener:
 
 @pytest.fixture(scope="module")
 async def worker(nats_url, tmp_path_factory):
-    from workers.tiny_model import write_tiny_model
+    from natsched.workers.tiny_model import write_tiny_model
 
     bus = await Bus.connect(nats_url, name="test-vllm-worker")
     await wipe(bus)
-    await bus.provision()
+    await natsched.bus.provision()
     await store_calibration(bus, Calibration(
         model=MODEL, deployment=DEPLOYMENT, capacity_tokens=CALIBRATED, knee_concurrency=4, knee_reason="test",
         knee_factor=2.0, baseline_ttft=0.01, baseline_tpot=0.01, block_size=32, prompt_tokens=64, output_tokens=8,

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from bus import subjects as S
-from bus.connection import Bus
-from bus.schema import Assignment, CacheEvent, Completion, Heartbeat, Reply, Request, WorkerId
+from natsched.bus import subjects as S
+from natsched.bus.connection import Bus
+from natsched.bus.schema import Assignment, CacheEvent, Completion, Heartbeat, Reply, Request, WorkerId
 from tests.conftest import wipe
-from workers.vllm_worker import VllmWorkerProcess
+from natsched.workers.vllm_worker import VllmWorkerProcess
 from tests.factories import wait_for
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly
@@ -26,11 +26,11 @@ LONG = 16_000
 async def test_engine_core_death_is_reported_and_the_worker_exits_1(nats_url, tmp_path):
     import psutil
 
-    from workers.tiny_model import write_tiny_model
+    from natsched.workers.tiny_model import write_tiny_model
 
     bus = await Bus.connect(nats_url, name="test-vllm-death")
     await wipe(bus)
-    await bus.provision()
+    await natsched.bus.provision()
     got: dict[str, list] = {"hb": [], "kv": [], "done": [], "reply": []}
 
     def sink(key, cls):

@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from bus import subjects as S
-from bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
+from natsched.bus import subjects as S
+from natsched.bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
 from tests.factories import make_request
-from workers.agent import WorkerAgent, WorkerSettings
-from workers.backoff import BackoffMonitor, BackoffSettings
-from workers.engine import EngineOutput, EngineStats
+from natsched.workers.agent import WorkerAgent, WorkerSettings
+from natsched.workers.backoff import BackoffMonitor, BackoffSettings
+from natsched.workers.engine import EngineOutput, EngineStats
 from tests.factories import wait_for
 
 

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from bus import subjects as S
-from bus.schema import Heartbeat, WorkerId
-from workers.agent import WorkerAgent, WorkerSettings
-from bus.subjects import calibration_key
-from workers.calibrate import (
+from natsched.bus import subjects as S
+from natsched.bus.schema import Heartbeat, WorkerId
+from natsched.workers.agent import WorkerAgent, WorkerSettings
+from natsched.bus.subjects import calibration_key
+from natsched.workers.calibrate import (
     Calibration,
     CalibrationSettings,
     LevelResult,
@@ -19,8 +19,8 @@ from workers.calibrate import (
     load_calibration,
     store_calibration,
 )
-from workers.engine import EngineOutput, EngineStats
-from workers.errors import CalibrationError
+from natsched.workers.engine import EngineOutput, EngineStats
+from natsched.workers.errors import CalibrationError
 
 
 def level(c, ttft, tpot, errors=0):
@@ -118,9 +118,9 @@ async def test_stored_calibration_becomes_the_workers_capacity(bus):
 async def test_calibrate_command_prints_and_stores_the_record(bus, nats_url, capsys):
     import argparse
 
-    from workers.calibrate import add_calibrate_flags, calibrate_command
-    from workers.profiles import get_profile
-    from workers.simengine import SimEngine
+    from natsched.workers.calibrate import add_calibrate_flags, calibrate_command
+    from natsched.workers.profiles import get_profile
+    from natsched.workers.simengine import SimEngine
 
     p = argparse.ArgumentParser()
     p.add_argument("--nats-url")
@@ -137,7 +137,7 @@ async def test_calibrate_command_prints_and_stores_the_record(bus, nats_url, cap
 async def test_calibrate_command_reports_bad_levels_in_one_line(capsys):
     import argparse
 
-    from workers.calibrate import add_calibrate_flags, calibrate_command
+    from natsched.workers.calibrate import add_calibrate_flags, calibrate_command
 
     p = argparse.ArgumentParser()
     p.add_argument("--nats-url")

@@ -11,9 +11,9 @@ import asyncio
 import msgspec
 import pytest
 
-from bus.blocks import request_block_hashes, root_hash, token_block_hashes
-from bus.schema import Request
-from workers.kv_events import KvEventSubscriber, KvTranslator, decode_batch
+from natsched.bus.blocks import request_block_hashes, root_hash, token_block_hashes
+from natsched.bus.schema import Request
+from natsched.workers.kv_events import KvEventSubscriber, KvTranslator, decode_batch
 
 BS = 4  # small blocks keep the token lists readable
 

@@ -1,6 +1,6 @@
 """The worker's bounded memory of recent request ids."""
 
-from workers.recent import RecentIds
+from natsched.workers.recent import RecentIds
 
 
 def test_ids_are_forgotten_by_age_and_by_count():

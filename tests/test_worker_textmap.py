@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bus.blocks import CHARS_PER_TOKEN, request_block_hashes, root_hash, token_block_hashes
-from bus.schema import Request
-from workers.textmap import text_aliases, tokens_covering
+from natsched.bus.blocks import CHARS_PER_TOKEN, request_block_hashes, root_hash, token_block_hashes
+from natsched.bus.schema import Request
+from natsched.workers.textmap import text_aliases, tokens_covering
 
 
 def test_tokens_covering_uses_offsets_and_keeps_leading_special_tokens():

@@ -1,0 +1,208 @@
+"""Who goes next: the ranking both ``evaluate`` (an arrival) and ``plan_dequeue`` (the queue) use.
+
+A planner is a scratch copy of the usage plus cursors over the queue's lanes; picking a request
+changes the copy, never the core, so planning has no side effects. The order is:
+
+1. **Tenants** by entitlement. A tenant below its floor (``floor × total``) ranks in tier 0 by
+   ``used / floor`` — the most starved relative to its guarantee first. Every other tenant ranks in
+   tier 1 by ``(used − floor) / weight``, which shares idle capacity by weight (weighted
+   water-filling). Tier 0 always comes first, so elastic use never takes a backlogged tenant's
+   unused floor; :meth:`Planner.headroom_ok` also enforces it for the part of a request beyond the
+   requester's own floor.
+2. **Inside a tenant**: requests queued longer than ``aging_s`` first (oldest first), then class
+   (online before batch), then arrival order. A new arrival is never aged, so an aged request
+   outranks arrivals of any class or size.
+3. **Long reserve**: long requests (``cost ≥ long_threshold_tokens``) have a floor of their own,
+   ``reserve_long_share × total``. While any waits, a short request may not take the part of that
+   reserve long requests do not hold (``usage.long``): it is picked only if ``used + cost ≤ total −
+   max(0, reserve − long)``. Without this a stream of small requests takes every freed token first
+   and a long request never finds room; beyond the reserve, long and short compete in order.
+   (Any queued long request switches the reserve on, even one held back by its own cap.)
+4. **No backfill past the top**: when the best request does not fit the free budget, planning
+   stops and the budget accumulates for it (only its own cap, its model's limit or the reserve let
+   lower-ranked requests pass it). That is what makes the dequeue token-weighted rather than
+   first-fit, and what keeps big requests from starving.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+from natsched.admitter.queue import AdmissionQueue, Entry, Lane
+from natsched.admitter.quotas import Quotas, TenantQuota
+from natsched.admitter.usage import Usage
+from natsched.bus.schema import Request, RequestId
+
+Rank = tuple[int, float]
+NEVER_RANK: Rank = (-1, 0.0)  # a tenant that may no longer be admitted at all: purge its queue first
+
+
+def never_fits(quotas: Quotas, total: int, tenant: str, model: str, cost: int) -> tuple[str, str] | None:
+    """(reason, message) when no amount of waiting lets the request in under these quotas."""
+    quota = quotas.tenant_quota(tenant)
+    if quota is None:
+        return "unknown_tenant", f"tenant {tenant!r} has no quota and unknown tenants are rejected"
+    if cost > total:
+        return "too_large", f"needs {cost} runtime tokens, the cluster total is {total}"
+    if quota.cap is not None and cost > quota.cap:
+        return "tenant_cap", f"needs {cost} runtime tokens, tenant {tenant!r} is capped at {quota.cap}"
+    limit = quotas.model_limit(model)
+    if limit is not None and cost > limit:
+        return "model_limit", f"needs {cost} runtime tokens, model {model!r} is limited to {limit}"
+    return None
+
+
+def tenant_rank(quota: TenantQuota | None, used: int, total: int) -> Rank:
+    """(tier, key): lower goes first. See the module docstring."""
+    if quota is None:
+        return NEVER_RANK
+    floor = quota.floor * total
+    if floor > 0 and used < floor:
+        return 0, used / floor
+    return 1, ((used - floor) / quota.weight) if quota.weight > 0 else math.inf
+
+
+class _Cursor:
+    """Reads one lane in order, skipping requests already taken by this plan."""
+
+    __slots__ = ("_it", "_buf", "_head")
+
+    def __init__(self, entries: Iterable[Entry]) -> None:
+        self._it = iter(entries)
+        self._buf: list[Entry] = []
+        self._head = 0
+
+    def first(self, ok: Callable[[Entry], bool], taken: set[RequestId], limit: int) -> Entry | None:
+        """The first entry (within ``limit`` of the head) that is not taken and passes ``ok``."""
+        i, seen = self._head, 0
+        while seen < limit:
+            if i == len(self._buf):
+                e = next(self._it, None)
+                if e is None:
+                    return None
+                self._buf.append(e)
+            e = self._buf[i]
+            if e.id in taken:
+                if i == self._head:
+                    self._head += 1
+            else:
+                seen += 1
+                if ok(e):
+                    return e
+            i += 1
+        return None
+
+
+class Planner:
+    def __init__(self, queue: AdmissionQueue, quotas: Quotas, total: int, usage: Usage, now: float, *,
+                 aging_s: float, reserve_long_share: float, class_rank: dict[str, int], scan_limit: int) -> None:
+        self.queue = queue
+        self.quotas = quotas
+        self.total = total
+        self.now = now
+        self.aging_s = aging_s
+        self.class_rank = class_rank
+        self.scan_limit = scan_limit
+        self.long_reserve = reserve_long_share * total
+        self.used = usage.used
+        self.long_used = usage.long
+        self.tenant_used = dict(usage.tenants)
+        self.model_used = dict(usage.models)
+        self.remaining = {t: queue.tenant_count(t) for t in queue.tenants()}
+        self.longs = queue.longs
+        self.taken: set[RequestId] = set()
+        self._cursors: dict[tuple[str, Lane], _Cursor] = {}
+
+    # ------------------------------------------------------------------ ranks
+    def rank(self, tenant: str) -> Rank:
+        return tenant_rank(self.quotas.tenant_quota(tenant), self.tenant_used.get(tenant, 0), self.total)
+
+    def entry_key(self, e: Entry) -> tuple:
+        if self.now - e.enqueued_at >= self.aging_s:
+            return (0, 0, e.enqueued_at, e.seq)
+        return (1, self.class_rank.get(e.cls, 99), e.enqueued_at, e.seq)
+
+    def arrival_key(self, cls: str) -> tuple:
+        if self.aging_s <= 0:
+            return (0, 0, self.now, math.inf)
+        return (1, self.class_rank.get(cls, 99), self.now, math.inf)
+
+    # ------------------------------------------------------------------ checks
+    def blocked(self, tenant: str, model: str, cost: int, long: bool, quota: TenantQuota) -> str | None:
+        """Why this request must wait although it could fit one day (None: it may go now)."""
+        if quota.cap is not None and self.tenant_used.get(tenant, 0) + cost > quota.cap:
+            return "tenant_cap"
+        limit = self.quotas.model_limit(model)
+        if limit is not None and self.model_used.get(model, 0) + cost > limit:
+            return "model_limit"
+        if not long and self.longs > 0:
+            if self.used + cost > self.total - max(0.0, self.long_reserve - self.long_used):
+                return "long_reserve"
+        return None
+
+    def fits_total(self, cost: int) -> bool:
+        return self.used + cost <= self.total
+
+    def headroom_ok(self, tenant: str, quota: TenantQuota, cost: int) -> bool:
+        """The part of ``cost`` beyond the tenant's own floor may not eat other backlogged tenants'
+        unused floors."""
+        own_room = max(0.0, quota.floor * self.total - self.tenant_used.get(tenant, 0))
+        if cost <= own_room:
+            return True
+        reserved = 0.0
+        for other, left in self.remaining.items():
+            if left and other != tenant:
+                q = self.quotas.tenant_quota(other)
+                if q is not None:
+                    reserved += max(0.0, q.floor * self.total - self.tenant_used.get(other, 0))
+        return self.total - self.used - cost >= reserved
+
+    def _eligible(self, e: Entry, quota: TenantQuota | None) -> bool:
+        if quota is None or never_fits(self.quotas, self.total, e.tenant, e.model, e.cost):
+            return True  # surfaces so that the plan rejects it
+        return self.blocked(e.tenant, e.model, e.cost, e.long, quota) is None
+
+    # ------------------------------------------------------------------ picking
+    def top(self, excluded: set[str] = frozenset()) -> tuple[Entry, Rank] | None:
+        """The best eligible queued request and its tenant's rank, or None."""
+        order = sorted((self.rank(t), t) for t, left in self.remaining.items() if left and t not in excluded)
+        for rank, tenant in order:
+            quota = self.quotas.tenant_quota(tenant)
+            best, best_key = None, None
+            for lane, entries in self.queue.lanes(tenant).items():
+                cursor = self._cursors.get((tenant, lane))
+                if cursor is None:
+                    cursor = self._cursors[(tenant, lane)] = _Cursor(entries.values())
+                e = cursor.first(lambda x: self._eligible(x, quota), self.taken, self.scan_limit)
+                if e is not None:
+                    key = self.entry_key(e)
+                    if best_key is None or key < best_key:
+                        best, best_key = e, key
+            if best is not None:
+                return best, rank
+        return None
+
+    def take(self, e: Entry, admit: bool) -> None:
+        """Account for ``e`` leaving the queue (admitted or rejected) in this plan."""
+        self.taken.add(e.id)
+        self.remaining[e.tenant] -= 1
+        self.longs -= e.long
+        if admit:
+            self.add_usage(e.tenant, e.model, e.cost, e.long)
+
+    def add_usage(self, tenant: str, model: str, cost: int, long: bool) -> None:
+        self.used += cost
+        self.long_used += cost if long else 0
+        self.tenant_used[tenant] = self.tenant_used.get(tenant, 0) + cost
+        self.model_used[model] = self.model_used.get(model, 0) + cost
+
+    def arrival_outranks(self, request: Request, top: tuple[Entry, Rank] | None) -> bool:
+        """Whether a new arrival goes before the best queued request (it loses every tie)."""
+        if top is None:
+            return True
+        entry, top_rank = top
+        mine = self.rank(request.tenant)
+        if request.tenant != entry.tenant:
+            return mine < top_rank
+        return self.arrival_key(request.cls) < self.entry_key(entry)

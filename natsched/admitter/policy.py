@@ -1,0 +1,433 @@
+"""The admission decision: pure and synchronous (state in, decision out).
+
+The unit is the *runtime token* (ARCHITECTURE.md): a request costs the prompt tokens it will
+prefill plus the KV it will hold (prompt + expected output), so a 10-token chat and a
+50k-token document are not the same load. This module decides; ``natsched.admitter.service`` does I/O.
+
+The shared in-flight state (:class:`~natsched.admitter.usage.Usage`) lives in JetStream KV and is changed
+by compare-and-swap by the service, so the core separates *evaluating* from *applying*:
+``evaluate`` and ``plan_dequeue`` have no side effects and may be re-run after a lost race;
+``apply`` and ``commit_dequeue`` change the local queue (and the local copy of the usage, which
+the service overwrites with the shared value before each decision anyway).
+
+Decision flow of :meth:`AdmitterCore.evaluate` (first match wins):
+
+==========================================  =========  ======================================
+condition                                   decision   reason
+==========================================  =========  ======================================
+malformed (class, subject, max_tokens ...)  reject     invalid_class, subject_mismatch,
+                                                       invalid_max_tokens, prompt_too_long,
+                                                       invalid
+already queued (redelivered message)        queue      -
+tenant unknown and quotas say reject        reject     unknown_tenant
+cost > total / tenant cap / model limit     reject     too_large / tenant_cap / model_limit
+deadline already passed                     reject     deadline_exceeded
+class offline                               degrade    offline
+batch or degradable, usage+cost over the    degrade    watermark
+degrade watermark
+tenant's usage + cost over its cap          reject     tenant_cap (with retry_after)
+fits now and nothing queued outranks it     allow      -
+class has no queue (limit 0)                reject     quota_exhausted (with retry_after)
+class queue full (for this tenant: see      reject     queue_full (with retry_after)
+_queue_full)
+estimated wait beyond queue_timeout_s or    reject     quota_exhausted (with retry_after)
+the deadline (once the release rate is
+measured)
+otherwise                                   queue      - (with est_wait)
+==========================================  =========  ======================================
+
+:meth:`AdmitterCore.plan_dequeue` first rejects queued requests older than ``queue_timeout_s``
+(``queue_timeout``), past their deadline (``deadline_exceeded``) or that a quota change made
+impossible (``unknown_tenant`` / ``too_large`` / ``tenant_cap`` / ``model_limit``), then allows
+queued requests in order until the best one left does not fit. The order among queued requests
+(and between them and an arrival) is :mod:`natsched.admitter.planner`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from natsched.admitter.errors import SettingsError
+from natsched.admitter.estimator import OutputEstimator, ReleaseRate
+from natsched.admitter.planner import Planner, never_fits
+from natsched.admitter.queue import AdmissionQueue
+from natsched.admitter.quotas import Quotas
+from natsched.admitter.usage import Usage
+from natsched.bus import subjects as S
+from natsched.bus.blocks import estimate_prompt_tokens
+from natsched.bus.schema import Completion, Request, RequestId
+
+log = logging.getLogger(__name__)
+
+ALLOW, QUEUE, REJECT, DEGRADE = "allow", "queue", "reject", "degrade"
+
+
+def _default_class_rank() -> dict[str, int]:
+    return {S.ONLINE: 0, S.BATCH: 1}
+
+
+@dataclass
+class AdmissionSettings:
+    max_prompt_tokens: int = 131_072  # longer prompts are rejected as invalid before any quota
+    max_output_tokens: int = 32_768
+    default_total: int = 400_000  # cluster runtime-token total until the quotas bucket says otherwise
+    retry_after_s: float = 1.0  # the least retry_after given with quota rejections
+    classes: tuple[str, ...] = S.CLASSES
+    long_threshold_tokens: int = 8192  # a request costing at least this is "long"
+    reserve_long_share: float = 0.2  # top slice of the total kept for long requests while any waits
+    aging_s: float = 10.0  # queued longer than this: outranks arrivals of any class or size
+    degrade_watermark: float = 0.8  # batch/degradable work degrades when usage+cost would pass this share
+    degrade_classes: tuple[str, ...] = (S.BATCH,)  # besides requests flagged degradable
+    calibrated_output: bool = False  # reserve the learned output length instead of max_tokens
+    ewma_alpha: float = 0.2  # weight of the newest completion in the output-length EWMA
+    ewma_min_samples: int = 3  # completions per (tenant, model) before the estimate is used
+    calibrated_margin: float = 0.1  # reserve estimate × (1 + margin) (never above max_tokens)
+    queue_timeout_s: float = 30.0  # a queued request older than this is rejected (queue_timeout)
+    early_reject: bool = True  # reject at once (quota_exhausted) when the estimated wait is beyond the timeout
+    rate_window_s: float = 10.0  # window of the release-rate estimate behind est_wait
+    fallback_hold_s: float = 10.0  # until a rate is measured: the total turns over once per this
+    scan_limit: int = 16  # entries a plan looks past (capped tenant, limited model) in one lane
+    class_rank: dict[str, int] = field(default_factory=_default_class_rank)  # lower is served first
+
+    def __post_init__(self) -> None:
+        for name in ("reserve_long_share", "degrade_watermark", "ewma_alpha"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise SettingsError(f"{name} must be between 0 and 1, got {value}")
+        if self.reserve_long_share >= 1.0:
+            raise SettingsError("reserve_long_share must be below 1 (short requests need some budget)")
+        for name in ("aging_s", "queue_timeout_s", "calibrated_margin", "retry_after_s"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("long_threshold_tokens", "rate_window_s", "fallback_hold_s", "scan_limit"):
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class AdmissionDecision:
+    decision: str
+    runtime_tokens: int
+    reason: str | None = None
+    message: str | None = None
+    retry_after: float | None = None
+    budget: dict = field(default_factory=dict)
+    est_wait: float | None = None  # queue: seconds the producer should expect to wait
+
+
+def runtime_tokens(request: Request) -> int:
+    """Prefill still owed (the whole prompt: the admitter cannot know the cache) + KV held,
+    with the producer's expected output (else ``max_tokens``); see :meth:`AdmitterCore.cost`."""
+    prompt = estimate_prompt_tokens(request)
+    output = request.expected_output_tokens or request.max_tokens
+    return prompt + prompt + max(0, output)
+
+
+def validate(request: Request, settings: AdmissionSettings, subject_class: str | None = None,
+             subject_tenant: str | None = None) -> tuple[str, str] | None:
+    """(reason, message) when the request is unusable, before any quota is taken."""
+    if request.cls not in settings.classes:
+        return "invalid_class", f"unknown class {request.cls!r}; known: {', '.join(settings.classes)}"
+    if subject_class is not None and (subject_class, subject_tenant) != (request.cls, request.tenant):
+        return "subject_mismatch", (f"published on class {subject_class!r} tenant {subject_tenant!r} but the body "
+                                    f"says {request.cls!r} / {request.tenant!r}")
+    if request.max_tokens <= 0:
+        return "invalid_max_tokens", f"max_tokens must be > 0, got {request.max_tokens}"
+    if request.max_tokens > settings.max_output_tokens:
+        return "invalid_max_tokens", f"max_tokens {request.max_tokens} exceeds the limit {settings.max_output_tokens}"
+    if request.expected_output_tokens is not None and request.expected_output_tokens < 0:
+        return "invalid", "expected_output_tokens must be >= 0"
+    prompt = estimate_prompt_tokens(request)
+    if prompt > settings.max_prompt_tokens:
+        return "prompt_too_long", f"prompt of ~{prompt} tokens exceeds the limit {settings.max_prompt_tokens}"
+    if request.prompt_token_ids is not None and any(t < 0 for t in request.prompt_token_ids):
+        return "invalid", "prompt_token_ids must be non-negative"
+    if request.deadline is not None and not math.isfinite(request.deadline):
+        return "invalid", "deadline must be a finite time"
+    return None
+
+
+class AdmitterCore:
+    """Quota accounting, the queue and the four decisions; see the module docstring."""
+
+    def __init__(self, settings: AdmissionSettings | None = None, quotas: Quotas | None = None) -> None:
+        self.settings = s = settings or AdmissionSettings()
+        quotas = quotas if quotas is not None else Quotas(total=s.default_total)
+        quotas.validate()
+        self.quotas = quotas
+        self.total = quotas.ceiling()
+        self.usage = Usage()
+        self.queue = AdmissionQueue()
+        self.outputs = OutputEstimator(s.ewma_alpha, s.ewma_min_samples)
+        self.releases = ReleaseRate(s.rate_window_s)
+        self._clock = 0.0  # latest time seen: est_wait() has no `now` of its own
+
+    # ------------------------------------------------------------------ configuration
+    def set_quotas(self, quotas: Quotas) -> None:
+        """Use new quotas (the total resets to their ceiling); invalid ones raise QuotaError and
+        change nothing."""
+        quotas.validate()
+        self.quotas = quotas
+        self.total = quotas.ceiling()
+
+    def set_total(self, total: int) -> None:
+        """The dynamic total, never above the hard cap nor below zero."""
+        total = max(0, int(total))
+        cap = self.quotas.hard_cap
+        self.total = total if cap is None else min(total, cap)
+
+    @property
+    def used(self) -> int:
+        return self.usage.used
+
+    # ------------------------------------------------------------------ cost
+    def expected_output(self, request: Request) -> int:
+        """The producer's expectation, else the learned one (when calibrated), else max_tokens."""
+        if request.expected_output_tokens:
+            return request.expected_output_tokens
+        if self.settings.calibrated_output:
+            est = self.outputs.expected_output(request.tenant, request.model, request.max_tokens,
+                                               self.settings.calibrated_margin)
+            if est is not None:
+                return est
+        return request.max_tokens
+
+    def cost(self, request: Request) -> int:
+        prompt = estimate_prompt_tokens(request)
+        return prompt + prompt + max(0, self.expected_output(request))
+
+    def is_long(self, cost: int) -> bool:
+        return cost >= self.settings.long_threshold_tokens
+
+    # ------------------------------------------------------------------ arrivals
+    def evaluate(self, request: Request, now: float, subject: str | None = None) -> AdmissionDecision:
+        """Decide one arriving (or redelivered) request. No side effects."""
+        self._clock = max(self._clock, now)
+        parsed = S.parse_request_subject(subject) if subject else None
+        problem = validate(request, self.settings, *(parsed or (None, None)))
+        if problem:
+            return self._reject(0, *problem, request=request)
+        queued = self.queue.get(request.id)
+        if queued is not None:  # redelivered while we hold it: same place, no second entry
+            return self._decision(QUEUE, queued.cost, request, est_wait=self.est_wait(request))
+        cost = self.cost(request)
+        never = never_fits(self.quotas, self.total, request.tenant, request.model, cost)
+        if never:
+            return self._reject(cost, *never, request=request)
+        if request.deadline is not None and request.deadline <= now:
+            return self._reject(cost, "deadline_exceeded", f"deadline {request.deadline:.3f} already passed",
+                                request=request)
+        degrade = self._degrade(request, cost)
+        if degrade:
+            return self._decision(DEGRADE, cost, request, reason=degrade)
+        quota = self.quotas.tenant_quota(request.tenant)
+        held = self.usage.tenant(request.tenant)
+        if quota.cap is not None and held + cost > quota.cap:
+            return self._reject(cost, "tenant_cap", f"tenant {request.tenant!r} holds {held} runtime tokens; "
+                                f"+{cost} would pass its cap {quota.cap}", retry=True, request=request)
+        if self._can_allow(request, cost, quota, now):
+            return self._decision(ALLOW, cost, request)
+        return self._queue_or_reject(request, cost, now)
+
+    def _degrade(self, request: Request, cost: int) -> str | None:
+        if request.cls == S.OFFLINE:
+            return "offline"
+        if request.cls in self.settings.degrade_classes or request.degradable:
+            if self.usage.used + cost > self.settings.degrade_watermark * self.total:
+                return "watermark"
+        return None
+
+    def _can_allow(self, request: Request, cost: int, quota, now: float) -> bool:
+        plan = self._planner(now)
+        if not plan.fits_total(cost):
+            return False
+        if plan.blocked(request.tenant, request.model, cost, self.is_long(cost), quota):
+            return False
+        if not plan.headroom_ok(request.tenant, quota, cost):
+            return False
+        return plan.arrival_outranks(request, plan.top())
+
+    def _queue_or_reject(self, request: Request, cost: int, now: float) -> AdmissionDecision:
+        limit = self.quotas.queue_limit(request.cls)
+        if limit <= 0:
+            return self._reject(cost, "quota_exhausted", f"no runtime tokens free for class {request.cls!r} and it "
+                                f"does not queue", retry=True, request=request)
+        wait = self.est_wait(request)
+        retry = max(self.settings.retry_after_s, wait - self.settings.queue_timeout_s)
+        if self._queue_full(request, limit):
+            return self._reject(cost, "queue_full", f"the {request.cls} queue holds its limit of {limit} requests",
+                                retry=True, retry_after=retry, request=request)
+        if self.settings.early_reject and self.releases.rate(now) is not None:
+            if wait > self.settings.queue_timeout_s:
+                return self._reject(cost, "quota_exhausted", f"estimated wait {wait:.1f}s is beyond the queue timeout"
+                                    f" {self.settings.queue_timeout_s:g}s", retry=True, retry_after=retry,
+                                    request=request)
+            if request.deadline is not None and now + wait > request.deadline:
+                return self._reject(cost, "quota_exhausted", f"estimated wait {wait:.1f}s would pass the deadline",
+                                    retry=True, request=request)
+        return self._decision(QUEUE, cost, request, est_wait=wait)
+
+    def _queue_full(self, request: Request, limit: int) -> bool:
+        """The class queue is full for this tenant. A full queue still takes a tenant holding less
+        than its fair slice of it (limit × its share), so tenants that flood the shared queue
+        cannot lock out one that is owed its floor; the queue stays under twice the limit."""
+        depth = self.queue.depth(request.cls)
+        if depth < limit:
+            return False
+        if depth >= 2 * limit:
+            return True
+        return self.queue.tenant_class_count(request.tenant, request.cls) >= limit * self._share(request.tenant)
+
+    def apply(self, request: Request, decision: AdmissionDecision, now: float) -> None:
+        """Make a decision real locally: ALLOW reserves, QUEUE enqueues (once), others do nothing."""
+        self._clock = max(self._clock, now)
+        if decision.decision == ALLOW:
+            self.queue.remove(request.id)
+            self.usage = self.usage.plus(request.tenant, request.model, decision.runtime_tokens,
+                                         self.is_long(decision.runtime_tokens))
+        elif decision.decision == QUEUE:
+            self.queue.add(request, decision.runtime_tokens, self.is_long(decision.runtime_tokens), now)
+
+    # ------------------------------------------------------------------ the queue
+    def plan_dequeue(self, now: float) -> list[tuple[Request, AdmissionDecision]]:
+        """Expired requests (REJECT) and those that should run now (ALLOW), in order. No side effects."""
+        self._clock = max(self._clock, now)
+        plan = self._planner(now)
+        out = self._expired(plan, now)
+        excluded: set[str] = set()
+        while True:
+            top = plan.top(excluded)
+            if top is None:
+                break
+            entry = top[0]
+            never = never_fits(self.quotas, self.total, entry.tenant, entry.model, entry.cost)
+            if never:
+                plan.take(entry, admit=False)
+                out.append((entry.request, self._reject(entry.cost, *never)))
+                continue
+            if not plan.fits_total(entry.cost):
+                break  # no backfill past the top: the free budget accumulates for it
+            if not plan.headroom_ok(entry.tenant, self.quotas.tenant_quota(entry.tenant), entry.cost):
+                excluded.add(entry.tenant)  # other tenants' floors come first
+                continue
+            plan.take(entry, admit=True)
+            out.append((entry.request, AdmissionDecision(ALLOW, entry.cost)))
+        for req, dec in out:
+            dec.budget = self.budget(req.tenant)  # before commit: what the plan saw
+        return out
+
+    def _expired(self, plan: Planner, now: float) -> list[tuple[Request, AdmissionDecision]]:
+        out = []
+        timeout = self.settings.queue_timeout_s
+        for entry in self.queue.oldest():
+            if now - entry.enqueued_at <= timeout:
+                break
+            plan.take(entry, admit=False)
+            out.append((entry.request, self._reject(entry.cost, "queue_timeout",
+                                                    f"queued {now - entry.enqueued_at:.1f}s, longer than {timeout:g}s",
+                                                    retry=True)))
+        for entry in self.queue.deadlines_due(now):
+            if entry.id not in plan.taken:
+                plan.take(entry, admit=False)
+                out.append((entry.request, self._reject(entry.cost, "deadline_exceeded",
+                                                        "deadline passed while queued")))
+        return out
+
+    def commit_dequeue(self, picks: list[tuple[Request, AdmissionDecision]], now: float) -> None:
+        """Remove the picked requests from the queue; ALLOWs add to the usage."""
+        self._clock = max(self._clock, now)
+        for request, decision in picks:
+            if self.queue.remove(request.id) is None:
+                continue  # forgotten meanwhile
+            if decision.decision == ALLOW:
+                self.usage = self.usage.plus(request.tenant, request.model, decision.runtime_tokens,
+                                             self.is_long(decision.runtime_tokens))
+
+    def forget(self, request_id: RequestId) -> bool:
+        """Drop a queued request (the service lost its message); True when it was queued."""
+        return self.queue.remove(request_id) is not None
+
+    # ------------------------------------------------------------------ completions
+    def release(self, completion: Completion, now: float) -> int:
+        """Free the completion's reservation and learn its output length; returns tokens freed."""
+        self._clock = max(self._clock, now)
+        tokens = max(0, completion.runtime_tokens)
+        self.usage = self.usage.minus(completion.tenant, completion.model, tokens, self.is_long(tokens))
+        self.releases.add(now, tokens)
+        if completion.status == "ok":
+            self.outputs.observe(completion.tenant, completion.model, completion.output_tokens)
+        return tokens
+
+    # ------------------------------------------------------------------ views
+    def queued(self) -> int:
+        return len(self.queue)
+
+    def queue_depths(self) -> dict[str, int]:
+        return self.queue.depths()
+
+    def budget(self, tenant: str | None = None) -> dict:
+        out = {"used": self.usage.used, "total": self.total, "queued": len(self.queue)}
+        if tenant is not None:
+            quota = self.quotas.tenant_quota(tenant)
+            out["tenant_used"] = self.usage.tenant(tenant)
+            if quota is not None:
+                out["tenant_floor"] = int(quota.floor * self.total)
+        return out
+
+    def est_wait(self, request: Request) -> float:
+        """Seconds until the request can expect to start: the tokens ahead of it in its tenant's
+        queue, beyond what is free now, over the tenant's share of the measured release rate."""
+        entry = self.queue.get(request.id)
+        cost = entry.cost if entry is not None else self.cost(request)
+        ahead = self.queue.tenant_tokens(request.tenant) - (entry.cost if entry is not None else 0) + cost
+        need = ahead - max(0, self.total - self.usage.used)
+        if need <= 0:
+            return 0.0
+        rate = self.releases.rate(self._clock)
+        if rate is None or rate <= 0:
+            rate = max(1.0, self.total / self.settings.fallback_hold_s)
+        return need / (rate * self._share(request.tenant))
+
+    def _share(self, tenant: str) -> float:
+        """The tenant's expected share of freed tokens among the backlogged tenants (and itself)."""
+        names = set(self.queue.tenants()) | {tenant}
+        quotas = {n: self.quotas.tenant_quota(n) for n in names}
+        mine = quotas.get(tenant)
+        if mine is None:
+            return 1.0
+        floors = sum(q.floor for q in quotas.values() if q is not None)
+        weights = sum(q.weight for q in quotas.values() if q is not None)
+        share = mine.floor + (max(0.0, 1.0 - floors) * mine.weight / weights if weights > 0 else 0.0)
+        return min(1.0, max(share, 0.01))
+
+    # ------------------------------------------------------------------ helpers
+    def grantable(self, usage: Usage, tenant: str, model: str, tokens: int, now: float) -> bool:
+        """Whether ``usage`` leaves room for a credit block of ``tokens`` for (tenant, model)
+        (``natsched.admitter.credit``): as for a short request of that size — the tenant known, within
+        the total, its cap and the model's limit, not into the long reserve while a long request
+        waits, not into other backlogged tenants' floors. No side effects."""
+        quota = self.quotas.tenant_quota(tenant)
+        if quota is None or never_fits(self.quotas, self.total, tenant, model, tokens):
+            return False
+        plan = self._planner(now, usage)
+        return (plan.fits_total(tokens) and plan.blocked(tenant, model, tokens, False, quota) is None
+                and plan.headroom_ok(tenant, quota, tokens))
+
+    def _planner(self, now: float, usage: Usage | None = None) -> Planner:
+        s = self.settings
+        return Planner(self.queue, self.quotas, self.total, self.usage if usage is None else usage, now,
+                       aging_s=s.aging_s,
+                       reserve_long_share=s.reserve_long_share, class_rank=s.class_rank, scan_limit=s.scan_limit)
+
+    def _decision(self, kind: str, cost: int, request: Request, reason: str | None = None,
+                  est_wait: float | None = None) -> AdmissionDecision:
+        return AdmissionDecision(kind, cost, reason, budget=self.budget(request.tenant), est_wait=est_wait)
+
+    def _reject(self, cost: int, reason: str, message: str, retry: bool = False, retry_after: float | None = None,
+                request: Request | None = None) -> AdmissionDecision:
+        if retry and retry_after is None:
+            retry_after = self.settings.retry_after_s
+        budget = self.budget(request.tenant) if request is not None else {}
+        return AdmissionDecision(REJECT, cost, reason, message, retry_after if retry else None, budget)

@@ -1,0 +1,626 @@
+"""The admitter service: decode -> AdmitterCore -> shared-state commit -> publish.
+
+All I/O of admission lives here; every decision is the pure core's. A replica:
+- decides each request against the shared usage and commits *allow* by compare-and-swap
+  (:mod:`natsched.admitter.shared`), so replicas never over-admit together;
+- holds *queued* requests as un-acked JetStream messages kept alive with ``in_progress``: if
+  this replica dies they are redelivered to another one, nothing is lost;
+- releases reservations on completions (once, even if a completion is seen twice), reclaims
+  those of workers that miss their heartbeats, and reconciles drift periodically (those
+  background repairs are in :mod:`natsched.admitter.repair`);
+- follows the quotas bucket live and the workers' measured capacity (dynamic total).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Protocol, TypeVar
+
+from natsched.admitter.credit import Credit, CreditSettings, KeeperPlan
+from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
+from natsched.admitter.errors import AdmitterError, QuotaError
+from natsched.admitter.leases import LeaseTracker
+from natsched.admitter.metrics import AdmitterMetrics
+from natsched.admitter.policy import ALLOW, DEGRADE, QUEUE, AdmissionDecision, AdmissionSettings, AdmitterCore
+from natsched.admitter.quotas import Quotas
+from natsched.admitter.repair import Repairs
+from natsched.admitter.rescue import Rescuer
+from natsched.admitter.shared import Reservation, SharedState
+from natsched.admitter.usage import Usage
+from natsched.bus import subjects as S
+from natsched.bus.aio import wait_event
+from natsched.bus.connection import Bus, ConsumerSpec, Delivery
+from natsched.bus.errors import BusError, MessageError
+from natsched.bus.schema import Admitted, Completion, Decision, Reply, Request
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+
+@dataclass
+class AdmitterServiceSettings:
+    name: str = "admitter"
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    ack_wait_s: float = 30.0
+    keepalive_s: float = 10.0  # in_progress for held (queued) messages, well inside ack_wait
+    dequeue_interval_s: float = 0.1
+    max_held: int = 100_000  # un-acked requests one replica may hold (max ack pending)
+    fetch_batch: int = 256  # requests pulled per fetch
+    lease_missed: int = 3  # heartbeats a worker may miss before its reservations are reclaimed
+    rescue_interval_s: float = 2.0  # how often work stranded on silent workers is looked for
+    rescue_grace_s: float = 10.0  # after start: workers not heard from yet are not judged dead
+    reconcile_interval_s: float = 10.0
+    full_reconcile_s: float = 600.0  # under load, every reservation record is read this often (see reconcile_once)
+    orphan_after_s: float = 120.0  # a reservation no live worker reports after this is leaked
+    dynamic: DynamicTotalSettings = field(default_factory=DynamicTotalSettings)
+    credit: CreditSettings = field(default_factory=CreditSettings)
+    metrics_port: int | None = None
+
+
+class InlineRouter(Protocol):
+    """A router in the admitter's process (``natsched.router.service.RouterService``): what the admitter
+    allows goes straight to a worker's WORK subject instead of through ADMITTED and a router.
+
+    Why: on a small machine every stored hop is a round of wake-ups in three processes (the
+    admitter publishing, the server storing, a router pulling); routing in-process skips one
+    (``natsched bench pipeline --inline-routing``). ``decide`` is synchronous (state in, decision
+    out) and returns ``outgoing`` None when no worker can take the request: it is then handed to
+    ADMITTED as usual, where this router's own consumer (and any other router) retries it.
+    """
+
+    async def start(self, watch_completions: bool = True) -> None: ...
+
+    def decide(self, adm: Admitted) -> Any: ...  # natsched.router.service.Routed
+
+    def observe_completion(self, c: Completion) -> None: ...
+
+    async def assigned(self, routed: Any) -> None: ...
+
+
+@dataclass
+class Held:
+    delivery: Delivery
+    request: Request
+    since: float
+
+
+class AdmitterService(Repairs):
+    def __init__(self, bus: Bus, settings: AdmitterServiceSettings | None = None,
+                 metrics: AdmitterMetrics | None = None, router: InlineRouter | None = None) -> None:
+        self.bus = bus
+        self.settings = s = settings or AdmitterServiceSettings()
+        self.core = AdmitterCore(s.admission)
+        self.shared = SharedState(bus, s.name)
+        self.credit = Credit(s.name, s.credit)  # blocks reserved ahead: allows without a write
+        self._keeper_wake = asyncio.Event()
+        self.leases = LeaseTracker(s.lease_missed)
+        self.rescuer = Rescuer(bus, self.shared, s.name)
+        self._started = time.monotonic()
+        self._dead: dict[str, float] = {}  # worker -> when its lease expired here (until it heartbeats)
+        self.dynamic = DynamicTotal(s.dynamic)
+        self.metrics = metrics or AdmitterMetrics()
+        self.held: dict[str, Held] = {}
+        self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
+        self.quota_entries: dict[str, bytes] = {}
+        self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
+        self._releasing: list[tuple[Completion | None, Reservation]] = []  # waiting for the next commit
+        self._wake = asyncio.Event()
+        self.router = router  # inline routing (see InlineRouter), or None: ADMITTED to the routers
+        self._suspect: object = None  # drift seen on the previous reconciliation
+        self._reconciled_revision = -1  # the usage revision at the previous reconciliation
+        self._full_at: float | None = None  # when the reservation records were last read in full
+        self._conflicts_seen = 0
+        self.total = self.core.quotas.total  # the total in force (configured, or capacity-following)
+        self._completions_spec = ConsumerSpec(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS,
+                                              S.COMPLETIONS_ALL, deliver_new=True, batch=256)
+        self._spec = ConsumerSpec(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER, S.REQUESTS_ALL, ack_wait_s=s.ack_wait_s,
+                                  max_ack_pending=s.max_held, batch=s.fetch_batch)
+
+    async def start(self) -> None:
+        await self.bus.provision()
+        await self.shared.start()
+        quotas_ready = asyncio.Event()
+        self.bus.spawn(self._watch_quotas(quotas_ready), "quota-watch")
+        await asyncio.wait_for(quotas_ready.wait(), 10)
+        self.apply_quotas()  # the bucket's content at start; the watch applies every later change
+        await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
+        if self.router is not None:  # before the first request: it routes from the first batch on
+            # fed from our COMPLETIONS consumer: with one admitter it sees every completion, with K
+            # about 1/K (the rest the next heartbeat tells it, as for any completion it missed)
+            await self.router.start(watch_completions=False)
+        await self.bus.consume_batches(self._completions_spec, self._on_completions, source="admitter")
+        await self.bus.consume_batches(self._spec, self._on_requests, source="admitter")
+        for loop in (self._dequeue_loop, self._keepalive_loop, self._lease_loop, self._reconcile_loop,
+                     self._dynamic_loop, self._keeper_loop):
+            self.bus.spawn(loop(), loop.__name__)
+        if self.settings.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
+        log.info("admitter %s ready (total %d runtime tokens)", self.settings.name, self.total)
+
+    # --- quotas ---------------------------------------------------------------------------
+    async def _watch_quotas(self, ready: asyncio.Event) -> None:
+        async for key, value, _rev in self.bus.kv_watch(S.BUCKET_QUOTAS, ">", ready=ready):
+            if key == S.KEY_DYNAMIC_TOTAL:
+                continue  # ours, informational
+            if value is None:
+                self.quota_entries.pop(key, None)
+            else:
+                self.quota_entries[key] = value
+            if ready.is_set():
+                self.apply_quotas()
+        # (the loop ends only when the Bus closes)
+
+    def apply_quotas(self) -> None:
+        quotas, errors = Quotas.from_kv(self.quota_entries, previous=self.core.quotas)
+        for err in errors:
+            self.metrics.bad_quota_entries.inc()
+            log.error("quota entry ignored, last good value kept: %s", err)
+        try:
+            self.core.set_quotas(quotas)
+        except QuotaError as exc:
+            log.error("quota change refused, old quotas kept: %s", exc)
+            return
+        self.total = quotas.total
+        if self.worker_load:
+            self.update_dynamic_total()  # the new ceiling applies now, not at the next interval
+        self._wake.set()
+
+    # --- requests -------------------------------------------------------------------------
+    async def _on_requests(self, batch: list[Delivery]) -> None:
+        """Decide every waiting request against one usage revision, commit once, act concurrently.
+
+        One compare-and-swap per batch instead of per request: under load the shared-state cost
+        is paid once for dozens of decisions, and a lost race re-decides the whole batch.
+        """
+        items: list[tuple[Delivery, Request]] = []
+        seen: set[str] = set()
+        for d in batch:
+            try:
+                request = Request.decode(d.data)
+            except MessageError as exc:  # error reply + dead letter + term
+                await self.bus.settle_failed(d, self._spec, "admitter", exc)
+                continue
+            held = self.held.get(request.id)
+            if held is not None:  # our own held message, redelivered: keep holding the newest
+                held.delivery = d
+            elif d.num_delivered > 1 and await self._seen_before(request, d):
+                continue
+            elif request.id not in seen:
+                seen.add(request.id)
+                items.append((d, request))
+        if not items:
+            return
+        self.metrics.batch.observe(len(items))
+        started = time.perf_counter()
+        now = time.time()
+        async with self._lock:
+            decisions, paid, returned = await self._commit(lambda usage: self._decide(items, usage, now))
+            for (_, request), dec in zip(items, decisions):
+                if dec.decision != ALLOW:
+                    self.core.apply(request, dec, now)
+            paid = self._spent(items, decisions, paid, returned)
+            self.core.usage = self.shared.usage
+        elapsed = time.perf_counter() - started
+        for _ in items:
+            self.metrics.latency.observe(elapsed / len(items))
+        await self._act_batch([(request, dec, d, 0.0, elapsed * 1000 / len(items))
+                               for (d, request), dec in zip(items, decisions)], paid)
+
+    def _decide(self, items: list[tuple[Delivery, Request]], usage: Usage, now: float):
+        """Decide a batch on ``usage``: (the usage to write or None, (decisions, ids paid from
+        credit, credit given back)).
+
+        Each request is decided on the usage minus this replica's unspent credit. An allow the
+        credit of its (tenant, model) covers is paid from it (nothing to write); any other allow
+        is reserved on the shared usage, and if only this replica's own unspent credit stands in
+        its way, that credit is given back in the same write (so credit never makes a request
+        wait). The next request in the batch sees every reservation before it. Pure: re-run
+        after a lost race (``natsched.admitter.credit``).
+        """
+        free = dict(self.credit.free) if self.credit.usable(usage, time.monotonic()) else {}
+        shared, view = usage, self.credit.view(usage, free)
+        decisions, paid, returned = [], set(), {}
+        for d, request in items:
+            self.core.usage = view
+            dec = self.core.evaluate(request, now, d.subject)
+            if dec.decision == ALLOW:
+                tokens, key = dec.runtime_tokens, (request.tenant, request.model)
+                long = self.core.is_long(tokens)
+                if not long and free.get(key, 0) >= tokens:
+                    free[key] -= tokens
+                    paid.add(request.id)
+                else:
+                    if any(free.values()) and not self._allows(shared, request, now, d.subject):
+                        shared = self._give_back(shared, free, returned)  # now the same as the view
+                    shared = shared.plus(request.tenant, request.model, tokens, long)
+                view = view.plus(request.tenant, request.model, tokens, long)
+            decisions.append(dec)
+        return (shared if shared is not usage else None), (decisions, paid, returned)
+
+    def _allows(self, usage: Usage, request: Request, now: float, subject: str) -> bool:
+        self.core.usage = usage
+        return self.core.evaluate(request, now, subject).decision == ALLOW
+
+    def _give_back(self, usage: Usage, free: dict, returned: dict) -> Usage:
+        """Every unspent token of this replica's credit back into ``usage`` (noted in ``returned``)."""
+        for (tenant, model), n in free.items():
+            if n > 0:
+                usage = usage.give_back(self.settings.name, self.credit.epoch, tenant, model, n)
+                returned[(tenant, model)] = returned.get((tenant, model), 0) + n
+        free.clear()
+        return usage
+
+    def _spent(self, items, decisions, paid: set[str], returned: dict) -> dict[str, str]:
+        """After the batch's commit: the credit it paid is spent, what it gave back is gone, and
+        the demand is noted (the caller holds the lock). Returns the epoch each paid request's
+        record carries."""
+        mono = time.monotonic()
+        for key, n in returned.items():
+            self.credit.spend(key, n)
+        keys = set()
+        for (_, request), dec in zip(items, decisions):
+            if dec.decision != ALLOW or self.core.is_long(dec.runtime_tokens):
+                continue
+            key = (request.tenant, request.model)
+            if request.id in paid:
+                self.credit.spend(key, dec.runtime_tokens)
+                self.metrics.credit_allows.inc()
+            self.credit.note(key, dec.runtime_tokens, mono)
+            keys.add(key)
+        if any(self.credit.low(key, mono) for key in keys):  # once per pair, not per request
+            self._keeper_wake.set()
+        return {rid: self.credit.epoch for rid in paid}
+
+    async def _seen_before(self, request: Request, d: Delivery) -> bool:
+        """A redelivered request that was decided before (its ack was lost): settled here, True.
+
+        Only a redelivery can have been decided: the first copy of a request reaches one replica.
+        """
+        res = await self.shared.lookup(request.id)
+        if res is not None:  # allowed before: hand it off again
+            await self._hand_off_again(request, d, res)
+            return True
+        if await self._released_recently(request.id):
+            await d.ack()  # allowed, run and released before this copy came back: never twice
+            log.info("request %s redelivered after its completion; dropped", request.id)
+            return True
+        return False
+
+    async def _released_recently(self, request_id: str) -> bool:
+        """Its reservation existed and was released (the purge marker lives ``MARKER_TTL_S``,
+        longer than the ack wait after which a copy whose ack was lost comes back)."""
+        op = await self.bus.kv_last_operation(S.BUCKET_INFLIGHT, S.reservation_key(request_id))
+        return op in ("DEL", "PURGE")
+
+    async def _hand_off_again(self, request: Request, d: Delivery, res: Reservation) -> None:
+        """Re-publish an allowed request (the same msg id: deduplicated if it did go out) and ack."""
+        admitted = Admitted(request=request, runtime_tokens=res.tokens, admitted_at=res.ts, admitter=res.by)
+        await self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=f"{request.id}:adm")
+        await d.ack()
+        log.info("request %s redelivered after its allow; handed off again", request.id)
+
+    async def _act_batch(self, entries: list[tuple[Request, AdmissionDecision, Delivery, float, float]],
+                         paid: dict[str, str] | None = None) -> None:
+        """Carry out a batch of decisions: records, reservations and hand-offs published together
+        (one wait for all their acks), then the producers told and the requests acked. With an
+        inline router an allowed request's hand-off is its WORK message (ADMITTED only if no
+        worker can take it now).
+
+        Per batch rather than per request: a service answering hundreds of requests a second
+        spends most of its time in per-message machinery (a task, a timer and a wake-up per
+        publish), and one shared wait costs what one publish did. ``paid``: the requests paid
+        from this replica's credit, with the epoch of the block (their records carry it).
+        """
+        now = time.time()
+        reservations, handoffs, routed = [], [], {}
+        for request, dec, d, queue_wait, latency_ms in entries:
+            await self._record(request, dec, queue_wait, latency_ms)
+            rid = request.id
+            if dec.decision == ALLOW:
+                res = Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now, self.settings.name,
+                                  credit=(paid or {}).get(rid, ""))
+                reservations.append((res, self.shared.outgoing(res)))
+                admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
+                                    admitter=self.settings.name, queue_wait=queue_wait)
+                r = self.router.decide(admitted) if self.router is not None else None
+                if r is not None and r.outgoing is not None:  # straight to the worker's WORK subject
+                    routed[rid] = r
+                    handoffs.append(r.outgoing)
+                else:
+                    handoffs.append((S.admitted(request.cls, request.tenant), admitted, f"{rid}:adm", None))
+            elif dec.decision == DEGRADE:
+                handoffs.append((S.offline(request.tenant), request, f"{rid}:offline", None))
+            elif dec.decision == QUEUE:
+                self.held[rid] = Held(d, request, now)
+        # the reservation records go out first on this connection, so the server stores them
+        # before the hand-offs; the completion that deletes one is a service or two further away
+        outgoing = [out for _, out in reservations] + handoffs
+        sent = time.perf_counter()
+        acks = await self.bus.jpublish_batch(outgoing)
+        if outgoing:
+            self.metrics.handoff.observe(time.perf_counter() - sent)
+        for (res, _), ack in zip(reservations, acks):
+            self.shared.recorded(res, ack.seq)
+        for request, dec, d, queue_wait, _ in entries:
+            await self._tell_producer(request, dec)
+            if request.id in routed:  # its WORK message is stored: "assigned" follows "admitted"
+                await self.router.assigned(routed[request.id])
+            if dec.decision != QUEUE:
+                await d.ack()
+            self.metrics.decisions.labels(request.tenant, request.cls, dec.decision, dec.reason or "").inc()
+            log.info("request %s %s tenant=%s class=%s tokens=%d%s%s", request.id, dec.decision, request.tenant,
+                     request.cls, dec.runtime_tokens, f" reason={dec.reason}" if dec.reason else "",
+                     f" waited={queue_wait:.3f}s" if queue_wait else "")
+
+    async def _record(self, request: Request, dec: AdmissionDecision, queue_wait: float, latency_ms: float) -> None:
+        record = Decision(
+            request_id=request.id, tenant=request.tenant, cls=request.cls, stage="admission",
+            decision=dec.decision, ts=time.time(), reason=dec.reason, retry_after=dec.retry_after,
+            runtime_tokens=dec.runtime_tokens, budget=dec.budget, queue_wait=queue_wait or None,
+            by=self.settings.name, latency_ms=latency_ms,
+        )
+        # a queued request is decided twice (queue, then allow/reject): one record each
+        suffix = "queue" if dec.decision == QUEUE else "admission"
+        await self.bus.jpublish_nowait(S.decision("admission", request.tenant), record, msg_id=f"{request.id}:{suffix}")
+
+    async def _tell_producer(self, request: Request, dec: AdmissionDecision) -> None:
+        if not request.reply:
+            return
+        rid = request.id
+        if dec.decision == ALLOW:
+            reply = Reply(request_id=rid, kind="status", status="admitted")
+        elif dec.decision == QUEUE:
+            reply = Reply(request_id=rid, kind="status", status="queued", est_wait=dec.est_wait)
+        elif dec.decision == DEGRADE:
+            reply = Reply(request_id=rid, kind="status", status="degraded", job_id=rid)
+        else:
+            reply = Reply(request_id=rid, kind="error", status="rejected", reason=dec.reason, message=dec.message,
+                          retry_after=dec.retry_after)
+        await self.bus.publish(request.reply, reply)
+
+    # --- the queue ----------------------------------------------------------------------
+    async def _dequeue_loop(self) -> None:
+        while True:
+            await wait_event(self._wake, self.settings.dequeue_interval_s)
+            self._wake.clear()
+            if self.core.queued():
+                try:
+                    await self.dequeue_once()
+                except AdmitterError as exc:
+                    log.warning("dequeue deferred: %s", exc)
+            self._refresh_gauges()
+
+    async def dequeue_once(self) -> int:
+        now = time.time()
+        started = time.perf_counter()
+
+        def attempt(usage):
+            self.core.usage = usage
+            picks = self.core.plan_dequeue(now)
+            new = usage
+            for req, dec in picks:
+                if dec.decision == ALLOW:
+                    new = new.plus(req.tenant, req.model, dec.runtime_tokens, self.core.is_long(dec.runtime_tokens))
+            return (new if new is not usage else None), picks
+
+        async with self._lock:
+            picks = await self.shared.change_usage(attempt)
+            self.core.usage = self._usage_before(picks)
+            self.core.commit_dequeue(picks, now)
+            self.core.usage = self.shared.usage
+        latency_ms = (time.perf_counter() - started) * 1000
+        entries = []
+        for req, dec in picks:
+            held = self.held.pop(req.id, None)
+            if held is None:
+                log.warning("dequeued %s but its message is no longer held", req.id)
+                continue
+            wait = now - held.since
+            self.metrics.queue_wait.labels(req.cls).observe(wait)
+            entries.append((req, dec, held.delivery, wait, latency_ms))
+        await self._act_batch(entries)  # one wait for the whole dequeue, like a fresh batch
+        return len(picks)
+
+    def _usage_before(self, picks):
+        """The usage the committed picks were planned on (shared minus what they added)."""
+        usage = self.shared.usage
+        for req, dec in picks:
+            if dec.decision == ALLOW:
+                usage = usage.minus(req.tenant, req.model, dec.runtime_tokens, self.core.is_long(dec.runtime_tokens))
+        return usage
+
+    async def _keepalive_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.keepalive_s)
+            for held in list(self.held.values()):
+                try:
+                    await held.delivery.in_progress()
+                except Exception as exc:  # connection blip: ack_wait still leaves room
+                    log.warning("in_progress for %s failed: %s", held.request.id, exc)
+
+    # --- credit (natsched.admitter.credit) ----------------------------------------------------------
+    async def _keeper_loop(self) -> None:
+        """Top up, give back and renew this replica's credit; drop silent replicas' entries."""
+        while True:
+            await wait_event(self._keeper_wake, self.settings.credit.tick_s)
+            self._keeper_wake.clear()
+            try:
+                await self.keep_credit()
+            except AdmitterError as exc:
+                log.warning("credit upkeep deferred: %s", exc)
+
+    async def keep_credit(self) -> KeeperPlan | None:
+        """One look (and, if needed, one write): returns the plan written, or None."""
+        now = time.monotonic()
+        self.credit.forget_demand(now)
+        if self._credit_plan(self.shared.usage, now) is None:
+            return None  # the common case, without taking the lock
+        async with self._lock:
+            sent = time.monotonic()
+            plan = await self._commit(lambda usage: self._with_plan(self._credit_plan(usage, sent)))
+            if plan is not None:
+                self.credit.applied(plan, sent)
+                self._log_plan(plan)
+            self.core.usage = self.shared.usage
+        return plan
+
+    def _credit_plan(self, usage: Usage, now: float) -> KeeperPlan | None:
+        return self.credit.plan(usage, now, self.core.total, self.core.queued() > 0,
+                                lambda u, tenant, model, n: self.core.grantable(u, tenant, model, n, time.time()))
+
+    @staticmethod
+    def _with_plan(plan: KeeperPlan | None) -> tuple[Usage | None, KeeperPlan | None]:
+        return (plan.usage if plan is not None else None), plan
+
+    def _log_plan(self, plan: KeeperPlan) -> None:
+        for replica in plan.dropped:
+            log.warning("credit of admitter %s dropped: its entry did not change for %gs (its unspent part "
+                        "stays reserved until the reconciliation repairs it)", replica, self.settings.credit.lease_s)
+        if plan.lost:
+            log.warning("this admitter's credit was dropped by another replica (paused past its lease?)")
+        for (tenant, model), delta in plan.deltas.items():
+            log.debug("credit %s/%s %+d runtime tokens", tenant, model, delta)
+
+    async def stop(self) -> None:
+        """Give back the unspent credit, so the others need not wait out its lease."""
+        self.credit.settings = replace(self.credit.settings, enabled=False)
+        try:
+            await asyncio.wait_for(self.keep_credit(), 3)
+        except (asyncio.TimeoutError, AdmitterError, BusError) as exc:
+            log.warning("credit not given back at stop (%s): it is dropped after its lease", exc)
+
+    # --- completions, leases, reconciliation ----------------------------------------------
+    async def _on_completions(self, batch: list[Delivery]) -> None:
+        """Release a batch of completions: reservations taken concurrently, one usage commit."""
+        completions = []
+        for d in batch:
+            try:
+                completions.append(Completion.decode(d.data))
+            except MessageError as exc:
+                await self.bus.settle_failed(d, self._completions_spec, "admitter", exc)
+        taken = await asyncio.gather(*(self.shared.take(c.request_id) for c in completions))
+        pairs = [(c, res) for c, res in zip(completions, taken) if res is not None]
+        for c in completions:
+            self.leases.forget(c.request_id)
+            if self.router is not None:
+                self.router.observe_completion(c)
+        if pairs:
+            pairs = await self._refund(pairs)
+        if pairs:
+            await self._release_taken(pairs)
+        await asyncio.gather(*(d.ack() for d in batch if not d.settled))
+
+    async def _refund(self, pairs: list[tuple[Completion | None, Reservation]]):
+        """Requests paid from this replica's live credit go back into it, without a write; the
+        rest is returned for a release by compare-and-swap. Under the lock, so the keeper cannot
+        drop the block in between (a refund into a dropped block would be lost)."""
+        async with self._lock:
+            if not self.credit.usable(self.shared.usage, time.monotonic()):
+                return pairs
+            rest, refunded = [], []
+            for c, res in pairs:
+                if res.credit and res.credit == self.credit.epoch and res.by == self.settings.name:
+                    self.credit.refund((res.tenant, res.model), res.tokens)
+                    refunded.append((c, res))
+                else:
+                    rest.append((c, res))
+            if refunded:
+                self._released(refunded)
+            return rest
+
+    async def _release_taken(self, pairs: list[tuple[Completion | None, Reservation]]) -> None:
+        """Give back what ``pairs`` reserved, in the next usage commit.
+
+        Releases wait in ``_releasing`` for the lock; an admission batch that gets it first folds
+        them into its own compare-and-swap (and may admit into the freed room), so under load one
+        commit carries both and the completions no longer hold up the requests. Whoever finds
+        releases still waiting once it has the lock commits them: when this returns, they are in
+        the shared usage.
+        """
+        self._releasing.extend(pairs)
+        async with self._lock:
+            if self._releasing:  # else an admission commit took them meanwhile
+                await self._commit(lambda usage: (None, None))
+            self.core.usage = self.shared.usage
+
+    async def _commit(self, change: Callable[[Usage], tuple[Usage | None, T]]) -> T:
+        """One usage compare-and-swap (caller holds ``_lock``) that also gives back the releases
+        waiting for the lock: ``change`` sees the usage without them, like ``change_usage``'s
+        function; they are put back for the next commit if this one fails."""
+        releasing, self._releasing = self._releasing, []
+
+        def attempt(usage: Usage) -> tuple[Usage | None, T]:
+            base = self._minus(usage, releasing)
+            new, result = change(base)
+            return (base if new is None and base is not usage else new), result
+
+        try:
+            result = await self.shared.change_usage(attempt)
+        except BaseException:
+            self._releasing[:0] = releasing
+            raise
+        if releasing:
+            self._released(releasing)
+        return result
+
+    def _minus(self, usage, pairs: list[tuple[Completion | None, Reservation]]):
+        for _, res in pairs:  # (out of the block it was paid from, if that block still exists)
+            usage = usage.release_from(res.by, res.credit, res.tenant, res.model, res.tokens,
+                                       self.core.is_long(res.tokens))
+        return usage
+
+    def _released(self, pairs: list[tuple[Completion | None, Reservation]]) -> None:
+        """After the commit that gave ``pairs`` back: learning, the queue woken, one line each."""
+        now = time.time()
+        for c, res in pairs:
+            if c is not None:
+                self.core.release(c, now)  # learning (output EWMA, release rate)
+            log.info("request %s released %d runtime tokens (%s)", res.request_id, res.tokens,
+                     "completion" if c is not None else "reclaimed")
+        self._wake.set()
+
+    async def release(self, request_id: str, completion: Completion | None = None, why: str = "completion") -> int:
+        """Free one reservation once (duplicates, other replicas and lease reclaims free nothing)."""
+        res = await self.shared.take(request_id)
+        self.leases.forget(request_id)
+        if res is None:
+            return 0
+        if await self._refund([(completion, res)]):  # (not paid from our credit)
+            await self._release_taken([(completion, res)])
+        if completion is None:
+            log.info("request %s: %s", request_id, why)
+        return res.tokens
+
+    async def _dynamic_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.dynamic.interval_s)
+            self.update_dynamic_total()
+
+    def update_dynamic_total(self) -> int:
+        now = time.time()
+        live = [(cap, used) for cap, used, seen in self.worker_load.values() if now - seen < 10.0]
+        q = self.core.quotas
+        total = self.dynamic.next_total(q.total, q.hard_cap, sum(c for c, _ in live), sum(u for _, u in live))
+        if total != self.total:
+            log.info("dynamic total %d runtime tokens (factor %.2f)", total, self.dynamic.factor)
+        self.total = total
+        self.core.set_total(total)
+        self._wake.set()
+        return total
+
+    def _refresh_gauges(self) -> None:
+        if self.shared.conflicts > self._conflicts_seen:
+            self.metrics.cas_conflicts.inc(self.shared.conflicts - self._conflicts_seen)
+            self._conflicts_seen = self.shared.conflicts
+        for tenant, used in self.shared.usage.tenants.items():
+            self.metrics.inflight.labels(tenant).set(used)
+        for cls, depth in self.core.queue_depths().items():
+            self.metrics.queue_depth.labels(cls).set(depth)
+        self.metrics.total.set(self.total)
+        self.metrics.credit_unspent.set(sum(self.credit.free.values()))

@@ -1,0 +1,255 @@
+"""The producer client: submit a request, get its result or stream its tokens.
+
+The request id is the JetStream ``Nats-Msg-Id``: a publish retried after a lost ack is
+stored once, and a second submission of the same id within the dedup window raises
+:class:`DuplicateRequest` instead of running twice. Every wait has a timeout that says which
+stage it was waiting for.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from nats.errors import TimeoutError as NatsTimeout
+
+from natsched.bus import subjects as S
+from natsched.bus.connection import Bus
+from natsched.bus.errors import DecodeError, DuplicateRequest, Rejected, RequestFailed, RequestTimeout, SchemaError
+from natsched.bus.schema import Control, Reply, Request, RequestId, TenantId, WorkerId
+from natsched.bus.server import DEFAULT_URL
+
+log = logging.getLogger(__name__)
+
+
+def new_request_id() -> RequestId:
+    return RequestId(uuid.uuid4().hex)
+
+
+def make_request(tenant: str, prompt: str | None = None, *, cls: str = S.ONLINE, **fields: Any) -> Request:
+    """A request with a fresh id and creation time; keyword fields as in :class:`Request`."""
+    fields.setdefault("id", new_request_id())
+    return Request(tenant=TenantId(tenant), cls=cls, prompt=prompt, created=time.time(), **fields)
+
+
+@dataclass
+class Chunk:
+    """Output produced so far: one streamed piece."""
+
+    text: str
+    token_ids: list[int] | None
+    index: int
+
+
+@dataclass
+class Result:
+    """The final outcome of a request that ran (or was handed to the offline path)."""
+
+    request_id: str
+    status: str  # "completed" | "degraded"
+    text: str = ""
+    worker: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float = 0.0
+    job_id: str | None = None
+    statuses: list[str] = field(default_factory=list)  # queued / admitted / assigned, in order
+
+
+@dataclass
+class Timeouts:
+    """How long to wait for each stage (seconds)."""
+
+    publish: float = 10.0  # JetStream ack of the request, retries included
+    admission: float = 30.0  # first status from the admitter
+    queued: float = 600.0  # total wait while the admitter holds the request in its queue
+    idle: float = 120.0  # between two messages once admitted (first token, next token)
+
+
+@dataclass
+class _Progress:
+    """What one exchange has learnt so far: where it runs, whether it ended."""
+
+    worker: WorkerId | None = None
+    final: bool = False
+    abandoned: set[str] = field(default_factory=set)  # workers it was rescued from
+
+
+class Stream:
+    """``async for chunk in stream`` yields :class:`Chunk`; afterwards ``stream.result`` is set.
+
+    Leaving the loop early (``break``, an exception, a cancelled task) cancels the request on
+    its worker: nobody reads the rest, so the engine stops generating it.
+    """
+
+    def __init__(self, client: "Client", request: Request) -> None:
+        self._client = client
+        self._request = request
+        self.result: Result | None = None
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._run()
+
+    async def _run(self) -> AsyncIterator[Chunk]:
+        exchange = self._client._exchange(self._request)
+        try:
+            async for item in exchange:
+                if isinstance(item, Chunk):
+                    yield item
+                else:
+                    self.result = item
+        finally:  # closed at a yield (the consumer stopped): end the exchange now, not at GC
+            await exchange.aclose()
+
+
+class Client:
+    """Submit requests to natsched over an existing :class:`Bus` (or one it connects)."""
+
+    def __init__(self, bus: Bus, timeouts: Timeouts | None = None) -> None:
+        self.bus = bus
+        self.timeouts = timeouts or Timeouts()
+
+    @classmethod
+    async def connect(cls, url: str = DEFAULT_URL, timeouts: Timeouts | None = None, **kw: Any) -> "Client":
+        return cls(await Bus.connect(url, name="natsched-producer", **kw), timeouts)
+
+    async def close(self) -> None:
+        await self.bus.close()
+
+    async def submit(self, request: Request) -> Result:
+        """Publish and wait for the final result (raises Rejected / RequestFailed / RequestTimeout)."""
+        result = None
+        async for item in self._exchange(request):
+            if isinstance(item, Result):
+                result = item
+        assert result is not None
+        return result
+
+    def stream(self, request: Request) -> Stream:
+        """Like :meth:`submit`, streaming output chunks as the worker produces them."""
+        request.stream = True
+        return Stream(self, request)
+
+    async def cancel(self, request_id: str, worker: str) -> None:
+        """Tell ``worker`` to stop running ``request_id`` (it closes it with reason ``cancelled``)."""
+        await self.bus.publish(S.control(WorkerId(worker)), Control(kind="cancel", ts=time.time(), by=self.bus.name,
+                                                                    request_id=RequestId(request_id)))
+
+    async def _exchange(self, request: Request) -> AsyncIterator[Chunk | Result]:
+        reply_to = request.reply or S.tenant_reply(request.tenant, request.id)
+        request.reply = reply_to
+        request.created = request.created or time.time()
+        sub = await self.bus.inbox(reply_to)
+        progress = _Progress()
+        try:
+            ack = await self.bus.jpublish(
+                S.request(request.cls, request.tenant),
+                request,
+                msg_id=request.id,
+                headers={S.HDR_REPLY: reply_to},
+                budget_s=self.timeouts.publish,
+            )
+            if ack.duplicate:
+                raise DuplicateRequest(
+                    f"request {request.id} was already submitted within the dedup window; "
+                    "it runs once and its result went to the first submitter",
+                    request.id,
+                )
+            async for item in self._replies(sub, request, progress):
+                yield item
+        finally:
+            await sub.unsubscribe()
+            if progress.worker is not None and not progress.final:  # given up before its end
+                try:
+                    await self.cancel(request.id, progress.worker)
+                except Exception as exc:  # best effort: the connection may be gone already
+                    log.warning("could not cancel %s on %s: %s", request.id, progress.worker, exc)
+
+    async def _replies(self, sub: Any, request: Request, progress: _Progress) -> AsyncIterator[Chunk | Result]:
+        started = time.monotonic()
+        statuses: list[str] = []
+        texts: list[str] = []
+        wait, stage = self.timeouts.admission, "an admission decision (is an admitter running?)"
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=wait)
+            except NatsTimeout:
+                raise RequestTimeout(f"request {request.id}: no {stage} within {wait:.0f}s", request.id) from None
+            try:
+                reply = Reply.decode(msg.data)
+            except (DecodeError, SchemaError):
+                continue  # not ours to interpret; a stray message on the reply subject
+            if reply.kind == "status" and reply.status == "rerouted":
+                _rerouted(request, reply, progress, texts)
+                statuses.append("rerouted")
+                continue
+            if reply.worker and reply.worker in progress.abandoned:
+                continue  # a worker declared dead that was only slow: its re-run elsewhere counts
+            if reply.final:
+                progress.final = True
+            if reply.worker:  # "assigned" names it; so does every token (which may overtake "assigned")
+                progress.worker = reply.worker
+            if reply.kind == "status":
+                statuses.append(reply.status or "")
+                if reply.status == "degraded":
+                    yield Result(request.id, "degraded", job_id=reply.job_id, statuses=statuses,
+                                 e2e=time.monotonic() - started)
+                    return
+                if reply.status == "queued":
+                    wait, stage = self.timeouts.queued, "dequeue from the admission queue"
+                else:
+                    wait, stage = self.timeouts.idle, "progress from the router or worker"
+            elif reply.kind == "token":
+                texts.append(reply.text or "")
+                yield Chunk(reply.text or "", reply.token_ids, reply.index or 0)
+            elif reply.kind == "error":
+                _raise_error(request.id, reply)
+            elif reply.kind == "result":
+                yield Result(
+                    request_id=request.id,
+                    status="completed",
+                    text=reply.text if reply.text is not None else "".join(texts),
+                    worker=reply.worker,
+                    finish_reason=reply.finish_reason,
+                    prompt_tokens=reply.prompt_tokens or 0,
+                    cached_tokens=reply.cached_tokens or 0,
+                    output_tokens=reply.output_tokens or 0,
+                    ttft=reply.ttft,
+                    tpot=reply.tpot,
+                    e2e=time.monotonic() - started,
+                    statuses=statuses,
+                )
+                return
+
+
+def _rerouted(request: Request, reply: Reply, progress: "_Progress", texts: list[str]) -> None:
+    """Its worker died and the admitter re-admitted it: start over, unless output was streamed.
+
+    Tokens already handed to a streaming consumer cannot be taken back, so a stream that had
+    output fails with ``worker_lost`` (the producer decides whether to retry); otherwise the
+    re-run is invisible apart from the ``rerouted`` status.
+    """
+    if reply.worker:
+        progress.abandoned.add(reply.worker)
+    progress.worker = None
+    if texts and request.stream:
+        raise RequestFailed(f"request {request.id} failed: worker_lost: worker {reply.worker} died mid-stream; "
+                            "the output so far is incomplete", request.id, "worker_lost")
+    texts.clear()
+
+
+def _raise_error(request_id: str, reply: Reply) -> None:
+    reason = reply.reason or "error"
+    message = f"request {request_id} {reply.status or 'failed'}: {reason}" + (
+        f": {reply.message}" if reply.message else ""
+    )
+    if reply.status == "rejected" or reply.retry_after is not None:
+        raise Rejected(message, request_id, reason, reply.retry_after)
+    raise RequestFailed(message, request_id, reason)

@@ -1,0 +1,755 @@
+"""The Bus: the one object services use to talk to NATS (they never import nats themselves).
+
+It owns the connection (reconnect forever, time-budgeted publish retries), JetStream
+publishing with dedup ids, core pub/sub, KV access and durable pull consumers whose loop
+turns unusable messages into dead letters instead of endless redeliveries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+import traceback
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import orjson
+
+import nats
+from nats.errors import ConnectionClosedError, NoRespondersError, NoServersError
+from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import api
+from nats.js.errors import (
+    APIError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
+
+from natsched.bus import subjects as S
+from natsched.bus.acks import AckInbox
+from natsched.bus.errors import ConflictError, ConnectError, MessageError
+from natsched.bus.provision import ProvisionSettings, provision, stored_settings
+from natsched.bus.puller import Puller
+from natsched.bus.schema import DeadLetter, Reply, Schema
+from natsched.bus.snapshot import read_kv
+from natsched.bus.server import DEFAULT_URL
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+JS_NO_MESSAGE_FOUND = 10057  # JetStream's err_code for a message sequence that is not stored
+_RETRYABLE = (NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError, asyncio.TimeoutError)
+#: "nobody took the request" (no stream leader, e.g. during an election): a compare-and-swap may be
+#: sent again without risk; after a timeout it may have been applied, and the caller must re-read
+_NOT_PROCESSED = (NoRespondersError, NoStreamResponseError, ServiceUnavailableError)
+
+
+#: ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ts>.<pending>``
+_ACK_V1_TOKENS = 9
+
+
+class Delivery:
+    """One JetStream message handed to a consumer handler, with its ack verbs."""
+
+    __slots__ = ("_msg", "subject", "data", "headers", "settled")
+
+    def __init__(self, msg: Any) -> None:
+        self._msg = msg
+        self.subject: str = msg.subject
+        self.data: bytes = msg.data
+        self.headers: dict[str, str] = msg.headers or {}
+        self.settled = False  # acked, nak'd or terminated
+
+    @property
+    def num_pending(self) -> int:
+        """Messages still waiting for this consumer after this one (0: the stream is drained)."""
+        return self._msg.metadata.num_pending
+
+    @property
+    def num_delivered(self) -> int:
+        """Read off the ack subject's one token: every handler asks (is this a redelivery?), and
+        nats-py's full ``metadata`` (sequences, a datetime, names) costs several times more."""
+        tokens = (self._msg.reply or "").split(".")
+        if len(tokens) == _ACK_V1_TOKENS and tokens[:2] == ["$JS", "ACK"] and tokens[4].isdigit():
+            return int(tokens[4])
+        return self._msg.metadata.num_delivered  # the domain form, or not a JetStream message (raises)
+
+    @property
+    def stream_seq(self) -> int:
+        return self._msg.metadata.sequence.stream
+
+    @property
+    def timestamp(self) -> float:
+        return self._msg.metadata.timestamp.timestamp()
+
+    async def ack(self) -> None:
+        self.settled = True
+        await self._msg.ack()
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.settled = True
+        await self._msg.nak(delay=delay)
+
+    async def term(self) -> None:
+        self.settled = True
+        await self._msg.term()
+
+    async def in_progress(self) -> None:
+        await self._msg.in_progress()
+
+
+DEAD_LETTER_MAX_DATA = 512 * 1024
+
+#: (subject, message, msg id, headers) for :meth:`Bus.jpublish_batch`
+Outgoing = tuple[str, "Schema | bytes", "str | None", "dict[str, str] | None"]
+BATCH_ACK_WAIT_S = 2.0  # a batch's acks normally take a round trip; then each is retried alone
+#: how long a durable consumer's creation is retried on timeouts (a cluster electing leaders)
+BIND_BUDGET_S = 30.0
+
+def _with_msg_id(headers: dict[str, str] | None, msg_id: str | None) -> dict[str, str] | None:
+    """``headers`` plus ``Nats-Msg-Id`` when there is a msg id (None when both are empty)."""
+    out = dict(headers or {})
+    if msg_id:
+        out[S.HDR_MSG_ID] = msg_id
+    return out or None
+
+
+Handler = Callable[[Delivery], Awaitable[None]]
+BatchHandler = Callable[[list[Delivery]], Awaitable[None]]
+
+
+@dataclass
+class ConsumerSpec:
+    """A durable pull consumer: who reads what, how long a message may stay un-acked."""
+
+    stream: str
+    durable: str
+    filter_subject: str | None = None
+    ack_wait_s: float = 30.0
+    max_deliver: int = 5
+    max_ack_pending: int = 1000
+    batch: int = 64
+    deliver_new: bool = False  # start at new messages instead of the whole stream
+    redeliver_delay_s: float = 1.0
+
+
+@dataclass
+class Credentials:
+    """Who a connection is, for a server that requires auth (``natsched auth init`` writes one
+    JSON file of these per role; :meth:`load` reads it).
+
+    ``inbox_prefix`` matters as much as the password: replies (JetStream acks, pulled messages,
+    KV reads) travel on inbox subjects, and a role allowed ``_INBOX.>`` could read every other
+    role's. Each role therefore gets its own prefix and may subscribe only below it. Relative
+    file paths in a loaded file are relative to that file.
+    """
+
+    user: str | None = None
+    password: str | None = None
+    nkey_seed: str | None = None  # path of an nkey seed file (needs the nkeys package)
+    creds: str | None = None  # path of a NATS .creds file (JWT + seed: operator mode)
+    inbox_prefix: str | None = None
+    tls_ca: str | None = None  # CA that signed the server's certificate
+    tls_cert: str | None = None  # client certificate (servers that verify clients)
+    tls_key: str | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Credentials":
+        path = Path(path)
+        try:
+            raw = orjson.loads(path.read_bytes())
+        except (OSError, orjson.JSONDecodeError) as exc:
+            raise ConnectError(f"cannot read credentials {path}: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConnectError(f"credentials {path} must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in raw.items() if k in known and v is not None}
+        for key in ("nkey_seed", "creds", "tls_ca", "tls_cert", "tls_key"):
+            if key in values:
+                values[key] = str((path.parent / values[key]).resolve())
+        return cls(**values)
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        if not (self.tls_ca or self.tls_cert):
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect``."""
+        out: dict[str, Any] = {}
+        if self.user is not None:
+            out["user"], out["password"] = self.user, self.password
+        if self.nkey_seed:
+            out["nkeys_seed"] = self.nkey_seed
+        if self.creds:
+            out["user_credentials"] = self.creds
+        if self.inbox_prefix:
+            out["inbox_prefix"] = self.inbox_prefix
+        tls = self.tls_context()
+        if tls is not None:
+            out["tls"] = tls
+        return out
+
+
+def server_urls(url: str | list[str]) -> list[str]:
+    """``nats://a:4222,nats://b:4223`` (or a list) -> every URL: a cluster connect."""
+    parts = url if isinstance(url, list) else url.split(",")
+    return [u.strip() for u in parts if u.strip()]
+
+
+class Bus:
+    """A connected NATS client with JetStream, used by every natsched service and producer."""
+
+    def __init__(self, nc: Any, name: str, publish_budget_s: float) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.name = name
+        self.publish_budget_s = publish_budget_s
+        self._tasks: list[asyncio.Task] = []
+        self._kv: dict[str, Any] = {}
+        self.closing = False  # loops check it: nats-py's fetch can swallow a cancellation
+        self.lost_publishes = 0
+        self._acks: AckInbox | None = None
+        self._acks_lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str = DEFAULT_URL,
+        name: str = "natsched",
+        connect_budget_s: float = 10.0,
+        publish_budget_s: float = 10.0,
+        credentials: "Credentials | str | Path | None" = None,
+        **options: Any,
+    ) -> "Bus":
+        """Connect, retrying until ``connect_budget_s``; afterwards reconnect forever.
+
+        ``url`` may list several servers (comma-separated): a cluster, any node will do.
+        ``credentials`` (or a path to a credentials file) authenticates; other ``options``
+        go to ``nats.connect`` as they are.
+        """
+        if credentials is not None:
+            creds = credentials if isinstance(credentials, Credentials) else Credentials.load(credentials)
+            options = {**creds.options(), **options}
+        servers = server_urls(url)
+        deadline = time.monotonic() + connect_budget_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                # the first connection is bounded by our budget, not nats-py's retry loop
+                remaining = max(0.1, deadline - time.monotonic())
+                nc = await asyncio.wait_for(
+                    nats.connect(
+                        servers if len(servers) > 1 else servers[0],
+                        name=name,
+                        connect_timeout=min(2.0, remaining),
+                        allow_reconnect=False,
+                        max_reconnect_attempts=1,
+                        reconnect_time_wait=0.2,
+                        error_cb=_log_error,
+                        **options,
+                    ),
+                    remaining,
+                )
+                nc.options["allow_reconnect"] = True  # once connected, reconnect forever
+                nc.options["max_reconnect_attempts"] = -1
+                return cls(nc, name, publish_budget_s)
+            except (NoServersError, OSError, NatsTimeout, asyncio.TimeoutError) as exc:
+                last = exc
+                await asyncio.sleep(0.2)
+            except NatsError as exc:
+                if "authorization violation" not in str(exc).lower():
+                    raise
+                raise ConnectError(f"NATS at {url} refused the credentials of {name!r} (authorization "
+                                   "violation): pass --credentials FILE from natsched auth init") from None
+        raise ConnectError(f"could not reach NATS at {url} within {connect_budget_s:g}s: {last}")
+
+    async def provision(self, settings: ProvisionSettings | None = None) -> None:
+        """Create or update every stream and bucket; by default with the limits an operator stored
+        (``natsched retention set``), so a restarting service never resets them.
+
+        Retried within the publish budget on timeouts: a service restarted while a cluster node
+        is down meets an election (a chaos run's admitter exited here once, unready for 60 s);
+        provisioning is idempotent, so running it again is safe."""
+        async def once(_remaining: float) -> None:
+            await provision(self.js, settings or await stored_settings(self.js))
+
+        await self._retrying(once, None, "provisioning", logging.WARNING)
+
+    async def close(self, budget_s: float = 3.0) -> None:
+        """Flush what is buffered within a budget, then close: a dead server never hangs us.
+
+        (Not ``drain()``: with pull subscriptions it waits on queues nats-py never marks done.)
+        """
+        self.closing = True
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=budget_s)
+            for task in pending:  # a task that ignores cancellation must not hang the shutdown
+                log.warning("task %s did not stop within %.0fs: %s", task.get_name(), budget_s,
+                            "".join(traceback.format_stack(task.get_stack()[-1])) if task.get_stack() else "?")
+        self._tasks.clear()
+        if self.nc.is_closed:
+            return
+        try:
+            if self.nc.is_connected:
+                await self.nc.flush(timeout=budget_s)
+        except Exception:  # closing anyway
+            pass
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+    # --- publishing ---------------------------------------------------------------------
+    async def publish(self, subject: str, msg: Schema | bytes, headers: dict[str, str] | None = None) -> None:
+        """Core NATS publish (at most once): replies, heartbeats, cache events."""
+        data = msg if isinstance(msg, bytes) else msg.encode()
+        await self.nc.publish(subject, data, headers=headers)
+
+    async def jpublish(
+        self,
+        subject: str,
+        msg: Schema | bytes,
+        msg_id: str | None = None,
+        headers: dict[str, str] | None = None,
+        budget_s: float | None = None,
+    ) -> api.PubAck:
+        """JetStream publish with an ack, retried within a time budget.
+
+        ``msg_id`` becomes ``Nats-Msg-Id``: a retry after a lost ack (or a leader change) is
+        then deduplicated by the server instead of stored twice.
+        """
+        data = msg if isinstance(msg, bytes) else msg.encode()
+        hdrs = _with_msg_id(headers, msg_id)
+        started = time.monotonic()
+        try:  # the first attempt on the shared ack inbox (bus/acks.py: no request machinery)
+            return await (await (await self._ack_inbox()).publish(subject, data, hdrs))
+        except _RETRYABLE as exc:
+            log.warning("publish to %s failed (%s); retrying", subject, type(exc).__name__)
+        attempts = 1  # its copy may be stored: a retry that finds it is no one else's duplicate
+        budget_s = (budget_s if budget_s is not None else self.publish_budget_s) - (time.monotonic() - started)
+
+        def attempt(remaining: float) -> Awaitable[api.PubAck]:
+            nonlocal attempts
+            attempts += 1
+            return self.js.publish(subject, data, timeout=max(0.5, min(2.0, remaining)), headers=hdrs)
+
+        ack = await self._retrying(attempt, budget_s, f"publish to {subject}", logging.WARNING)
+        if ack.duplicate and attempts > 1:
+            # a retry found its own first attempt stored (that ack was lost): not someone else's copy
+            ack.duplicate = False
+        return ack
+
+    async def jpublish_batch(self, items: list[Outgoing]) -> list[api.PubAck]:
+        """Publish several messages (in this order on the connection) and wait once for every ack.
+
+        The same guarantee as :meth:`jpublish` for each, at a fraction of its cost: one reply
+        future per message on a shared inbox instead of a request with its own timer, and one
+        wait for the batch. A message whose ack is an error or does not come within
+        ``BATCH_ACK_WAIT_S`` is published again through :meth:`jpublish` (with its msg id, a
+        copy the server did store is deduplicated); what still fails raises, as there.
+        """
+        inbox = await self._ack_inbox()
+        futures = []
+        for subject, msg, msg_id, headers in items:
+            data = msg if isinstance(msg, bytes) else msg.encode()
+            futures.append(await inbox.publish(subject, data, _with_msg_id(headers, msg_id)))
+        if futures:
+            await asyncio.wait(futures, timeout=BATCH_ACK_WAIT_S)
+        acks = []
+        for (subject, msg, msg_id, headers), f in zip(items, futures):
+            if f.done() and not f.cancelled() and f.exception() is None:
+                acks.append(f.result())
+            else:
+                inbox.forget(f)
+                acks.append(await self.jpublish(subject, msg, msg_id=msg_id, headers=headers))
+        return acks
+
+    async def _ack_inbox(self) -> AckInbox:
+        """The connection's one ack inbox, subscribed on first use."""
+        if self._acks is not None:
+            return self._acks
+        async with self._acks_lock:  # (two first publishers at once: still one inbox)
+            if self._acks is None:
+                acks = AckInbox(self.nc, timeout_s=BATCH_ACK_WAIT_S)
+                await acks.start()
+                self._acks = acks
+                self.spawn(acks.sweep_loop(), "publish-acks")
+        return self._acks
+
+    async def jpublish_nowait(self, subject: str, msg: Schema | bytes, msg_id: str | None = None) -> None:
+        """JetStream publish whose ack is checked in the background (audit records).
+
+        The caller does not wait a round trip; a publish the server does not acknowledge is
+        retried once through :meth:`jpublish` and otherwise logged and counted in ``lost_publishes``.
+        """
+        data = msg if isinstance(msg, bytes) else msg.encode()
+        future = await (await self._ack_inbox()).publish(subject, data, _with_msg_id(None, msg_id))
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                self.spawn(self._retry_publish(subject, data, msg_id, f), f"republish:{subject}")
+
+        future.add_done_callback(done)
+
+    async def _retry_publish(self, subject: str, data: bytes, msg_id: str | None, f: asyncio.Future) -> None:
+        try:
+            await self.jpublish(subject, data, msg_id=msg_id)
+        except Exception as exc:
+            self.lost_publishes += 1
+            log.error("publish to %s lost (%s, then %s)", subject, None if f.cancelled() else f.exception(), exc)
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        msg = await self.nc.request(subject, data, timeout=timeout)
+        return msg.data
+
+    # --- subscribing --------------------------------------------------------------------
+    async def subscribe(self, subject: str, handler: Callable[[str, bytes, dict], Awaitable[None]], queue: str = ""):
+        """Core subscription; the handler gets (subject, data, headers) and must not raise."""
+
+        async def cb(msg: Any) -> None:
+            try:
+                await handler(msg.subject, msg.data, msg.headers or {})
+            except Exception:
+                log.exception("handler for %s failed", msg.subject)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=cb)
+
+    async def inbox(self, subject: str, max_pending: int = 100_000):
+        """A subscription read with ``await sub.next_msg(timeout)`` (producers' reply streams)."""
+        return await self.nc.subscribe(subject, pending_msgs_limit=max_pending)
+
+    # --- durable consumers --------------------------------------------------------------
+    async def consume(self, spec: ConsumerSpec, handler: Handler, source: str) -> asyncio.Task:
+        """Run ``handler`` on every message of a durable pull consumer until the Bus closes.
+
+        A handler raising :class:`MessageError` (bad input) gets the message dead-lettered,
+        an error reply sent when a reply subject is known, and the message terminated.
+        Any other exception is a transient failure: redelivered after a delay, and
+        dead-lettered once ``max_deliver`` is reached, so nothing loops or vanishes.
+        """
+
+        async def one_by_one(batch: list[Delivery]) -> None:
+            for d in batch:
+                if self.closing:
+                    return  # left un-acked: redelivered to whoever consumes next
+                try:
+                    await handler(d)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    await self.settle_failed(d, spec, source, exc)
+
+        return await self.consume_batches(spec, one_by_one, source)
+
+    async def consume_batches(self, spec: ConsumerSpec, handler: BatchHandler, source: str) -> asyncio.Task:
+        """Like :meth:`consume`, but ``handler`` gets every available message at once (up to
+        ``spec.batch``), so a service can decide a batch and commit and publish it together.
+        Messages the handler leaves unsettled when it raises are settled by the same rules."""
+        config = api.ConsumerConfig(
+            durable_name=spec.durable,
+            filter_subject=spec.filter_subject,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=spec.ack_wait_s,
+            max_deliver=spec.max_deliver,
+            max_ack_pending=spec.max_ack_pending,
+            deliver_policy=api.DeliverPolicy.NEW if spec.deliver_new else api.DeliverPolicy.ALL,
+        )
+        # binds (creating it if needed) the durable consumer; its own fetch is not used. Retried:
+        # a service started while its cluster still elects stream leaders gets timeouts at first
+        await self._retrying(
+            lambda _remaining: self.js.pull_subscribe(spec.filter_subject or "", durable=spec.durable,
+                                                      stream=spec.stream, config=config),
+            BIND_BUDGET_S, f"binding consumer {spec.durable}", logging.WARNING)
+        puller = Puller(self.nc, spec.stream, spec.durable, spec.batch)
+        await puller.start()
+        task = asyncio.create_task(self._consume_loop(puller, spec, handler, source), name=f"consume:{spec.durable}")
+        self._tasks.append(task)
+        return task
+
+    async def _consume_loop(self, puller: Puller, spec: ConsumerSpec, handler: BatchHandler, source: str) -> None:
+        """Pull batches and hand them to ``handler`` one after the other.
+
+        (Handling the next batch while the previous one waits for its acks was tried twice,
+        before and after admission credit: smaller batches, longer waits for their acks, and at
+        1,000/s up to twice the latency; see docs/pipeline-notes.md.)
+        """
+        while not self.closing:
+            try:
+                msgs = await puller.next_batch()
+            except (ConnectionClosedError, asyncio.CancelledError):
+                return
+            except Exception as exc:  # the connection is reconnecting: back off and ask again
+                log.warning("pull on %s failed: %s", spec.durable, exc)
+                await asyncio.sleep(0.5)
+                continue
+            if self.closing:
+                return
+            batch = [Delivery(m) for m in msgs]
+            try:
+                await handler(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                for d in batch:
+                    if not d.settled:
+                        try:
+                            await self.settle_failed(d, spec, source, exc)
+                        except Exception as again:  # one message must never stop the consumer
+                            log.error("could not settle %s on %s (%r): left to redelivery", d.subject,
+                                      spec.durable, again)
+
+    async def settle_failed(self, d: Delivery, spec: ConsumerSpec, source: str, exc: Exception) -> None:
+        """Bad input is dead-lettered and terminated; anything else is retried, up to max_deliver."""
+        if isinstance(exc, MessageError):
+            await self.dead_letter(d, source, exc.code, str(exc))
+        elif d.num_delivered >= spec.max_deliver:
+            log.error("giving up on %s after %d deliveries: %s", d.subject, d.num_delivered, exc)
+            await self.dead_letter(d, source, "max_deliver", f"{type(exc).__name__}: {exc}")
+        else:
+            log.error("handler %s failed on %s (delivery %d): %r", source, d.subject, d.num_delivered, exc)
+            # doubling: 1, 2, 4, 8 s by default, so a few seconds of leader election cannot use up
+            # every delivery and dead-letter a request that was only unlucky
+            await d.nak(delay=min(30.0, spec.redeliver_delay_s * 2 ** max(0, d.num_delivered - 1)))
+
+    async def dead_letter(self, d: Delivery, source: str, reason: str, error: str) -> None:
+        """Keep the message on ``dead.<source>``, terminate it, then tell its producer (when we know
+        who that is): a producer that hears of the failure finds the message settled, not pending."""
+        await self.dead_letter_raw(d.subject, d.data, source, reason, error, d.headers)
+        await d.term()
+        reply_to = d.headers.get(S.HDR_REPLY)
+        request_id = d.headers.get(S.HDR_MSG_ID, "unknown")
+        parts = d.subject.split(".")
+        tenant = parts[2] if len(parts) == 3 and parts[0] in ("req", "adm") else None
+        if reply_to and S.reply_allowed(reply_to, tenant):  # never publish where a producer points us
+            try:
+                await self.publish(reply_to, Reply(request_id=request_id, kind="error", reason=reason, message=error))
+            except Exception as exc:  # a reply subject nobody can publish to (e.g. with a space) is no reason to
+                # keep the message: it would come back until max_deliver, and raise there again
+                log.warning("dead letter %s: no error reply to %r: %r", request_id, reply_to, exc)
+        log.warning("dead-lettered %s from %s: %s: %s", request_id, d.subject, reason, error)
+
+    async def dead_letter_raw(self, subject: str, data: bytes, source: str, reason: str, error: str,
+                              headers: dict[str, str] | None = None) -> None:
+        """Keep bytes that came from ``subject`` on ``dead.<source>`` (cut to fit one message)."""
+        record = DeadLetter(subject=subject, reason=reason, error=error, ts=time.time(),
+                            data=data[: DEAD_LETTER_MAX_DATA], headers=headers or {}, by=self.name)
+        await self.jpublish(S.deadletter(source), record)
+
+    # --- KV -----------------------------------------------------------------------------
+    async def _bucket(self, bucket: str) -> Any:
+        kv = self._kv.get(bucket)
+        if kv is None:  # key_value() costs a round trip: look each bucket up once
+            kv = self._kv[bucket] = await self.js.key_value(bucket)
+        return kv
+
+    # Every KV call rides out a leader election like a publish does: reads and plain puts on
+    # any transient error, compare-and-swap writes only when the server surely did not apply them.
+    async def kv_get(self, bucket: str, key: str) -> tuple[bytes, int] | None:
+        """(value, revision), or None when the key does not exist (or was deleted)."""
+        kv = await self._bucket(bucket)
+        try:
+            entry = await self._read(lambda: kv.get(key))
+        except KeyNotFoundError:
+            return None
+        return (entry.value or b"", entry.revision)
+
+    async def kv_last_operation(self, bucket: str, key: str) -> str | None:
+        """What last happened to ``key``: ``PUT``, ``DEL`` or ``PURGE`` (a marker not yet expired),
+        or None when nothing is stored for it."""
+        try:
+            raw = await self._read(lambda: self.js.get_msg(f"KV_{bucket}", subject=S.kv_subject(bucket, key)))
+        except NotFoundError:
+            return None
+        return (raw.headers or {}).get("KV-Operation", "PUT")
+
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
+        kv = await self._bucket(bucket)
+        return await self._read(lambda: kv.put(key, value))  # idempotent: safe to send again
+
+    async def _kv_cas(self, call: Callable[[], Awaitable[T]]) -> T:
+        return await self._retrying(lambda _remaining: call(), None, "KV write", logging.INFO, _NOT_PROCESSED)
+
+    async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
+        """Write only if the key does not exist; :class:`ConflictError` otherwise."""
+        kv = await self._bucket(bucket)
+        try:
+            return await self._kv_cas(lambda: kv.create(key, value))
+        except KeyWrongLastSequenceError as exc:
+            raise ConflictError(f"{bucket}/{key} already exists") from exc
+
+    async def kv_update(self, bucket: str, key: str, value: bytes, last: int) -> int:
+        """Compare-and-swap: :class:`ConflictError` if the key's revision is no longer ``last``."""
+        kv = await self._bucket(bucket)
+        try:
+            return await self._kv_cas(lambda: kv.update(key, value, last=last))
+        except KeyWrongLastSequenceError as exc:
+            raise ConflictError(f"{bucket}/{key} changed since revision {last}") from exc
+
+    async def kv_delete(self, bucket: str, key: str, last: int | None = None, marker_ttl_s: int | None = None) -> None:
+        """Delete (conditioned on revision ``last`` when given: :class:`ConflictError` if it moved).
+
+        A plain KV delete leaves a marker per key for good: a bucket with one key per request
+        (reservations) would grow by one stored message per request forever. With
+        ``marker_ttl_s`` the key is purged instead and its marker expires after that many
+        seconds (a per-message TTL; watchers see the deletion either way).
+        """
+        try:
+            if marker_ttl_s is None:
+                kv = await self._bucket(bucket)
+                await self._kv_cas(lambda: kv.delete(key, last=last))
+                return
+            headers = {"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": f"{int(marker_ttl_s)}s"}
+            if last:
+                headers["Nats-Expected-Last-Subject-Sequence"] = str(last)
+            subject = S.kv_subject(bucket, key)
+            try:  # first on the shared ack inbox: one of these per completion, no request timer each
+                await (await (await self._ack_inbox()).publish(subject, b"", headers))
+                return
+            except _NOT_PROCESSED:  # nobody took it (an election): sent again below, like any write
+                pass
+            await self._kv_cas(lambda: self.js.publish(subject, b"", headers=headers))
+        except APIError as exc:
+            if exc.err_code in (10071, 10164):
+                raise ConflictError(f"{bucket}/{key} changed since revision {last}") from exc
+            raise
+
+    async def kv_keys(self, bucket: str) -> list[str]:
+        kv = await self._bucket(bucket)
+        try:
+            return await kv.keys()
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            return []
+
+    async def kv_snapshot(self, bucket: str, keys: str = ">") -> dict[str, tuple[bytes, int]]:
+        """The current value and revision of every live key matching ``keys``, read in windows
+        so the service's other messages are not kept waiting behind it (``natsched.bus.snapshot``)."""
+        return await read_kv(self.nc, self.js, bucket, keys)
+
+    async def kv_watch(
+        self, bucket: str, keys: str = ">", ready: asyncio.Event | None = None
+    ) -> AsyncIterator[tuple[str, bytes | None, int]]:
+        """Current values, then every change: (key, value or None when deleted, revision).
+
+        ``ready`` is set once the current values have all been yielded.
+        """
+        kv = await self._bucket(bucket)
+        watcher = await kv.watch(keys)
+        try:
+            async for entry in watcher:
+                if entry is None:  # end of the initial values
+                    if ready is not None:
+                        ready.set()
+                    continue
+                deleted = entry.operation in ("DEL", "PURGE")
+                yield entry.key, (None if deleted else entry.value), entry.revision
+                if ready is not None and not ready.is_set() and entry.delta == 0:
+                    ready.set()
+        finally:
+            await watcher.stop()
+
+    # --- streams (audit, tests) -------------------------------------------------------------
+    async def stream_messages(self, stream: str, subject: str | None = None) -> list[tuple[str, bytes]]:
+        """Every stored message of a stream (optionally one subject), oldest first.
+
+        Reads by sequence number between the first and last sequence at the time of the call: a
+        snapshot with no consumer, so nothing is delivered twice (an ordered consumer that resets
+        under load can) and work-queue streams, which allow no second consumer, read the same way.
+        For tests and small streams; audits read windows with :func:`natsched.bus.audit.read_window`.
+        """
+        info = await self._read(lambda: self.js.stream_info(stream))
+        if info.state.messages == 0:
+            return []
+        return await self._direct_messages(stream, info.state.first_seq, info.state.last_seq, subject)
+
+    async def messages_between(self, stream: str, first: int, last: int) -> list[tuple[str, bytes]]:
+        """(subject, data) of the messages stored with sequences ``first``..``last`` (gaps skipped),
+        read one by one with no consumer: for short ranges (a rescue's unprocessed completions)."""
+        return await self._direct_messages(stream, max(1, first), last, None)
+
+    async def _direct_messages(self, stream: str, first: int, last: int, subject: str | None):
+        out = []
+        for seq in range(first, last + 1):
+            try:
+                raw = await self._read(lambda: self.js.get_msg(stream, seq))
+            except NotFoundError:
+                continue
+            if subject is None or raw.subject == subject:
+                out.append((raw.subject, raw.data or b""))
+        return out
+
+    async def stream_last_seq(self, stream: str) -> int:
+        """The sequence of the newest message stored in ``stream`` (0 when it never held one)."""
+        return (await self._read(lambda: self.js.stream_info(stream))).state.last_seq
+
+    async def consumer_progress(self, stream: str, durable: str) -> tuple[int, int]:
+        """(ack floor, last delivered): the stream sequences up to which ``durable`` has acked
+        everything, and the last one it handed to a subscriber."""
+        info = await self._read(lambda: self.js.consumer_info(stream, durable))
+        return (info.ack_floor.stream_seq if info.ack_floor else 0,
+                info.delivered.stream_seq if info.delivered else 0)
+
+    async def subject_counts(self, stream: str, subjects: str) -> dict[str, int]:
+        """Stored messages per subject matching ``subjects`` (e.g. each worker's ``work.<id>``)."""
+        info = await self._read(lambda: self.js.stream_info(stream, subjects_filter=subjects))
+        return dict(info.state.subjects or {})
+
+    async def next_message(self, stream: str, subject: str, from_seq: int) -> tuple[int, bytes] | None:
+        """The first stored message on ``subject`` at or after ``from_seq``: (sequence, data), or None."""
+        try:
+            raw = await self._read(lambda: self.js.get_msg(stream, max(1, from_seq), subject=subject, next=True))
+        except NotFoundError:
+            return None
+        return raw.seq, raw.data or b""
+
+    async def delete_message(self, stream: str, seq: int) -> bool:
+        """Remove one stored message; False when it was already gone (someone else removed it)."""
+        try:
+            return await self._read(lambda: self.js.delete_msg(stream, seq))
+        except NotFoundError:
+            return False
+        except APIError as exc:  # "no message found" comes as a 500 with this error code
+            if exc.err_code == JS_NO_MESSAGE_FOUND:
+                return False
+            raise
+
+    async def _read(self, call: Callable[[], Awaitable[T]]) -> T:
+        """An idempotent read, retried like a publish: in a cluster, a stream whose leader just
+        died answers nothing until the election (a few seconds) is over."""
+        return await self._retrying(lambda _remaining: call(), None, "read", logging.INFO)
+
+    async def _retrying(self, call: Callable[[float], Awaitable[T]], budget_s: float | None, what: str,
+                        level: int, retry_on: tuple[type[BaseException], ...] = _RETRYABLE) -> T:
+        """``call(remaining_s)`` until it succeeds or the budget (default: the publish budget) is
+        spent; only ``retry_on`` (timeouts and "no responders") is retried, with a doubling pause."""
+        deadline = time.monotonic() + (budget_s if budget_s is not None else self.publish_budget_s)
+        delay = 0.05
+        while True:
+            try:
+                return await call(deadline - time.monotonic())
+            except retry_on as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise
+                log.log(level, "%s failed (%s); retrying", what, type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task:
+        """A background task that ends with the Bus."""
+        task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
+        self._tasks.append(task)
+        return task
+
+
+async def _log_error(exc: Exception) -> None:
+    log.warning("nats: %s", exc)

@@ -1,0 +1,536 @@
+"""Versioned wire schemas: every message on the bus is one of these dataclasses.
+
+Rules (the wire contract in ``subjects.md`` mirrors them):
+- each message carries ``v`` (schema version); readers accept any version and
+  **ignore unknown fields**, so a newer producer never breaks an older consumer;
+- ``to_wire()`` omits ``None`` so optional fields cost nothing;
+- ``from_wire()`` checks presence and type of each field and raises
+  :class:`~natsched.bus.errors.SchemaError` naming the field, so handlers can answer precisely.
+
+Pure module: no nats import, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NewType, TypeVar
+
+from natsched.bus import codec
+from natsched.bus.errors import SchemaError
+
+RequestId = NewType("RequestId", str)
+WorkerId = NewType("WorkerId", str)
+TenantId = NewType("TenantId", str)
+BlockHash = NewType("BlockHash", int)
+
+SCHEMA_VERSION = 1
+
+#: Ids end up inside subjects (``resp.<id>``, ``work.<worker>``, ``req.<class>.<tenant>``),
+#: so they must be single subject tokens: no dots, wildcards or spaces.
+ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+T = TypeVar("T", bound="Schema")
+
+
+def wire(name: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A field whose wire key differs from its Python name (``class`` is a keyword)."""
+    if default is dataclasses.MISSING and "default_factory" not in kw:
+        return field(metadata={"wire": name}, **kw)
+    return field(default=default, metadata={"wire": name}, **kw)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    name: str
+    key: str
+    required: bool
+    check: Any  # callable(value, path) -> value
+    exact: frozenset = frozenset()  # value types taken as they are, without calling ``check``
+    nested: bool = False  # a Schema or a list of them: ``to_wire`` converts it
+
+
+def _scalar_check(types_: tuple[type, ...], label: str):
+    def check(value: Any, path: str) -> Any:
+        if isinstance(value, bool) and bool not in types_:
+            raise SchemaError(f"field '{path}' must be {label}, got bool", path)
+        if not isinstance(value, types_):
+            raise SchemaError(f"field '{path}' must be {label}, got {type(value).__name__}", path)
+        return value
+
+    return check
+
+
+def _unwrap(tp: Any) -> Any:
+    """The annotation a field's values are checked against: ``X | None`` and ``NewType`` of X are X."""
+    while True:
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            inner = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(inner) != 1:
+                return tp  # a real union: any value goes (decoders of such fields check themselves)
+            tp = inner[0]
+        elif getattr(tp, "__supertype__", None) is not None:  # NewType
+            tp = tp.__supertype__
+        else:
+            return tp
+
+
+def _checker(tp: Any):
+    """Build a validator for one annotation (Optional, list, dict, nested Schema, scalars)."""
+    tp = _unwrap(tp)
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        item_check = _checker(item)
+
+        def check_list(value: Any, path: str) -> Any:
+            if not isinstance(value, (list, tuple)):
+                raise SchemaError(f"field '{path}' must be a list, got {type(value).__name__}", path)
+            if item in (int, str, float):  # fast path for token-id lists
+                wanted = (int, float) if item is float else (item,)
+                if not all(isinstance(x, wanted) and not isinstance(x, bool) for x in value):
+                    raise SchemaError(f"field '{path}' must be a list of {item.__name__}", path)
+                return list(value)
+            return [item_check(x, f"{path}[{i}]") for i, x in enumerate(value)]
+
+        return check_list
+    if origin is dict:
+        return _scalar_check((dict,), "a map")
+    if isinstance(tp, type) and issubclass(tp, Schema):
+        return lambda v, p: tp.from_wire(v, path=p)
+    if tp is float:
+        return _scalar_check((int, float), "a number")
+    if tp in (int, str, bool):
+        return _scalar_check((tp,), {int: "an integer", str: "a string", bool: "a boolean"}[tp])
+    if tp is bytes:
+        return _scalar_check((bytes,), "bytes")
+    return lambda v, p: v
+
+
+def _exact_types(tp: Any) -> frozenset:
+    """The value types a field of annotation ``tp`` accepts with no conversion and no further
+    check (``type(v) in ...``: a bool is never taken for an int). Decoding takes these as they
+    are, which is most fields of most messages; anything else goes through the field's checker,
+    which converts or raises naming the field. Empty where every value needs the checker."""
+    tp = _unwrap(tp)
+    if tp is float:
+        return frozenset((int, float))
+    if tp in (int, str, bool, bytes):
+        return frozenset((tp,))
+    if typing.get_origin(tp) is dict:
+        return frozenset((dict,))
+    return frozenset()
+
+
+def _is_nested(tp: Any) -> bool:
+    """Could a value of this annotation hold a Schema (itself, in a list, or in a union)?"""
+    if isinstance(tp, type) and issubclass(tp, Schema):
+        return True
+    return any(_is_nested(a) for a in typing.get_args(tp))
+
+
+class Schema:
+    """Base of every wire message: versioned, tolerant of unknown fields, strict on known ones."""
+
+    _specs: ClassVar[tuple[_Spec, ...]]
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls._specs = ()  # filled lazily: type hints need the whole module defined
+
+    @classmethod
+    def _compile(cls) -> tuple[_Spec, ...]:
+        if not cls.__dict__.get("_specs"):
+            hints = typing.get_type_hints(cls)
+            specs = []
+            for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+                required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                tp = hints[f.name]
+                specs.append(_Spec(f.name, f.metadata.get("wire", f.name), required, _checker(tp),
+                                   _exact_types(tp), _is_nested(tp)))
+            cls._specs = tuple(specs)
+        return cls._specs
+
+    @classmethod
+    def from_wire(cls: type[T], data: Any, path: str = "") -> T:
+        """Build from a decoded map; unknown keys are ignored, missing/mistyped ones raise."""
+        if not isinstance(data, dict):
+            raise SchemaError(f"{path or cls.__name__} must be a map, got {type(data).__name__}", path or None)
+        kwargs = {}
+        get = data.get
+        for spec in cls._specs or cls._compile():
+            value = get(spec.key)
+            if value is None:
+                if spec.required:
+                    where = f"{path}.{spec.key}" if path else spec.key
+                    raise SchemaError(f"missing required field '{where}' in {cls.__name__}", where)
+                continue
+            if type(value) in spec.exact:  # the common case: a scalar of the declared type
+                kwargs[spec.name] = value
+            else:
+                kwargs[spec.name] = spec.check(value, f"{path}.{spec.key}" if path else spec.key)
+        obj = cls(**kwargs)
+        obj.__post_init_check__()
+        return obj
+
+    def __post_init_check__(self) -> None:
+        """Cross-field checks after decoding; subclasses raise SchemaError."""
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        cls = type(self)
+        for spec in cls._specs or cls._compile():
+            value = getattr(self, spec.name)
+            if value is None:
+                continue
+            if spec.nested:
+                if isinstance(value, Schema):
+                    value = value.to_wire()
+                elif isinstance(value, list) and value and isinstance(value[0], Schema):
+                    value = [v.to_wire() for v in value]
+            out[spec.key] = value
+        return out
+
+    def encode(self) -> bytes:
+        return codec.encode(self.to_wire())
+
+    @classmethod
+    def decode(cls: type[T], data: bytes, max_bytes: int = codec.MAX_MESSAGE_BYTES) -> T:
+        return cls.from_wire(codec.decode(data, max_bytes))
+
+
+def _check_id(value: str, name: str) -> None:
+    if not ID_PATTERN.match(value):
+        raise SchemaError(f"field '{name}' must match {ID_PATTERN.pattern} (it is used in subjects)", name)
+
+
+def _check_counts(obj: Any, names: tuple[str, ...]) -> None:
+    """Counts of tokens, blocks or attempts are never negative (None = not given)."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < 0:
+            raise SchemaError(f"field '{name}' must be >= 0, got {value}", name)
+
+
+@dataclass
+class Request(Schema):
+    """An inference request as a producer publishes it on ``req.<class>.<tenant>``.
+
+    Either ``prompt`` (text) or ``prompt_token_ids`` is set. ``system_prompt`` and
+    ``kb_version`` are the *stable prefix segments* the router keys its cache affinity on.
+    """
+
+    id: RequestId
+    tenant: TenantId
+    cls: str = wire("class")
+    model: str = "default"
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    system_prompt: str | None = None
+    kb_version: str | None = None
+    max_tokens: int = 128
+    expected_output_tokens: int | None = None
+    deadline: float | None = None  # unix seconds; past it the request is not worth running
+    reply: str | None = None  # producer's subject for status, tokens and the result
+    stream: bool = False  # send token chunks, not only the final result
+    degradable: bool = False  # may be moved to the offline path under pressure
+    created: float | None = None
+    v: int = SCHEMA_VERSION
+
+    def __post_init_check__(self) -> None:
+        _check_id(self.id, "id")
+        _check_id(self.tenant, "tenant")
+        if self.prompt is None and self.prompt_token_ids is None:
+            raise SchemaError("missing required field 'prompt' (or 'prompt_token_ids')", "prompt")
+        if self.reply is not None:
+            from natsched.bus.subjects import reply_allowed  # (subjects imports this module)
+
+            if not reply_allowed(self.reply, self.tenant):
+                raise SchemaError(f"field 'reply' must be one of the tenant's reply subjects "
+                                  f"(resp.<tenant>.<id>), got {self.reply[:80]!r}", "reply")
+
+
+@dataclass
+class Admitted(Schema):
+    """What the admitter forwards on ``adm.<class>.<tenant>``: the request and its reservation."""
+
+    request: Request
+    runtime_tokens: int
+    admitted_at: float
+    admitter: str = ""
+    queue_wait: float = 0.0
+    attempt: int = 0  # 0 first; +1 each time a dead worker's unfinished request is re-admitted
+    avoid: list[str] = field(default_factory=list)  # workers it must not be routed to (found dead)
+    v: int = SCHEMA_VERSION
+
+    def __post_init_check__(self) -> None:
+        _check_counts(self, ("runtime_tokens", "attempt"))
+
+
+@dataclass
+class Decision(Schema):
+    """An audit record on ``decision.<stage>.<tenant>``: what was decided, from which inputs."""
+
+    request_id: RequestId
+    tenant: TenantId
+    stage: str  # "admission" | "routing"
+    decision: str  # admission: allow|queue|reject|degrade|rescue ; routing: assign|fail
+    ts: float
+    cls: str = wire("class", "")
+    reason: str | None = None
+    retry_after: float | None = None
+    runtime_tokens: int | None = None
+    budget: dict | None = None  # admission: in_flight/total/... at decision time
+    queue_wait: float | None = None
+    worker: WorkerId | None = None
+    policy: str | None = None
+    scores: dict | None = None  # routing: worker -> score (lower is better)
+    expected_cached_tokens: int | None = None
+    by: str | None = None  # the replica that decided
+    latency_ms: float | None = None
+    v: int = SCHEMA_VERSION
+
+
+@dataclass
+class Assignment(Schema):
+    """The router's hand-off to a worker on ``work.<worker>``."""
+
+    request: Request
+    worker: WorkerId
+    runtime_tokens: int
+    admitted_at: float
+    routed_at: float
+    policy: str = ""
+    expected_cached_tokens: int = 0
+    attempt: int = 0  # copied from Admitted: a rescue re-admits it with the next one
+    avoid: list[str] = field(default_factory=list)
+    v: int = SCHEMA_VERSION
+
+    def __post_init_check__(self) -> None:
+        _check_id(self.worker, "worker")
+        _check_counts(self, ("runtime_tokens", "expected_cached_tokens", "attempt"))
+
+
+@dataclass
+class Reply(Schema):
+    """What the producer receives on its reply subject.
+
+    ``kind``: ``status`` (queued/admitted/assigned, with ``est_wait``), ``token``
+    (a chunk of output), ``result`` (final, success) or ``error`` (final, failure).
+    """
+
+    request_id: RequestId
+    kind: str
+    status: str | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    index: int | None = None
+    est_wait: float | None = None
+    job_id: str | None = None
+    reason: str | None = None
+    message: str | None = None
+    retry_after: float | None = None
+    worker: WorkerId | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    # on a worker's final reply: when the request was admitted, routed, and received by the
+    # worker (unix seconds; the first two copied from its Assignment). What the producer waited
+    # for before any engine work, by stage, on the clocks of the services that did it.
+    admitted_at: float | None = None
+    routed_at: float | None = None
+    received_at: float | None = None
+    v: int = SCHEMA_VERSION
+
+    @property
+    def final(self) -> bool:
+        return self.kind in ("result", "error")
+
+
+@dataclass
+class Completion(Schema):
+    """One per admitted request, on ``done.<tenant>``: releases its reservation, feeds learning."""
+
+    request_id: RequestId
+    tenant: TenantId
+    status: str  # "ok" | "error"
+    runtime_tokens: int
+    cls: str = wire("class", "")
+    model: str = "default"
+    worker: WorkerId | None = None
+    finish_reason: str | None = None
+    reason: str | None = None  # error code when status == "error"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+    expected_cached_tokens: int | None = None
+    ts: float = 0.0
+    v: int = SCHEMA_VERSION
+
+    def __post_init_check__(self) -> None:
+        _check_id(self.request_id, "request_id")
+        _check_id(self.tenant, "tenant")
+        _check_counts(self, ("runtime_tokens", "prompt_tokens", "cached_tokens", "output_tokens",
+                             "expected_cached_tokens"))
+
+
+@dataclass
+class Heartbeat(Schema):
+    """A worker's load report on ``worker.<id>.hb``; ``inflight`` are the admitter's leases."""
+
+    worker: WorkerId
+    seq: int
+    ts: float
+    state: str = "healthy"  # healthy | backoff | quiescing | reregister
+    model: str = "default"
+    running: int = 0
+    waiting: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    runtime_tokens: int = 0  # in use now
+    capacity_tokens: int = 0  # what this worker can hold at its latency knee
+    queued_prefill_tokens: int = 0
+    block_size: int = 32
+    started_at: float = 0.0
+    interval: float = 1.0
+    kv_seq: int = 0  # last cache-event sequence number published
+    inflight: list[str] = field(default_factory=list)
+    v: int = SCHEMA_VERSION
+
+    _COUNTS = ("seq", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "runtime_tokens",
+               "capacity_tokens", "queued_prefill_tokens", "kv_seq")
+
+    def __post_init_check__(self) -> None:
+        _check_id(self.worker, "worker")
+        _check_counts(self, self._COUNTS)  # a negative load would make a worker look better than idle
+        if self.block_size <= 0 or self.interval <= 0:
+            raise SchemaError("fields 'block_size' and 'interval' must be > 0", "block_size")
+
+
+@dataclass
+class CacheEvent(Schema):
+    """A cache-summary delta (or snapshot) on ``worker.<id>.kv``, sequenced per worker.
+
+    ``kind``: ``stored`` / ``removed`` (``hashes`` changed), ``cleared`` (all gone),
+    ``snapshot`` (``hashes`` is the whole content; resets the reader's view).
+    """
+
+    worker: WorkerId
+    seq: int
+    kind: str
+    ts: float
+    hashes: list[int] = field(default_factory=list)
+    block_size: int = 32
+    v: int = SCHEMA_VERSION
+
+    KINDS = ("stored", "removed", "cleared", "snapshot")
+
+    def __post_init_check__(self) -> None:
+        _check_id(self.worker, "worker")
+        if self.seq < 1:
+            raise SchemaError(f"field 'seq' must be >= 1, got {self.seq}", "seq")
+        if self.kind not in self.KINDS:
+            raise SchemaError(f"field 'kind' must be one of {', '.join(self.KINDS)}, got {self.kind!r}", "kind")
+        if self.block_size <= 0:
+            raise SchemaError(f"field 'block_size' must be > 0, got {self.block_size}", "block_size")
+
+
+@dataclass
+class Control(Schema):
+    """A control message on ``worker.<id>.ctl``: ``drain``, ``snapshot``, ``resume``, ``cancel``.
+
+    ``cancel`` names ``request_id``: its producer went away (an HTTP client disconnected), so
+    the worker stops generating and closes the request with reason ``cancelled``.
+    """
+
+    kind: str
+    ts: float = 0.0
+    by: str | None = None
+    request_id: RequestId | None = None
+    v: int = SCHEMA_VERSION
+
+
+@dataclass
+class DeadLetter(Schema):
+    """A message no handler could use, kept on ``dead.<source>`` with the reason."""
+
+    subject: str
+    reason: str
+    error: str
+    ts: float
+    data: bytes = b""
+    headers: dict | None = None
+    by: str | None = None
+    v: int = SCHEMA_VERSION
+
+
+@dataclass
+class JobRecord(Schema):
+    """A batch line or a degraded/offline request in bucket ``jobs`` (``job.<tenant>.<batch>.<id>``).
+
+    Kept because its producer may be long gone when the job runs: the record holds the request
+    (so a failed attempt can be retried), where the job is, and how it ended. ``status``:
+    ``submitted`` (published by a batch producer, nothing heard yet), ``waiting`` (on the OFFLINE
+    queue), ``running``, ``completed`` (``output`` set) or ``failed`` (``reason`` set, dead-lettered).
+    ``attempt_id`` is the request id the current attempt runs under: the job id for the first,
+    ``<id>-r<n>`` afterwards (every stage dedups on the id, so a retry needs a fresh one).
+    """
+
+    id: RequestId
+    tenant: TenantId
+    status: str
+    batch: str = "-"
+    line: int | None = None
+    request: Request | None = None
+    attempts: int = 0
+    attempt_id: str | None = None
+    enqueued: int = 0  # times put on the OFFLINE queue (by the admitter or a retry)
+    path: str | None = None  # "online" (the admitter let it run) | "offline" (the offline runner did)
+    worker: WorkerId | None = None
+    reason: str | None = None
+    message: str | None = None
+    output: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    created: float = 0.0
+    started: float | None = None  # of the current attempt
+    updated: float = 0.0
+    finished: float | None = None
+    history: list[dict] = field(default_factory=list)  # [{"ts", "event", "attempt", "reason"?}], capped
+    v: int = SCHEMA_VERSION
+
+
+@dataclass
+class BatchManifest(Schema):
+    """What a batch producer submitted, in bucket ``jobs`` (``batch.<batch>``): lets a re-run or
+    ``--resume`` skip what is already there, and ``batch status``/``results`` enumerate its lines.
+
+    ``spans`` are the line numbers that hold requests, as inclusive ``[first, last]`` ranges;
+    ``malformed`` maps a line number (as a string) to why it was not submitted.
+    """
+
+    id: str
+    tenant: TenantId
+    cls: str = wire("class", "batch")
+    source: str = ""
+    digest: str = ""
+    lines: int = 0
+    spans: list[list[int]] = field(default_factory=list)
+    malformed: dict = field(default_factory=dict)
+    submitted: int = 0  # requests the stream acknowledged, as of the last checkpoint
+    complete: bool = False  # every request line was published
+    created: float = 0.0
+    updated: float = 0.0
+    v: int = SCHEMA_VERSION

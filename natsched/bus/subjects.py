@@ -1,0 +1,309 @@
+"""Every subject, stream, consumer and bucket name on the bus — built here and nowhere else.
+
+``subjects.md`` documents each name below; ``tests/test_subjects_doc.py`` keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import re
+
+from natsched.bus.schema import RequestId, TenantId, WorkerId
+
+# --- request classes (priority subjects) -------------------------------------------------
+ONLINE = "online"
+BATCH = "batch"
+OFFLINE = "offline"
+CLASSES = (ONLINE, BATCH, OFFLINE)
+
+# --- streams -----------------------------------------------------------------------------
+STREAM_REQUESTS = "REQUESTS"
+STREAM_ADMITTED = "ADMITTED"
+STREAM_WORK = "WORK"
+STREAM_DECISIONS = "DECISIONS"
+STREAM_COMPLETIONS = "COMPLETIONS"
+STREAM_OFFLINE = "OFFLINE"
+STREAM_DEADLETTER = "DEADLETTER"
+STREAMS = (
+    STREAM_REQUESTS,
+    STREAM_ADMITTED,
+    STREAM_WORK,
+    STREAM_DECISIONS,
+    STREAM_COMPLETIONS,
+    STREAM_OFFLINE,
+    STREAM_DEADLETTER,
+)
+
+# --- subject patterns each stream captures ------------------------------------------------
+REQUESTS_ALL = "req.>"
+ADMITTED_ALL = "adm.>"
+WORK_ALL = "work.>"
+DECISIONS_ALL = "decision.>"
+COMPLETIONS_ALL = "done.>"
+OFFLINE_ALL = "offline.>"
+DEADLETTER_ALL = "dead.>"
+HEARTBEATS_ALL = "worker.*.hb"
+CACHE_EVENTS_ALL = "worker.*.kv"
+
+# --- benchmark-only names (natsched bench pipeline) ---------------------------------------
+STREAM_BENCH = "BENCH"  # reference JetStream publish round trips, deleted after the run
+BENCH_JS_ALL = "bench.js.>"
+BENCH_ECHO = "bench.echo"  # reference core request/reply round trips
+
+
+def bench_reply(run: str) -> str:
+    """Where the pipeline benchmark asks for replies: ``bench.resp.<run>`` (one subscription)."""
+    return f"bench.resp.{token(run, 'run id')}"
+
+
+# --- durable consumers --------------------------------------------------------------------
+CONSUMER_ADMITTER = "admitter"
+CONSUMER_ADMITTER_COMPLETIONS = "admitter-completions"
+CONSUMER_ROUTER = "router"
+CONSUMER_WORKER_PREFIX = "worker-"  # + worker id
+
+# --- KV buckets ---------------------------------------------------------------------------
+BUCKET_QUOTAS = "quotas"
+BUCKET_WORKERS = "workers"
+BUCKET_CONFIG = "config"
+BUCKET_INFLIGHT = "inflight"
+BUCKETS = (BUCKET_QUOTAS, BUCKET_WORKERS, BUCKET_CONFIG, BUCKET_INFLIGHT)
+
+#: key in ``quotas`` holding the cluster total of runtime tokens
+KEY_CLUSTER_TOTAL = "cluster.total"
+#: key in ``inflight`` holding the shared aggregate usage (updated by compare-and-swap)
+KEY_USAGE = "usage"
+#: key in ``quotas`` holding the capacity-following total the admitters computed
+KEY_DYNAMIC_TOTAL = "cluster.dynamic_total"
+
+#: key in ``config`` holding the routing policy, its weights and the canary (JSON)
+KEY_ROUTER_CONFIG = "router"
+
+# --- headers ------------------------------------------------------------------------------
+HDR_MSG_ID = "Nats-Msg-Id"  # JetStream dedup: the request id
+HDR_REPLY = "Natsched-Reply"  # reply subject, readable even when the body is not
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_T = r"[A-Za-z0-9_-]{1,128}"
+#: the reply subjects a request may name (``reply_allowed``); groups 1 and 2 capture the tenant
+_REPLY = re.compile(rf"resp\.(?:{_T}|({_T})\.{_T})|outcome\.({_T})\.{_T}\.{_T}|bench\.resp\.{_T}")
+
+
+def token(value: str, what: str = "token") -> str:
+    """Check that ``value`` is one subject token (no dots, wildcards or spaces)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} is not a valid subject token ([A-Za-z0-9_-], 1-128 chars)")
+    return value
+
+
+def request(cls: str, tenant: TenantId) -> str:
+    """Where a producer publishes a request: ``req.<class>.<tenant>``."""
+    return f"req.{token(cls, 'class')}.{token(tenant, 'tenant')}"
+
+
+def admitted(cls: str, tenant: TenantId) -> str:
+    """Where the admitter forwards an allowed request: ``adm.<class>.<tenant>``."""
+    return f"adm.{token(cls, 'class')}.{token(tenant, 'tenant')}"
+
+
+def work(worker: WorkerId) -> str:
+    """A worker's own input subject: ``work.<worker>``."""
+    return f"work.{token(worker, 'worker id')}"
+
+
+def work_owner(subject: str) -> WorkerId | None:
+    """The worker whose input ``subject`` is (``work.<worker>``), or None for any other subject."""
+    prefix, _, worker = subject.partition(".")
+    return WorkerId(worker) if prefix == "work" and _TOKEN.match(worker) else None
+
+
+def reply(request_id: RequestId) -> str:
+    """The default reply subject for a request: ``resp.<request_id>``."""
+    return f"resp.{token(request_id, 'request id')}"
+
+
+def tenant_reply(tenant: TenantId, request_id: RequestId) -> str:
+    """A producer's reply subject under its tenant: ``resp.<tenant>.<request_id>`` (with auth, a
+    producer may subscribe to its own tenant's replies only)."""
+    return f"resp.{token(tenant, 'tenant')}.{token(request_id, 'request id')}"
+
+
+def replies_of(tenant: TenantId) -> str:
+    """Every reply to one tenant: ``resp.<tenant>.>``."""
+    return f"resp.{token(tenant, 'tenant')}.>"
+
+
+def reply_allowed(reply: str, tenant: str | None = None) -> bool:
+    """Whether a request of ``tenant`` may name ``reply`` as its reply subject.
+
+    Services publish replies with their own (broad) rights, so a reply subject is a capability:
+    only ``resp.<id>``, ``resp.<tenant>.<id>``, ``outcome.<tenant>.<batch>.<job>`` and
+    ``bench.resp.<run>`` are accepted, never another tenant's, a KV key or a stream subject.
+    ``tenant=None`` accepts any tenant's.
+    """
+    m = _REPLY.fullmatch(reply)  # one match: it runs on every request decoded
+    if m is None:
+        return False
+    owner = m.group(1) or m.group(2)  # resp.<id> and bench.resp.<run> belong to no tenant
+    return tenant is None or owner is None or owner == tenant
+
+
+def decision(stage: str, tenant: TenantId) -> str:
+    """An audit record: ``decision.<stage>.<tenant>`` (stage = admission | routing)."""
+    return f"decision.{token(stage, 'stage')}.{token(tenant, 'tenant')}"
+
+
+def completion(tenant: TenantId) -> str:
+    """A completion record: ``done.<tenant>``."""
+    return f"done.{token(tenant, 'tenant')}"
+
+
+def offline(tenant: TenantId) -> str:
+    """Degraded / offline work: ``offline.<tenant>``."""
+    return f"offline.{token(tenant, 'tenant')}"
+
+
+def deadletter(source: str) -> str:
+    """A message no handler could use: ``dead.<source>`` (source = the service that gave up)."""
+    return f"dead.{token(source, 'source')}"
+
+
+def heartbeat(worker: WorkerId) -> str:
+    return f"worker.{token(worker, 'worker id')}.hb"
+
+
+def cache_events(worker: WorkerId) -> str:
+    return f"worker.{token(worker, 'worker id')}.kv"
+
+
+def control(worker: WorkerId) -> str:
+    """Control messages to one worker (drain, snapshot): ``worker.<id>.ctl``."""
+    return f"worker.{token(worker, 'worker id')}.ctl"
+
+
+def worker_consumer(worker: WorkerId) -> str:
+    return CONSUMER_WORKER_PREFIX + token(worker, "worker id")
+
+
+def tenant_quota_key(tenant: TenantId) -> str:
+    return f"tenant.{token(tenant, 'tenant')}"
+
+
+def kv_subject(bucket: str, key: str) -> str:
+    """The subject a KV bucket stores ``key`` on (a put is a JetStream publish there)."""
+    return f"$KV.{bucket}.{key}"
+
+
+def reservation_key(request_id: RequestId) -> str:
+    """One in-flight reservation in the ``inflight`` bucket: ``res.<request_id>``."""
+    return f"res.{token(request_id, 'request id')}"
+
+
+#: every subject builder's shape, as written in subjects.md (the doc test renders each one)
+PATTERNS = {
+    "request": "req.<class>.<tenant>",
+    "admitted": "adm.<class>.<tenant>",
+    "work": "work.<worker>",
+    "reply": "resp.<request_id>",
+    "decision": "decision.<stage>.<tenant>",
+    "completion": "done.<tenant>",
+    "offline": "offline.<tenant>",
+    "deadletter": "dead.<source>",
+    "heartbeat": "worker.<worker>.hb",
+    "cache_events": "worker.<worker>.kv",
+    "control": "worker.<worker>.ctl",
+    "worker_consumer": "worker-<worker>",
+    "tenant_quota_key": "tenant.<tenant>",
+    "reservation_key": "res.<request_id>",
+    "tenant_reply": "resp.<tenant>.<request_id>",
+    "replies_of": "resp.<tenant>.>",
+    "bench_reply": "bench.resp.<run>",
+    "calibration_key": "capacity.<model>.<deployment>",
+}
+
+
+_KV_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def _kv_part(value: str) -> str:
+    """A reversible, KV-key-safe spelling (``.`` and ``/`` in model names become ``=2E``, ``=2F``)."""
+    return _KV_UNSAFE.sub(lambda m: "".join(f"={b:02X}" for b in m.group().encode()), value) or "=00"
+
+
+def calibration_key(model: str, deployment: str) -> str:
+    """A calibrated capacity in bucket ``workers``: ``capacity.<model>.<deployment>`` (parts escaped)."""
+    return f"capacity.{_kv_part(model)}.{_kv_part(deployment)}"
+
+
+def parse_request_subject(subject: str) -> tuple[str, str] | None:
+    """``req.<class>.<tenant>`` -> (class, tenant), or None if it is not one."""
+    parts = subject.split(".")
+    if len(parts) != 3 or parts[0] != "req":
+        return None
+    return parts[1], parts[2]
+
+
+# --- batch producers, the offline runner, jobs (issue 7) ----------------------------------
+#: replies to batch and offline jobs: core publishes that JetStream keeps until the offline
+#: runner has folded them into the job store, so no result is lost while it restarts
+STREAM_OUTCOMES = "OUTCOMES"
+OUTCOMES_ALL = "outcome.>"
+CONSUMER_OFFLINE = "offline-runner"  # OFFLINE -> the offline runner replicas
+CONSUMER_OFFLINE_OUTCOMES = "offline-outcomes"  # OUTCOMES -> the offline runner replicas
+#: job records (``job.<tenant>.<batch>.<job_id>``) and batch manifests (``batch.<batch>``)
+BUCKET_JOBS = "jobs"
+#: key in ``config`` holding operator overrides of stream limits (``natsched retention set``)
+KEY_RETENTION = "retention"
+#: the ``<batch>`` token of jobs that belong to no batch (offline work from single requests)
+NO_BATCH = "-"
+#: the decision stage the offline runner records (``decision.offline.<tenant>``)
+STAGE_OFFLINE = "offline"
+
+
+def outcome(tenant: TenantId, batch: str, job_id: RequestId) -> str:
+    """Where a batch or offline job's replies go: ``outcome.<tenant>.<batch>.<job_id>``."""
+    return f"outcome.{token(tenant, 'tenant')}.{token(batch, 'batch id')}.{token(job_id, 'job id')}"
+
+
+def parse_outcome_subject(subject: str) -> tuple[str, str, str] | None:
+    """``outcome.<tenant>.<batch>.<job_id>`` -> (tenant, batch, job id), or None if it is not one."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != "outcome" or not all(_TOKEN.match(p) for p in parts[1:]):
+        return None
+    return parts[1], parts[2], parts[3]
+
+
+def job_key(tenant: TenantId, batch: str, job_id: RequestId) -> str:
+    """A job record in bucket ``jobs``: ``job.<tenant>.<batch>.<job_id>``."""
+    return f"job.{token(tenant, 'tenant')}.{token(batch, 'batch id')}.{token(job_id, 'job id')}"
+
+
+def batch_key(batch: str) -> str:
+    """A batch manifest in bucket ``jobs``: ``batch.<batch>``."""
+    return f"batch.{token(batch, 'batch id')}"
+
+
+PATTERNS.update({
+    "outcome": "outcome.<tenant>.<batch>.<job_id>",
+    "job_key": "job.<tenant>.<batch>.<job_id>",
+    "batch_key": "batch.<batch>",
+})
+
+
+def requests_of(tenant: TenantId) -> str:
+    """A filter over one tenant's requests of every class: ``req.*.<tenant>`` (audit, replay)."""
+    return f"req.*.{token(tenant, 'tenant')}"
+
+
+def decisions_of(tenant: TenantId) -> str:
+    """A filter over one tenant's decisions of every stage: ``decision.*.<tenant>`` (audit)."""
+    return f"decision.*.{token(tenant, 'tenant')}"
+
+
+PATTERNS.update({"requests_of": "req.*.<tenant>", "decisions_of": "decision.*.<tenant>"})
+
+
+def job_filter(tenant: str = "*", batch: str = "*", job_id: str = "*") -> str:
+    """A key filter over job records (``job.<tenant>.<batch>.<job_id>``), ``*`` where any will do."""
+    parts = [p if p == "*" else token(p, what) for p, what in ((tenant, "tenant"), (batch, "batch id"),
+                                                                (job_id, "job id"))]
+    return "job." + ".".join(parts)

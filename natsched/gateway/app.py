@@ -1,0 +1,239 @@
+"""The HTTP surface: routes, the request-id middleware, and the error answers.
+
+Framework: Starlette on uvicorn (uvloop event loop, httptools parser). Why: it is the thinnest
+mainstream ASGI toolkit — routing and a request object, no per-request validation layer (we
+validate ourselves, to answer in OpenAI's error format) — and uvicorn with httptools and uvloop
+is among the fastest Python HTTP servers; both are widely used and actively maintained, and
+vLLM's own OpenAI server runs on the same pair, so a vLLM deployment already has them.
+
+Order of checks on an inference call, cheapest refusal first: declared body size (413) ->
+API key (401) -> class header (400/403) -> body read within the limit (413) -> JSON (400) ->
+fields (400) -> model (404/503) -> the bus.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
+
+from natsched.bus.client import new_request_id
+from natsched.gateway import protocol as P
+from natsched.gateway.errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge
+from natsched.gateway.keys import CLASS_HEADER, effective_class
+from natsched.gateway.service import Gateway
+from natsched.gateway.sse import ClientGone, EventStream, until_disconnect
+from natsched.gateway.status_page import render_html
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz", "/status", "/status.json")
+
+
+class JSON(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def error_response(err: ApiError) -> JSON:
+    return JSON(err.body(), status_code=err.status, headers=err.headers)
+
+
+class RequestIdMiddleware:
+    """Every answer carries ``x-request-id``; for inference calls it is the natsched request id
+    (the one ``natsched audit`` takes). It also counts and times every answer."""
+
+    def __init__(self, app: Any, gateway: Gateway) -> None:
+        self.app = app
+        self.metrics = natsched.gateway.metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = new_request_id()
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
+        started = time.monotonic()
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        status = [500]
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                self.metrics.duration.labels(endpoint, str(bool(state.get("stream")))).observe(
+                    time.monotonic() - started)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status[0])).inc()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body over the {limit}-byte limit", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _declared_length(request: Request, limit: int) -> None:
+    raw = request.headers.get("content-length")
+    if raw is None:
+        return
+    if not raw.isdigit():
+        raise BadRequest("malformed Content-Length header", code="invalid_body")
+    if int(raw) > limit:
+        raise PayloadTooLarge(f"request body of {raw} bytes is over the {limit}-byte limit", code="body_too_large")
+
+
+def _json(body: bytes) -> Any:
+    if not body.strip():
+        raise BadRequest("empty request body: send a JSON object", code="invalid_json")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"could not parse the JSON body: {exc}", code="invalid_json") from None
+
+
+async def _inference(request: Request, kind: str) -> Any:
+    gw: Gateway = request.app.state.gateway
+    s = gw.settings
+    try:
+        _declared_length(request, s.max_body_bytes)
+        principal = gw.keys.authenticate(request.headers.get("authorization"))
+        cls = effective_class(principal, request.headers.get(CLASS_HEADER))
+        inf = P.parse(kind, _json(await _read_body(request, s.max_body_bytes)), s.default_max_tokens,
+                      s.max_tokens_limit)
+        gw.check_model(inf.model)
+        call = gw.call(principal, cls, inf, request.state.request_id, gw.timeout(request.headers), request.url.path)
+    except ApiError as err:
+        return _failed(gw, err)
+    request.state.stream = inf.stream
+    gw.metrics.inflight.inc()
+    streaming = False
+    try:
+        if not inf.stream:
+            status, body = await until_disconnect(request.receive, gw.complete(call))
+            return JSON(body, status_code=status)
+        first, events, _ = await until_disconnect(request.receive, gw.open_stream(call))
+        streaming = True
+        return EventStream(_until_done(gw.sse(call, first, events), gw), on_disconnect=_gone(gw, call))
+    except ClientGone:
+        _gone(gw, call)()
+        return Response(status_code=499)  # nobody reads it; logged by the server as such
+    except ApiError as err:
+        return _failed(gw, err)
+    except Exception:
+        log.exception("request %s failed in the gateway", call.request.id)
+        return _failed(gw, ApiError(f"internal error in the gateway (request {call.request.id})", code="internal"))
+    finally:
+        if not streaming:
+            gw.metrics.inflight.dec()
+
+
+async def _until_done(events: Any, gw: Gateway) -> Any:
+    try:
+        async for data in events:
+            yield data
+    finally:
+        gw.metrics.inflight.dec()
+        await events.aclose()
+
+
+def _gone(gw: Gateway, call: Any):
+    def note() -> None:
+        gw.metrics.cancelled.labels("disconnect").inc()
+        log.info("request %s: client disconnected; cancelled", call.request.id)
+
+    return note
+
+
+def _failed(gw: Gateway, err: ApiError) -> JSON:
+    gw.metrics.errors.labels(err.type, err.code or "").inc()
+    return error_response(err)
+
+
+async def completions(request: Request) -> Any:
+    return await _inference(request, P.COMPLETION)
+
+
+async def chat_completions(request: Request) -> Any:
+    return await _inference(request, P.CHAT)
+
+
+async def models(request: Request) -> Any:
+    gw: Gateway = request.app.state.gateway
+    try:
+        gw.keys.authenticate(request.headers.get("authorization"))
+    except ApiError as err:
+        return _failed(gw, err)
+    return JSON(P.models_body(gw.models()))
+
+
+async def healthz(request: Request) -> Any:
+    """200 while the bus connection is up (workers may come and go); 503 otherwise."""
+    gw: Gateway = request.app.state.gateway
+    connected = bool(gw.client.bus.nc.is_connected)
+    healthy = {m: ok for m, ok in gw.models().items() if ok}
+    body = {"status": "ok" if connected else "unavailable", "bus": "connected" if connected else "disconnected",
+            "models": sorted(healthy)}
+    return JSON(body, status_code=200 if connected else 503)
+
+
+async def status_html(request: Request) -> Any:
+    gw: Gateway = request.app.state.gateway
+    view = await gw.status.snapshot()
+    return HTMLResponse(render_html(view, gw.settings.status_refresh_s))
+
+
+async def status_json(request: Request) -> Any:
+    gw: Gateway = request.app.state.gateway
+    return Response((await gw.status.snapshot()).to_json(), media_type="application/json")
+
+
+async def _http_error(request: Request, exc: Exception) -> Any:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        err: ApiError = NotFound(f"no such endpoint: {request.method} {request.url.path}", code="unknown_url")
+    elif exc.status_code == 405:
+        err = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+    else:
+        err = ApiError(str(exc.detail), code=str(exc.status_code))
+        err.status = exc.status_code
+    return error_response(err)
+
+
+async def _crash(request: Request, exc: Exception) -> Any:
+    log.error("unhandled error on %s %s: %r", request.method, request.url.path, exc)
+    return error_response(ApiError("internal error in the gateway", code="internal"))
+
+
+def build_app(gateway: Gateway) -> Any:
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+    ]
+    if gateway.settings.status_page:
+        routes += [Route("/status", status_html, methods=["GET"]), Route("/status.json", status_json, methods=["GET"])]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _crash})
+    app.state.gateway = gateway
+    return RequestIdMiddleware(app, gateway)
+

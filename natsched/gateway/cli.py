@@ -1,0 +1,56 @@
+"""The ``natsched gateway`` flags and the settings built from them, once.
+
+Kept apart from the server so that building the ``natsched`` parser imports no HTTP stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def add_gateway_parser(sub: Any, url_flag: Any) -> None:
+    gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway",
+                        description="Serve /v1/completions, /v1/chat/completions (with SSE streaming), /v1/models, "
+                                    "/healthz and /status over HTTP; each API key maps to a tenant (--keys).")
+    url_flag(gw)
+    gw.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    gw.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    gw.add_argument("--keys", type=Path, default=None,
+                    help='JSON file {"KEY": {"tenant": "T", "class": "online"}} (keys may be "sha256:<hex>")')
+    gw.add_argument("--insecure-open", action="store_true",
+                    help="no API keys: every caller is --open-tenant (for a laptop, never a network)")
+    gw.add_argument("--open-tenant", default="open", help="the tenant of --insecure-open callers (default open)")
+    gw.add_argument("--model", dest="models", action="append", default=[], metavar="NAME",
+                    help="a model to list before any worker serves it (repeatable)")
+    gw.add_argument("--max-wait", type=float, default=600.0,
+                    help="longest a request is held, queued and running, whatever the client's timeout (s)")
+    gw.add_argument("--max-body", type=int, default=768 * 1024, help="largest request body in bytes (413 above)")
+    gw.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens when a request names none")
+    gw.add_argument("--no-status", action="store_true", help="do not serve /status (nor follow decisions for it)")
+    gw.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    gw.add_argument("--name", default="gateway", help="connection name on the bus")
+
+
+def settings_from_args(args: argparse.Namespace):
+    """(GatewaySettings, KeyRing), built once; ConfigError says what is wrong."""
+    from natsched.gateway.errors import ConfigError
+    from natsched.gateway.keys import KeyRing
+    from natsched.gateway.service import GatewaySettings
+
+    if args.keys is not None and args.insecure_open:
+        raise ConfigError("--keys and --insecure-open exclude each other")
+    if args.keys is None and not args.insecure_open:
+        raise ConfigError("no --keys FILE given: refusing to serve without API keys "
+                          "(add --insecure-open to let anyone in as one tenant)")
+    keys = KeyRing.from_file(args.keys) if args.keys is not None else KeyRing.open(args.open_tenant)
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be 1-65535, got {args.port}")
+    if args.max_wait <= 0 or args.max_body <= 0 or args.default_max_tokens <= 0:
+        raise ConfigError("--max-wait, --max-body and --default-max-tokens must be positive")
+    settings = GatewaySettings(host=args.host, port=args.port, max_body_bytes=args.max_body,
+                               default_max_tokens=args.default_max_tokens, max_wait_s=args.max_wait,
+                               models=tuple(args.models), status_page=not args.no_status,
+                               metrics_port=args.metrics_port, name=args.name)
+    return settings, keys

@@ -1,0 +1,283 @@
+"""The router service: decode -> RouterCore.route -> publish. All I/O lives here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+import time
+from dataclasses import dataclass, field
+
+import orjson
+
+from natsched.bus import subjects as S
+from natsched.bus.blocks import estimate_prompt_tokens
+from natsched.bus.connection import Bus, ConsumerSpec, Delivery
+from natsched.bus.errors import MessageError
+from natsched.bus.schema import Admitted, Assignment, CacheEvent, Completion, Control, Decision, Heartbeat, Reply
+from natsched.router.core import RouterCore, RouterSettings
+from natsched.router.errors import ConfigError
+from natsched.router.metrics import RouterMetrics
+from natsched.router.policy import RouteDecision, RouteRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterServiceSettings:
+    name: str = "router"
+    core: RouterSettings = field(default_factory=RouterSettings)
+    no_worker_wait_s: float = 10.0  # how long an admitted request waits for a healthy worker
+    retry_delay_s: float = 1.0
+    tick_s: float = 1.0  # upkeep: stale workers, index expiry, snapshot requests
+    migration_memory: int = 100_000  # first blocks remembered for the migration-rate metric
+    metrics_port: int | None = None  # serve Prometheus metrics here (natsched.router.metrics)
+
+
+@dataclass
+class Routed:
+    """One routing decision on its way out: the WORK message to store, then :meth:`RouterService.assigned`."""
+
+    delivery: Delivery | None  # the ADMITTED message, or None on the inline path (in the admitter)
+    adm: Admitted
+    decision: RouteDecision
+    latency_ms: float
+    first_block: int | None
+    assignment: Assignment | None = None
+    outgoing: tuple | None = None
+
+
+class RouterService:
+    def __init__(self, bus: Bus, settings: RouterServiceSettings | None = None,
+                 metrics: RouterMetrics | None = None) -> None:
+        self.bus = bus
+        self.settings = settings or RouterServiceSettings()
+        self.core = RouterCore(self.settings.core)
+        self.metrics = metrics or RouterMetrics()
+        self._last_worker: OrderedDict[int, str] = OrderedDict()
+        attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
+        self._spec = ConsumerSpec(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL, max_deliver=attempts + 3,
+                                  redeliver_delay_s=self.settings.retry_delay_s, batch=256)
+
+    async def start(self, watch_completions: bool = True) -> None:
+        """``watch_completions`` False: an inline admitter hands over each completion it consumes
+        (:meth:`observe_completion`) instead of this router watching ``done.>`` beside it, which
+        brought every completion into the same process twice."""
+        await self.bus.provision()
+        current = await self.bus.kv_get(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG)
+        if current is not None:
+            self.apply_config(current[0])
+        self.bus.spawn(self._watch_config(), "router-config")
+        self.bus.spawn(self._tick_loop(), "router-tick")
+        await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
+        await self.bus.subscribe(S.CACHE_EVENTS_ALL, self._on_cache_event)
+        # completions are watched, not consumed: every replica sees each one (it releases the load
+        # of what it routed itself), and a missed one costs only accuracy until the next heartbeat
+        if watch_completions:
+            await self.bus.subscribe(S.COMPLETIONS_ALL, self._on_completion)
+        await self.bus.consume_batches(self._spec, self._on_admitted, source="router")
+        if self.settings.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
+        log.info("router ready (policy %s)", self.core.policy.name)
+
+    def apply_config(self, raw: bytes) -> bool:
+        """Apply ``{"policy", "weights", "canary", "canary_share"}`` from the config bucket.
+
+        A value that cannot be used is logged and ignored: the running policy stays.
+        """
+        try:
+            cfg = orjson.loads(raw)
+            if not isinstance(cfg, dict):
+                raise ConfigError("router config must be a JSON object")
+            weights = cfg.get("weights") or {}
+            if "policy" in cfg:
+                self.core.set_policy(str(cfg["policy"]), weights.get(cfg["policy"], weights))
+            if "canary" in cfg:
+                canary = cfg["canary"]
+                self.core.set_canary(canary, float(cfg.get("canary_share", 0.0)),
+                                     weights.get(canary) if canary else None)
+        except (orjson.JSONDecodeError, ConfigError, TypeError, ValueError, AttributeError) as exc:
+            log.error("ignoring router config %r: %s; keeping policy %s", raw[:120], exc, self.core.policy.name)
+            self.metrics.config_errors.inc()
+            return False
+        return True
+
+    async def _watch_config(self) -> None:
+        async for _key, value, _rev in self.bus.kv_watch(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG):
+            if value is not None:
+                self.apply_config(value)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.tick_s)
+            now = time.time()
+            self.core.tick(now)
+            self.metrics.set_worker_states([str(getattr(s, "value", s)) for s in
+                                            (self.core.registry.state(w, now) for w in list(self.core.workers))])
+            self.metrics.index_entries.set(self.core.index.stats()["entries"])
+            await self._ask_snapshots()
+
+    async def _ask_snapshots(self) -> None:
+        for worker in self.core.pop_snapshot_requests():
+            log.info("asking worker %s for a cache snapshot", worker)
+            self.metrics.snapshot_requests.inc()
+            await self.bus.publish(S.control(worker), Control(kind="snapshot", ts=time.time(), by=self.settings.name))
+
+    async def _on_heartbeat(self, subject: str, data: bytes, headers: dict) -> None:
+        try:
+            hb = Heartbeat.decode(data)
+        except MessageError as exc:
+            log.warning("ignoring bad heartbeat on %s: %s", subject, exc)
+            self.metrics.bad_reports.labels("heartbeat").inc()
+            return
+        if subject != S.heartbeat(hb.worker):  # a worker may only speak for itself
+            log.warning("ignoring heartbeat of %s published on %s", hb.worker, subject)
+            self.metrics.bad_reports.labels("heartbeat").inc()
+            return
+        self.core.on_heartbeat(hb, time.time())
+        await self._ask_snapshots()  # a worker first heard mid-stream: ask now, not at the next tick
+
+    async def _on_cache_event(self, subject: str, data: bytes, headers: dict) -> None:
+        try:
+            ev = CacheEvent.decode(data)
+        except MessageError as exc:
+            log.warning("ignoring bad cache event on %s: %s", subject, exc)
+            self.metrics.bad_reports.labels("cache_event").inc()
+            return
+        if subject != S.cache_events(ev.worker):
+            log.warning("ignoring cache event of %s published on %s", ev.worker, subject)
+            self.metrics.bad_reports.labels("cache_event").inc()
+            return
+        if not self.core.on_cache_event(ev, time.time()):
+            log.info("cache events of %s have a gap at seq %d; asking for a snapshot", ev.worker, ev.seq)
+            self.metrics.snapshot_requests.inc()
+            await self.bus.publish(S.control(ev.worker), Control(kind="snapshot", ts=time.time(), by=self.settings.name))
+
+    async def _on_completion(self, subject: str, data: bytes, headers: dict) -> None:
+        try:
+            c = Completion.decode(data)
+        except MessageError as exc:  # the admitters' durable consumer dead-letters it
+            log.warning("ignoring an undecodable completion on %s: %s", subject, exc)
+            return
+        self.observe_completion(c)
+
+    def observe_completion(self, c: Completion) -> None:
+        """Release the load of a finished request and score the cache claim it confirms or refutes."""
+        self.core.on_completion(c, time.time())
+        if c.worker and c.status == "ok":
+            self.metrics.cached_tokens.labels(c.worker, "actual").inc(c.cached_tokens)
+            self.metrics.cached_tokens.labels(c.worker, "expected").inc(c.expected_cached_tokens or 0)
+
+    async def _on_admitted(self, batch: list[Delivery]) -> None:
+        """Route a batch in order (the core sees each decision before the next), publish concurrently."""
+        routed = []
+        for d in batch:
+            try:
+                adm = Admitted.decode(d.data)
+            except MessageError as exc:
+                await self.bus.settle_failed(d, self._spec, "router", exc)
+                continue
+            routed.append(self.decide(adm, d))
+        assigned = [r for r in routed if r.decision.worker is not None]
+        for r in routed:
+            if r.decision.worker is None:
+                await self._no_worker(r.delivery, r.adm, r.decision)
+        if assigned:
+            await self.bus.jpublish_batch([r.outgoing for r in assigned])
+            for r in assigned:
+                await self.assigned(r)
+
+    def decide(self, adm: Admitted, d: Delivery | None = None) -> "Routed":
+        """Route one admitted request (state in, decision out) and build its WORK message.
+
+        Also the inline path (``natsched.admitter.service`` with a router in its process): the admitter
+        publishes ``outgoing`` with its own batch and calls :meth:`assigned` once it is stored.
+        """
+        started = time.perf_counter()
+        rr = RouteRequest.from_request(adm.request, self.core.settings.block_size, adm.runtime_tokens)
+        rr.avoid = frozenset(adm.avoid)
+        decision = self.core.route(rr, time.time())
+        elapsed = time.perf_counter() - started
+        self.metrics.latency.observe(elapsed)
+        r = Routed(d, adm, decision, elapsed * 1000, rr.hashes[0] if rr.hashes else None)
+        if decision.worker is not None:
+            req = adm.request
+            r.assignment = Assignment(request=req, worker=decision.worker, runtime_tokens=adm.runtime_tokens,
+                                      admitted_at=adm.admitted_at, routed_at=time.time(), policy=decision.policy,
+                                      expected_cached_tokens=decision.expected_cached_tokens, attempt=adm.attempt,
+                                      avoid=adm.avoid)
+            # one id per request and attempt: a router that crashes after this publish and re-routes
+            # on redelivery is deduplicated by the server instead of running the request twice; a
+            # rescue (its worker died) is a new attempt, which must not be deduplicated away
+            msg_id = f"{req.id}:work" + (f":{adm.attempt}" if adm.attempt else "")
+            r.outgoing = (S.work(decision.worker), r.assignment, msg_id, None)
+        return r
+
+    async def _no_worker(self, d: Delivery, adm: Admitted, decision: RouteDecision) -> None:
+        """Retry later while the request may still wait for a worker; then fail it."""
+        waited = time.time() - adm.admitted_at
+        if waited < self.settings.no_worker_wait_s:
+            self.metrics.decisions.labels(decision.policy or "", "retry", decision.reason or "").inc()
+            await d.nak(delay=self.settings.retry_delay_s)
+            return
+        await self._fail(adm, decision, "no_worker", f"no healthy worker for {waited:.0f}s")
+        await d.ack()
+
+    async def assigned(self, r: "Routed") -> None:
+        """A WORK message is stored: record the decision, tell the producer, ack the hand-off."""
+        adm, decision, assignment = r.adm, r.decision, r.assignment
+        req = adm.request
+        await self._record(adm, decision, "assign", r.latency_ms)
+        if req.reply:
+            await self.bus.publish(req.reply, Reply(request_id=req.id, kind="status", status="assigned",
+                                                    worker=decision.worker))
+        if r.delivery is not None:
+            await r.delivery.ack()
+        m = self.metrics
+        m.decisions.labels(decision.policy or "", "assign", "").inc()
+        m.wait.observe(max(0.0, assignment.routed_at - adm.admitted_at))
+        m.expected_cached.labels(decision.policy or "").inc(decision.expected_cached_tokens)
+        m.prompt_tokens.labels(decision.policy or "").inc(estimate_prompt_tokens(req))
+        m.assignments.labels(decision.policy or "", decision.worker).inc()
+        self._count_migration(r.first_block, decision.worker)
+        log.info("request %s assigned to %s by %s (expected cached %d)", req.id, decision.worker, decision.policy,
+                 decision.expected_cached_tokens)
+
+    def _count_migration(self, first_block: int | None, worker: str) -> None:
+        """Prefix migration: a request whose first block last went to another worker."""
+        if first_block is None:
+            return
+        last = self._last_worker.pop(first_block, None)
+        self._last_worker[first_block] = worker
+        if len(self._last_worker) > self.settings.migration_memory:
+            self._last_worker.popitem(last=False)
+        if last is not None:
+            self.metrics.prefix_routes.inc()
+            if last != worker:
+                self.metrics.prefix_migrations.inc()
+
+    async def _fail(self, adm: Admitted, decision: RouteDecision, reason: str, message: str) -> None:
+        """Close an admitted request that cannot run: its completion releases the reservation."""
+        req = adm.request
+        completion = Completion(request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model, status="error",
+                                runtime_tokens=adm.runtime_tokens, reason=reason, ts=time.time())
+        await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
+        await self._record(adm, decision, "fail", 0.0, reason)
+        self.metrics.decisions.labels(decision.policy or "", "fail", reason).inc()
+        if req.reply:
+            await self.bus.publish(req.reply, Reply(request_id=req.id, kind="error", status="failed", reason=reason,
+                                                    message=message))
+        log.warning("request %s failed in routing: %s", req.id, message)
+
+    async def _record(self, adm: Admitted, decision: RouteDecision, what: str, latency_ms: float,
+                      reason: str | None = None) -> None:
+        req = adm.request
+        record = Decision(request_id=req.id, tenant=req.tenant, cls=req.cls, stage="routing", decision=what,
+                          ts=time.time(), reason=reason or decision.reason, worker=decision.worker,
+                          policy=decision.policy,
+                          scores={str(k): decision.terms.get(k, v) for k, v in decision.scores.items()},
+                          expected_cached_tokens=decision.expected_cached_tokens, by=self.settings.name,
+                          latency_ms=latency_ms, runtime_tokens=adm.runtime_tokens)
+        await self.bus.jpublish_nowait(S.decision("routing", req.tenant), record, msg_id=f"{req.id}:routing")

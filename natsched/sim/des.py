@@ -1,0 +1,456 @@
+"""The discrete-event simulator: a virtual clock driving the objects the services ship.
+
+One :class:`natsched.router.core.RouterCore` decides where requests go, fed exactly as ``router/service.py``
+feeds it (``on_heartbeat`` / ``on_cache_event`` / ``on_completion`` with the :mod:`natsched.bus.schema`
+messages, ``route`` with a :class:`natsched.router.policy.RouteRequest`); one
+:class:`natsched.workers.simcore.SimCore` per worker plays the engine, stepped in virtual time the way
+``workers/simengine.py`` steps it in real time (``step(now)``, then the step's duration later its
+cache deltas and finished sequences are published). Heartbeats are built the way
+``workers/agent.py`` builds them, from ``SimEngine.stats()`` of an engine wrapping that SimCore and
+the agent's own ``backoff`` rule (:mod:`natsched.workers.backoff`), every ``hb_interval`` virtual seconds
+(staggered per worker); cache events are sequenced per worker, ``removed`` before ``stored`` of the
+same step. As in the router service, a ``False`` from ``on_cache_event`` is answered with a snapshot
+at once, and ``RouterCore.tick`` runs every ``router_tick_s`` followed by the snapshots it asks for.
+
+Before routing, an :class:`~natsched.sim.admission.AdmissionHook` decides allow / queue / reject.
+A request with no routable worker is retried every ``route_retry_s`` for up to ``no_worker_wait_s``
+(the router service's nak/redeliver loop), then rejected. Messages travel instantly unless
+``net_delay_s`` is set. Everything is deterministic: same trace and settings, same result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from natsched.bus.schema import CacheEvent, Completion, Heartbeat, RequestId, TenantId, WorkerId
+from natsched.router.core import RouterCore, RouterSettings
+from natsched.router.policy import RouteRequest
+from natsched.sim.admission import ALLOW, QUEUE, REJECT, AdmissionHook, AllowAll, runtime_tokens
+from natsched.sim.errors import SimConfigError, SimError
+from natsched.sim.metrics import RequestRecord, summarize
+from natsched.sim.trace import Trace, TraceRequest
+from natsched.workers.profiles import DEFAULT_PROFILE, EngineProfile, get_profile
+from natsched.workers.simcore import SimCore, StepResult
+from natsched.workers.simengine import SimEngine
+
+try:  # the agent's own overload detector (workers/backoff.py); absent in older trees
+    from natsched.workers.backoff import BackoffMonitor
+except ImportError:  # pragma: no cover
+    BackoffMonitor = None  # type: ignore[assignment,misc]
+
+log = logging.getLogger(__name__)
+
+# event kinds; the periodic ones (heartbeats, ticks) come last
+_ARRIVE, _STEP_END, _RETRY, _DELIVER, _HEARTBEAT, _ADMIT_TICK, _ROUTER_TICK = range(7)
+_PERIODIC = _HEARTBEAT  # kinds >= this recur forever; the others are "activity"
+
+ProgressFn = Callable[[int, int], None]  # (requests done, total)
+
+
+@dataclass
+class SimSettings:
+    workers: int = 8
+    policy: str = "least_loaded"
+    profile: str = DEFAULT_PROFILE
+    hb_interval: float = 1.0  # virtual seconds between a worker's heartbeats (agent default)
+    warmup_s: float = 1.0  # workers start (snapshot + heartbeat) this long before the first arrival
+    net_delay_s: float = 0.0  # one-way bus latency of every message (assignments, reports)
+    router_tick_s: float = 1.0  # RouterCore.tick() period (the service's housekeeping loop)
+    route_retry_s: float = 1.0  # router service: retry_delay_s
+    no_worker_wait_s: float = 10.0  # router service: give up on a request after this long
+    stall_s: float = 3600.0  # nothing but periodic events for this long with requests unfinished: error
+    kv_blocks: int | None = None  # per engine; default: the profile's KV capacity / block size
+    max_num_seqs: int | None = None  # per engine; default: the profile's
+    max_model_len: int | None = None  # reject prompt+output longer than this (None: only KV limits)
+    worker_backoff: bool = True  # workers announce "backoff" by the agent's rule (natsched.workers.backoff)
+    model: str = "default"
+    tenant: str = "trace"
+    cls: str = "online"
+    router: dict = field(default_factory=dict)  # extra RouterSettings fields (by name)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise SimConfigError(f"workers must be >= 1, got {self.workers!r}")
+        if self.warmup_s < 0:
+            raise SimConfigError(f"warmup_s must be >= 0, got {self.warmup_s}")
+        if self.hb_interval <= 0:
+            raise SimConfigError(f"hb_interval must be > 0, got {self.hb_interval}")
+        if self.stall_s <= 0:
+            raise SimConfigError(f"stall_s must be > 0, got {self.stall_s}")
+        if self.net_delay_s < 0 or self.route_retry_s <= 0 or self.no_worker_wait_s < 0 or self.router_tick_s <= 0:
+            raise SimConfigError("net_delay_s and no_worker_wait_s must be >= 0, route_retry_s and router_tick_s > 0")
+        try:
+            get_profile(self.profile)
+        except ValueError as exc:
+            raise SimConfigError(str(exc)) from None
+
+
+def make_router(settings: SimSettings, block_size: int) -> RouterCore:
+    """The router the services would build, with the trace's block size."""
+    names = {f.name for f in dataclasses.fields(RouterSettings)}
+    unknown = sorted(set(settings.router) - names)
+    if unknown:
+        raise SimConfigError(f"unknown router setting(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    rs = RouterSettings(**{**settings.router, "policy": settings.policy, "block_size": block_size})
+    try:
+        return RouterCore(rs)
+    except (ValueError, KeyError) as exc:  # unknown policy (natsched.router.errors.ConfigError is a ValueError)
+        raise SimConfigError(str(exc.args[0] if exc.args else exc)) from None
+
+
+class _Worker:
+    __slots__ = ("id", "engine", "core", "backoff", "state", "stepping", "hb_seq", "kv_seq", "busy_window")
+
+    def __init__(self, wid: WorkerId, engine: SimEngine, backoff) -> None:
+        self.id = wid
+        self.engine = engine  # stats() only: the heartbeat reports what a live SimEngine would
+        self.core: SimCore = engine.core  # stepped by the simulator's clock
+        self.backoff = backoff
+        self.state = "healthy"
+        self.stepping = False  # a step is in flight (its end event is queued)
+        self.hb_seq = 0
+        self.kv_seq = 0
+        self.busy_window = 0.0  # busy seconds inside the arrival window
+
+
+@dataclass
+class SimResult:
+    policy: str
+    trace: str
+    workers: int
+    speedup: float
+    records: list[RequestRecord]
+    busy_time: list[float]  # per worker, whole run
+    busy_window: list[float]  # per worker, inside [first arrival, last arrival]
+    window: float  # seconds from first to last arrival
+    end_time: float  # virtual time of the last event that mattered
+    steps: int
+    preemptions: int
+    wall_s: float
+    backoff_changes: int = 0
+
+    def metrics(self) -> dict:
+        return summarize(self.records, self.busy_time, self.busy_window, self.window)
+
+
+class Simulator:
+    """Replays one trace through one router and ``settings.workers`` simulated engines."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        settings: SimSettings | None = None,
+        admission: AdmissionHook | None = None,
+        router: RouterCore | None = None,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self.trace = trace
+        self.settings = s = settings or SimSettings()
+        self.profile: EngineProfile = get_profile(s.profile)
+        self.block_size = trace.block_size
+        self.router = router or make_router(s, self.block_size)
+        self.admission = admission or AllowAll()
+        self.progress = progress
+        width = len(str(s.workers - 1))
+        self.workers: dict[WorkerId, _Worker] = {}
+        for i in range(s.workers):
+            wid = WorkerId(f"w{i:0{width}d}")
+            engine = SimEngine(self.profile, self.block_size, kv_blocks=s.kv_blocks, max_num_seqs=s.max_num_seqs,
+                               max_model_len=1 << 62)  # max_model_len is checked here (SimSettings)
+            backoff = BackoffMonitor() if s.worker_backoff and BackoffMonitor is not None else None
+            self.workers[wid] = _Worker(wid, engine, backoff)
+        self.t0 = s.warmup_s  # virtual time of the trace's first arrival
+        self.records = [
+            RequestRecord(index=r.index, arrival=self.t0 + r.arrival, prompt_tokens=max(1, r.input_length),
+                          output_tokens=max(1, r.output_length), first_block=r.hashes[0] if r.hashes else None)
+            for r in trace.requests
+        ]
+        self._route_reqs: dict[int, RouteRequest] = {}
+        self._admitted_at: dict[int, float] = {}
+        self._by_seq_id: dict[str, TraceRequest] = {}
+        self._heap: list = []
+        self._seq = 0
+        self._done = 0
+        self._window_start = self.t0
+        self._window_end = self.t0 + trace.duration
+        self._steps = 0
+        self._end = 0.0
+        self.backoff_changes = 0  # healthy <-> backoff transitions announced by workers
+        self._active = 0  # queued events that are not periodic (arrivals, steps, retries, messages)
+        self._last_active = 0.0
+
+    # ------------------------------------------------------------------ event queue
+    def _push(self, t: float, kind: int, a=None, b=None) -> None:
+        self._seq += 1
+        if kind < _PERIODIC:
+            self._active += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, a, b))
+
+    def _send(self, now: float, fn, *args) -> None:
+        """Deliver a message: ``fn(*args, arrival_time)`` now, or after the bus latency."""
+        if self.settings.net_delay_s > 0:
+            self._push(now + self.settings.net_delay_s, _DELIVER, fn, args)
+        else:
+            fn(*args, now)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        s = self.settings
+        n_workers = len(self.workers)
+        for i, w in enumerate(self.workers.values()):
+            # WorkerAgent.start(): a cache snapshot, then a heartbeat; then one every interval (staggered)
+            self._publish_cache(w, "snapshot", w.core.cached_hashes(), 0.0)
+            self._heartbeat(w, 0.0)
+            self._push(s.hb_interval * (1.0 + i / n_workers), _HEARTBEAT, w)
+        for r in self.trace.requests:
+            self._push(self.t0 + r.arrival, _ARRIVE, r)
+        tick = self.admission.tick_s
+        if tick:
+            self._push(tick, _ADMIT_TICK)
+        router_tick = getattr(self.router, "tick", None)
+        if router_tick is not None:
+            self._push(s.router_tick_s, _ROUTER_TICK)
+        total = len(self.records)
+        heap = self._heap
+        pop = heapq.heappop
+        every = max(1, total // 200)
+        last_report = -1
+        while heap and self._done < total:
+            now, _, kind, a, b = pop(heap)
+            if kind < _PERIODIC:
+                self._active -= 1
+                self._last_active = now
+            elif self._active == 0 and now - self._last_active > s.stall_s:
+                self._stalled(now)
+            if kind == _STEP_END:
+                self._step_end(a, b, now)
+            elif kind == _ARRIVE:
+                self._arrive(a, now)
+            elif kind == _HEARTBEAT:
+                self._heartbeat(a, now)
+                self._push(now + s.hb_interval, _HEARTBEAT, a)
+            elif kind == _DELIVER:
+                a(*b, now)
+            elif kind == _RETRY:
+                self._route(a, now)
+            elif kind == _ROUTER_TICK:
+                router_tick(now)
+                self._snapshots(now)
+                self._push(now + s.router_tick_s, _ROUTER_TICK)
+            elif kind == _ADMIT_TICK:
+                self._release(now)
+                self._push(now + tick, _ADMIT_TICK)
+            if self.progress is not None and self._done // every != last_report:
+                last_report = self._done // every
+                self.progress(self._done, total)
+        if self._done < total:  # cannot happen: every request ends ok or rejected
+            raise SimError(f"simulation ended with {total - self._done} request(s) unfinished")
+        if self.progress is not None:
+            self.progress(total, total)
+        return SimResult(
+            policy=getattr(self.router.policy, "name", s.policy), trace=self.trace.source, workers=n_workers,
+            speedup=self.trace.speedup, records=self.records,
+            busy_time=[w.core.busy_time for w in self.workers.values()],
+            busy_window=[w.busy_window for w in self.workers.values()],
+            window=self._window_end - self._window_start,
+            end_time=self._end, steps=self._steps,
+            preemptions=sum(w.core.preemptions for w in self.workers.values()),
+            backoff_changes=self.backoff_changes,
+            wall_s=time.perf_counter() - started,
+        )
+
+    def _stalled(self, now: float) -> None:
+        stuck = [r for r in self.records if r.status not in ("ok", "rejected")]
+        by_status: dict[str, int] = {}
+        for r in stuck:
+            by_status[r.status] = by_status.get(r.status, 0) + 1
+        raise SimError(f"simulation stalled at t={now:.1f}s: nothing happened for {self.settings.stall_s:g}s "
+                       f"while {len(stuck)} request(s) were unfinished ({by_status}); an admission hook that "
+                       f"queues must release its requests")
+
+    # ------------------------------------------------------------------ requests
+    def _arrive(self, req: TraceRequest, now: float) -> None:
+        verdict = self.admission.admit(req, now)
+        rec = self.records[req.index]
+        if verdict == ALLOW:
+            self._admit(req, now)
+        elif verdict == QUEUE:
+            rec.status = "queued"
+        elif verdict == REJECT:
+            self._reject(rec, "admission", now)
+        else:
+            raise SimConfigError(f"admission hook {self.admission.name!r} returned {verdict!r}; "
+                                 f"expected allow, queue or reject")
+
+    def _release(self, now: float) -> None:
+        for req in self.admission.release(now):
+            self._admit(req, now)
+
+    def _admit(self, req: TraceRequest, now: float) -> None:
+        s = self.settings
+        self._admitted_at[req.index] = now
+        prompt = max(1, req.input_length)
+        output = max(1, req.output_length)
+        too_long = s.max_model_len is not None and prompt + output > s.max_model_len
+        if too_long or not self._fits(prompt, output):
+            # the engine refuses it (SimEngine.generate); nothing to route
+            self.admission.on_finish(req, False, now)
+            self._reject(self.records[req.index], "too_large", now)
+            return
+        self._route_reqs[req.index] = RouteRequest(
+            id=RequestId(req.id), tenant=TenantId(s.tenant), prompt_tokens=prompt, hashes=req.hashes,
+            expected_output=output, runtime_tokens=runtime_tokens(req), cls=s.cls, model=s.model,
+            route_key=req.hashes[0] if req.hashes else None,
+        )
+        self._route(req, now)
+
+    def _fits(self, prompt: int, output: int) -> bool:
+        """Whether one engine can ever run it alone (vLLM and SimEngine refuse it up front)."""
+        core = next(iter(self.workers.values())).core
+        fits = getattr(core, "fits", None)
+        if fits is not None:
+            return fits(prompt, output)
+        return -(-(prompt + output) // self.block_size) <= core.kv_blocks
+
+    def _route(self, req: TraceRequest, now: float) -> None:
+        rr = self._route_reqs[req.index]
+        decision = self.router.route(rr, now)
+        rec = self.records[req.index]
+        if decision.worker is None:
+            if now - self._admitted_at[req.index] < self.settings.no_worker_wait_s:
+                self._push(now + self.settings.route_retry_s, _RETRY, req)
+            else:
+                del self._route_reqs[req.index]
+                self.admission.on_finish(req, False, now)
+                self._reject(rec, "no_worker", now)
+                self._send(now, self._deliver_completion, Completion(
+                    request_id=rr.id, tenant=rr.tenant, cls=rr.cls, model=rr.model, status="error",
+                    runtime_tokens=rr.runtime_tokens, reason="no_worker", ts=now))
+            return
+        rec.worker = decision.worker
+        rec.routed = now
+        rec.status = "running"
+        rec.expected_cached_tokens = decision.expected_cached_tokens
+        w = self.workers.get(decision.worker)
+        if w is None:
+            raise SimError(f"policy {decision.policy!r} chose unknown worker {decision.worker!r}")
+        self._send(now, self._start_on_worker, w, req, rr)
+
+    def _start_on_worker(self, w: _Worker, req: TraceRequest, rr: RouteRequest, now: float) -> None:
+        w.core.add(rr.id, rr.prompt_tokens, rr.hashes, rr.expected_output, now)
+        self._by_seq_id[rr.id] = req
+        if not w.stepping:
+            self._step(w, now)
+
+    def _reject(self, rec: RequestRecord, reason: str, now: float) -> None:
+        rec.status = "rejected"
+        rec.reason = reason
+        self._done += 1
+        self._end = max(self._end, now)
+
+    # ------------------------------------------------------------------ engines
+    def _step(self, w: _Worker, now: float) -> None:
+        res = w.core.step(now)
+        self._steps += 1
+        d = res.duration
+        if d <= 0.0:
+            if w.core.has_work():
+                raise SimError(f"engine {w.id} stalled at t={now:.3f}: {len(w.core.waiting)} waiting, "
+                               f"{len(w.core.running)} running, {w.core.free} free blocks")
+            w.stepping = False
+            return
+        w.stepping = True
+        if now < self._window_end and now + d > self._window_start:
+            w.busy_window += min(now + d, self._window_end) - max(now, self._window_start)
+        self._push(now + d, _STEP_END, w, res)
+
+    def _step_end(self, w: _Worker, res: StepResult, now: float) -> None:
+        w.stepping = False
+        if res.removed:
+            self._publish_cache(w, "removed", res.removed, now)
+        if res.stored:
+            self._publish_cache(w, "stored", res.stored, now)
+        for seq in res.finished:
+            self._finish(w, seq, now)
+        if w.core.has_work():
+            self._step(w, now)
+
+    def _finish(self, w: _Worker, seq, now: float) -> None:
+        req = self._by_seq_id.pop(seq.id)
+        rr = self._route_reqs.pop(req.index)
+        rec = self.records[req.index]
+        rec.status = "ok"
+        rec.first_token = seq.first_token_at
+        rec.finish = now
+        rec.cached_tokens = seq.cached_tokens
+        self._done += 1
+        self._end = now
+        started = rec.routed + self.settings.net_delay_s
+        first = seq.first_token_at
+        ttft = first - started if first is not None else None
+        tpot = (now - first) / (seq.generated - 1) if first is not None and seq.generated > 1 else None
+        self._send(now, self._deliver_completion, Completion(
+            request_id=rr.id, tenant=rr.tenant, cls=rr.cls, model=rr.model, status="ok",
+            runtime_tokens=rr.runtime_tokens, worker=w.id, finish_reason="length", prompt_tokens=seq.prompt_tokens,
+            cached_tokens=seq.cached_tokens, output_tokens=seq.generated, ttft=ttft, tpot=tpot, e2e=now - rec.arrival,
+            expected_cached_tokens=rec.expected_cached_tokens, ts=now))
+        self.admission.on_finish(req, True, now)
+        self._release(now)
+
+    # ------------------------------------------------------------------ reports
+    def _publish_cache(self, w: _Worker, kind: str, hashes: list[int], now: float) -> None:
+        w.kv_seq += 1
+        ev = CacheEvent(worker=w.id, seq=w.kv_seq, kind=kind, ts=now, hashes=list(hashes), block_size=self.block_size)
+        self._send(now, self._deliver_cache_event, w, ev)
+
+    def _deliver_cache_event(self, w: _Worker, ev: CacheEvent, now: float) -> None:
+        if not self.router.on_cache_event(ev, now):
+            # the router service answers a gap with Control(snapshot); the agent then publishes one
+            self._publish_cache(w, "snapshot", w.core.cached_hashes(), now)
+
+    def _deliver_completion(self, c: Completion, now: float) -> None:
+        self.router.on_completion(c, now)
+
+    def _snapshots(self, now: float) -> None:
+        """After each router tick (as the service does): workers it wants a snapshot from publish one."""
+        pop = getattr(self.router, "pop_snapshot_requests", None)
+        if pop is None:
+            return
+        for wid in pop():
+            w = self.workers.get(wid)
+            if w is not None:
+                self._send(now, self._control_snapshot, w)
+
+    def _control_snapshot(self, w: _Worker, now: float) -> None:
+        self._publish_cache(w, "snapshot", w.core.cached_hashes(), now)
+
+    def _heartbeat(self, w: _Worker, now: float) -> None:
+        """WorkerAgent._heartbeat: engine stats, the backoff rule, then the message."""
+        st = w.engine.stats()
+        if w.backoff is not None:
+            active = w.backoff.update(st, now)
+            if active != (w.state == "backoff"):
+                w.state = "backoff" if active else "healthy"
+                self.backoff_changes += 1
+        w.hb_seq += 1
+        hb = Heartbeat(
+            worker=w.id, seq=w.hb_seq, ts=now, state=w.state, model=self.settings.model,
+            running=st.running, waiting=st.waiting, kv_used_blocks=st.kv_used_blocks,
+            kv_total_blocks=st.kv_total_blocks, runtime_tokens=st.runtime_tokens,
+            capacity_tokens=st.capacity_tokens, queued_prefill_tokens=st.queued_prefill_tokens,
+            block_size=self.block_size, started_at=0.0, interval=self.settings.hb_interval, kv_seq=w.kv_seq,
+            inflight=list(w.core.seqs),
+        )
+        self._send(now, self.router.on_heartbeat, hb)
+
+
+def simulate(trace: Trace, settings: SimSettings | None = None, admission: AdmissionHook | None = None,
+             progress: ProgressFn | None = None) -> SimResult:
+    """Run one policy over ``trace`` (see :class:`Simulator`)."""
+    return Simulator(trace, settings, admission=admission, progress=progress).run()

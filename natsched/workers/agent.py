@@ -1,0 +1,414 @@
+"""The worker agent: the bus side of one engine.
+
+It takes assignments from its own subject ``work.<id>`` through a durable JetStream consumer
+(max ack pending = its concurrency, so a restarted worker loses nothing), runs them on the
+engine, streams tokens to each producer, publishes one completion per request, and reports
+load (heartbeats) and cache contents (sequenced cache events) for the admitter and router.
+
+Its own state, announced in every heartbeat (only ``healthy`` workers get new work):
+
+- ``backoff`` — set by the agent itself while the engine is overloaded (KV nearly full, a
+  preemption storm; :mod:`natsched.workers.backoff` has the thresholds and the hysteresis); it keeps
+  running what it has and returns to ``healthy`` when the pressure is gone;
+- ``quiescing`` — after ``drain`` (``natsched worker drain ID``) or when the engine died
+  (``failure`` says why): it takes nothing new, finishes (or fails, reported) what it runs,
+  then :meth:`WorkerAgent.wait_drained` returns and the process leaves; :meth:`WorkerAgent.stop`
+  sends a last heartbeat with no in-flight requests and a ``cleared`` cache event.
+
+Capacity (``capacity_tokens`` in heartbeats): the operator's setting, else a calibration stored
+for (model, deployment) in bucket ``workers`` (:mod:`natsched.workers.calibrate`), else the engine's KV size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from natsched.bus import subjects as S
+from natsched.bus.blocks import estimate_prompt_tokens, request_block_hashes
+from natsched.bus.connection import Bus, ConsumerSpec, Delivery
+from natsched.bus.errors import MessageError
+from natsched.bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
+from natsched.workers.backoff import BackoffMonitor, BackoffSettings
+from natsched.workers.calibrate import load_calibration
+from natsched.workers.engine import Engine, EngineOutput, EngineRequest, EngineStats
+from natsched.workers.metrics import WorkerMetrics
+from natsched.workers.recent import RecentIds
+
+log = logging.getLogger(__name__)
+
+#: how long a cancel is remembered for a request the worker has not received yet (the dedup window)
+CANCEL_MEMORY_S = 120.0
+CANCEL_MEMORY_MAX = 10_000
+#: a copy of a finished request's message comes back when its ack was lost (e.g. during a NATS
+#: leader election): after ack_wait (30 s), up to max_deliver (3) times, so within about 90 s.
+#: Three minutes covers that; at 250 requests/s a worker holds ~45k ids (~7 MiB), then no more.
+FINISHED_MEMORY_S = 180.0
+FINISHED_MEMORY_MAX = 100_000
+
+
+@dataclass
+class WorkerSettings:
+    id: str
+    model: str = "default"
+    concurrency: int = 64  # max un-acked assignments = requests running or queued in the engine
+    heartbeat_interval_s: float = 1.0
+    ack_wait_s: float = 30.0  # kept alive with in_progress while a request runs
+    capacity_tokens: int | None = None  # runtime-token capacity; default: calibration, else the engine's KV size
+    deployment: str | None = None  # calibration lookup key part; default: the engine's ``deployment``
+    use_calibration: bool = True
+    calibration_timeout_s: float = 3.0
+    backoff: BackoffSettings = field(default_factory=BackoffSettings)
+    metrics_port: int | None = None  # serve Prometheus metrics here (natsched.workers.metrics)
+
+
+class WorkerAgent:
+    def __init__(self, bus: Bus, engine: Engine, settings: WorkerSettings) -> None:
+        self.bus = bus
+        self.engine = engine
+        self.settings = settings
+        self.id = WorkerId(settings.id)
+        self.state = "healthy"
+        self.started_at = time.time()
+        self.inflight: dict[str, asyncio.Task] = {}
+        self._hb_seq = 0
+        self._kv_seq = 0
+        self._stopped = asyncio.Event()
+        self.capacity_tokens: int | None = settings.capacity_tokens
+        self.capacity_source = "settings" if settings.capacity_tokens else "engine"
+        self.failure: str | None = None  # why the engine can no longer serve
+        self.backoff = BackoffMonitor(settings.backoff)
+        self.metrics = WorkerMetrics(settings.id, settings.model)
+        self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # its producer gave up on it
+        self.finished = RecentIds(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)  # completed here: never run again
+        self._redelivered: set[str] = set()  # running from a WORK message delivered before (to us or our predecessor)
+        self._progress: dict[str, tuple[Delivery, float]] = {}  # running: its message, when the server last heard
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self.engine.set_cache_listener(self._on_cache_change)
+        await self._load_calibration()
+        await self.bus.subscribe(S.control(self.id), self._on_control)
+        spec = ConsumerSpec(
+            stream=S.STREAM_WORK,
+            durable=S.worker_consumer(self.id),
+            filter_subject=S.work(self.id),
+            ack_wait_s=self.settings.ack_wait_s,
+            max_deliver=3,
+            max_ack_pending=self.settings.concurrency,
+            batch=self.settings.concurrency,
+        )
+        await self.bus.consume(spec, self._on_assignment, source="worker")
+        self.bus.spawn(self._heartbeat_loop(), "heartbeat")
+        self.bus.spawn(self._keep_alive_loop(), "keep-alive")
+        await self._publish_cache("snapshot", self.engine.cached_hashes())
+        await self._heartbeat()
+        if self.settings.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
+        log.info("worker %s ready (model %s, concurrency %d)", self.id, self.settings.model, self.settings.concurrency)
+
+    async def stop(self) -> None:
+        """Leave: cancel what still runs, say so (last heartbeat, cache cleared), stop the engine."""
+        for task in list(self.inflight.values()):
+            task.cancel()
+        await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+        self.state = "quiescing"
+        try:
+            await self._heartbeat()
+            await self._publish_cache("cleared", [])
+            await self.bus.nc.flush(timeout=2)
+        except Exception as exc:  # the bus may already be gone; leaving anyway
+            log.warning("worker %s could not announce its exit: %s", self.id, exc)
+        await self.engine.stop()
+        log.info("worker %s stopped%s", self.id, f" (engine failure: {self.failure})" if self.failure else "")
+
+    async def wait_drained(self) -> None:
+        await self._stopped.wait()
+
+    # --- assignments ------------------------------------------------------------------
+    async def _on_assignment(self, d: Delivery) -> None:
+        received = time.time()  # the moment the scheduler's hand-off ends (Reply.received_at)
+        assignment = Assignment.decode(d.data)  # MessageError -> dead letter (by the Bus)
+        rid = assignment.request.id
+        if rid in self.inflight:
+            return  # a redelivery of something we are running: its task acks it
+        if rid in self.finished:  # finished here, its ack was lost: ack the copy, run nothing
+            await d.ack()
+            log.info("request %s redelivered to %s after it finished; acked, not run again", rid, self.id)
+            return
+        if self.state == "quiescing":
+            await d.nak(delay=1.0)  # not ours to run any more; redelivered to us or re-routed later
+            return
+        if rid in self.cancelled:  # its producer gave up before it reached us: close it, run nothing
+            await self._finish(assignment, _CANCELLED, time.time(), None, received=received)
+            await d.ack()
+            return
+        self.inflight[rid] = asyncio.create_task(self._run(assignment, d, received), name=f"run:{rid}")
+
+    async def _run(self, a: Assignment, d: Delivery, received: float) -> None:
+        req = a.request
+        started = time.time()
+        self._progress[req.id] = (d, time.monotonic())
+        if d.num_delivered > 1:
+            self._redelivered.add(req.id)
+        self.metrics.dispatch_wait.observe(max(0.0, started - a.routed_at))
+        log.info("request %s running on %s", req.id, self.id)
+        try:
+            if req.deadline is not None and started > req.deadline:
+                final = EngineOutput(0, finished=True, finish_reason="error", error="deadline_exceeded")
+                await self._finish(a, final, started, None, received=received)
+            else:
+                await self._generate(a, started, received=received)
+            await d.ack()
+        except asyncio.CancelledError:
+            if req.id not in self.cancelled:
+                raise  # the agent is stopping: left un-acked, redelivered elsewhere
+            asyncio.current_task().uncancel()  # our own cancel: the request ends, reported
+            await self._finish(a, _CANCELLED, started, None, received=received)
+            await d.ack()
+        except Exception as exc:  # engine failure: recorded as an outcome, never dropped
+            log.exception("request %s failed on %s", req.id, self.id)
+            await self._finish(a, EngineOutput(0, finished=True, finish_reason="error", error=f"engine_error: {exc}"),
+                               started, None, received=received)
+            await d.ack()
+        finally:
+            self._progress.pop(req.id, None)
+            self._redelivered.discard(req.id)
+            if d.settled:  # its outcome is published and it was acked: a copy must not run it again
+                self.finished.add(req.id)
+            self.inflight.pop(req.id, None)
+            self._check_engine()
+            if self.state == "quiescing" and not self.inflight:
+                self._stopped.set()
+
+    async def _generate(self, a: Assignment, started: float, *, received: float) -> None:
+        req = a.request
+        engine_req = EngineRequest(
+            id=req.id,
+            prompt_tokens=estimate_prompt_tokens(req),
+            hashes=request_block_hashes(req, self.engine.block_size),
+            max_tokens=req.max_tokens,
+            prompt=((req.system_prompt or "") + (req.prompt or "")) if req.prompt is not None else None,
+            prompt_token_ids=req.prompt_token_ids,
+            output_tokens_hint=req.expected_output_tokens,
+        )
+        first_at = None
+        texts: list[str] = []
+        async for out in self.engine.generate(engine_req):
+            if first_at is None and not out.error:
+                first_at = time.time()
+            texts.append(out.text)
+            if req.stream and req.reply and (out.text or out.token_ids) and not out.error:
+                await self.bus.publish(req.reply, Reply(request_id=req.id, kind="token", text=out.text,
+                                                        token_ids=out.token_ids, index=out.index,
+                                                        worker=self.id))  # where to cancel, even before "assigned"
+            if out.finished:
+                await self._finish(a, out, started, first_at, "".join(texts), received=received)
+                return
+        raise RuntimeError("engine stream ended without a final output")
+
+    async def _finish(
+        self, a: Assignment, out: EngineOutput, started: float, first_at: float | None, text: str = "",
+        *, received: float | None = None,
+    ) -> None:
+        req, now = a.request, time.time()
+        ok = out.error is None
+        ttft = (first_at - started) if first_at else None
+        tpot = ((now - first_at) / (out.output_tokens - 1)) if first_at and out.output_tokens > 1 else None
+        completion = Completion(
+            request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model, status="ok" if ok else "error",
+            runtime_tokens=a.runtime_tokens, worker=self.id, finish_reason=out.finish_reason,
+            reason=None if ok else out.error.split(":")[0], prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot,
+            e2e=now - (req.created or started), expected_cached_tokens=a.expected_cached_tokens, ts=now,
+        )
+        ack = await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
+        answered = False
+        if ack.duplicate:
+            # another run's completion is stored: that one is counted. Its worker answered too. If
+            # that was this worker id before a restart (this copy is a redelivery: its ack was lost),
+            # the producer took that answer, and a second one is not sent. After a rescue (another
+            # worker, a first delivery here) the reply goes out: a producer told "rerouted" ignores
+            # the other run's, and would otherwise wait in vain
+            answered = req.id in self._redelivered
+            log.warning("request %s ran twice; its completion from another run is the one kept%s", req.id,
+                        " (answered then)" if answered else "")
+            self.metrics.duplicate_runs.inc()
+        self._observe(completion)
+        if req.reply and not answered:
+            # where the time before the engine went: the scheduler's stamps and this worker's receipt
+            stamps = dict(admitted_at=a.admitted_at, routed_at=a.routed_at, received_at=received)
+            if ok:
+                reply = Reply(request_id=req.id, kind="result", text=None if req.stream else text,
+                              worker=self.id, finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
+                              cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot,
+                              **stamps)
+            else:
+                reason, _, message = (out.error or "").partition(": ")
+                reply = Reply(request_id=req.id, kind="error", status="failed", reason=reason or "engine_error",
+                              message=message or out.error, worker=self.id, **stamps)
+            await self.bus.publish(req.reply, reply)
+        log.info("request %s %s on %s: %d prompt (%d cached), %d out", req.id, completion.status, self.id,
+                 out.prompt_tokens, out.cached_tokens, out.output_tokens)
+
+    def _observe(self, c: Completion) -> None:
+        m = self.metrics
+        m.requests.labels(c.status, c.reason or "").inc()
+        if c.status != "ok":
+            return
+        m.prompt_tokens.inc(c.prompt_tokens)
+        m.cached_tokens.inc(c.cached_tokens)
+        m.output_tokens.inc(c.output_tokens)
+        for hist, value in ((m.ttft, c.ttft), (m.tpot, c.tpot), (m.e2e, c.e2e)):
+            if value is not None:
+                hist.observe(value)
+
+    async def _keep_alive_loop(self) -> None:
+        """One loop for every running request (not a task and a timer each, at hundreds a second):
+        a message running longer than a third of the ack wait is marked in progress, so the server
+        hears about it at least every half ack wait and never redelivers a request that runs."""
+        every = self.settings.ack_wait_s / 3
+        while True:
+            await asyncio.sleep(every / 2)
+            now = time.monotonic()
+            for rid, (d, last) in list(self._progress.items()):
+                if now - last >= every and not d.settled:
+                    self._progress[rid] = (d, now)
+                    try:
+                        await d.in_progress()
+                    except Exception as exc:  # the connection is reconnecting: the next round tries again
+                        log.warning("could not mark %s in progress: %s", rid, exc)
+
+    # --- reports --------------------------------------------------------------------------
+    def _on_cache_change(self, kind: str, hashes: list) -> None:
+        self.bus.spawn(self._publish_cache(kind, hashes), "cache-event")
+
+    async def _publish_cache(self, kind: str, hashes: list) -> None:
+        self._kv_seq += 1
+        ev = CacheEvent(worker=self.id, seq=self._kv_seq, kind=kind, ts=time.time(), hashes=list(hashes),
+                        block_size=self.engine.block_size)
+        await self.bus.publish(S.cache_events(self.id), ev)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                await self._heartbeat()
+            except Exception:
+                log.exception("heartbeat failed")
+
+    async def _heartbeat(self) -> None:
+        st = self.engine.stats()
+        self._update_state(st)
+        self._hb_seq += 1
+        hb = Heartbeat(
+            worker=self.id, seq=self._hb_seq, ts=time.time(), state=self.state, model=self.settings.model,
+            running=st.running, waiting=st.waiting, kv_used_blocks=st.kv_used_blocks,
+            kv_total_blocks=st.kv_total_blocks, runtime_tokens=st.runtime_tokens,
+            capacity_tokens=self.capacity_tokens or st.capacity_tokens,
+            queued_prefill_tokens=st.queued_prefill_tokens, block_size=self.engine.block_size,
+            started_at=self.started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
+            inflight=list(self.inflight),
+        )
+        await self.bus.publish(S.heartbeat(self.id), hb)
+        m = self.metrics
+        m.running.set(st.running)
+        m.waiting.set(st.waiting)
+        m.kv_used.set(st.kv_used_blocks)
+        m.kv_total.set(st.kv_total_blocks)
+        m.runtime_tokens.set(st.runtime_tokens)
+        m.capacity_tokens.set(hb.capacity_tokens)
+        m.set_state(self.state)
+
+    # --- state ----------------------------------------------------------------------------
+    def _check_engine(self) -> None:
+        """An engine that died makes the worker leave: quiescing now, gone once in-flight work ended."""
+        failure = getattr(self.engine, "failure", None)
+        if not failure or self.failure:
+            return
+        self.failure = str(failure)
+        log.error("worker %s leaving: engine failed: %s", self.id, self.failure)
+        self.state = "quiescing"
+        if not self.inflight:
+            self._stopped.set()
+
+    def _update_state(self, st: EngineStats) -> None:
+        self._check_engine()
+        if self.state not in ("healthy", "backoff"):
+            return
+        active = self.backoff.update(st, time.monotonic())
+        new = "backoff" if active else "healthy"
+        if new != self.state:
+            if active:
+                log.warning("worker %s backing off: %s", self.id, self.backoff.reason)
+            else:
+                log.info("worker %s healthy again", self.id)
+            self.state = new
+
+    async def _load_calibration(self) -> None:
+        """Use a stored calibration as capacity, unless the operator gave one (never fatal)."""
+        if self.capacity_tokens or not self.settings.use_calibration:
+            return
+        deployment = self.settings.deployment or getattr(self.engine, "deployment", None)
+        if not deployment:
+            return
+        try:
+            cal = await asyncio.wait_for(load_calibration(self.bus, self.settings.model, deployment),
+                                         self.settings.calibration_timeout_s)
+        except Exception as exc:  # no bucket yet, server slow: run on the engine's own figure
+            log.warning("worker %s: no calibration read for %s/%s: %s", self.id, self.settings.model, deployment,
+                        exc or type(exc).__name__)
+            return
+        if cal is not None and cal.capacity_tokens > 0:
+            self.capacity_tokens, self.capacity_source = cal.capacity_tokens, f"calibration {deployment}"
+            log.info("worker %s capacity %d runtime tokens from calibration %s/%s (%s)", self.id,
+                     cal.capacity_tokens, self.settings.model, deployment, cal.knee_reason)
+
+    async def _on_control(self, subject: str, data: bytes, headers: dict) -> None:
+        try:
+            ctl = Control.decode(data)
+        except MessageError as exc:
+            log.warning("ignoring bad control message on %s: %s", subject, exc)
+            return
+        if ctl.kind == "snapshot":
+            await self._publish_cache("snapshot", self.engine.cached_hashes())
+        elif ctl.kind == "drain":
+            log.info("worker %s quiescing (drain requested by %s)", self.id, ctl.by or "?")
+            self.state = "quiescing"
+            await self._heartbeat()
+            if not self.inflight:
+                self._stopped.set()
+        elif ctl.kind == "cancel":
+            self._cancel(ctl.request_id, ctl.by)
+        elif ctl.kind == "resume":
+            if self.failure:
+                log.warning("worker %s cannot resume: its engine failed (%s)", self.id, self.failure)
+                return
+            self.state = "healthy"
+            await self._heartbeat()
+        else:
+            log.warning("unknown control kind %r on %s", ctl.kind, subject)
+
+    def _cancel(self, rid: str | None, by: str | None) -> None:
+        """End a request whose producer went away: its task stops the engine and reports ``cancelled``.
+
+        A cancel for a request not here yet is remembered for a while (``CANCEL_MEMORY_S``): it
+        may still be in the WORK stream, and running it would spend the engine on nobody.
+        """
+        if not rid:
+            log.warning("worker %s: cancel without a request id (from %s)", self.id, by or "?")
+            return
+        self.cancelled.add(rid)
+        self.metrics.cancelled.inc()
+        task = self.inflight.get(rid)
+        log.info("request %s cancelled by %s%s", rid, by or "?", "" if task else " (not running here yet)")
+        if task is not None:
+            task.cancel()
+
+
+#: how a cancelled request ends: an error completion (its reservation is released) with reason ``cancelled``
+_CANCELLED = EngineOutput(0, finished=True, finish_reason="cancelled", error="cancelled: the producer went away")

@@ -1,0 +1,31 @@
+"""Errors raised by the worker side (engines, calibration).
+
+Every error here derives from :class:`WorkerError`::
+
+    WorkerError
+    ├── EngineUnavailable     the engine's package (vllm) is not installed or cannot be imported
+    ├── EngineStartError      the engine could not be built (bad model path, bad options, no memory)
+    └── CalibrationError      a capacity calibration could not measure anything usable
+
+Failures *of a request* are not exceptions: an engine answers them with an
+:class:`~natsched.workers.engine.EngineOutput` carrying ``error`` (``"<code>: <message>"``), so the agent
+can turn them into a completion and a reply instead of losing them.
+"""
+
+from __future__ import annotations
+
+
+class WorkerError(Exception):
+    """Root of every worker-side error."""
+
+
+class EngineUnavailable(WorkerError):
+    """The engine's package is missing (e.g. ``vllm`` without the ``cpu``/``vllm`` extra)."""
+
+
+class EngineStartError(WorkerError):
+    """The engine could not be started; the message says what it was given."""
+
+
+class CalibrationError(WorkerError):
+    """A calibration run produced no usable measurement."""
