@@ -25,7 +25,7 @@ role, each with allow-lists for publish and subscribe (anything not listed is re
   manifest names no tenant in its key), reads its own ``req.*.<tenant>`` in REQUESTS for
   ``--resume``. Its reads are confined to those keys and subjects because each names them in its
   subject: direct gets (bucket ``jobs`` allows direct access) and named consumers whose create
-  subject carries the filter (:func:`natsched.bus.audit.read_filtered`); a plain get, a watch, a fetch
+  subject carries the filter (:func:`natsched.audit.records.read_filtered`); a plain get, a watch, a fetch
   (``CONSUMER.MSG.NEXT``) or a consumer info would not, and are not granted.
 - ``admin``: everything (provisioning, ``quota set``, ``route set``, audit, calibration).
 
@@ -38,8 +38,8 @@ need the ``nkeys`` package in every client). The config holds the passwords in c
 written with mode 0600 like the credentials files; ``--tls`` adds a self-signed CA and server
 certificate (made with ``openssl``) and the CA goes into every credentials file.
 
-Permission subjects are rendered from :data:`natsched.bus.subjects.PATTERNS` (a placeholder left open
-becomes ``*``) and the stream/consumer/bucket names in :mod:`natsched.bus.subjects`; the ``$JS``/``$KV``
+Permission subjects are rendered from :data:`natsched.wire.subjects.PATTERNS` (a placeholder left open
+becomes ``*``) and the stream/consumer/bucket names in :mod:`natsched.wire.subjects`; the ``$JS``/``$KV``
 names are NATS's own API.
 
 Errors::
@@ -51,6 +51,8 @@ Errors::
 """
 
 from __future__ import annotations
+
+from natsched.errors import NatschedError
 
 import argparse
 import logging
@@ -65,7 +67,7 @@ from pathlib import Path
 
 import orjson
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ INBOX_ROOT = "_INBOX"
 TENANT_REPLY = S.PATTERNS.get("tenant_reply", "resp.<tenant>.<request_id>")
 
 
-class AuthError(Exception):
+class AuthError(NatschedError):
     """Root of the auth errors (tree in the module docstring)."""
 
 
@@ -116,7 +118,7 @@ def render(pattern: str, **values: str) -> str:
 
 
 def subject(builder: str, **values: str) -> str:
-    """``render`` of the shape of one :mod:`natsched.bus.subjects` builder."""
+    """``render`` of the shape of one :mod:`natsched.wire.subjects` builder."""
     return render(S.PATTERNS[builder], **values)
 
 
@@ -206,7 +208,7 @@ def kv_get_permissions(bucket: str, key: str) -> list[str]:
 def filtered_read_permissions(stream: str, filter_subject: str) -> list[str]:
     """Read the messages of ``stream`` on ``filter_subject`` and nothing else of it.
 
-    Only through :func:`natsched.bus.audit.read_filtered`: a named ephemeral push consumer, whose create
+    Only through :func:`natsched.audit.records.read_filtered`: a named ephemeral push consumer, whose create
     subject carries the filter (the server refuses a body that asks for another), delivering to
     the role's own inbox. No fetch (``CONSUMER.MSG.NEXT`` names no filter: it would let the role
     pull from the services' consumers), no consumer info or delete.

@@ -220,7 +220,7 @@ def _soak_rate(args, base) -> float | None:
 
 
 def _cmd_pipeline(args) -> int:
-    from natsched.bus.errors import BusError
+    from natsched.errors import NatschedError
     from natsched.bench_memory import print_memory, soak_summary
     from natsched.bench_pipeline import PipelineRun, find_max, print_table, run_pipeline
 
@@ -255,7 +255,7 @@ def _cmd_pipeline(args) -> int:
                 print(f"soak: {base.duration_s:.0f} s at {base.rate:.0f}/s", file=sys.stderr, flush=True)
             results = [run_pipeline(base, args.nats_url)]
             out = results[0]
-    except BusError as exc:
+    except NatschedError as exc:
         return _fail(str(exc))
     print_table(sorted(results, key=lambda r: r["rate"]))  # (--find-max's refinement runs come last)
     if args.find_max:

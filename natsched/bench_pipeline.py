@@ -41,9 +41,9 @@ from typing import Callable
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
-from natsched.bus.schema import Reply, Request
+from natsched.wire.schema import Reply, Request
 from natsched.bus.server import free_port, free_ports
 from natsched.bench_memory import MemorySampler, memory_report, read_cpu_s
 from natsched.supervisor import Supervisor, UpSettings

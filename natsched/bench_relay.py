@@ -20,10 +20,10 @@ import itertools
 import sys
 import time
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
-from natsched.bus.errors import MessageError
-from natsched.bus.schema import Assignment, Request
+from natsched.wire.errors import MessageError
+from natsched.wire.schema import Assignment, Request
 
 
 class Relay:

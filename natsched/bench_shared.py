@@ -17,7 +17,7 @@ import time
 
 from natsched.admitter.shared import SharedState
 from natsched.admitter.usage import Usage
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
 from natsched.bus.server import EmbeddedServer, free_port
 

@@ -2,7 +2,7 @@
 
 A fresh local system, every part a real process: a 3-node JetStream cluster (streams and buckets
 with 3 replicas), 2 admitter replicas, 2 router replicas and 3 sim workers, all connected to
-every node. A producer (:class:`natsched.bus.client.Client`) sends N requests at a steady rate; during
+every node. A producer (:class:`natsched.client.producer.Client`) sends N requests at a steady rate; during
 the run one worker, one admitter, one router and one NATS node are each killed with SIGKILL at
 a seeded random moment and started again a few seconds later (the same command, the same
 worker id, the node on its own data dir so it rejoins). With ``--inline-routing`` the admitters
@@ -64,11 +64,13 @@ from typing import Any, Sequence
 import orjson
 
 from natsched.admitter.usage import Usage
-from natsched.bus import subjects as S
-from natsched.bus.client import Client, Timeouts, make_request
+from natsched.wire import subjects as S
+from natsched.client.producer import Client, Timeouts, make_request
 from natsched.bus.connection import Bus
-from natsched.bus.errors import BusError, DuplicateRequest, MessageError, Rejected, RequestFailed, RequestTimeout
-from natsched.bus.schema import Assignment, Completion, Heartbeat, Reply
+from natsched.bus.errors import BusError
+from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed, RequestTimeout
+from natsched.wire.errors import MessageError
+from natsched.wire.schema import Assignment, Completion, Heartbeat, Reply
 from natsched.argtypes import positive_float, positive_int
 from natsched.cluster import ClusterSettings, LocalCluster
 from natsched.supervisor import Child, Supervisor, UpSettings

@@ -121,7 +121,7 @@ class LocalCluster:
                 raise ClusterError(f"JetStream cluster of {self.s.nodes} not ready within "
                                    f"{self.s.ready_timeout_s:.0f}s: {last}; see the logs in {self.data_dir}")
             if self.s.provision:
-                await natsched.bus.provision()
+                await bus.provision()
         finally:
             await bus.close()
 

@@ -175,7 +175,7 @@ def _retention_parser(sub) -> None:
 # ------------------------------------------------------------------ running
 
 def run(args: argparse.Namespace) -> int:
-    from natsched.bus.errors import BusError
+    from natsched.errors import NatschedError
     from natsched.commands import run_loop
     from natsched.sim.errors import SimError
 
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         return runner(handler(args)) or 0
     except NotFoundExit as exc:
         return _fail(str(exc), NOT_FOUND)
-    except (BusError, SimError, ValueError, OSError) as exc:
+    except (NatschedError, SimError, ValueError, OSError) as exc:
         return _fail(str(exc))
 
 
@@ -239,7 +239,8 @@ class Bar:
 
 
 async def _batch(args) -> int:
-    from natsched.bus.batch import BatchClient, NotFound
+    from natsched.client.batch import BatchClient
+    from natsched.client.errors import NotFound
 
     bus = await _connect(args)
     try:
@@ -306,8 +307,8 @@ async def _batch_results(client, args) -> int:
 # --- jobs -------------------------------------------------------------------------------------
 
 async def _jobs(args) -> int:
-    from natsched.bus import subjects as S
-    from natsched.bus.batch import JOB_STATUSES, JobStore
+    from natsched.wire import subjects as S
+    from natsched.client.batch import JOB_STATUSES, JobStore
 
     bus = await _connect(args)
     try:
@@ -371,8 +372,8 @@ def _list_jobs(records: list, matched: int, as_json: bool) -> int:
 # --- audit ------------------------------------------------------------------------------------
 
 async def _audit(args) -> int:
-    from natsched.bus.audit import AuditNotFound, audit_request, audit_window
-    from natsched.bus.batch import JobStore
+    from natsched.audit.records import AuditNotFound, audit_request, audit_window
+    from natsched.client.batch import JobStore
 
     if args.request_id is None and args.since is None:
         raise ValueError("give a request id, or a window with --since TIME [--until TIME] [--tenant T]")
@@ -498,7 +499,7 @@ async def _retention(args) -> int:
 
     bus = await _connect(args)
     try:
-        await natsched.bus.provision(await stored_settings(bus.js))
+        await bus.provision(await stored_settings(bus.js))
         await provision_jobs(bus.js)
         if args.action == "show":
             return await _retention_show(bus, args.json)
@@ -508,13 +509,13 @@ async def _retention(args) -> int:
 
 
 def _stream_of(target: str) -> str:
-    from natsched.bus import subjects as S
+    from natsched.wire import subjects as S
 
     return f"KV_{S.BUCKET_JOBS}" if target == S.BUCKET_JOBS else target
 
 
 async def _retention_show(bus, as_json: bool) -> int:
-    from natsched.bus.audit import retention
+    from natsched.audit.records import retention
     from natsched.bus.provision import default_limits, retention_targets, stored_overrides
 
     overrides = await stored_overrides(bus.js)
@@ -537,13 +538,13 @@ async def _retention_show(bus, as_json: bool) -> int:
 
 
 def retention_text(max_age_s: float, max_bytes: int) -> tuple[str, str]:
-    from natsched.bus.audit import fmt_age, fmt_size
+    from natsched.audit.records import fmt_age, fmt_size
 
     return fmt_age(max_age_s), fmt_size(max_bytes)
 
 
 async def _retention_set(bus, args) -> int:
-    from natsched.bus import subjects as S
+    from natsched.wire import subjects as S
     from natsched.bus.provision import (JobStoreLimits, StreamLimits, default_limits, ensure_jobs_bucket, ensure_stream,
                                job_stream_config, overrides_to_json, parse_duration, parse_size, retention_targets,
                                stored_overrides, stored_settings, stream_config)

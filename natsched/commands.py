@@ -9,9 +9,10 @@ from dataclasses import asdict
 
 import orjson
 
-from natsched.bus import subjects as S
-from natsched.bus.errors import BusError, Rejected
-from natsched.bus.schema import Control
+from natsched.wire import subjects as S
+from natsched.errors import NatschedError
+from natsched.client.errors import Rejected
+from natsched.wire.schema import Control
 
 
 def run_loop(coro):
@@ -54,7 +55,7 @@ def cmd_up(args) -> int:
         return _fail(str(exc))
     try:
         return Supervisor(settings).run()
-    except (BusError, AuthError) as exc:
+    except (NatschedError, AuthError) as exc:
         return _fail(str(exc))
 
 
@@ -95,7 +96,7 @@ def cmd_admitter(args) -> int:
             name=args.name, metrics_port=args.metrics_port, credit=CreditSettings(enabled=not args.no_credit)),
             metrics, router=router)
         await service.start()
-        return f"total={service.total}" + (f" routing={natsched.router.core.policy.name}" if router else "")
+        return f"total={service.total}" + (f" routing={router.core.policy.name}" if router else "")
 
     async def stop():
         if service is not None:
@@ -143,7 +144,7 @@ def cmd_worker(args) -> int:
                                                         heartbeat_interval_s=args.heartbeat, deployment=deployment,
                                                         metrics_port=args.metrics_port))
         holder["agent"] = agent
-        await natsched.bus.provision()  # its WORK stream may not exist yet when it starts first
+        await bus.provision()  # its WORK stream may not exist yet when it starts first
         await agent.start()
         return f"id={args.id} engine={args.engine} model={args.model} capacity={agent.capacity_tokens or 'kv'}"
 
@@ -193,7 +194,7 @@ def cmd_submit(args) -> int:
 
 
 async def _submit(args) -> int:
-    from natsched.bus.client import Client, Timeouts, make_request
+    from natsched.client.producer import Client, Timeouts, make_request
 
     client = await Client.connect(args.nats_url, Timeouts(admission=args.timeout), connect_budget_s=5.0,
                                   credentials=args.credentials)
@@ -301,7 +302,7 @@ async def _quota(args) -> int:
 
     bus = await Bus.connect(args.nats_url, name="natsched-cli", connect_budget_s=5.0, credentials=args.credentials)
     try:
-        await natsched.bus.provision()
+        await bus.provision()
         quotas, errors, dynamic, entries = await _read_quotas(bus)
         for err in errors:
             print(f"natsched: warning: {err}", file=sys.stderr)
@@ -368,7 +369,7 @@ def cmd_cluster(args) -> int:
 
     try:
         return run(args)
-    except BusError as exc:
+    except NatschedError as exc:
         return _fail(str(exc))
 
 
@@ -383,7 +384,7 @@ def cmd_chaos(args) -> int:
 
     try:
         return run(args)
-    except BusError as exc:
+    except NatschedError as exc:
         return _fail(str(exc))
 
 
@@ -417,7 +418,7 @@ async def _route(args) -> int:
                   "canary_share": args.canary_share if args.canary else 0.0}
     bus = await Bus.connect(args.nats_url, name="natsched-cli", connect_budget_s=5.0, credentials=args.credentials)
     try:
-        await natsched.bus.provision()
+        await bus.provision()
         if args.action == "set":
             await bus.kv_put(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG, orjson.dumps(config))
             print(f"routing config set: {orjson.dumps(config).decode()}")
@@ -434,7 +435,7 @@ def _run(coro) -> int:
 
     try:
         return run_loop(coro) or 0
-    except (BusError, WorkerError) as exc:
+    except (NatschedError, WorkerError) as exc:
         return _fail(str(exc))
     except (ValueError, orjson.JSONDecodeError) as exc:
         return _fail(str(exc))

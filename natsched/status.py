@@ -31,11 +31,11 @@ import orjson
 from natsched.admitter.errors import UsageError
 from natsched.admitter.quotas import Quotas
 from natsched.admitter.usage import Usage
-from natsched.bus import subjects as S
-from natsched.bus.audit import kv_snapshot
+from natsched.wire import subjects as S
+from natsched.audit.records import kv_snapshot
 from natsched.bus.connection import Bus
-from natsched.bus.errors import MessageError
-from natsched.bus.schema import Completion, Decision, Heartbeat
+from natsched.wire.errors import MessageError
+from natsched.wire.schema import Completion, Decision, Heartbeat
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ async def _provision(url: str, credentials: Path | None = None) -> None:
     create them (the services' roles may read stream info, not change it)."""
     bus = await Bus.connect(url, name="natsched-up", credentials=credentials)
     try:
-        await natsched.bus.provision()
+        await bus.provision()
         await provision_jobs(bus.js)
     finally:
         await bus.close()

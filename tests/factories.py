@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from natsched.bus.schema import Completion, Heartbeat, Request, RequestId, TenantId, WorkerId
+from natsched.wire.schema import Completion, Heartbeat, Request, RequestId, TenantId, WorkerId
 
 _ids = itertools.count()
 

@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
-from natsched.bus.client import Client, Timeouts
+from natsched.client.producer import Client, Timeouts
 from natsched.bus.connection import Bus
 from tests.serverwatch import wait_gone
 from natsched.router.core import RouterSettings
@@ -76,7 +76,7 @@ async def start_stack(
     client = Client(await connect("producer"), timeouts or Timeouts(admission=10, idle=20))
     stack = Stack(admitter, router, agents, client, buses, url)
     for _ in range(100):  # the router has seen every worker's first heartbeat
-        if len(natsched.router.core.workers) == workers:
+        if len(router.core.workers) == workers:
             break
         await asyncio.sleep(0.02)
     return stack

@@ -7,9 +7,9 @@ import asyncio
 from natsched.admitter.credit import CreditSettings
 from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
 from natsched.admitter.usage import Usage
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
-from natsched.bus.schema import Decision
+from natsched.wire.schema import Decision
 from tests.factories import make_completion, make_request
 from tests.factories import wait_for as until
 

@@ -7,10 +7,10 @@ import orjson
 
 from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
 from natsched.admitter.usage import Usage
-from natsched.bus import subjects as S
-from natsched.bus.client import make_request
+from natsched.wire import subjects as S
+from natsched.client.producer import make_request
 from natsched.bus.connection import Bus
-from natsched.bus.schema import Admitted, Decision, Heartbeat, Reply, Request
+from natsched.wire.schema import Admitted, Decision, Heartbeat, Reply, Request
 from tests.factories import make_completion
 from tests.factories import wait_for as until
 

@@ -6,10 +6,10 @@ from argparse import ArgumentTypeError
 import orjson
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.audit import AuditNotFound, audit_request, audit_window, read_window
-from natsched.bus.client import make_request
-from natsched.bus.errors import Rejected
+from natsched.wire import subjects as S
+from natsched.audit.records import AuditNotFound, audit_request, audit_window, read_window
+from natsched.client.producer import make_request
+from natsched.client.errors import Rejected
 from natsched.cmd_jobs import parse_time
 from tests.test_batch_submit import cli
 

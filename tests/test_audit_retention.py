@@ -2,7 +2,7 @@
 
 import orjson
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.provision import (DAY, GiB, ProvisionSettings, parse_duration, parse_size, provision, provision_jobs,
                            stored_overrides, stored_settings)
 from tests.test_batch_submit import cli2

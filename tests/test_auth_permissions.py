@@ -20,11 +20,11 @@ import orjson
 import pytest
 
 from natsched.admitter.service import AdmitterService
-from natsched.bus import subjects as S
-from natsched.bus.client import Client, Timeouts, make_request
+from natsched.wire import subjects as S
+from natsched.client.producer import Client, Timeouts, make_request
 from natsched.bus.connection import Bus, Credentials
 from natsched.bus.errors import ConnectError
-from natsched.bus.schema import Completion, Reply
+from natsched.wire.schema import Completion, Reply
 from natsched.bus.server import EmbeddedServer, find_binary, free_port
 from natsched.auth import AuthExistsError, AuthFiles, AuthSettings, add_auth_parser, cmd_auth, init, tenant_reply
 from natsched.router.core import RouterSettings
@@ -288,7 +288,7 @@ async def start_role_stack(url: str, files: AuthFiles) -> RoleStack:
         workers.append(agent)
     producers = {t: Client(await connect(f"producer-{t}"), Timeouts(admission=10, idle=20)) for t in TENANTS}
     for _ in range(100):  # bounded: the router has seen every worker's first heartbeat
-        if len(natsched.router.core.workers) == len(WORKERS):
+        if len(router.core.workers) == len(WORKERS):
             break
         await asyncio.sleep(0.02)
     return RoleStack(buses, admitter, router, workers, producers)

@@ -20,9 +20,9 @@ import pytest
 from natsched.admitter.offline import OfflineRunner, OfflineSettings
 from natsched.admitter.service import AdmitterService
 from natsched.bus.snapshot import read_kv
-from natsched.bus import subjects as S
-from natsched.bus.audit import AuditError
-from natsched.bus.batch import BatchClient, JobStore
+from natsched.wire import subjects as S
+from natsched.audit.records import AuditError
+from natsched.client.batch import BatchClient, JobStore
 from natsched.bus.connection import Bus, Credentials
 from natsched.bus.provision import provision_jobs
 from natsched.bus.server import find_binary

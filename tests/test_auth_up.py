@@ -20,8 +20,8 @@ import openai
 import orjson
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.batch import BatchClient
+from natsched.wire import subjects as S
+from natsched.client.batch import BatchClient
 from natsched.bus.connection import Bus
 from natsched.bus.server import free_port, port_in_use
 from natsched.auth import AuthSettings, init

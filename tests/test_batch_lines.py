@@ -3,9 +3,9 @@
 import orjson
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.batch import LineError, attempt_id, batch_id, parse_line, plan_batch, request_id, span_lines, to_spans
-from natsched.bus.schema import ID_PATTERN
+from natsched.wire import subjects as S
+from natsched.client.batch import LineError, attempt_id, batch_id, parse_line, plan_batch, request_id, span_lines, to_spans
+from natsched.wire.schema import ID_PATTERN
 
 
 def jsonl(*rows) -> bytes:

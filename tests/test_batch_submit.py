@@ -7,10 +7,11 @@ import sys
 import orjson
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.batch import BatchClient, NotFound
+from natsched.wire import subjects as S
+from natsched.client.batch import BatchClient
+from natsched.client.errors import NotFound
 from natsched.bus.provision import ProvisionSettings
-from natsched.bus.schema import BatchManifest, Request
+from natsched.wire.schema import BatchManifest, Request
 
 
 def batch_file(n: int = 10, *, bad: dict[int, bytes] | None = None) -> bytes:
@@ -50,7 +51,7 @@ async def test_running_twice_submits_nothing_twice(bus):
 async def test_resume_after_an_interruption_long_after_the_dedup_window(bus):
     # the shortest dedup window the server allows (100 ms), then past it: the server no longer
     # protects us from a second copy; the manifest and the stream must
-    await natsched.bus.provision(ProvisionSettings(dedup_window_s=0.1))
+    await bus.provision(ProvisionSettings(dedup_window_s=0.1))
     client = BatchClient(bus, window=4)
     with pytest.raises(Interrupt):
         await client.submit(batch_file(12), "t1", progress=interrupt_after(8))

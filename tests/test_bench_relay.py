@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.schema import Assignment, DeadLetter
+from natsched.wire import subjects as S
+from natsched.wire.schema import Assignment, DeadLetter
 from natsched.bench_relay import Relay
 from tests.factories import make_request, wait_for
 

@@ -1,4 +1,4 @@
-from natsched.bus.blocks import estimate_prompt_tokens, request_block_hashes, root_hash, text_block_hashes, token_block_hashes
+from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes, root_hash, text_block_hashes, token_block_hashes
 from tests.factories import make_request
 
 

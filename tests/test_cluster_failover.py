@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from natsched.bus import subjects as S
-from natsched.bus.client import Timeouts, make_request
+from natsched.wire import subjects as S
+from natsched.client.producer import Timeouts, make_request
 from natsched.bus.connection import Bus
-from natsched.bus.schema import Completion, Decision
+from natsched.wire.schema import Completion, Decision
 from natsched.bus.server import port_in_use
 from natsched.cluster import ROUTE_PORT_OFFSET, ClusterSettings, LocalCluster
 from tests.stack import start_stack

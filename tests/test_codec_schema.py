@@ -2,9 +2,9 @@ import msgpack
 import pytest
 from hypothesis import given, strategies as st
 
-from natsched.bus import codec
-from natsched.bus.errors import DecodeError, SchemaError
-from natsched.bus.schema import Admitted, Completion, Heartbeat, Reply, Request
+from natsched.wire import codec
+from natsched.wire.errors import DecodeError, SchemaError
+from natsched.wire.schema import Admitted, Completion, Heartbeat, Reply, Request
 from tests.factories import make_request
 
 
@@ -125,7 +125,7 @@ def test_negative_counts_are_refused_and_named(message, field):
 def test_reply_subjects_a_request_may_name(reply, tenant, allowed):
     """One regular expression decides it (it runs on every request decoded): the same table as
     the rule in subjects.md, including a trailing newline, which a per-token ``match`` let through."""
-    from natsched.bus.subjects import reply_allowed
+    from natsched.wire.subjects import reply_allowed
 
     assert reply_allowed(reply, tenant) is allowed
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from natsched.bus import codec, schema
-from natsched.bus.errors import DecodeError, MessageError
+from natsched.wire import codec, schema
+from natsched.wire.errors import DecodeError, MessageError
 
 SCHEMAS = [cls for cls in vars(schema).values()
            if isinstance(cls, type) and issubclass(cls, schema.Schema) and cls is not schema.Schema]

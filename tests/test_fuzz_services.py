@@ -34,10 +34,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from natsched.admitter.service import AdmitterService
-from natsched.bus import subjects as S
-from natsched.bus.client import Client, Timeouts, make_request
+from natsched.wire import subjects as S
+from natsched.client.producer import Client, Timeouts, make_request
 from natsched.bus.connection import Bus
-from natsched.bus.schema import CacheEvent, Completion, Control, DeadLetter, Decision, Heartbeat, Reply
+from natsched.wire.schema import CacheEvent, Completion, Control, DeadLetter, Decision, Heartbeat, Reply
 from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings
 from tests.conftest import wipe
@@ -232,7 +232,7 @@ async def _start(url: str) -> tuple:
     observer = Observer()
     await observer.start(fuzzer)
     for _ in range(100):  # bounded: the router has seen both workers
-        if {"w1", "w2"} <= set(natsched.router.core.workers):
+        if {"w1", "w2"} <= set(router.core.workers):
             break
         await asyncio.sleep(0.02)
     return fuzzer, admitter, router, workers, client, observer, buses

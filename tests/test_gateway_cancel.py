@@ -7,10 +7,10 @@ import asyncio
 import orjson
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.client import make_request
-from natsched.bus.errors import RequestFailed
-from natsched.bus.schema import Completion
+from natsched.wire import subjects as S
+from natsched.client.producer import make_request
+from natsched.client.errors import RequestFailed
+from natsched.wire.schema import Completion
 from natsched.gateway.testing import ALPHA, start_gateway
 from tests.stack import start_stack
 from tests.factories import wait_for

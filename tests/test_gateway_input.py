@@ -9,8 +9,8 @@ import os
 import orjson
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.schema import Control, Decision
+from natsched.wire import subjects as S
+from natsched.wire.schema import Control, Decision
 from natsched.gateway.cli import add_gateway_parser, settings_from_args
 from natsched.gateway.errors import ConfigError
 from natsched.gateway.keys import KeyRing

@@ -8,8 +8,8 @@ import openai
 import orjson
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.schema import Decision
+from natsched.wire import subjects as S
+from natsched.wire.schema import Decision
 from natsched.gateway.testing import ALPHA, start_gateway
 from tests.stack import start_stack
 

@@ -8,8 +8,8 @@ import time
 import openai
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.schema import Completion
+from natsched.wire import subjects as S
+from natsched.wire.schema import Completion
 from natsched.gateway.testing import ALPHA, start_gateway
 from tests.test_gateway_cancel import post
 from tests.stack import start_stack

@@ -16,11 +16,11 @@ import subprocess
 
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.client import make_request
+from natsched.wire import subjects as S
+from natsched.client.producer import make_request
 from natsched.bus.connection import Bus
 from natsched.bus.server import free_port
-from natsched.bus.schema import Decision
+from natsched.wire.schema import Decision
 from natsched.auth import admitter_role, router_role, scheduler_role
 from natsched.cli import build_parser
 from natsched.commands import up_settings

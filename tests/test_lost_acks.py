@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.connection import Bus, Delivery
-from natsched.bus.schema import Admitted, Assignment, Completion
+from natsched.wire.schema import Admitted, Assignment, Completion
 from tests.factories import make_request, wait_for
 from tests.test_admitter_service import start_admitter, stop
 from natsched.workers.agent import WorkerAgent, WorkerSettings

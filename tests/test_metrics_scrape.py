@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
 from natsched.bus.server import free_port
 from natsched.gateway.testing import ALPHA, start_gateway
@@ -138,7 +138,7 @@ async def test_each_service_serves_its_documented_metrics_and_they_count_real_tr
         await asyncio.sleep(0.05)
     first = asyncio.create_task(client.completions.create(model="default", prompt=list(range(100)), max_tokens=50))
     for _ in range(100):
-        if natsched.admitter.shared.usage.used:
+        if admitter.shared.usage.used:
             break
         await asyncio.sleep(0.02)
     await client.completions.create(model="default", prompt=list(range(100)), max_tokens=50)

@@ -14,11 +14,11 @@ from collections import Counter
 
 import orjson
 
-from natsched.bus import subjects as S
-from natsched.bus.audit import audit_request, audit_window
-from natsched.bus.batch import BatchClient, JobStore
-from natsched.bus.client import make_request
-from natsched.bus.schema import Completion, Decision
+from natsched.wire import subjects as S
+from natsched.audit.records import audit_request, audit_window
+from natsched.client.batch import BatchClient, JobStore
+from natsched.client.producer import make_request
+from natsched.wire.schema import Completion, Decision
 from natsched.sim.replay import format_report, load_recording, replay
 from tests.test_batch_submit import cli
 from tests.test_offline_runner import jobs_stack, records, wait_for

@@ -6,7 +6,7 @@ from natsched.admitter.errors import SettingsError
 from natsched.admitter.offline import IdleGate, OfflineSettings, on_failure, on_reply, on_take
 from natsched.admitter.quotas import Quotas, TenantQuota
 from natsched.admitter.usage import Usage
-from natsched.bus.schema import JobRecord, Reply
+from natsched.wire.schema import JobRecord, Reply
 from tests.factories import make_request
 
 

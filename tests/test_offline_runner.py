@@ -8,12 +8,12 @@ import pytest
 from natsched.admitter.offline import OfflineRunner, OfflineSettings
 from natsched.admitter.shared import SharedState
 from natsched.admitter.usage import Usage
-from natsched.bus import subjects as S
-from natsched.bus.batch import BatchClient, JobStore
-from natsched.bus.client import make_request
-from natsched.bus.codec import encode
+from natsched.wire import subjects as S
+from natsched.client.batch import BatchClient, JobStore
+from natsched.client.producer import make_request
+from natsched.wire.codec import encode
 from natsched.bus.connection import Bus
-from natsched.bus.schema import DeadLetter, Decision, Reply
+from natsched.wire.schema import DeadLetter, Decision, Reply
 from tests.stack import start_stack
 from tests.factories import wait_for
 
@@ -162,7 +162,7 @@ async def test_the_same_job_queued_twice_runs_once(stack, bus):
     await bus.jpublish(S.offline("t1"), req, msg_id="twice1:b")
     assert await wait_for(lambda: _status(bus, "twice1", "completed"))
     await wait_for(lambda: _queue_empty(bus))
-    from natsched.bus.schema import Completion
+    from natsched.wire.schema import Completion
 
     done = await records(bus, S.STREAM_COMPLETIONS, Completion)
     assert [c.request_id for c in done] == ["twice1"]
@@ -175,7 +175,7 @@ async def _queue_empty(bus):
 async def test_a_lost_attempt_times_out_and_is_retried(stack, bus):
     stack.runner.running["job.t1.-.lost1"] = ("lost1", time.time() - 10_000)
     store = JobStore(bus)
-    from natsched.bus.schema import JobRecord
+    from natsched.wire.schema import JobRecord
 
     req = make_request("t1", prompt_token_ids=list(range(64)), max_tokens=2, cls="offline", id="lost1")
     await store.create(S.job_key("t1", "-", "lost1"), JobRecord(id="lost1", tenant="t1", status="running",
@@ -240,7 +240,7 @@ async def _outcomes_empty(bus):
 
 
 async def test_a_quota_rejection_of_a_batch_line_puts_it_on_the_offline_path(stack, bus):
-    from natsched.bus.schema import JobRecord
+    from natsched.wire.schema import JobRecord
 
     # a batch line as its producer recorded it, and the admitter's answer: refused for quota
     req = make_request("t1", "rejected, then run offline", max_tokens=2, cls="batch", id="bq1",

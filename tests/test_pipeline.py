@@ -5,11 +5,11 @@ import asyncio
 import orjson
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.client import make_request
-from natsched.bus.codec import encode
-from natsched.bus.errors import DuplicateRequest, Rejected, RequestFailed
-from natsched.bus.schema import Completion, Control, DeadLetter, Decision, Reply
+from natsched.wire import subjects as S
+from natsched.client.producer import make_request
+from natsched.wire.codec import encode
+from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed
+from natsched.wire.schema import Completion, Control, DeadLetter, Decision, Reply
 from tests.stack import start_stack
 from tests.factories import wait_for
 

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.client import make_request
-from natsched.bus.schema import Completion, Decision, Request
+from natsched.wire import subjects as S
+from natsched.client.producer import make_request
+from natsched.wire.schema import Completion, Decision, Request
 from natsched.sim.errors import SimConfigError
 from natsched.sim.replay import ReplayError, WindowAgedOut, load_recording, match, replay
 from tests.test_batch_submit import cli

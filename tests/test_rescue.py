@@ -14,10 +14,10 @@ import pytest
 
 from natsched.admitter.rescue import readmission, stranded
 from natsched.admitter.shared import Reservation
-from natsched.bus import subjects as S
-from natsched.bus.client import Client, Timeouts
-from natsched.bus.errors import RequestFailed
-from natsched.bus.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
+from natsched.wire import subjects as S
+from natsched.client.producer import Client, Timeouts
+from natsched.client.errors import RequestFailed
+from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
 from natsched.runtime import READY_PREFIX
 from tests.factories import make_request, wait_for
 from tests.stack import start_stack

@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from natsched.bus import codec
-from natsched.bus import subjects as S
+from natsched.wire import codec
+from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
-from natsched.bus.schema import Admitted, Assignment, CacheEvent, Completion, Control
+from natsched.wire.schema import Admitted, Assignment, CacheEvent, Completion, Control
 from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings
 from tests.factories import make_heartbeat, make_request
@@ -91,14 +91,14 @@ async def test_hostile_reports_are_ignored_and_service_keeps_routing(router, bus
                                                           "hashes": [1], "block_size": -4}))
     await bus.publish(S.cache_events("ghost"), CacheEvent(worker="ghost", seq=7, kind="stored", ts=0, hashes=[9]))
     await asyncio.sleep(0.3)
-    assert "wn" not in natsched.router.core.workers  # a negative load is refused, not believed
+    assert "wn" not in router.core.workers  # a negative load is refused, not believed
     await beat(bus, "wok", 1)
     ids = await admit(bus, 2)
     assert await until(lambda: all(seen.assigned.get(r) == "wok" for r in ids))
 
 
 async def test_routing_audit_records_every_candidates_score_terms(bus, nats_url):
-    from natsched.bus.schema import Decision
+    from natsched.wire.schema import Decision
 
     service = RouterService(await Bus.connect(nats_url, name="router-n"), RouterServiceSettings(
         core=RouterSettings(policy="natsched")))
@@ -129,7 +129,7 @@ async def test_metrics_count_assignments_migrations_and_refused_reports(router, 
         await bus.jpublish(S.admitted(req.cls, req.tenant), Admitted(request=req, runtime_tokens=10,
                                                                      admitted_at=time.time()), msg_id=req.id)
     assert await until(lambda: len(seen.assigned) == 3)
-    m = natsched.router.metrics
+    m = router.metrics
     assert m.assignments.labels("least_loaded", "wa")._value.get() == 3
     assert m.prefix_routes._value.get() == 2 and m.prefix_migrations._value.get() == 0  # one worker: no moves
     assert m.bad_reports.labels("heartbeat")._value.get() == 1
@@ -139,9 +139,9 @@ async def test_a_worker_cannot_report_for_another(router, bus):
     await bus.publish(S.heartbeat("wreal"), make_heartbeat("wimpostor"))
     await bus.publish(S.cache_events("wreal"), CacheEvent(worker="wother", seq=1, kind="stored", ts=0, hashes=[1]))
     await asyncio.sleep(0.3)
-    assert "wimpostor" not in natsched.router.core.workers
-    assert natsched.router.metrics.bad_reports.labels("heartbeat")._value.get() == 1
-    assert natsched.router.metrics.bad_reports.labels("cache_event")._value.get() == 1
+    assert "wimpostor" not in router.core.workers
+    assert router.metrics.bad_reports.labels("heartbeat")._value.get() == 1
+    assert router.metrics.bad_reports.labels("cache_event")._value.get() == 1
 
 
 async def test_every_router_replica_releases_what_it_routed_when_the_completion_comes(bus, nats_url):

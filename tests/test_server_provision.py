@@ -7,7 +7,7 @@ import time
 import pytest
 from nats.js import api
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.errors import ConnectError, PortInUseError, ProvisionError
 from natsched.bus.connection import Bus
 from natsched.bus.provision import ProvisionSettings, stream_config
@@ -39,8 +39,8 @@ async def test_connect_budget_gives_a_clear_error():
 
 
 async def test_provisioning_is_idempotent_with_explicit_limits(bus):
-    await natsched.bus.provision()
-    await natsched.bus.provision()
+    await bus.provision()
+    await bus.provision()
     for name in S.STREAMS:
         info = await bus.js.stream_info(name)
         assert info.config.max_age > 0 and info.config.max_bytes > 0
@@ -54,7 +54,7 @@ async def test_provisioning_is_idempotent_with_explicit_limits(bus):
 async def test_changed_limits_are_applied_to_existing_streams(bus):
     settings = ProvisionSettings()
     settings.limits[S.STREAM_DECISIONS].max_age_s = 3600
-    await natsched.bus.provision(settings)
+    await bus.provision(settings)
     assert (await bus.js.stream_info(S.STREAM_DECISIONS)).config.max_age == 3600
 
 
@@ -64,7 +64,7 @@ async def test_incompatible_existing_stream_is_refused(bus):
     cfg.retention = api.RetentionPolicy.LIMITS
     await bus.js.add_stream(cfg)
     with pytest.raises(ProvisionError, match="ADMITTED exists with retention"):
-        await natsched.bus.provision()
+        await bus.provision()
 
 
 async def test_publishes_and_reads_ride_out_a_server_restart(tmp_path):
@@ -73,7 +73,7 @@ async def test_publishes_and_reads_ride_out_a_server_restart(tmp_path):
     server = EmbeddedServer(port=free_port(), data_dir=tmp_path / "data").start()
     bus = await Bus.connect(server.url, publish_budget_s=20)
     try:
-        await natsched.bus.provision()
+        await bus.provision()
         await bus.jpublish(S.request(S.ONLINE, "t1"), b"before", msg_id="m1")
         server.stop()
         loop = asyncio.get_running_loop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from natsched.bus.schema import CacheEvent, Completion, Heartbeat
+from natsched.wire.schema import CacheEvent, Completion, Heartbeat
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.policies import POLICIES
 from natsched.router.policy import RouteDecision

@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from tests.stack import start_stack
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,9 +9,9 @@ from html.parser import HTMLParser
 import orjson
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.client import make_request
-from natsched.bus.errors import Rejected
+from natsched.wire import subjects as S
+from natsched.client.producer import make_request
+from natsched.client.errors import Rejected
 from natsched.gateway.testing import start_gateway
 from tests.stack import start_stack
 

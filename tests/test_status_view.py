@@ -7,10 +7,10 @@ import asyncio
 import orjson
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.client import make_request
-from natsched.bus.errors import Rejected
-from natsched.bus.schema import Completion, Decision, RequestId, TenantId
+from natsched.wire import subjects as S
+from natsched.client.producer import make_request
+from natsched.client.errors import Rejected
+from natsched.wire.schema import Completion, Decision, RequestId, TenantId
 from natsched.status import StatusCollector, StatusSettings, StatusState, render_text
 from tests.factories import make_heartbeat
 from tests.stack import start_stack

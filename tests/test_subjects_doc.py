@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 
 DOC = (Path(__file__).resolve().parent.parent / "subjects.md").read_text()
 TABLES = ("Subjects", "Streams", "Durable consumers", "KV buckets", "Headers")
@@ -42,7 +42,7 @@ def test_every_builder_renders_its_documented_pattern(name):
     args = re.findall(r"<([a-z_]+)>", pattern)
     rendered = getattr(S, name)(*[a.replace("_", "-").upper() for a in args])
     assert rendered == _render(pattern)
-    assert f"`{pattern}`" in DOC, f"{pattern} is built by natsched.bus.subjects.{name} but not documented"
+    assert f"`{pattern}`" in DOC, f"{pattern} is built by natsched.wire.subjects.{name} but not documented"
 
 
 def test_every_constant_is_documented():

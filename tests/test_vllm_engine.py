@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from natsched.bus.blocks import request_block_hashes
-from natsched.bus.schema import Request
+from natsched.wire.blocks import request_block_hashes
+from natsched.wire.schema import Request
 from natsched.workers.backoff import BackoffMonitor, BackoffSettings
 from natsched.workers.calibrate import CalibrationSettings, calibrate
 from natsched.workers.engine import EngineRequest

@@ -12,11 +12,11 @@ import time
 import pytest
 
 from natsched.admitter.service import AdmitterService
-from natsched.bus import subjects as S
-from natsched.bus.blocks import request_block_hashes
-from natsched.bus.client import Client, Timeouts, make_request
+from natsched.wire import subjects as S
+from natsched.wire.blocks import request_block_hashes
+from natsched.client.producer import Client, Timeouts, make_request
 from natsched.bus.connection import Bus
-from natsched.bus.schema import CacheEvent
+from natsched.wire.schema import CacheEvent
 from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings
 from tests.conftest import wipe
@@ -51,7 +51,7 @@ class CacheView:
 async def cluster(nats_url, tmp_path_factory):
     bus = await Bus.connect(nats_url, name="test-vllm-pipeline")
     await wipe(bus)
-    await natsched.bus.provision()
+    await bus.provision()
     view = CacheView()
     await bus.subscribe(S.CACHE_EVENTS_ALL, view.on_event)
     path = write_tiny_model(tmp_path_factory.mktemp("tiny-pipeline"))
@@ -67,7 +67,7 @@ async def cluster(nats_url, tmp_path_factory):
         await router.start()
         services = [admitter, router]
         deadline = time.monotonic() + 30
-        while len(natsched.router.core.workers) < len(WORKERS) and time.monotonic() < deadline:
+        while len(router.core.workers) < len(WORKERS) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         client = Client(await Bus.connect(nats_url, name="producer"), Timeouts(admission=30, idle=120))
         yield client, router, view
@@ -82,8 +82,8 @@ async def cluster(nats_url, tmp_path_factory):
 
 async def test_router_sees_both_real_workers(cluster):
     _, router, _ = cluster
-    assert set(natsched.router.core.workers) == set(WORKERS)
-    assert all(w.model == MODEL and w.block_size == 32 for w in natsched.router.core.workers.values())
+    assert set(router.core.workers) == set(WORKERS)
+    assert all(w.model == MODEL and w.block_size == 32 for w in router.core.workers.values())
 
 
 async def test_repeated_long_prefix_is_served_from_the_chosen_workers_cache(cluster):

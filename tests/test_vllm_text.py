@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from natsched.bus.blocks import request_block_hashes, root_hash, token_block_hashes
-from natsched.bus.schema import Request
+from natsched.wire.blocks import request_block_hashes, root_hash, token_block_hashes
+from natsched.wire.schema import Request
 from natsched.workers.engine import EngineRequest
 from natsched.workers.vllm_engine import VllmEngine, VllmEngineSettings
 from tests.factories import wait_for

@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.blocks import request_block_hashes
+from natsched.wire import subjects as S
+from natsched.wire.blocks import request_block_hashes
 from natsched.bus.connection import Bus
-from natsched.bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, Request, WorkerId
+from natsched.wire.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, Request, WorkerId
 from tests.conftest import wipe
 from natsched.workers.calibrate import Calibration, store_calibration
 from natsched.workers.vllm_worker import VllmWorkerProcess
@@ -79,7 +79,7 @@ async def worker(nats_url, tmp_path_factory):
 
     bus = await Bus.connect(nats_url, name="test-vllm-worker")
     await wipe(bus)
-    await natsched.bus.provision()
+    await bus.provision()
     await store_calibration(bus, Calibration(
         model=MODEL, deployment=DEPLOYMENT, capacity_tokens=CALIBRATED, knee_concurrency=4, knee_reason="test",
         knee_factor=2.0, baseline_ttft=0.01, baseline_tpot=0.01, block_size=32, prompt_tokens=64, output_tokens=8,

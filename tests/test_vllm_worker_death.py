@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
-from natsched.bus.schema import Assignment, CacheEvent, Completion, Heartbeat, Reply, Request, WorkerId
+from natsched.wire.schema import Assignment, CacheEvent, Completion, Heartbeat, Reply, Request, WorkerId
 from tests.conftest import wipe
 from natsched.workers.vllm_worker import VllmWorkerProcess
 from tests.factories import wait_for
@@ -30,7 +30,7 @@ async def test_engine_core_death_is_reported_and_the_worker_exits_1(nats_url, tm
 
     bus = await Bus.connect(nats_url, name="test-vllm-death")
     await wipe(bus)
-    await natsched.bus.provision()
+    await bus.provision()
     got: dict[str, list] = {"hb": [], "kv": [], "done": [], "reply": []}
 
     def sink(key, cls):

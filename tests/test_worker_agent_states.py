@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from natsched.bus import subjects as S
-from natsched.bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
+from natsched.wire import subjects as S
+from natsched.wire.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
 from tests.factories import make_request
 from natsched.workers.agent import WorkerAgent, WorkerSettings
 from natsched.workers.backoff import BackoffMonitor, BackoffSettings

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from natsched.bus import subjects as S
-from natsched.bus.schema import Heartbeat, WorkerId
+from natsched.wire import subjects as S
+from natsched.wire.schema import Heartbeat, WorkerId
 from natsched.workers.agent import WorkerAgent, WorkerSettings
-from natsched.bus.subjects import calibration_key
+from natsched.wire.subjects import calibration_key
 from natsched.workers.calibrate import (
     Calibration,
     CalibrationSettings,

@@ -11,8 +11,8 @@ import asyncio
 import msgspec
 import pytest
 
-from natsched.bus.blocks import request_block_hashes, root_hash, token_block_hashes
-from natsched.bus.schema import Request
+from natsched.wire.blocks import request_block_hashes, root_hash, token_block_hashes
+from natsched.wire.schema import Request
 from natsched.workers.kv_events import KvEventSubscriber, KvTranslator, decode_batch
 
 BS = 4  # small blocks keep the token lists readable

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from natsched.bus.blocks import CHARS_PER_TOKEN, request_block_hashes, root_hash, token_block_hashes
-from natsched.bus.schema import Request
+from natsched.wire.blocks import CHARS_PER_TOKEN, request_block_hashes, root_hash, token_block_hashes
+from natsched.wire.schema import Request
 from natsched.workers.textmap import text_aliases, tokens_covering
 
 

@@ -9,8 +9,10 @@
     └── SettingsError       an AdmissionSettings value out of range (also a ValueError)
 """
 
+from natsched.errors import NatschedError
 
-class AdmitterError(Exception):
+
+class AdmitterError(NatschedError):
     """Root of every admitter error."""
 
 

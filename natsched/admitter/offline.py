@@ -10,7 +10,7 @@ published to ADMITTED like any admitted request (the router and the workers run 
 a reservation record ``res.<attempt id>``, which the worker's completion releases through the
 admitters exactly as for online work.
 
-Every job has a record in bucket ``jobs`` (:mod:`natsched.bus.batch`); the job's replies go to
+Every job has a record in bucket ``jobs`` (:mod:`natsched.client.batch`); the job's replies go to
 ``outcome.<tenant>.<batch>.<job id>``, which the OUTCOMES stream keeps until this service folds
 them into the record (``completed`` with the output, or a failure). A failure is an outcome with
 a reason: transient ones (``no_worker``, ``engine_error``, a timeout, a quota rejection) are retried
@@ -36,12 +36,12 @@ from natsched.admitter.policy import AdmissionSettings, runtime_tokens, validate
 from natsched.admitter.quotas import Quotas
 from natsched.admitter.shared import Reservation, SharedState
 from natsched.admitter.usage import Usage
-from natsched.bus import subjects as S
-from natsched.bus.batch import COMPLETED, FAILED, FINAL, RUNNING, SUBMITTED, WAITING, JobStore, attempt_id, note
+from natsched.wire import subjects as S
+from natsched.client.batch import COMPLETED, FAILED, FINAL, RUNNING, SUBMITTED, WAITING, JobStore, attempt_id, note
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
-from natsched.bus.errors import MessageError
+from natsched.wire.errors import MessageError
 from natsched.bus.provision import provision_jobs, stored_settings
-from natsched.bus.schema import Admitted, DeadLetter, Decision, Heartbeat, JobRecord, Reply, Request
+from natsched.wire.schema import Admitted, DeadLetter, Decision, Heartbeat, JobRecord, Reply, Request
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Callable, Iterable
 from natsched.admitter.queue import AdmissionQueue, Entry, Lane
 from natsched.admitter.quotas import Quotas, TenantQuota
 from natsched.admitter.usage import Usage
-from natsched.bus.schema import Request, RequestId
+from natsched.wire.schema import Request, RequestId
 
 Rank = tuple[int, float]
 NEVER_RANK: Rank = (-1, 0.0)  # a tenant that may no longer be admitted at all: purge its queue first

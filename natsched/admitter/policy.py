@@ -55,9 +55,9 @@ from natsched.admitter.planner import Planner, never_fits
 from natsched.admitter.queue import AdmissionQueue
 from natsched.admitter.quotas import Quotas
 from natsched.admitter.usage import Usage
-from natsched.bus import subjects as S
-from natsched.bus.blocks import estimate_prompt_tokens
-from natsched.bus.schema import Completion, Request, RequestId
+from natsched.wire import subjects as S
+from natsched.wire.blocks import estimate_prompt_tokens
+from natsched.wire.schema import Completion, Request, RequestId
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
 
-from natsched.bus.schema import Request, RequestId
+from natsched.wire.schema import Request, RequestId
 
 Lane = tuple[str, bool]  # (class, long)
 

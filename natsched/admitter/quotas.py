@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 
 from natsched.admitter.errors import QuotaError
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 
 log = logging.getLogger(__name__)
 

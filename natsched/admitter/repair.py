@@ -19,9 +19,10 @@ from natsched.admitter.errors import AdmitterError
 from natsched.admitter.leases import LeaseTracker, reconcile
 from natsched.admitter.rescue import RescueReport, Rescuer
 from natsched.admitter.usage import Usage
-from natsched.bus import subjects as S
-from natsched.bus.errors import BusError, MessageError
-from natsched.bus.schema import Heartbeat
+from natsched.wire import subjects as S
+from natsched.errors import NatschedError
+from natsched.wire.errors import MessageError
+from natsched.wire.schema import Heartbeat
 
 if TYPE_CHECKING:
     from natsched.admitter.metrics import AdmitterMetrics
@@ -106,7 +107,7 @@ class Repairs:
     async def _reclaim_once(self, expired: dict[str, set[str]]) -> None:
         try:
             await self.reclaim(expired)
-        except (AdmitterError, BusError) as exc:
+        except (AdmitterError, NatschedError) as exc:
             log.warning("lease reclaim deferred: %s", exc)
         except Exception:  # e.g. a permission refused: say so loudly, but never stop reclaiming
             log.exception("lease reclaim failed; retrying at the next sweep")

@@ -15,7 +15,7 @@ message back onto ADMITTED as the next *attempt*, naming the dead worker in ``av
    completions stored above it and note their request ids;
 3. for each message: a record that is gone now, or a request whose completion was read in 2,
    finished: the message is only removed, never re-run (a reservation still held is released
-   when its completion is processed). Otherwise publish the :class:`~natsched.bus.schema.Admitted`
+   when its completion is processed). Otherwise publish the :class:`~natsched.wire.schema.Admitted`
    with ``Nats-Msg-Id`` ``<id>:adm:<attempt>`` (two replicas rescuing the same message at once
    store it once), tell the producer (status ``rerouted``), write an audit record (``rescue``);
 4. delete the WORK message (a replica that finds it already deleted did nothing wrong).
@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable
 
 from natsched.admitter.shared import SharedState
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
-from natsched.bus.errors import MessageError
-from natsched.bus.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
+from natsched.wire.errors import MessageError
+from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
 
 log = logging.getLogger(__name__)
 

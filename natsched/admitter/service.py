@@ -30,11 +30,12 @@ from natsched.admitter.repair import Repairs
 from natsched.admitter.rescue import Rescuer
 from natsched.admitter.shared import Reservation, SharedState
 from natsched.admitter.usage import Usage
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.aio import wait_event
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
-from natsched.bus.errors import BusError, MessageError
-from natsched.bus.schema import Admitted, Completion, Decision, Reply, Request
+from natsched.errors import NatschedError
+from natsched.wire.errors import MessageError
+from natsched.wire.schema import Admitted, Completion, Decision, Reply, Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -492,7 +493,7 @@ class AdmitterService(Repairs):
         self.credit.settings = replace(self.credit.settings, enabled=False)
         try:
             await asyncio.wait_for(self.keep_credit(), 3)
-        except (asyncio.TimeoutError, AdmitterError, BusError) as exc:
+        except (asyncio.TimeoutError, AdmitterError, NatschedError) as exc:
             log.warning("credit not given back at stop (%s): it is dropped after its lease", exc)
 
     # --- completions, leases, reconciliation ----------------------------------------------

@@ -32,7 +32,7 @@ import orjson
 
 from natsched.admitter.errors import AdmitterError, UsageError
 from natsched.admitter.usage import Usage
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ConflictError
 

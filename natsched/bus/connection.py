@@ -32,12 +32,13 @@ from nats.js.errors import (
     ServiceUnavailableError,
 )
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.acks import AckInbox
-from natsched.bus.errors import ConflictError, ConnectError, MessageError
+from natsched.bus.errors import ConflictError, ConnectError
+from natsched.wire.errors import MessageError
 from natsched.bus.provision import ProvisionSettings, provision, stored_settings
 from natsched.bus.puller import Puller
-from natsched.bus.schema import DeadLetter, Reply, Schema
+from natsched.wire.schema import DeadLetter, Reply, Schema
 from natsched.bus.snapshot import read_kv
 from natsched.bus.server import DEFAULT_URL
 
@@ -665,7 +666,7 @@ class Bus:
         Reads by sequence number between the first and last sequence at the time of the call: a
         snapshot with no consumer, so nothing is delivered twice (an ordered consumer that resets
         under load can) and work-queue streams, which allow no second consumer, read the same way.
-        For tests and small streams; audits read windows with :func:`natsched.bus.audit.read_window`.
+        For tests and small streams; audits read windows with :func:`natsched.audit.records.read_window`.
         """
         info = await self._read(lambda: self.js.stream_info(stream))
         if info.state.messages == 0:

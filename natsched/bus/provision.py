@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from nats.js import api
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError, ServerError
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.errors import ProvisionError
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
-from natsched.bus.client import new_request_id
+from natsched.client.producer import new_request_id
 from natsched.gateway import protocol as P
 from natsched.gateway.errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge
 from natsched.gateway.keys import CLASS_HEADER, effective_class
@@ -54,7 +54,7 @@ class RequestIdMiddleware:
 
     def __init__(self, app: Any, gateway: Gateway) -> None:
         self.app = app
-        self.metrics = natsched.gateway.metrics
+        self.metrics = gateway.metrics
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":

@@ -22,11 +22,13 @@ never a stack trace. The tree::
 
 from __future__ import annotations
 
+from natsched.errors import NatschedError
+
 import math
 from typing import Any
 
 
-class GatewayError(Exception):
+class GatewayError(NatschedError):
     """Root of every gateway error."""
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import orjson
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.gateway.errors import BadRequest, ConfigError, Forbidden, Unauthorized
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ import sys
 
 import uvicorn
 
-from natsched.bus.client import Client, Timeouts
+from natsched.client.producer import Client, Timeouts
 from natsched.bus.connection import Bus
-from natsched.bus.errors import BusError
+from natsched.errors import NatschedError
 from natsched.gateway.app import build_app
 from natsched.gateway.cli import settings_from_args
 from natsched.gateway.errors import ConfigError
@@ -102,6 +102,6 @@ def main(args: argparse.Namespace) -> int:
         runner = asyncio.run
     try:
         return runner(run_gateway(args))
-    except (BusError, ConfigError, OSError) as exc:
+    except (NatschedError, ConfigError, OSError) as exc:
         print(f"natsched: error: {exc}", file=sys.stderr)
         return 1

@@ -38,9 +38,10 @@ from typing import Any, AsyncIterator
 
 import orjson
 
-from natsched.bus.client import Chunk, Client, Result
-from natsched.bus.errors import BusError, DuplicateRequest, Rejected, RequestError, RequestFailed, RequestTimeout
-from natsched.bus.schema import Request, RequestId, TenantId
+from natsched.client.producer import Chunk, Client, Result
+from natsched.errors import NatschedError
+from natsched.client.errors import DuplicateRequest, Rejected, RequestError, RequestFailed, RequestTimeout
+from natsched.wire.schema import Request, RequestId, TenantId
 from natsched.gateway import protocol as P
 from natsched.gateway.errors import (ApiError, BadRequest, Conflict, Forbidden, GatewayTimeout, NotFound, RateLimited,
                             Unavailable, Upstream)
@@ -150,7 +151,7 @@ class Gateway:
                                  "cancelled", code="timeout") from None
         except RequestError as exc:
             raise api_error(exc, self.settings) from None
-        except BusError as exc:
+        except NatschedError as exc:
             raise bus_unavailable(exc) from None
         return self._final(call, result)
 
@@ -190,7 +191,7 @@ class Gateway:
         except RequestError as exc:
             await events.aclose()
             raise api_error(exc, self.settings) from None
-        except BusError as exc:
+        except NatschedError as exc:
             await events.aclose()
             raise bus_unavailable(exc) from None
         except BaseException:
@@ -229,7 +230,7 @@ class Gateway:
                     item = None
         except RequestError as exc:  # after the first token: the status is sent, say it in the stream
             yield _data(api_error(exc, self.settings).body())
-        except BusError as exc:
+        except NatschedError as exc:
             yield _data(bus_unavailable(exc).body())
         finally:
             await events.aclose()
@@ -282,7 +283,7 @@ def api_error(exc: RequestError, settings: GatewaySettings) -> ApiError:
     return Upstream(str(exc), code="request_error")
 
 
-def bus_unavailable(exc: BusError) -> Unavailable:
+def bus_unavailable(exc: NatschedError) -> Unavailable:
     log.warning("bus error: %s", exc)
     return Unavailable("the scheduler cannot be reached right now", code="bus_unavailable", retry_after=5)
 

@@ -4,7 +4,7 @@ Why not the framework's streaming response: the ASGI servers only report a disco
 whoever calls ``receive()``, and a stream that is waiting for the next token (or a request
 still queued) calls nothing; the generation would run to its end for nobody. Here a second
 task waits on ``receive()`` and cancels the work the moment ``http.disconnect`` arrives; the
-cancellation closes the :mod:`natsched.bus.client` exchange, which tells the worker to stop.
+cancellation closes the :mod:`natsched.client.producer` exchange, which tells the worker to stop.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from natsched.bus.client import Client, Timeouts
+from natsched.client.producer import Client, Timeouts
 from natsched.bus.connection import Bus
 from natsched.bus.server import free_port
 from natsched.gateway.keys import KeyRing

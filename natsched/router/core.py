@@ -20,7 +20,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from natsched.bus.schema import CacheEvent, Completion, Heartbeat, RequestId, WorkerId
+from natsched.wire.schema import CacheEvent, Completion, Heartbeat, RequestId, WorkerId
 from natsched.router.costmodel import CostModel
 from natsched.router.deps import PolicyDeps, cached_tokens
 from natsched.router.errors import ConfigError

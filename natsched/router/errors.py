@@ -8,8 +8,10 @@
         └── UnknownPolicyError  a policy name that make_policy() does not know
 """
 
+from natsched.errors import NatschedError
 
-class RouterError(Exception):
+
+class RouterError(NatschedError):
     """Root of every router error."""
 
 

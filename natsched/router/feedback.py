@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from natsched.bus.schema import WorkerId
+from natsched.wire.schema import WorkerId
 from natsched.router.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import bisect
 import hashlib
 from typing import Iterable, Mapping
 
-from natsched.bus.schema import WorkerId
+from natsched.wire.schema import WorkerId
 
 _MASK64 = (1 << 64) - 1
 

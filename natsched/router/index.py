@@ -1,6 +1,6 @@
 """The prefix index: which workers hold which blocks of a prompt's prefix chain. Pure, no I/O.
 
-Blocks are identified by *chained* hashes (:mod:`natsched.bus.blocks`, or a trace's ``hash_ids``), so a hash
+Blocks are identified by *chained* hashes (:mod:`natsched.wire.blocks`, or a trace's ``hash_ids``), so a hash
 stands for a whole prefix and "worker W holds the first k blocks of this request" is k dict
 lookups. Two sources feed it:
 
@@ -36,7 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from natsched.bus.schema import BlockHash, CacheEvent, WorkerId
+from natsched.wire.schema import BlockHash, CacheEvent, WorkerId
 from natsched.router.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -72,7 +72,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from natsched.bus.schema import BlockHash, WorkerId
+from natsched.wire.schema import BlockHash, WorkerId
 from natsched.router.deps import PolicyDeps, cached_tokens
 from natsched.router.errors import ConfigError
 from natsched.router.hashring import HashRing

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from natsched.bus.blocks import estimate_prompt_tokens, request_block_hashes
-from natsched.bus.schema import BlockHash, Request, RequestId, TenantId, WorkerId
+from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
+from natsched.wire.schema import BlockHash, Request, RequestId, TenantId, WorkerId
 
 
 @dataclass

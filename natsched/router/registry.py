@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-from natsched.bus.schema import BlockHash, Heartbeat, RequestId, WorkerId
+from natsched.wire.schema import BlockHash, Heartbeat, RequestId, WorkerId
 from natsched.router.backlog import advance, queued_prefill_s
 from natsched.router.costmodel import CostModel
 from natsched.router.errors import ConfigError

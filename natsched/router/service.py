@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from natsched.bus import subjects as S
-from natsched.bus.blocks import estimate_prompt_tokens
+from natsched.wire import subjects as S
+from natsched.wire.blocks import estimate_prompt_tokens
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
-from natsched.bus.errors import MessageError
-from natsched.bus.schema import Admitted, Assignment, CacheEvent, Completion, Control, Decision, Heartbeat, Reply
+from natsched.wire.errors import MessageError
+from natsched.wire.schema import Admitted, Assignment, CacheEvent, Completion, Control, Decision, Heartbeat, Reply
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.errors import ConfigError
 from natsched.router.metrics import RouterMetrics

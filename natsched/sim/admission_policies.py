@@ -3,7 +3,7 @@
 - :class:`NatschedAdmission` drives the shipped :class:`natsched.admitter.policy.AdmitterCore` exactly as
   ``admitter/service.py`` does: ``evaluate`` + ``apply`` per arrival, ``plan_dequeue`` +
   ``commit_dequeue`` whenever capacity may have changed (after every completion, and every tick
-  for aging and timeouts), ``release`` with a :class:`natsched.bus.schema.Completion` per finished request.
+  for aging and timeouts), ``release`` with a :class:`natsched.wire.schema.Completion` per finished request.
 - :class:`CountFifo`: the count-based FIFO the design brief warns about. Each time it runs it
   walks its queue in arrival order and releases up to ``per_tick`` requests, each one that fits in
   the free token budget (so it never over-admits) — a fixed *number* per tick, whatever their
@@ -27,8 +27,8 @@ from typing import Protocol
 
 from natsched.admitter.policy import ALLOW, QUEUE, REJECT, AdmissionSettings, AdmitterCore
 from natsched.admitter.quotas import Quotas, TenantQuota
-from natsched.bus import subjects as S
-from natsched.bus.schema import Completion, Request, RequestId, TenantId
+from natsched.wire import subjects as S
+from natsched.wire.schema import Completion, Request, RequestId, TenantId
 from natsched.sim.admission_workload import AdmissionWorkload, SimRequest
 
 Outcome = tuple[str, str | None]

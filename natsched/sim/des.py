@@ -1,7 +1,7 @@
 """The discrete-event simulator: a virtual clock driving the objects the services ship.
 
 One :class:`natsched.router.core.RouterCore` decides where requests go, fed exactly as ``router/service.py``
-feeds it (``on_heartbeat`` / ``on_cache_event`` / ``on_completion`` with the :mod:`natsched.bus.schema`
+feeds it (``on_heartbeat`` / ``on_cache_event`` / ``on_completion`` with the :mod:`natsched.wire.schema`
 messages, ``route`` with a :class:`natsched.router.policy.RouteRequest`); one
 :class:`natsched.workers.simcore.SimCore` per worker plays the engine, stepped in virtual time the way
 ``workers/simengine.py`` steps it in real time (``step(now)``, then the step's duration later its
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from natsched.bus.schema import CacheEvent, Completion, Heartbeat, RequestId, TenantId, WorkerId
+from natsched.wire.schema import CacheEvent, Completion, Heartbeat, RequestId, TenantId, WorkerId
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.policy import RouteRequest
 from natsched.sim.admission import ALLOW, QUEUE, REJECT, AdmissionHook, AllowAll, runtime_tokens

@@ -16,8 +16,10 @@
 
 from __future__ import annotations
 
+from natsched.errors import NatschedError
 
-class SimError(Exception):
+
+class SimError(NatschedError):
     """Root of every simulator error."""
 
 

@@ -27,10 +27,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from natsched.bus import subjects as S
-from natsched.bus.audit import Retention, decode_all, percentile, read_window, retention
-from natsched.bus.blocks import estimate_prompt_tokens, request_block_hashes
-from natsched.bus.schema import Completion, Decision, Request
+from natsched.wire import subjects as S
+from natsched.audit.records import Retention, decode_all, percentile, read_window, retention
+from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
+from natsched.wire.schema import Completion, Decision, Request
 from natsched.sim.des import SimResult, SimSettings, simulate
 from natsched.sim.errors import SimError
 from natsched.sim.trace import Trace, TraceRequest

@@ -9,7 +9,7 @@ One JSON object per line (kvcache-ai/Mooncake, FAST'25 trace release)::
 - ``hash_ids``: one id per ``block_size``-token prompt block (512 in Mooncake's traces); equal ids in
   equal positions mean reusable prefix KV.
 
-Each request's ids become a *chained* block-hash list, like :mod:`natsched.bus.blocks` does for token ids:
+Each request's ids become a *chained* block-hash list, like :mod:`natsched.wire.blocks` does for token ids:
 block *i*'s hash covers its id and the hash of block *i-1*, so equal id prefixes give equal chains and
 a hash stands for a whole prefix (what the router's prefix index and the engine's prefix cache key
 on). Only *full* blocks are hashed (``input_length // block_size`` of them), as vLLM caches only full
@@ -34,7 +34,7 @@ from natsched.sim.errors import EmptyTraceError, SimConfigError, TraceError, Tra
 
 MOONCAKE_BLOCK_TOKENS = 512  # the block size of Mooncake's hash_ids
 _SEED = b"natsched/sim/trace/v1"
-_MASK = (1 << 63) - 1  # inside msgpack's signed int64, like natsched.bus.blocks
+_MASK = (1 << 63) - 1  # inside msgpack's signed int64, like natsched.wire.blocks
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 

@@ -26,11 +26,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from natsched.bus import subjects as S
-from natsched.bus.blocks import estimate_prompt_tokens, request_block_hashes
+from natsched.wire import subjects as S
+from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
-from natsched.bus.errors import MessageError
-from natsched.bus.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
+from natsched.wire.errors import MessageError
+from natsched.wire.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
 from natsched.workers.backoff import BackoffMonitor, BackoffSettings
 from natsched.workers.calibrate import load_calibration
 from natsched.workers.engine import Engine, EngineOutput, EngineRequest, EngineStats

@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.workers.engine import Engine, EngineRequest
 from natsched.workers.errors import CalibrationError
 
@@ -300,7 +300,7 @@ async def calibrate_command(args: Any, engine: Any) -> int:
         bus = await Bus.connect(args.nats_url, name="natsched-calibrate", connect_budget_s=10.0,
                                 credentials=getattr(args, "credentials", None))
         try:
-            await natsched.bus.provision()
+            await bus.provision()
             await store_calibration(bus, cal)
         finally:
             await bus.close()

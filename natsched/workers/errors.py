@@ -14,8 +14,10 @@ can turn them into a completion and a reply instead of losing them.
 
 from __future__ import annotations
 
+from natsched.errors import NatschedError
 
-class WorkerError(Exception):
+
+class WorkerError(NatschedError):
     """Root of every worker-side error."""
 
 

@@ -2,11 +2,11 @@
 
 Why translate: vLLM hashes blocks with a per-process seed, so its hashes mean nothing to the
 router. Each ``BlockStored`` carries the blocks' token ids and the parent's (vLLM) hash, which is
-enough to recompute *our* chain with :mod:`natsched.bus.blocks` (same block size, first parent
+enough to recompute *our* chain with :mod:`natsched.wire.blocks` (same block size, first parent
 ``root_hash(model)``): the router computes exactly these hashes for a token-id request. A bounded
 map vLLM-hash -> our hash resolves the parents of later blocks and the hashes of removals.
 
-Text prompts: the router hashes their text (:func:`natsched.bus.blocks.text_block_hashes`), which can never
+Text prompts: the router hashes their text (:func:`natsched.wire.blocks.text_block_hashes`), which can never
 equal a token-block hash. The engine therefore *attaches* each text-block hash of a request to
 the token block that holds the request's tokens for it (:mod:`natsched.workers.textmap`); an attached
 text hash is reported stored while its token block is cached and removed when vLLM evicts it.
@@ -33,8 +33,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
-from natsched.bus.blocks import root_hash, token_block_hashes
-from natsched.bus.schema import BlockHash
+from natsched.wire.blocks import root_hash, token_block_hashes
+from natsched.wire.schema import BlockHash
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Which token block of a text request holds the tokens of each of its text blocks.
 
-The router keys a text-only request on its text (:func:`natsched.bus.blocks.text_block_hashes`: blocks
+The router keys a text-only request on its text (:func:`natsched.wire.blocks.text_block_hashes`: blocks
 of ``block_size * CHARS_PER_TOKEN`` UTF-8 bytes), while vLLM caches *token* blocks. The worker
 bridges the two: text block *j* (bytes ``[0, (j+1)·W)`` of the prompt, a prefix) is attached to
 the token block that contains the last token overlapping those bytes, so the text hash is
@@ -24,7 +24,7 @@ from bisect import bisect_left
 from itertools import accumulate
 from typing import Sequence
 
-from natsched.bus.blocks import CHARS_PER_TOKEN
+from natsched.wire.blocks import CHARS_PER_TOKEN
 
 Offsets = Sequence[tuple[int, int]]
 

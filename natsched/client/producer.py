@@ -16,10 +16,11 @@ from typing import Any, AsyncIterator
 
 from nats.errors import TimeoutError as NatsTimeout
 
-from natsched.bus import subjects as S
+from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
-from natsched.bus.errors import DecodeError, DuplicateRequest, Rejected, RequestFailed, RequestTimeout, SchemaError
-from natsched.bus.schema import Control, Reply, Request, RequestId, TenantId, WorkerId
+from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed, RequestTimeout
+from natsched.wire.errors import DecodeError, SchemaError
+from natsched.wire.schema import Control, Reply, Request, RequestId, TenantId, WorkerId
 from natsched.bus.server import DEFAULT_URL
 
 log = logging.getLogger(__name__)

@@ -15,13 +15,7 @@ once however often it is run:
 
 A malformed line is reported with its line number and skipped; the rest proceeds.
 
-Errors::
-
-    BusError (natsched.bus.errors)
-    └── BatchError              a batch or job question that cannot be answered
-        ├── BatchFileError      the batch file cannot be read
-        ├── NotFound            no such batch / job (``--resume`` of a batch never submitted)
-        └── JobStoreError       a stored record that cannot be decoded
+Errors: :class:`natsched.client.errors.BatchError` and its subclasses (the tree is there).
 """
 
 from __future__ import annotations
@@ -36,13 +30,15 @@ from typing import Any, Callable, Iterator
 
 import orjson
 
-from natsched.bus import codec
-from natsched.bus import subjects as S
-from natsched.bus.audit import kv_snapshot, read_filtered
+from natsched.wire import codec
+from natsched.wire import subjects as S
+from natsched.audit.records import kv_snapshot, read_filtered
 from natsched.bus.connection import Bus
-from natsched.bus.errors import BusError, ConflictError, MessageError
+from natsched.bus.errors import ConflictError
+from natsched.client.errors import BatchError, BatchFileError, JobStoreError, NotFound
+from natsched.wire.errors import MessageError
 from natsched.bus.provision import provision_jobs, stored_settings
-from natsched.bus.schema import BatchManifest, JobRecord, Request, RequestId, TenantId
+from natsched.wire.schema import BatchManifest, JobRecord, Request, RequestId, TenantId
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +48,6 @@ FINAL = frozenset({COMPLETED, FAILED})
 HISTORY_LIMIT = 32  # events kept per job record (the audit streams keep everything)
 
 
-class BatchError(BusError):
-    """A batch or job question that cannot be answered."""
-
-
-class BatchFileError(BatchError):
-    """The batch file cannot be read."""
-
-
-class NotFound(BatchError):
-    """No such batch or job."""
-
-
-class JobStoreError(BatchError):
-    """A record in bucket ``jobs`` that cannot be decoded."""
 
 
 # ------------------------------------------------------------------ ids (pure)
@@ -302,7 +284,7 @@ class JobStore:
         raise BatchError(f"job record {key} changed {self.max_attempts} times while being updated")
 
     async def scan(self, pattern: str | None = None) -> list[tuple[str, JobRecord]]:
-        """Every current record whose key matches ``pattern`` (:func:`natsched.bus.subjects.job_filter`;
+        """Every current record whose key matches ``pattern`` (:func:`natsched.wire.subjects.job_filter`;
         default: all); a record that cannot be decoded is logged and left out."""
         await self.ensure()
         out = []

@@ -13,7 +13,7 @@ prefix-cache hit ratio). The command line formats both (``natsched audit``).
 
 Errors::
 
-    BusError (natsched.bus.errors)
+    NatschedError (natsched.errors)
     └── AuditError              the audit cannot be answered
         └── AuditNotFound       no record of that request id in the searched window
 """
@@ -32,15 +32,16 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import NotFoundError
 
-from natsched.bus import subjects as S
-from natsched.bus.errors import BusError, MessageError
-from natsched.bus.schema import Completion, Decision, JobRecord, Request
+from natsched.wire import subjects as S
+from natsched.errors import NatschedError
+from natsched.wire.errors import MessageError
+from natsched.wire.schema import Completion, Decision, JobRecord, Request
 from natsched.bus.snapshot import KV_DELETE, KV_OPERATION, KV_PURGE
 
 log = logging.getLogger(__name__)
 
 
-class AuditError(BusError):
+class AuditError(NatschedError):
     """An audit question that cannot be answered (bad window, stream missing)."""
 
 
@@ -343,7 +344,7 @@ def timeline(request: Request | None, submitted: Stored | None, decisions: list[
 
 
 def _prompt_tokens(request: Request) -> int:
-    from natsched.bus.blocks import estimate_prompt_tokens
+    from natsched.wire.blocks import estimate_prompt_tokens
 
     return estimate_prompt_tokens(request)
 
@@ -450,7 +451,7 @@ def job_attempt_ids(job: JobRecord | None) -> list[str]:
     """The ids a job's attempts ran under (the first is the job id itself)."""
     if job is None:
         return []
-    from natsched.bus.batch import attempt_id
+    from natsched.client.batch import attempt_id
 
     return [attempt_id(job.id, n) for n in range(1, max(1, job.attempts) + 1)]
 

@@ -20,7 +20,7 @@ import sys
 from array import array
 from typing import Sequence
 
-from natsched.bus.schema import BlockHash, Request
+from natsched.wire.schema import BlockHash, Request
 
 SEED = b"natsched/prefix/v1"
 CHARS_PER_TOKEN = 4  # text-length estimate of tokens when no tokenizer is at hand

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgpack
 
-from natsched.bus.errors import DecodeError
+from natsched.wire.errors import DecodeError
 
 #: Default ceiling for one message; nats-server's own default max_payload is 1 MiB.
 MAX_MESSAGE_BYTES = 1024 * 1024

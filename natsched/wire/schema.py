@@ -19,8 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NewType, TypeVar
 
-from natsched.bus import codec
-from natsched.bus.errors import SchemaError
+from natsched.wire import codec
+from natsched.wire.errors import SchemaError
 
 RequestId = NewType("RequestId", str)
 WorkerId = NewType("WorkerId", str)
@@ -246,7 +246,7 @@ class Request(Schema):
         if self.prompt is None and self.prompt_token_ids is None:
             raise SchemaError("missing required field 'prompt' (or 'prompt_token_ids')", "prompt")
         if self.reply is not None:
-            from natsched.bus.subjects import reply_allowed  # (subjects imports this module)
+            from natsched.wire.subjects import reply_allowed  # (subjects imports this module)
 
             if not reply_allowed(self.reply, self.tenant):
                 raise SchemaError(f"field 'reply' must be one of the tenant's reply subjects "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from natsched.bus.schema import RequestId, TenantId, WorkerId
+from natsched.wire.schema import RequestId, TenantId, WorkerId
 
 # --- request classes (priority subjects) -------------------------------------------------
 ONLINE = "online"

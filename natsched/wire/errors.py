@@ -1,0 +1,39 @@
+"""Errors of the wire contract: bytes or maps that are not a natsched message.
+
+::
+
+    WireError
+    └── MessageError            a message that cannot be used (never retried)
+        ├── DecodeError         bytes that are not valid msgpack / not a map / oversize
+        └── SchemaError         a decoded map with a missing or mistyped field
+"""
+
+from __future__ import annotations
+
+from natsched.errors import NatschedError
+
+
+class WireError(NatschedError):
+    """Root of every wire-contract error."""
+
+
+class MessageError(WireError):
+    """A message that cannot be used; handlers dead-letter it instead of retrying."""
+
+    code = "invalid"
+
+
+class DecodeError(MessageError):
+    """Bytes that are not a msgpack map (or are larger than allowed)."""
+
+    code = "malformed"
+
+
+class SchemaError(MessageError):
+    """A decoded message with a missing or mistyped field; ``field`` names it."""
+
+    code = "invalid"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
