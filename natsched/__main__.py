@@ -1,5 +1,5 @@
 import sys
 
-from natsched.cli import main
+from natsched.cli.app import main
 
 sys.exit(main())

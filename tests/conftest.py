@@ -84,8 +84,8 @@ async def bus(nats_url):
 
 @pytest.fixture
 async def stack(bus, nats_url):
-    """Admitter, router and two sim workers in-process (tests/stack.py), stopped afterwards."""
-    from tests.stack import start_stack
+    """Admitter, router and two sim workers in-process (tests/factories/stack.py), stopped afterwards."""
+    from tests.factories.stack import start_stack
 
     s = await start_stack(nats_url)
     try:

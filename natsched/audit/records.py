@@ -5,7 +5,7 @@ a request's whole story can be rebuilt from them: :func:`read_window` walks a st
 start time (an ephemeral pull consumer with ``DeliverPolicy.BY_START_TIME``, optionally headers
 only, which makes scanning for one id cheap: bodies are fetched only for the matches).
 :func:`read_filtered` (and :func:`kv_snapshot` on it) reads the way a role confined to some
-subjects may: its batch producer's own requests and job records (``natsched.auth``).
+subjects may: its batch producer's own requests and job records (``natsched.ops.auth``).
 
 On top of it, pure assembly: :func:`timeline` orders one request's records into events, and
 :func:`summarize` condenses a time window (counts by decision and reason, TTFT percentiles, the
@@ -218,7 +218,7 @@ async def read_filtered(js: Any, stream: str, subject: str, since: float | None 
     (the admitter's, full of other tenants' prompts). Here the ephemeral consumer has a name, so its
     create subject carries the filter (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``, which
     the server checks against the request body), and it pushes to this connection's own inbox: a
-    permission on that one create subject confines a role to what it may read (``natsched.auth``).
+    permission on that one create subject confines a role to what it may read (``natsched.ops.auth``).
     Nor does it ask for consumer info or delete the consumer (both name no filter either): the
     consumer goes by itself once nobody listens on its inbox (``inactive_threshold``).
     """
@@ -275,7 +275,7 @@ async def kv_snapshot(js: Any, bucket: str, pattern: str = ">", timeout: float =
 
     Read through :func:`read_filtered`, not a KV watch: a watch's consumer is created without a
     name, so its filter is not in the create subject and no permission can confine it; this way a
-    tenant's batch role reads ``job.<tenant>.*.*`` and nothing else (``natsched.auth``).
+    tenant's batch role reads ``job.<tenant>.*.*`` and nothing else (``natsched.ops.auth``).
     """
     prefix = f"$KV.{bucket}."
     async for msg in read_filtered(js, f"KV_{bucket}", prefix + pattern, last_per_subject=True, timeout=timeout):

@@ -10,7 +10,7 @@ unacknowledged: the server sends a window, the reader acks half of it with one a
 pause, and what else arrived on the connection is handled in between. A read of 10,000 records
 takes ~0.4 s longer than at full speed and no longer shows in the service's latency.
 
-The consumer has a name, so its filter is in the create subject (``natsched.auth`` can pin a
+The consumer has a name, so its filter is in the create subject (``natsched.ops.auth`` can pin a
 role to its bucket), and it goes by itself if the reader dies (``inactive_threshold``).
 """
 

@@ -2,7 +2,7 @@
 
 The command connects to NATS, starts following worker heartbeats (models, health, ``/status``),
 serves HTTP and prints ``READY gateway http://HOST:PORT`` like every natsched service. Its flags
-and settings are in :mod:`natsched.gateway.cli`.
+and settings are in :mod:`natsched.cli.gateway`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from natsched.client.producer import Client, Timeouts
 from natsched.bus.connection import Bus
 from natsched.errors import NatschedError
 from natsched.gateway.app import build_app
-from natsched.gateway.cli import settings_from_args
+from natsched.cli.gateway import settings_from_args
 from natsched.gateway.errors import ConfigError
 from natsched.gateway.service import Gateway
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class _Server(uvicorn.Server):
-    def capture_signals(self):  # natsched.runtime owns SIGINT/SIGTERM and stops us in order
+    def capture_signals(self):  # natsched.hosting.runtime owns SIGINT/SIGTERM and stops us in order
         return contextlib.nullcontext()
 
 
@@ -68,7 +68,7 @@ class GatewayServer:
 
 
 async def run_gateway(args: argparse.Namespace) -> int:
-    from natsched.runtime import serve
+    from natsched.hosting.runtime import serve
 
     settings, keys = settings_from_args(args)
     holder: dict[str, GatewayServer] = {}

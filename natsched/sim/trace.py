@@ -45,6 +45,10 @@ def _hash(parent: int, payload: bytes) -> int:
 
 ROOT_HASH = _hash(0, _SEED)
 
+#: The public Mooncake FAST'25 synthetic trace, shipped with the package (source and licence in
+#: ``traces/README.md`` beside it): the default of ``natsched bench routing --trace``.
+MOONCAKE_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl"
+
 
 @dataclass(slots=True)
 class TraceRequest:

@@ -1,6 +1,6 @@
 """Every subject, stream, consumer and bucket name on the bus — built here and nowhere else.
 
-``subjects.md`` documents each name below; ``tests/test_subjects_doc.py`` keeps the two equal.
+``subjects.md`` documents each name below; ``tests/wire/test_subjects_doc.py`` keeps the two equal.
 """
 
 from __future__ import annotations

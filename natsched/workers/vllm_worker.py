@@ -23,7 +23,7 @@ from collections import deque
 from pathlib import Path
 from typing import Sequence
 
-from natsched.runtime import READY_PREFIX
+from natsched.hosting.runtime import READY_PREFIX
 
 
 def add_vllm_flags(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,724 @@
+"""``natsched chaos``: requests under SIGKILLs — does anything get lost, run twice or leak?
+
+A fresh local system, every part a real process: a 3-node JetStream cluster (streams and buckets
+with 3 replicas), 2 admitter replicas, 2 router replicas and 3 sim workers, all connected to
+every node. A producer (:class:`natsched.client.producer.Client`) sends N requests at a steady rate; during
+the run one worker, one admitter, one router and one NATS node are each killed with SIGKILL at
+a seeded random moment and started again a few seconds later (the same command, the same
+worker id, the node on its own data dir so it rejoins). With ``--inline-routing`` the admitters
+route in-process and no router runs, so there is no router to kill. Then the run waits (bounded) for every
+request's final outcome, waits until what a lost ack brings back has come back (30 s ack_wait
+after the last kill), lets the shared state settle (bounded) and reports:
+
+- ``completed`` / ``rejected`` / ``lost`` — a partition of the requests. Completed: the producer
+  got the result, or COMPLETIONS holds an ``ok`` record for it. Rejected: it ended otherwise
+  with an outcome someone saw — refused by admission, failed after it (``no_worker``, ...), or
+  never accepted (the publish failed within its budget). Lost: accepted, yet no final outcome
+  at the producer and no completion record. A final reply on its reply subject counts as the
+  producer's even if the Client had stopped listening; a ``cancelled`` completion does not count:
+  the producer only cancels when it gave up waiting, so it would hide a lost request.
+- ``duplicated`` — request ids with more than one COMPLETIONS record, or more than one final
+  reply on their reply subject (watched by a separate subscription: the Client returns the
+  first and stops listening). Replies from a worker the request was ``rerouted`` away from are
+  not counted, as the Client ignores them too. The second source matters: a request run twice
+  (a redelivery after its ack was lost) has its second completion deduplicated by JetStream
+  (``<id>:done``), but its second result is still published; ``duplicated_completions`` and
+  ``duplicated_replies`` say which source each count came from.
+- ``max_lease_reclaim_s`` — for the killed worker: the reservations on it are those of the
+  requests assigned to it that were unfinished at the kill (seen on ``work.>``, and read back
+  from the WORK stream, which keeps un-acked assignments), plus those
+  routed to it while it was down (the routers learn of a death only from missing heartbeats;
+  ``routed_to_dead_worker`` counts them). The run polls their ``res.<id>`` records in bucket
+  ``inflight`` every 0.1 s and takes the time from the kill until the last one is deleted, or
+  marked ``moved_from`` the dead worker (rescued: re-run elsewhere under the same
+  reservation); one already gone when first looked at is not counted (it had finished, and
+  only its ack was still missing). ``reclaim_detail`` splits the two origins. The target is
+  ``lease_missed`` (3) heartbeat periods.
+- ``leaked_runtime_tokens`` — after settling, ``used`` of the shared aggregate (key ``usage``
+  of ``inflight``, decoded as the admitters do) with every request finished; it should be 0.
+
+The workers' restart comes after the lease window: a worker back under the same id before its
+lease expired renews it, and its old reservations would then wait for their redelivery. A
+restarted service that exits during start-up (e.g. its provisioning timed out while the cluster
+recovers) is started again, as ``natsched up`` does; ``kills[].start_attempts`` says how often.
+Producer-side facts come from core NATS subscriptions, which miss what is published while the
+observer reconnects after its node died: they can under-count, never invent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import orjson
+
+from natsched.admitter.usage import Usage
+from natsched.wire import subjects as S
+from natsched.client.producer import Client, Timeouts, make_request
+from natsched.bus.connection import Bus
+from natsched.bus.errors import BusError
+from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed, RequestTimeout
+from natsched.wire.errors import MessageError
+from natsched.wire.schema import Assignment, Completion, Heartbeat, Reply
+from natsched.cli.argtypes import positive_float, positive_int
+from natsched.hosting.cluster import ClusterSettings, LocalCluster
+from natsched.hosting.supervisor import Child, Supervisor, UpSettings
+
+log = logging.getLogger(__name__)
+
+KINDS = ("worker", "admitter", "router", "node")
+COMPLETED, REJECTED, LOST = "completed", "rejected", "lost"
+HELD_AT_KILL, ROUTED_WHILE_DOWN = "held_at_kill", "routed_while_down"
+# the producer's outcome of one request (prefixes; rejected/failed carry ":<reason>")
+P_COMPLETED, P_REJECTED, P_FAILED = "completed", "rejected", "failed"
+P_PUBLISH_FAILED, P_TIMEOUT, P_UNFINISHED, P_DUPLICATE_ID = "publish_failed", "timeout", "unfinished", "duplicate_id"
+_PRODUCER_FINAL = (P_COMPLETED, P_REJECTED, P_FAILED, P_PUBLISH_FAILED)
+
+
+@dataclass
+class ChaosSettings:
+    requests: int = 2000
+    rate: float = 50.0  # requests per second, open loop
+    seed: int = 1
+    tenants: tuple[str, ...] = ("chaos-a", "chaos-b", "chaos-c")
+    max_tokens: int = 16
+    nodes: int = 3
+    admitters: int = 2
+    routers: int = 2  # 0 with inline_routing (natsched chaos --inline-routing)
+    inline_routing: bool = False  # the admitters route in-process (admitter --route): no router to kill
+    workers: int = 3
+    time_scale: float = 2.0  # sim engine: ~0.3 s per request, so a killed worker holds some
+    heartbeat_s: float = 1.0
+    lease_missed: int = 3  # the admitters' default (AdmitterServiceSettings.lease_missed)
+    down_s: float = 6.0  # a killed process stays dead this long: past the lease window (see docstring)
+    kill_window: tuple[float, float] = (0.1, 0.7)  # kills happen in this share of the sending time
+    finish_timeout_s: float = 90.0  # after the last send; redeliveries come after ack_wait (30 s)
+    # what a lost ack brings back (a redelivery after the services' 30 s ack_wait) comes back by
+    # this long after the last kill: duplicates and leaks it causes show up before the read-back
+    redelivery_s: float = 35.0
+    settle_timeout_s: float = 30.0  # reconciliation runs every 10 s and repairs drift on its second look
+    reclaim_timeout_s: float = 60.0
+    ready_timeout_s: float = 60.0
+    data_dir: Path | None = None  # None: a temporary dir, deleted afterwards
+    child_log_level: str = "warning"
+
+    @property
+    def send_s(self) -> float:
+        return self.requests / self.rate
+
+
+# --------------------------------------------------------------------------- pure parts
+
+@dataclass(frozen=True)
+class Kill:
+    kind: str  # worker | admitter | router | node
+    name: str  # worker id, admitter/router child name, or node server name
+    at_s: float  # after the first request was sent
+    restart_s: float
+
+
+def target_names(settings: ChaosSettings) -> dict[str, list[str]]:
+    """What can be killed, named as the supervisor and the cluster name them."""
+    def replicas(kind: str, n: int) -> list[str]:
+        return [kind] if n == 1 else [f"{kind}-{i}" for i in range(1, n + 1)]
+
+    return {"worker": [f"w{i}" for i in range(1, settings.workers + 1)],
+            "admitter": replicas("admitter", settings.admitters), "router": replicas("router", settings.routers),
+            "node": [f"n{i}" for i in range(1, settings.nodes + 1)]}
+
+
+def kill_schedule(seed: int, send_s: float, down_s: float, names: dict[str, list[str]],
+                  window: tuple[float, float] = (0.1, 0.7)) -> list[Kill]:
+    """One kill per kind, in seeded random order and moments, each in its own slot of the window.
+
+    Slots keep the kills apart, so each failure's effect (a leader election, a lease expiry)
+    is not hidden in another's; the window keeps them inside the sending time, with load both
+    before and after. The same seed gives the same schedule.
+    """
+    rng = random.Random(seed)
+    kinds = [k for k in KINDS if names.get(k)]
+    rng.shuffle(kinds)
+    lo, hi = window[0] * send_s, window[1] * send_s
+    slot = (hi - lo) / max(1, len(kinds))
+    kills = []
+    for i, kind in enumerate(kinds):
+        at = round(lo + slot * (i + rng.random()), 3)
+        kills.append(Kill(kind, rng.choice(names[kind]), at, round(at + down_s, 3)))
+    return kills
+
+
+@dataclass
+class Facts:
+    """What a run observed; :func:`compute_report` turns it into the numbers."""
+
+    requests: list[str]  # every request id sent
+    producer: dict[str, str]  # request id -> the producer's outcome (P_* , "rejected:<reason>", ...)
+    final_replies: dict[str, list[str]] = field(default_factory=dict)  # request id -> each final reply seen
+    completions: dict[str, list[tuple[str, str | None]]] = field(default_factory=dict)  # -> [(status, reason)]
+    reclaims: dict[str, float | None] = field(default_factory=dict)  # killed worker -> seconds (None: not measured)
+    leaked_runtime_tokens: int | None = None  # None: the usage could not be read
+    heartbeat_s: float = 1.0
+    lease_missed: int = 3
+
+
+def classify(producer: str | None, completions: list[tuple[str, str | None]], finals: Sequence[str] = ()) -> str:
+    """completed, rejected or lost (see the module docstring for why each rule).
+
+    ``finals``: the final replies seen on the request's reply subject, which count as the
+    producer's even when its Client had stopped listening (it timed out first).
+    """
+    if producer == P_COMPLETED:
+        return COMPLETED
+    outcomes = [status for status, reason in completions if reason != "cancelled"]
+    if "ok" in outcomes or any(r.startswith("result") for r in finals):
+        return COMPLETED
+    if outcomes or finals or (producer or "").split(":")[0] in _PRODUCER_FINAL:
+        return REJECTED
+    return LOST
+
+
+def duplicated_ids(f: Facts) -> list[str]:
+    return [r for r in f.requests if len(f.completions.get(r, [])) > 1 or len(f.final_replies.get(r, [])) > 1]
+
+
+def max_reclaim(reclaims: dict[str, float | None]) -> float | None:
+    """The slowest reclaim; None when one was not measured (a reservation never released, none
+    seen on the worker, or no worker killed): a target is never met by default."""
+    values = list(reclaims.values())
+    if not values or any(v is None for v in values):
+        return None
+    return max(values)
+
+
+def compute_report(f: Facts) -> dict[str, Any]:
+    """The report's numbers and targets from the collected facts (no I/O)."""
+    classes = {r: classify(f.producer.get(r), f.completions.get(r, []), f.final_replies.get(r, []))
+               for r in f.requests}
+    counts = Counter(classes.values())
+    dups = duplicated_ids(f)
+    reclaim = max_reclaim(f.reclaims)
+    window = f.lease_missed * f.heartbeat_s
+    met = {"lost": counts[LOST] == 0, "duplicated": not dups, "leaked_runtime_tokens": f.leaked_runtime_tokens == 0,
+           "max_lease_reclaim_s": reclaim is not None and reclaim <= window}
+    met["all"] = all(met.values())
+    return {
+        "requests": len(f.requests), "completed": counts[COMPLETED], "rejected": counts[REJECTED],
+        "lost": counts[LOST], "duplicated": len(dups), "max_lease_reclaim_s": reclaim,
+        "duplicated_completions": sum(1 for r in f.requests if len(f.completions.get(r, [])) > 1),
+        "duplicated_replies": sum(1 for r in f.requests if len(f.final_replies.get(r, [])) > 1),
+        "leaked_runtime_tokens": f.leaked_runtime_tokens, "targets_met": met,
+        "lease_window_s": window,
+        "producer_outcomes": dict(sorted(Counter(f.producer.get(r, P_UNFINISHED) for r in f.requests).items())),
+        "completed_without_producer_result": sum(1 for r, c in classes.items()
+                                                 if c == COMPLETED and f.producer.get(r) != P_COMPLETED),
+        "lost_ids": sorted(r for r, c in classes.items() if c == LOST)[:20],
+        "duplicated_ids": dups[:20],
+        "detail": _detail(f, [*dups[:20], *(r for r, c in classes.items() if c == LOST)][:40] + _odd_ids(f)),
+        "reclaims": f.reclaims,
+    }
+
+
+def _odd_ids(f: Facts, limit: int = 10) -> list[str]:
+    """A few request ids of every producer outcome but ``completed``."""
+    per: Counter[str] = Counter()
+    out = []
+    for r in f.requests:
+        outcome = f.producer.get(r, P_UNFINISHED)
+        if outcome != P_COMPLETED and per[outcome] < limit:
+            per[outcome] += 1
+            out.append(r)
+    return out
+
+
+def _detail(f: Facts, ids: list[str]) -> dict[str, dict[str, Any]]:
+    """What was seen of each odd request (duplicated, lost, not completed at the producer): where
+    to start reading with ``natsched audit``."""
+    return {r: {"producer": f.producer.get(r, P_UNFINISHED), "completions": f.completions.get(r, []),
+                "final_replies": f.final_replies.get(r, [])} for r in dict.fromkeys(ids)}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """A table, the kills and the targets, for the terminal."""
+    cols = ["requests", "completed", "rejected", "lost", "duplicated", "max_lease_reclaim_s", "leaked_runtime_tokens"]
+    cells = [_cell(report.get(c)) for c in cols]
+    widths = [max(len(c), len(v)) for c, v in zip(cols, cells)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths)), "  ".join(v.rjust(w) for v, w in zip(cells, widths))]
+    for k in report.get("kills", []):
+        lines.append(f"  killed {k['kind']} {k['name']} at {k.get('killed_at_s')}s, back at {k.get('ready_at_s')}s"
+                     + (f" ({k['error']})" if k.get("error") else ""))
+    for worker, d in report.get("reclaim_detail", {}).items():
+        held, routed = d[HELD_AT_KILL], d[ROUTED_WHILE_DOWN]
+        lines.append(f"  reservations on {worker}: {held['count']} held at the kill (released within "
+                     f"{_cell(held['max_s'])}s), {routed['count']} routed to it while down (within "
+                     f"{_cell(routed['max_s'])}s), {held['never'] + routed['never']} never released")
+    if report.get("e2e_p50_s") is not None:
+        lines.append(f"  producer e2e of completed requests: p50 {report['e2e_p50_s']}s, p99 {report['e2e_p99_s']}s, "
+                     f"max {report['e2e_max_s']}s")
+    want = {"lost": "0", "duplicated": "0", "leaked_runtime_tokens": "0",
+            "max_lease_reclaim_s": f"<= {report.get('lease_window_s')}"}
+    lines.append("targets:")
+    for name, ok in report["targets_met"].items():
+        if name != "all":
+            lines.append(f"  [{'ok' if ok else 'MISSED'}] {name}: want {want[name]}, got {_cell(report.get(name))}")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+# --------------------------------------------------------------------------- the run
+
+class ChaosRun:
+    """Starts the system, drives it, kills and restarts its parts, collects the :class:`Facts`."""
+
+    def __init__(self, settings: ChaosSettings) -> None:
+        self.s = settings
+        self.run_id = uuid.uuid4().hex[:8]
+        self.cluster: LocalCluster | None = None
+        self.sup: Supervisor | None = None
+        self.ids: list[str] = []
+        self.producer: dict[str, str] = {}
+        self.e2e: list[float] = []  # seconds from submit to the producer's outcome, completed requests
+        self.final_replies: dict[str, list[str]] = defaultdict(list)
+        self.abandoned: dict[str, set[str]] = defaultdict(set)  # request id -> workers it was rerouted from
+        self.assigned: dict[str, str] = {}  # request id -> worker of its latest assignment
+        self.down: dict[str, float] = {}  # killed worker -> when (time.time())
+        self.routed_to_dead: Counter[str] = Counter()
+        self.seen_workers: set[str] = set()
+        self.events: list[dict[str, Any]] = []
+        self.reclaim_tasks: dict[str, asyncio.Task] = {}
+        # killed worker -> request id -> "held_at_kill" | "routed_while_down": the reservations on it
+        self.reclaim_watch: dict[str, dict[str, str]] = {}
+        self.reclaim_detail: dict[str, dict[str, Any]] = {}
+        self.phases: dict[str, float] = {}  # seconds after the first send when each phase ended
+        self.t0 = 0.0
+        self._gave_up = False
+
+    def run(self) -> dict[str, Any]:
+        """The whole run; everything started is stopped, whatever happens."""
+        tmp = None if self.s.data_dir else Path(tempfile.mkdtemp(prefix="natsched-chaos-"))
+        root = Path(self.s.data_dir or tmp)
+        try:
+            started = time.monotonic()
+            self._start(root)
+            report = asyncio.run(self._drive())
+            report["wall_s"] = round(time.monotonic() - started, 1)
+            return report
+        finally:
+            if self.sup is not None:
+                self.sup.stop(quiet=True)
+            if self.cluster is not None:
+                self.cluster.stop()
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _start(self, root: Path) -> None:
+        s = self.s
+        self.cluster = LocalCluster(ClusterSettings(nodes=s.nodes, base_port=None, data_dir=root / "cluster",
+                                                    ready_timeout_s=s.ready_timeout_s))
+        self.cluster.start()  # provisions: 3 replicas on 3 nodes
+        self.sup = Supervisor(UpSettings(
+            workers=s.workers, admitters=s.admitters, routers=s.routers, inline_routing=s.inline_routing,
+            engine="sim", nats_url=self.cluster.url,
+            time_scale=s.time_scale, log_level=s.child_log_level, ready_timeout_s=s.ready_timeout_s, offline=False,
+            log_dir=root / "logs", extra_worker_args=["--heartbeat", str(s.heartbeat_s)]))
+        self.sup.start(quiet=True)
+
+    async def _drive(self) -> dict[str, Any]:
+        s = self.s
+        observer = await Bus.connect(self.cluster.url, name="chaos-observer", connect_budget_s=30)
+        producer = await Bus.connect(self.cluster.url, name="chaos-producer", connect_budget_s=30,
+                                     publish_budget_s=30)
+        t = s.finish_timeout_s
+        client = Client(producer, Timeouts(publish=30.0, admission=t, queued=t, idle=t))
+        tasks: list[asyncio.Task] = []
+        chaos: list[asyncio.Task] = []
+        try:
+            await self._observe(observer)
+            await self._wait_for_workers()
+            kills = kill_schedule(s.seed, s.send_s, s.down_s, target_names(s), s.kill_window)
+            self.t0 = t0 = time.monotonic()
+            chaos = [asyncio.create_task(self._kill_and_restart(k, t0, observer)) for k in kills]
+            tasks = await self._send(client, t0)
+            self._phase("sent")
+            await self._finish(tasks, producer)
+            self._phase("outcomes")
+            await asyncio.wait(chaos, timeout=max(k.restart_s for k in kills) + 2 * s.ready_timeout_s)
+            self._phase("restarts")
+            reclaims = await self._reclaims()
+            self._phase("reclaims")
+            await asyncio.sleep(max(0.0, t0 + max(k.at_s for k in kills) + s.redelivery_s - time.monotonic()))
+            self._phase("redeliveries")
+            leaked, leftover = await self._settle(observer)
+            self._phase("settled")
+            facts = Facts(self.ids, self.producer, dict(self.final_replies), await self._completions(observer),
+                          reclaims, leaked, s.heartbeat_s, s.lease_missed)
+            self._phase("read_back")
+            return self._report(facts, leftover)
+        finally:
+            for task in [*tasks, *chaos, *self.reclaim_tasks.values()]:
+                task.cancel()
+            await producer.close()
+            await observer.close()
+
+    # --- watching ---------------------------------------------------------------------
+    async def _observe(self, bus: Bus) -> None:
+        """Assignments (who holds what), final replies (duplicates) and heartbeats (readiness)."""
+        async def on_work(subject: str, data: bytes, headers: dict) -> None:
+            try:
+                a = Assignment.decode(data)
+            except MessageError:
+                return
+            self.assigned[a.request.id] = a.worker
+            if a.worker in self.down:
+                self.routed_to_dead[a.worker] += 1
+                self.reclaim_watch.setdefault(a.worker, {}).setdefault(a.request.id, ROUTED_WHILE_DOWN)
+
+        async def on_reply(subject: str, data: bytes, headers: dict) -> None:
+            try:
+                reply = Reply.decode(data)
+            except MessageError:
+                return
+            rid = reply.request_id
+            if reply.kind == "status" and reply.status == "rerouted" and reply.worker:
+                self.abandoned[rid].add(reply.worker)
+            elif reply.final and not (reply.worker and reply.worker in self.abandoned.get(rid, ())):
+                self.final_replies[rid].append(" ".join(str(x) for x in (reply.kind, reply.status, reply.reason,
+                                                                         reply.worker) if x))
+
+        async def on_heartbeat(subject: str, data: bytes, headers: dict) -> None:
+            try:
+                self.seen_workers.add(Heartbeat.decode(data).worker)
+            except MessageError:
+                pass
+
+        await bus.subscribe(S.WORK_ALL, on_work)
+        await bus.subscribe("resp.>", on_reply)
+        await bus.subscribe(S.HEARTBEATS_ALL, on_heartbeat)
+        await bus.nc.flush()
+
+    async def _wait_for_workers(self) -> None:
+        """Until every worker's heartbeat was seen (the routers see them too), at most 15 s."""
+        want = set(target_names(self.s)["worker"])
+        deadline = time.monotonic() + 15
+        while not want <= self.seen_workers and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if not want <= self.seen_workers:
+            log.warning("no heartbeat yet from %s; sending anyway", sorted(want - self.seen_workers))
+
+    # --- the producer -------------------------------------------------------------------
+    async def _send(self, client: Client, t0: float) -> list[asyncio.Task]:
+        """N requests at the rate, open loop (a slow system does not slow the sender)."""
+        tasks = []
+        for i in range(self.s.requests):
+            delay = t0 + i / self.s.rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(self._submit(client, i)))
+        return tasks
+
+    async def _submit(self, client: Client, i: int) -> None:
+        rid = f"chaos-{self.run_id}-{i:06d}"
+        tenant = self.s.tenants[i % len(self.s.tenants)]
+        self.ids.append(rid)
+        request = make_request(tenant, f"request {i}: summarise the incident report in two lines. " * 3,
+                               id=rid, max_tokens=self.s.max_tokens, system_prompt=f"You work for {tenant}.")
+        started = time.monotonic()
+        self.producer[rid] = outcome = await self._outcome(client, request)
+        if outcome == P_COMPLETED:
+            self.e2e.append(time.monotonic() - started)
+
+    async def _outcome(self, client: Client, request) -> str:
+        """What the producer learnt about one request (never raises)."""
+        try:
+            await client.submit(request)
+            return P_COMPLETED
+        except Rejected as exc:
+            return f"{P_REJECTED}:{exc.reason}"
+        except RequestFailed as exc:
+            return f"{P_FAILED}:{exc.reason}"
+        except RequestTimeout:
+            return P_TIMEOUT
+        except DuplicateRequest:
+            return P_DUPLICATE_ID
+        except asyncio.CancelledError:
+            return P_UNFINISHED
+        except Exception as exc:  # the publish was not acknowledged within its budget
+            if self._gave_up:
+                return P_UNFINISHED
+            log.warning("request %s: %s: %s", request.id, type(exc).__name__, exc)
+            return P_PUBLISH_FAILED
+
+    async def _finish(self, tasks: list[asyncio.Task], producer: Bus) -> None:
+        """Wait (bounded) for every outcome; then stop waiting without telling any worker."""
+        _, pending = await asyncio.wait(tasks, timeout=self.s.finish_timeout_s) if tasks else ((), ())
+        if pending:
+            log.warning("%d requests without an outcome after %.0fs", len(pending), self.s.finish_timeout_s)
+            self._gave_up = True
+            await producer.close()  # first: a cancelled exchange must not cancel its request on a worker
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=5)
+
+    # --- chaos --------------------------------------------------------------------------
+    async def _kill_and_restart(self, kill: Kill, t0: float, observer: Bus) -> None:
+        event: dict[str, Any] = {"kind": kill.kind, "name": kill.name}
+        self.events.append(event)
+        await asyncio.sleep(max(0.0, t0 + kill.at_s - time.monotonic()))
+        event["killed_at_s"] = round(time.monotonic() - t0, 2)
+        killed_at = time.time()
+        self._kill(kill)
+        log.info("killed %s %s", kill.kind, kill.name)
+        if kill.kind == "worker":
+            self._watch_reclaim(kill.name, killed_at, observer)
+        await asyncio.sleep(max(0.0, t0 + kill.restart_s - time.monotonic()))
+        try:
+            await self._restart(kill, event)
+        except Exception as exc:  # reported, never hidden
+            event["error"] = f"restart failed: {exc}"
+            log.error("restarting %s %s failed: %s", kill.kind, kill.name, exc)
+        self.down.pop(kill.name, None)
+        event["ready_at_s"] = round(time.monotonic() - t0, 2)
+
+    def _child(self, kill: Kill) -> Child:
+        name = f"worker {kill.name}" if kill.kind == "worker" else kill.name
+        return next(c for c in self.sup.children if c.name == name)
+
+    def _kill(self, kill: Kill) -> None:
+        """SIGKILL: no goodbye, no last heartbeat, no flushed state."""
+        if kill.kind == "node":
+            self.cluster.node(kill.name).kill()
+            return
+        proc = self._child(kill).proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(5)
+        if kill.kind == "worker":
+            self.down[kill.name] = time.time()
+
+    async def _restart(self, kill: Kill, event: dict[str, Any]) -> None:
+        """Start it again (in this, the main thread: a child's parent-death signal follows the thread
+        that forked it); a service that exits during start-up is started again, as ``natsched up``
+        would, and the attempts are reported."""
+        if kill.kind == "node":
+            self.cluster.node(kill.name).start()  # same data dir: it rejoins and catches up
+            return
+        child = self._child(kill)
+        deadline = time.monotonic() + self.s.ready_timeout_s
+        while time.monotonic() < deadline:
+            self.sup.restart(child)
+            event["start_attempts"] = event.get("start_attempts", 0) + 1
+            while not child.ready.is_set() and child.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if child.ready.is_set():
+                return
+            if child.proc.poll() is not None:
+                log.warning("%s exited with code %s while starting; starting it again", child.name,
+                            child.proc.returncode)
+                await asyncio.sleep(1.0)
+        raise BusError(f"{child.name} not ready within {self.s.ready_timeout_s:.0f}s")
+
+    # --- lease reclaim --------------------------------------------------------------------
+    def _watch_reclaim(self, worker: str, killed_at: float, bus: Bus) -> None:
+        """Watch the reservations on a killed worker until none is left (bounded)."""
+        held = {rid for rid, w in self.assigned.items() if w == worker and rid not in self.producer
+                and not self.final_replies.get(rid)}
+        self.reclaim_watch[worker] = {}
+        self._watch(worker, held, HELD_AT_KILL)
+        self.reclaim_tasks[worker] = asyncio.create_task(self._poll_reclaim(worker, killed_at, bus))
+
+    def _watch(self, worker: str, rids: set[str], origin: str) -> None:
+        watch = self.reclaim_watch.setdefault(worker, {})
+        for rid in rids:
+            watch.setdefault(rid, origin)
+
+    async def _stored_on(self, bus: Bus, worker: str) -> set[str]:
+        """Request ids of the assignments the WORK stream still holds for ``worker`` (un-acked).
+
+        The stream is the authority; the ``work.>`` subscription misses what was published while
+        the observer reconnected after a node died.
+        """
+        try:
+            stored = await bus.stream_messages(S.STREAM_WORK, S.work(worker))
+        except Exception as exc:  # an election: the subscription's view has to do
+            log.warning("could not read the WORK stream for %s: %s", worker, exc)
+            return set()
+        rids = set()
+        for _, data in stored:
+            try:
+                rids.add(Assignment.decode(data).request.id)
+            except MessageError:
+                continue
+        return rids
+
+    async def _poll_reclaim(self, worker: str, killed_at: float, bus: Bus) -> float | None:
+        """Seconds from the kill until no watched reservation is on ``worker`` (None: not in time).
+
+        A reservation counts once it was seen held: one already gone at its first look had
+        finished (only its ack was missing from the stream), or left before it could be timed.
+        The WORK stream is read beside the polling, which must not wait for it.
+        """
+        watch = self.reclaim_watch[worker]
+        stored = asyncio.create_task(self._stored_on(bus, worker))
+        seen: set[str] = set()
+        released: dict[str, float] = {}
+        merged = False
+        deadline = time.monotonic() + self.s.reclaim_timeout_s
+        while (len(released) < len(watch) or worker in self.down or not stored.done()) \
+                and time.monotonic() < deadline:
+            if stored.done() and not merged:
+                self._watch(worker, stored.result(), HELD_AT_KILL)
+                merged = True
+            for rid in [r for r in watch if r not in released]:
+                gone = await self._released(bus, rid, worker)
+                if gone and rid not in seen:
+                    del watch[rid]
+                elif gone:
+                    released[rid] = round(time.time() - killed_at, 2)
+                else:
+                    seen.add(rid)
+            await asyncio.sleep(0.1)
+        stored.cancel()
+        self.reclaim_detail[worker] = _reclaim_detail(watch, released)
+        if not watch:  # it held nothing we could time: no measurement, rather than a vacuous 0
+            return None
+        return None if len(released) < len(watch) else max(released.values())
+
+    @staticmethod
+    async def _released(bus: Bus, rid: str, worker: str) -> bool:
+        try:
+            current = await bus.kv_get(S.BUCKET_INFLIGHT, S.reservation_key(rid))
+        except Exception:  # a leader election: ask again on the next poll
+            return False
+        return current is None or orjson.loads(current[0]).get("moved_from") == worker
+
+    async def _reclaims(self) -> dict[str, float | None]:
+        out = {}
+        for worker, task in self.reclaim_tasks.items():
+            done, _ = await asyncio.wait([task], timeout=self.s.reclaim_timeout_s + 5)
+            out[worker] = task.result() if done and not task.cancelled() else None
+        return out
+
+    # --- settling and reading back ----------------------------------------------------------
+    async def _settle(self, bus: Bus) -> tuple[int | None, int]:
+        """Until the aggregate is 0 with no reservation left (bounded): (used, reservations left)."""
+        deadline = time.monotonic() + self.s.settle_timeout_s
+        used, left = None, -1
+        while time.monotonic() < deadline:
+            try:
+                current = await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
+                used = 0 if current is None else Usage.from_json(current[0]).used
+                left = sum(1 for k in await bus.kv_keys(S.BUCKET_INFLIGHT) if k.startswith("res."))
+            except Exception as exc:  # keep trying within the bound
+                log.info("settle: %s", exc)
+            if used == 0 and left == 0:
+                break
+            await asyncio.sleep(0.5)
+        return used, left
+
+    async def _completions(self, bus: Bus) -> dict[str, list[tuple[str, str | None]]]:
+        ours = set(self.ids)
+        out: dict[str, list[tuple[str, str | None]]] = defaultdict(list)
+        for _, data in await bus.stream_messages(S.STREAM_COMPLETIONS):
+            try:
+                c = Completion.decode(data)
+            except MessageError:
+                continue
+            if c.request_id in ours:
+                out[c.request_id].append((c.status, c.reason))
+        return dict(out)
+
+    def _phase(self, name: str) -> None:
+        self.phases[name] = round(time.monotonic() - self.t0, 1)
+
+    def _report(self, facts: Facts, leftover: int) -> dict[str, Any]:
+        s = self.s
+        report = compute_report(facts)
+        report.update({
+            "leftover_reservations": leftover,
+            "routed_to_dead_worker": dict(self.routed_to_dead), "reclaim_detail": self.reclaim_detail,
+            "kills": self.events, "phases_s": self.phases,
+            "seed": s.seed, "rate": s.rate, "heartbeat_s": s.heartbeat_s, "down_s": s.down_s,
+            **_e2e(self.e2e),
+            "system": {"nodes": s.nodes, "admitters": s.admitters, "routers": s.routers,
+                       "inline_routing": s.inline_routing, "workers": s.workers,
+                       "engine": "sim", "time_scale": s.time_scale, "max_tokens": s.max_tokens},
+        })
+        return report
+
+
+def _reclaim_detail(watch: dict[str, str], released: dict[str, float]) -> dict[str, Any]:
+    """Per origin: how many reservations, the slowest release, how many never released."""
+    out = {}
+    for origin in (HELD_AT_KILL, ROUTED_WHILE_DOWN):
+        rids = [r for r, o in watch.items() if o == origin]
+        times = [released[r] for r in rids if r in released]
+        out[origin] = {"count": len(rids), "max_s": max(times, default=None), "never": len(rids) - len(times)}
+    return out
+
+
+def _e2e(values: list[float]) -> dict[str, float | None]:
+    """Producer-side latency of completed requests: a kill shows up as a tail (redeliveries wait ack_wait)."""
+    v = sorted(values)
+    pick = (lambda q: round(v[min(len(v) - 1, int(q * len(v)))], 3)) if v else (lambda q: None)
+    return {"e2e_p50_s": pick(0.5), "e2e_p99_s": pick(0.99), "e2e_max_s": pick(1.0)}
+
+
+# --------------------------------------------------------------------------- command line
+
+def add_chaos_parser(sub) -> None:
+    """``natsched chaos`` (for cli.build_parser)."""
+    ch = sub.add_parser("chaos", help="kill parts of a local cluster mid-run; count lost, duplicated, leaked",
+                        description="Start a 3-node JetStream cluster, 2 admitters, 2 routers and 3 sim workers as "
+                                    "processes, send requests at a steady rate, SIGKILL and restart a worker, an "
+                                    "admitter, a router and a NATS node at seeded random moments, and report "
+                                    "lost / duplicated requests, the lease reclaim time and leaked runtime tokens.")
+    ch.add_argument("--requests", type=positive_int, default=2000, help="requests to send (default 2000)")
+    ch.add_argument("--rate", type=positive_float, default=50.0, help="requests per second (default 50)")
+    ch.add_argument("--seed", type=int, default=1, help="seed of the kill schedule (default 1)")
+    ch.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON here")
+    ch.add_argument("--finish-timeout", type=positive_float, default=90.0,
+                    help="seconds after the last send to wait for every outcome (default 90)")
+    ch.add_argument("--inline-routing", action="store_true",
+                    help="the admitters route in their own process (natsched admitter --route) and no router runs: "
+                         "the admitter kill then also kills a router")
+    ch.add_argument("--data-dir", type=Path, default=None,
+                    help="nodes' data and the processes' logs, kept (default: a temporary dir, deleted)")
+
+
+def cmd_chaos(args) -> int:
+    settings = ChaosSettings(requests=args.requests, rate=args.rate, seed=args.seed,
+                             finish_timeout_s=args.finish_timeout, data_dir=args.data_dir,
+                             inline_routing=args.inline_routing, routers=0 if args.inline_routing else 2)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: finally stops all
+    # the producer's publish retries during a leader election are expected, one line per request:
+    # their effect is in the report
+    logging.getLogger("natsched.bus.connection").setLevel(logging.ERROR)
+    try:
+        report = ChaosRun(settings).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(format_report(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,275 @@
+"""``natsched bench ...``: benchmarks are commands, not timed tests (ARCHITECTURE.md, "Benchmarks").
+
+``natsched bench routing --trace FILE [--workers N] [--policies LIST|all] [--speedup X |
+--target-busy F] [--limit N] [--profile P] [--json OUT] [--plot OUT.png]`` replays the trace in the
+discrete-event simulator for every chosen policy on identical arrivals, prints a table and
+optionally writes JSON and a PNG (the PNG needs matplotlib: the ``bench`` extra).
+
+``natsched bench pipeline --rate R --duration S [--admitters K] [--routers K] [--find-max | --soak
+[--max-rate M]] [--sample-every S] [--json OUT]`` runs the real services on a real nats-server with a
+zero-compute engine and measures the scheduler's own cost (:mod:`natsched.bench.pipeline`), and
+the memory of every process along the way (:mod:`natsched.bench.memory`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from natsched.sim.trace import MOONCAKE_TRACE
+
+import orjson
+
+from natsched.cli.argtypes import fraction, non_negative_int, positive_float, positive_int
+from natsched.workers.profiles import DEFAULT_PROFILE, PROFILES
+
+DEFAULT_RATE = 1000.0  # bench pipeline, requests per second
+DEFAULT_DURATION_S = 10.0
+SOAK_DURATION_S = 600.0  # issue #8: a soak is 10 minutes at half the maximum rate
+RAMP_RATES = (250, 500, 1000, 1500, 2000, 2500, 3000, 4000, 5000, 6000, 8000)  # --find-max
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"natsched: error: {message}", file=sys.stderr)
+    return code
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``bench`` (with its ``routing`` subcommand) to the top-level subcommands."""
+    bench = subparsers.add_parser("bench", help="run a benchmark in the discrete-event simulator",
+                                  description="Benchmarks: print a table, write JSON (and a PNG plot).")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    rt = bsub.add_parser(
+        "routing", help="every routing policy side by side on one trace",
+        description="Replay a Mooncake JSONL trace through the shipped router and simulated engines, once per "
+                    "policy, on identical arrivals; print a table (and write JSON / a PNG).",
+    )
+    rt.add_argument("--trace", type=Path, default=MOONCAKE_TRACE,
+                    help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids of 512-token "
+                         "blocks; default: the public Mooncake synthetic trace shipped with natsched)")
+    rt.add_argument("--workers", type=positive_int, default=8, help="simulated workers (default 8)")
+    rt.add_argument("--policies", default="all",
+                    help="comma-separated routing policies, or 'all' (default: every registered policy)")
+    load = rt.add_mutually_exclusive_group()
+    load.add_argument("--speedup", type=positive_float, default=None,
+                      help="compress arrival times by this factor (default 1)")
+    load.add_argument("--target-busy", type=fraction, default=None, metavar="F",
+                      help="pick the speed-up at which least_loaded keeps workers busy this share of the time "
+                           "(e.g. 0.8), then use it for every policy")
+    rt.add_argument("--limit", type=positive_int, default=None, help="keep only the first N requests")
+    rt.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
+                    help=f"engine profile (default {DEFAULT_PROFILE})")
+    rt.add_argument("--kv-blocks", type=positive_int, default=None, metavar="N",
+                    help="KV cache blocks per simulated worker (default: the profile's KV capacity / the trace's "
+                         "block size): what more or less KV would do")
+    rt.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+    rt.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
+                    help="write a PNG (TTFT CDF, hit ratio vs ceiling); needs matplotlib")
+    rt.add_argument("--jobs", type=positive_int, default=2,
+                    help="policies simulated in parallel processes (default 2; 1 = in this process)")
+    rt.add_argument("--calib-limit", type=positive_int, default=1000,
+                    help="requests per run of --target-busy's first, coarse calibration (default 1000); "
+                         "a longer trace is then calibrated on all its requests from that answer")
+    rt.add_argument("--hb-interval", type=positive_float, default=1.0,
+                    help="virtual seconds between worker heartbeats (default 1)")
+    rt.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    rt.add_argument("--sweep", type=positive_int, default=1, metavar="N",
+                    help="also run every policy at N speed-ups spread around the chosen one and report the "
+                         "means and how often each target is met (one run's hit ratio moves by tenths of a "
+                         "point with a 1%% change of load; default 1: off)")
+    rt.add_argument("--sweep-span", type=fraction, default=0.05, metavar="F",
+                    help="the sweep covers speed-up x [1-F, 1+F] (default 0.05)")
+    _add_pipeline_parser(bsub)
+    from natsched.sim.bench_admission import add_admission_parser
+
+    add_admission_parser(bsub)
+    ss = bsub.add_parser("shared-state", help="cost of the admitters' compare-and-swap on the shared usage",
+                         description="Replicas commit one-token reservations by KV compare-and-swap as fast as "
+                                     "they can; prints commits/s, lost races per commit and lost updates.")
+    ss.add_argument("--replicas", default="1,2,3", help="replica counts to run, comma separated (default 1,2,3)")
+    ss.add_argument("--seconds", type=positive_float, default=5.0, help="seconds per run (default 5)")
+    ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
+    ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    return bench
+
+
+def _add_pipeline_parser(bsub) -> None:
+    pp = bsub.add_parser("pipeline", help="the scheduler's own cost on real services (zero-compute engine)",
+                         description="Start a fresh system (embedded nats-server, admitters, routers, null-engine "
+                                     "workers), publish requests open-loop and measure publish -> assignment. "
+                                     "Every --sample-every seconds the RSS of each process (nats-server, admitters, "
+                                     "routers, offline runner, workers, this load generator) and the size of every "
+                                     "stream are sampled; a memory table says whether each process stayed flat "
+                                     "after warm-up. A soak: --soak (10 minutes at half the --find-max rate, "
+                                     "measured first) or --soak --max-rate M (at M/2) or --soak --rate R (at R).")
+    pp.add_argument("--rate", type=positive_float, default=None,
+                    help=f"requests per second (default {DEFAULT_RATE:.0f}; with --soak: half the maximum)")
+    pp.add_argument("--duration", type=positive_float, default=None,
+                    help=f"seconds of load (default {DEFAULT_DURATION_S:.0f}; with --soak {SOAK_DURATION_S:.0f})")
+    pp.add_argument("--admitters", type=positive_int, default=1, help="admitter replicas (default 1)")
+    pp.add_argument("--routers", type=non_negative_int, default=None,
+                    help="router replicas (default 1; 0 with --inline-routing)")
+    pp.add_argument("--inline-routing", action="store_true",
+                    help="the admitters route what they admit in their own process (natsched admitter --route)")
+    pp.add_argument("--floor", action="store_true",
+                    help="a bare relay (pull, send to a worker, ack; no quota, records or statuses) in place of "
+                         "the admitters and routers: what the bus, the client and this machine cost before "
+                         "anything is decided, measured by the same harness")
+    pp.add_argument("--no-credit", action="store_true",
+                    help="admitters without credit (natsched admitter --no-credit): every allow committed to the "
+                         "shared usage before its request goes out, for comparison")
+    pp.add_argument("--workers", type=positive_int, default=2, help="null-engine workers (default 2)")
+    mode = pp.add_mutually_exclusive_group()
+    mode.add_argument("--find-max", action="store_true",
+                      help="ramp the rate (250, 500, 1000, 1500, ...), halve the gap to the first rate that "
+                           "fails twice, and report the highest with p99 <= 10 ms and nothing lost")
+    mode.add_argument("--soak", action="store_true",
+                      help=f"a soak: {SOAK_DURATION_S / 60:.0f} minutes (unless --duration) at --rate, or at half "
+                           "of --max-rate, or else at half the rate --find-max measures first; the memory table "
+                           "says whether every process stayed flat")
+    pp.add_argument("--max-rate", type=positive_float, default=None, metavar="M",
+                    help="with --soak: the known maximum rate (from --find-max); the soak runs at M/2")
+    pp.add_argument("--sample-every", type=positive_float, default=10.0, metavar="S",
+                    help="seconds between memory and stream-size samples (default 10)")
+    pp.add_argument("--audit-max-mib", type=positive_int, default=None, metavar="N",
+                    help="retention of REQUESTS, DECISIONS and COMPLETIONS (default 1 GiB each): small enough "
+                         "that a soak reaches it, to show the server's memory levelling off")
+    pp.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
+    pp.add_argument("--json", type=Path, default=None, metavar="OUT",
+                    help="write the results as JSON (with every memory sample under 'memory')")
+
+
+def cmd_bench(args) -> int:
+    name = getattr(args, "bench", None)
+    if name == "routing":
+        return _cmd_routing(args)
+    if name == "pipeline":
+        return _cmd_pipeline(args)
+    if name == "shared-state":
+        return _cmd_shared(args)
+    if name == "admission":
+        from natsched.sim.bench_admission import run_admission
+
+        return run_admission(args)
+    return _fail(f"unknown benchmark {getattr(args, 'bench', None)!r}")
+
+
+def _cmd_routing(args) -> int:
+    from natsched.sim.bench_routing import RoutingBenchSettings, run_routing_benchmark
+    from natsched.sim.errors import SimError
+    from natsched.sim.plot import plot_routing, require_matplotlib
+
+    try:
+        if args.plot is not None:
+            require_matplotlib()  # say so now, not after minutes of simulation
+        settings = RoutingBenchSettings(
+            trace=str(args.trace), workers=args.workers, policies=args.policies, speedup=args.speedup,
+            target_busy=args.target_busy, limit=args.limit, profile=args.profile, jobs=args.jobs,
+            calib_limit=args.calib_limit, hb_interval=args.hb_interval, progress=not args.no_progress,
+            sweep=args.sweep, sweep_span=args.sweep_span, kv_blocks=args.kv_blocks,
+        )
+        report = run_routing_benchmark(settings)
+    except SimError as exc:
+        return _fail(str(exc))
+    print(report.table())
+    try:
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_bytes(orjson.dumps(report.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
+            print(f"wrote {args.json}", file=sys.stderr)
+        if args.plot is not None:
+            title = (f"{Path(report.trace).name}: {report.requests} requests, {report.workers} workers, "
+                     f"speed-up {report.speedup:.3g}")
+            plot_routing(args.plot, report.ttfts, {n: m["hit_ratio"] for n, m in report.policies.items()},
+                         report.ceiling_hit_ratio, title, pooled=report.pooled_hit_ratio)
+            print(f"wrote {args.plot}", file=sys.stderr)
+    except OSError as exc:
+        return _fail(f"cannot write output: {exc}")
+    except SimError as exc:
+        return _fail(str(exc))
+    return 0
+
+
+def _cmd_shared(args) -> int:
+    from natsched.bench.shared import print_table, run_shared_state
+
+    try:
+        replicas = [int(x) for x in args.replicas.split(",") if x.strip()]
+        if not replicas or min(replicas) < 1:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--replicas must be positive integers, got {args.replicas!r}")
+    rows = run_shared_state(replicas, args.seconds, args.nats_url)
+    print_table(rows)
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
+    return 0
+
+
+def _soak_rate(args, base) -> float | None:
+    """The soak's rate: --rate, else half of --max-rate, else half of what a --find-max ramp measures now."""
+    from dataclasses import replace
+
+    from natsched.bench.pipeline import find_max
+
+    if args.rate is not None:
+        return args.rate
+    if args.max_rate is not None:
+        return args.max_rate / 2
+    print("soak: measuring the maximum rate first (--max-rate M skips this)", file=sys.stderr, flush=True)
+    ramp = replace(base, rate=0.0, duration_s=DEFAULT_DURATION_S, sample_every_s=None, audit_max_bytes=None)
+    best, _ = find_max(ramp, list(RAMP_RATES), args.nats_url)
+    return best["rate"] / 2 if best else None
+
+
+def _cmd_pipeline(args) -> int:
+    from natsched.errors import NatschedError
+    from natsched.bench.memory import print_memory, soak_summary
+    from natsched.bench.pipeline import PipelineRun, find_max, print_table, run_pipeline
+
+    if args.max_rate is not None and not args.soak:
+        return _fail("--max-rate goes with --soak (the soak runs at half of it)")
+    if args.max_rate is not None and args.rate is not None:
+        return _fail("give the soak's --rate or the --max-rate it halves, not both")
+    duration = args.duration or (SOAK_DURATION_S if args.soak else DEFAULT_DURATION_S)
+    from natsched.hosting.supervisor import router_count
+
+    if args.floor and (args.inline_routing or args.routers is not None or args.admitters != 1 or args.no_credit):
+        return _fail("--floor puts a bare relay in place of the admitters and routers: "
+                     "leave out --admitters, --routers, --inline-routing and --no-credit")
+    try:
+        routers = 0 if args.floor else router_count(args.routers, args.inline_routing)
+    except ValueError as exc:
+        return _fail(str(exc))
+    base = PipelineRun(args.rate or DEFAULT_RATE, duration, args.admitters, routers, args.workers,
+                       inline_routing=args.inline_routing, floor=args.floor, credit=not args.no_credit,
+                       sample_every_s=args.sample_every,
+                       audit_max_bytes=args.audit_max_mib * 2**20 if args.audit_max_mib else None)
+    try:
+        if args.find_max:
+            best, results = find_max(base, list(RAMP_RATES), args.nats_url)
+            out = {"find_max": True, "best": best, "runs": results}
+        else:
+            if args.soak:
+                base.rate = _soak_rate(args, base)
+                if base.rate is None:
+                    return _fail("no rate met p99 <= 10 ms with nothing lost, so there is no maximum to halve: "
+                                 "pass the soak's --rate")
+                print(f"soak: {base.duration_s:.0f} s at {base.rate:.0f}/s", file=sys.stderr, flush=True)
+            results = [run_pipeline(base, args.nats_url)]
+            out = results[0]
+    except NatschedError as exc:
+        return _fail(str(exc))
+    print_table(sorted(results, key=lambda r: r["rate"]))  # (--find-max's refinement runs come last)
+    if args.find_max:
+        print(f"highest rate with p99 <= 10 ms and nothing lost: {best['rate']:.0f}/s" if best else
+              "no rate met p99 <= 10 ms with nothing lost")
+    elif "memory" in out:
+        print_memory(out["memory"])
+        if args.soak:
+            print(soak_summary(out["memory"], out["lost"]))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2) + b"\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0

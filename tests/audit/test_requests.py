@@ -1,0 +1,114 @@
+"""natsched audit against a real nats-server: one request's story, a window in numbers, bad input."""
+
+import time
+from argparse import ArgumentTypeError
+
+import orjson
+import pytest
+
+from natsched.wire import subjects as S
+from natsched.audit.records import AuditNotFound, audit_request, audit_window, read_window
+from natsched.client.producer import make_request
+from natsched.client.errors import Rejected
+from natsched.cli.jobs import parse_time
+from tests.client.test_batch_submit import cli
+
+
+
+
+async def test_an_online_request_tells_its_whole_story(stack, bus):
+    system = "Shared system prompt for the audit. " * 12
+    await stack.client.submit(make_request("t1", "warm", system_prompt=system, max_tokens=2))
+    result = await stack.client.submit(make_request("t1", "q", system_prompt=system, max_tokens=3, id="aud1"))
+    story = await audit_request(bus.js, "aud1")
+    assert [(e["stage"], e["what"]) for e in story["events"]] == [
+        ("submitted", "stored"), ("admission", "allow"), ("routing", "assign"), ("completion", "ok")]
+    admission, routing, completion = story["events"][1:]
+    assert admission["budget"]["total"] == stack.admitter.total and admission["runtime_tokens"] > 0
+    assert set(routing["scores"]) == {"w1", "w2"} and routing["policy"] == "least_loaded"
+    assert completion["worker"] == result.worker == story["worker"]
+    assert story["cached_tokens"] == result.cached_tokens > 0 and story["ttft"] == pytest.approx(result.ttft)
+    assert story["outcome"] == "completed"
+
+
+async def test_a_rejected_request_ends_with_its_reason(stack, bus):
+    with pytest.raises(Rejected):
+        await stack.client.submit(make_request("t1", "x", max_tokens=0, id="rej1"))
+    story = await audit_request(bus.js, "rej1")
+    assert story["outcome"] == "rejected (invalid_max_tokens)"
+    assert [e["stage"] for e in story["events"]] == ["submitted", "admission"]
+
+
+async def test_a_queued_request_shows_its_wait(stack, bus):
+    await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
+    from tests.admitter.test_offline_runner import wait_for
+
+    assert await wait_for(lambda: stack.admitter.total == 300)
+    import asyncio
+
+    first = asyncio.create_task(stack.client.submit(make_request("t1", prompt_token_ids=list(range(100)),
+                                                                 max_tokens=50)))
+    await wait_for(lambda: stack.admitter.shared.usage.used > 0)
+    await stack.client.submit(make_request("t1", prompt_token_ids=list(range(100)), max_tokens=50, id="q1"))
+    await first
+    story = await audit_request(bus.js, "q1")
+    assert [e["stage"] for e in story["events"]][:3] == ["submitted", "queue", "admission"]
+    assert story["queue_wait"] > 0
+
+
+async def test_unknown_id_is_not_found_and_names_the_retention(stack, bus):
+    await stack.client.submit(make_request("t1", "something", max_tokens=2))
+    with pytest.raises(AuditNotFound, match="not found.*REQUESTS keeps messages for 7d"):
+        await audit_request(bus.js, "nobody")
+    with pytest.raises(ValueError):
+        await audit_request(bus.js, "not.a.token")
+
+
+async def test_window_summary_counts_decisions_and_completions(stack, bus):
+    since = time.time() - 1
+    for i in range(4):
+        await stack.client.submit(make_request("t1", f"p{i}", max_tokens=2))
+    with pytest.raises(Rejected):
+        await stack.client.submit(make_request("t1", "x", max_tokens=0))
+    await stack.client.submit(make_request("other", "not counted", max_tokens=2))
+    s = await audit_window(bus.js, since, None, "t1")
+    assert s["requests"] == 5 and s["completed"] == 4
+    assert s["decisions"] == {"admission.allow": {"-": 4}, "admission.reject": {"invalid_max_tokens": 1},
+                              "routing.assign": {"load": 4}}
+    assert s["ttft_p50_s"] is not None and s["ttft_p99_s"] >= s["ttft_p50_s"]
+    assert sum(s["workers"].values()) == 4
+
+
+async def test_empty_window_is_an_empty_summary_exit_0(bus, nats_url):
+    s = await audit_window(bus.js, time.time() - 60, None, "t1")
+    assert (s["requests"], s["completed"], s["decisions"], s["ttft_p50_s"], s["hit_ratio"]) == (0, 0, {}, None, None)
+    shown = cli(nats_url, "audit", "--tenant", "t1", "--since", "10m", "--json")
+    assert shown.returncode == 0 and orjson.loads(shown.stdout)["requests"] == 0
+
+
+async def test_cli_unknown_id_exits_2_with_not_found(bus, nats_url):
+    shown = cli(nats_url, "audit", "ghost")
+    assert shown.returncode == 2 and "request ghost not found" in shown.stderr
+
+
+async def test_window_reads_respect_until(bus):
+    before = time.time()
+    await bus.jpublish(S.request("online", "t1"), make_request("t1", "a"), msg_id="w1")
+    middle = time.time()
+    await bus.jpublish(S.request("online", "t1"), make_request("t1", "b"), msg_id="w2")
+    ids = [m.msg_id async for m in read_window(bus.js, S.STREAM_REQUESTS, before - 1, middle)]
+    assert ids == ["w1"]
+    later = [m.msg_id async for m in read_window(bus.js, S.STREAM_REQUESTS, middle, None)]
+    assert later == ["w2"]
+
+
+@pytest.mark.parametrize("text,expected", [("now", 1000.0), ("15m", 100.0), ("-15m", 100.0), ("15m ago", 100.0),
+                                           ("500", 500.0), ("1970-01-01T00:10:00Z", 600.0)])
+def test_times(text, expected):
+    assert parse_time(text, now=1000.0) == expected
+
+
+@pytest.mark.parametrize("text", ["yesterday", "15x", ""])
+def test_bad_times_are_refused(text):
+    with pytest.raises(ArgumentTypeError):
+        parse_time(text, now=1000.0)

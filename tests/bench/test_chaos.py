@@ -1,0 +1,181 @@
+"""`natsched chaos`: the report's arithmetic and the kill schedule (pure), then one short real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from natsched.bench.chaos import (
+    COMPLETED, KINDS, LOST, REJECTED, ChaosSettings, Facts, classify, compute_report, format_report, kill_schedule,
+    target_names,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = {"requests", "completed", "rejected", "lost", "duplicated", "max_lease_reclaim_s", "leaked_runtime_tokens",
+        "targets_met"}
+
+
+def facts(**kw) -> Facts:
+    base = dict(requests=["a", "b", "c"], producer={"a": "completed", "b": "completed", "c": "completed"},
+                final_replies={"a": ["result w1"], "b": ["result w2"], "c": ["result w1"]},
+                completions={"a": [("ok", None)], "b": [("ok", None)], "c": [("ok", None)]},
+                reclaims={"w1": 2.5}, leaked_runtime_tokens=0, heartbeat_s=1.0, lease_missed=3)
+    base.update(kw)
+    return Facts(**base)
+
+
+def test_a_clean_run_meets_every_target():
+    report = compute_report(facts())
+    assert KEYS <= report.keys()
+    assert (report["completed"], report["rejected"], report["lost"], report["duplicated"]) == (3, 0, 0, 0)
+    assert report["targets_met"] == {"lost": True, "duplicated": True, "leaked_runtime_tokens": True,
+                                     "max_lease_reclaim_s": True, "all": True}
+
+
+def test_a_second_completion_record_is_a_duplicate():
+    report = compute_report(facts(completions={"a": [("ok", None), ("ok", None)], "b": [("ok", None)],
+                                               "c": [("ok", None)]}))
+    assert report["duplicated"] == 1 and report["duplicated_ids"] == ["a"]
+    assert (report["duplicated_completions"], report["duplicated_replies"]) == (1, 0)
+    assert report["completed"] == 3  # still one request, completed
+    assert report["targets_met"]["duplicated"] is False and report["targets_met"]["all"] is False
+
+
+def test_a_second_final_reply_at_the_producer_is_a_duplicate():
+    report = compute_report(facts(final_replies={"a": ["result w1"], "b": ["result w2", "error failed no_worker"],
+                                                 "c": ["result w1"]}))
+    assert report["duplicated"] == 1 and report["duplicated_ids"] == ["b"]
+    assert report["detail"]["b"]["final_replies"] == ["result w2", "error failed no_worker"]
+
+
+def test_a_request_with_no_outcome_anywhere_is_lost():
+    report = compute_report(facts(producer={"a": "completed", "b": "completed", "c": "timeout"},
+                                  completions={"a": [("ok", None)], "b": [("ok", None)]},
+                                  final_replies={"a": ["result w1"], "b": ["result w2"]}))
+    assert report["lost"] == 1 and report["lost_ids"] == ["c"]
+    assert report["detail"]["c"] == {"producer": "timeout", "completions": [], "final_replies": []}
+    assert report["targets_met"]["lost"] is False
+
+
+def test_a_cancelled_completion_does_not_hide_a_lost_request():
+    # the producer gave up (timeout) and cancelled it: that record is no outcome of the request
+    assert classify("timeout", [("error", "cancelled")]) == LOST
+    assert classify("unfinished", []) == LOST
+
+
+def test_a_completion_counts_when_the_producer_missed_the_result():
+    report = compute_report(facts(producer={"a": "completed", "b": "completed", "c": "timeout"}))
+    assert report["completed"] == 3 and report["lost"] == 0
+    assert report["completed_without_producer_result"] == 1
+
+
+def test_refusals_failures_and_unaccepted_publishes_are_rejected():
+    assert classify("rejected:quota_exhausted", []) == REJECTED
+    assert classify("failed:no_worker", [("error", "no_worker")]) == REJECTED
+    assert classify("publish_failed", []) == REJECTED
+    assert classify("timeout", [("error", "engine_error")]) == REJECTED
+    assert classify("publish_failed", [("ok", None)]) == COMPLETED  # stored after all: it ran
+
+
+def test_a_final_reply_the_client_no_longer_waited_for_still_counts():
+    assert classify("timeout", [], ["result w2"]) == COMPLETED
+    assert classify("timeout", [], ["error rejected quota_exhausted"]) == REJECTED
+
+
+def test_every_request_lands_in_exactly_one_class():
+    f = facts(requests=list("abcdef"),
+              producer={"a": "completed", "b": "rejected:tenant_cap", "c": "timeout", "d": "publish_failed",
+                        "e": "failed:engine_error"},
+              completions={"a": [("ok", None)], "c": [("ok", None)], "e": [("error", "engine_error")]},
+              final_replies={"a": ["result w1"], "b": ["error rejected tenant_cap"],
+                             "e": ["error failed engine_error"]})
+    report = compute_report(f)
+    assert (report["completed"], report["rejected"], report["lost"]) == (2, 3, 1)
+    assert report["completed"] + report["rejected"] + report["lost"] == report["requests"] == 6
+
+
+def test_a_reclaim_never_seen_or_too_slow_misses_its_target():
+    assert compute_report(facts(reclaims={"w1": None}))["max_lease_reclaim_s"] is None
+    assert compute_report(facts(reclaims={"w1": None}))["targets_met"]["max_lease_reclaim_s"] is False
+    slow = compute_report(facts(reclaims={"w1": 3.4}, heartbeat_s=1.0))
+    assert slow["max_lease_reclaim_s"] == 3.4 and slow["targets_met"]["max_lease_reclaim_s"] is False
+    assert compute_report(facts(reclaims={}))["targets_met"]["max_lease_reclaim_s"] is False  # no worker killed
+
+
+def test_a_leak_misses_its_target():
+    assert compute_report(facts(leaked_runtime_tokens=57))["targets_met"]["leaked_runtime_tokens"] is False
+    assert compute_report(facts(leaked_runtime_tokens=None))["targets_met"]["leaked_runtime_tokens"] is False
+
+
+def test_the_schedule_is_reproducible_from_the_seed_and_inside_the_run():
+    names = target_names(ChaosSettings())
+    first = kill_schedule(5, 40.0, 6.0, names)
+    assert first == kill_schedule(5, 40.0, 6.0, names)
+    assert first != kill_schedule(6, 40.0, 6.0, names)
+    assert sorted(k.kind for k in first) == sorted(KINDS)  # one of each
+    for k in first:
+        assert 0.1 * 40.0 <= k.at_s <= 0.7 * 40.0
+        assert k.restart_s == k.at_s + 6.0
+        assert k.name in names[k.kind]
+    times = sorted(k.at_s for k in first)
+    assert all(b > a for a, b in zip(times, times[1:]))  # one slot each: never two at once
+
+
+def test_target_names_match_what_the_supervisor_and_the_cluster_start():
+    names = target_names(ChaosSettings())
+    assert names == {"worker": ["w1", "w2", "w3"], "admitter": ["admitter-1", "admitter-2"],
+                     "router": ["router-1", "router-2"], "node": ["n1", "n2", "n3"]}
+
+
+def test_with_inline_routing_there_is_no_router_to_kill():
+    names = target_names(ChaosSettings(inline_routing=True, routers=0))
+    assert names["router"] == [] and names["admitter"] == ["admitter-1", "admitter-2"]
+    assert sorted(k.kind for k in kill_schedule(3, 40.0, 6.0, names)) == ["admitter", "node", "worker"]
+
+
+def test_the_table_shows_numbers_kills_and_targets():
+    report = compute_report(facts(reclaims={"w1": 3.4}))
+    report["kills"] = [{"kind": "worker", "name": "w1", "killed_at_s": 2.0, "ready_at_s": 8.1}]
+    text = format_report(report)
+    assert "killed worker w1 at 2.0s" in text
+    assert "[MISSED] max_lease_reclaim_s: want <= 3.0, got 3.40" in text
+    assert "[ok] lost" in text
+
+
+def _open_in(path: Path) -> list[int]:
+    """Processes holding a file under ``path`` open (nodes: data and logs; services: their logs)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(str(path)) for fd in fds):
+                pids.append(int(pid))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return pids
+
+
+def test_a_short_chaos_run_accounts_for_every_request(tmp_path):
+    out = tmp_path / "chaos.json"
+    data = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "natsched", "--log-level", "warning", "chaos", "--requests", "150", "--rate", "30",
+         "--seed", "7", "--finish-timeout", "45", "--data-dir", str(data), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert KEYS <= report.keys()
+    assert report["requests"] == 150
+    assert report["completed"] + report["rejected"] + report["lost"] == 150
+    # a string, which pytest prints whole (a dict message is cut to a line)
+    assert report["duplicated"] == 0, json.dumps({k: report[k] for k in ("detail", "kills")})
+    assert report["lost"] == 0, json.dumps({k: report[k] for k in ("lost_ids", "detail", "kills")})
+    assert report["leaked_runtime_tokens"] == 0, json.dumps({k: report[k] for k in ("reclaim_detail", "kills")})
+    assert {k["kind"] for k in report["kills"]} == set(KINDS)
+    assert all("error" not in k for k in report["kills"])  # everything killed came back
+    assert "targets:" in proc.stdout
+    assert _open_in(data) == []  # no process of the run outlived it

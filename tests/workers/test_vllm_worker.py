@@ -1,0 +1,199 @@
+"""A real vLLM worker process on the bus: what it publishes is what the router will compute.
+
+The worker runs as a child process (:class:`natsched.workers.vllm_worker.VllmWorkerProcess`), exactly as
+``natsched up`` / a deployment runs it; the test plays the router (publishes Assignments on
+``work.<id>``) and listens to everything the worker says. One worker for the module; the last
+test drains it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+
+from natsched.wire import subjects as S
+from natsched.wire.blocks import request_block_hashes
+from natsched.bus.connection import Bus
+from natsched.wire.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, Request, WorkerId
+from tests.conftest import wipe
+from natsched.workers.calibrate import Calibration, store_calibration
+from natsched.workers.vllm_worker import VllmWorkerProcess
+from tests.factories.core import wait_for
+
+# no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly
+pytestmark = pytest.mark.vllm
+
+WID = WorkerId("wv1")
+MODEL = "tiny-w"
+DEPLOYMENT = "test-cpu"
+CALIBRATED = 5000
+_ids = itertools.count()
+
+
+class Listener:
+    def __init__(self) -> None:
+        self.hbs: list[Heartbeat] = []
+        self.kvs: list[CacheEvent] = []
+        self.done: dict[str, Completion] = {}
+        self.replies: dict[str, list[Reply]] = {}
+
+    async def start(self, bus: Bus) -> None:
+        async def hb(s, d, h):
+            self.hbs.append(Heartbeat.decode(d))
+
+        async def kv(s, d, h):
+            self.kvs.append(CacheEvent.decode(d))
+
+        async def done(s, d, h):
+            c = Completion.decode(d)
+            self.done[c.request_id] = c
+
+        async def reply(s, d, h):
+            r = Reply.decode(d)
+            self.replies.setdefault(r.request_id, []).append(r)
+
+        await bus.subscribe(S.heartbeat(WID), hb)
+        await bus.subscribe(S.cache_events(WID), kv)
+        await bus.subscribe(S.COMPLETIONS_ALL, done)
+        await bus.subscribe("resp.>", reply)
+
+    def published(self) -> set[int]:
+        """The worker's cache as a router following its events sees it."""
+        view: set[int] = set()
+        for ev in self.kvs:
+            if ev.kind in ("snapshot", "cleared"):
+                view = set(ev.hashes)
+            elif ev.kind == "stored":
+                view |= set(ev.hashes)
+            elif ev.kind == "removed":
+                view -= set(ev.hashes)
+        return view
+
+
+@pytest.fixture(scope="module")
+async def worker(nats_url, tmp_path_factory):
+    from natsched.workers.tiny_model import write_tiny_model
+
+    bus = await Bus.connect(nats_url, name="test-vllm-worker")
+    await wipe(bus)
+    await bus.provision()
+    await store_calibration(bus, Calibration(
+        model=MODEL, deployment=DEPLOYMENT, capacity_tokens=CALIBRATED, knee_concurrency=4, knee_reason="test",
+        knee_factor=2.0, baseline_ttft=0.01, baseline_tpot=0.01, block_size=32, prompt_tokens=64, output_tokens=8,
+        measured_at=time.time()))
+    listener = Listener()
+    await listener.start(bus)
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-worker"), tokenizer=True)
+    proc = VllmWorkerProcess(nats_url, WID, path, model=MODEL, deployment=DEPLOYMENT, kv_cache_blocks=256,
+                             max_model_len=4096, concurrency=4, heartbeat=0.3).start()
+    try:
+        await proc.await_ready(240)
+        yield bus, listener, proc
+    finally:
+        proc.stop()
+        await bus.close()
+
+
+async def assign(bus: Bus, **fields) -> Request:
+    rid = f"q{next(_ids)}"
+    req = Request(id=rid, tenant="t1", cls="online", model=MODEL, reply=S.reply(rid), created=time.time(), **fields)
+    a = Assignment(request=req, worker=WID, runtime_tokens=200, admitted_at=time.time(), routed_at=time.time())
+    await bus.jpublish(S.work(WID), a, msg_id=rid)
+    return req
+
+
+async def finished(listener: Listener, req: Request, timeout: float = 60.0) -> Completion:
+    assert await wait_for(lambda: req.id in listener.done and any(r.final for r in listener.replies.get(req.id, [])),
+                          timeout), f"no result for {req.id}"
+    return listener.done[req.id]
+
+
+async def test_heartbeats_carry_engine_load_and_the_calibrated_capacity(worker):
+    _, listener, proc = worker
+    assert "engine=vllm" in proc.ready_line
+    assert await wait_for(lambda: len(listener.hbs) >= 2)
+    hb = listener.hbs[-1]
+    assert hb.state == "healthy" and hb.model == MODEL and hb.block_size == 32
+    assert hb.kv_total_blocks == 256 and hb.capacity_tokens == CALIBRATED
+    assert listener.kvs and listener.kvs[0].kind == "snapshot"
+
+
+async def test_token_prompt_hashes_on_the_bus_equal_the_routers(worker):
+    bus, listener, _ = worker
+    req = await assign(bus, prompt_token_ids=[10 + (i * 37) % 900 for i in range(150)], max_tokens=6)
+    c = await finished(listener, req)
+    assert c.status == "ok" and c.prompt_tokens == 150 and c.output_tokens == 6 and c.worker == WID
+    expected = request_block_hashes(req, 32)
+    assert len(expected) == 4
+    assert await wait_for(lambda: set(expected) <= listener.published())
+    result = [r for r in listener.replies[req.id] if r.final][0]
+    assert result.kind == "result" and result.output_tokens == 6
+
+
+async def test_text_prompt_hashes_on_the_bus_equal_the_routers(worker):
+    bus, listener, _ = worker
+    system = "System: you answer questions about the routing cache of this knowledge base. " * 3
+    prompt = "User question: which worker holds the prefix? " * 10
+    req = await assign(bus, prompt=prompt, system_prompt=system, kb_version="kb1", max_tokens=5)
+    c = await finished(listener, req)
+    assert c.status == "ok"
+    expected = request_block_hashes(req, 32)  # text route key: root(model, kb), system + prompt text
+    assert len(expected) >= 5
+    assert await wait_for(lambda: set(expected) <= listener.published())
+    # a follow-up with the same system prompt is served from cache, and the worker says so
+    req2 = await assign(bus, prompt="User question: something else entirely? " * 5, system_prompt=system,
+                        kb_version="kb1", max_tokens=5)
+    c2 = await finished(listener, req2)
+    assert c2.cached_tokens >= 32
+
+
+async def test_cache_events_are_sequenced_without_gaps(worker):
+    _, listener, _ = worker
+    seqs = [ev.seq for ev in listener.kvs]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    # heartbeats name the last sequence number, so a reader can tell it missed the tail
+    assert await wait_for(lambda: listener.hbs[-1].kv_seq == listener.kvs[-1].seq)
+
+
+async def test_too_long_prompt_is_answered_with_an_error(worker):
+    bus, listener, _ = worker
+    req = await assign(bus, prompt_token_ids=[5] * 4500, max_tokens=4)
+    c = await finished(listener, req)
+    assert c.status == "error" and c.reason == "prompt_too_long"
+    err = [r for r in listener.replies[req.id] if r.final][0]
+    assert err.kind == "error" and err.reason == "prompt_too_long" and "4096" in err.message
+
+
+async def test_drain_finishes_inflight_work_then_the_process_leaves(worker):
+    """Last in the module: the worker leaves."""
+    bus, listener, proc = worker
+    # long enough that a fast CPU cannot finish it between two heartbeats. Not streamed: 4,000
+    # token replies to decode here, in a process the engine's threads starve of CPU, delayed the
+    # heartbeats behind them by 6 s in CI, and the request had ended before the drain went out
+    req = await assign(bus, prompt_token_ids=[7 + i % 500 for i in range(64)], max_tokens=4000)
+    # drain as soon as the worker says the request runs
+    assert await wait_for(lambda: any(req.id in hb.inflight for hb in listener.hbs))
+    drained_at = time.time()
+    await bus.publish(S.control(WID), Control(kind="drain", by="test"))
+    # it says so while the request still runs ...
+    assert await wait_for(lambda: any(hb.state == "quiescing" and req.id in hb.inflight for hb in listener.hbs)), \
+        _drain_story(listener, req.id, drained_at)  # what the heartbeats said, and when the request ended
+    # ... and finishes it
+    c = await finished(listener, req, timeout=120)
+    assert c.status == "ok" and c.output_tokens == 4000
+    code = await asyncio.to_thread(proc.wait, 60)
+    assert code == 0, proc.tail()
+    assert await wait_for(lambda: listener.hbs[-1].inflight == [] and listener.kvs[-1].kind == "cleared")
+    assert listener.hbs[-1].state == "quiescing"
+
+
+def _drain_story(listener: "Listener", rid: str, drained_at: float) -> str:
+    """When the drain went out, the heartbeats (time, state, whether ``rid`` was in flight) and the replies."""
+    beats = [(round(hb.ts % 1000, 2), hb.state, rid in hb.inflight) for hb in listener.hbs[-40:]]
+    replies = listener.replies.get(rid, [])
+    return (f"drain sent at {drained_at % 1000:.2f}; last heartbeats {beats}; "
+            f"{sum(r.kind == 'token' for r in replies)} token replies, "
+            f"final: {[(r.kind, r.reason) for r in replies if r.final]}")
