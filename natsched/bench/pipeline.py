@@ -340,7 +340,7 @@ def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
             pids["relay"] = relay.pid
         time.sleep(1.0)  # workers' first heartbeats reach the routers (inline ones too)
         pids["load generator"] = os.getpid()
-        from natsched.cli.commands import run_loop  # uvloop, as the services run: the generator's own CPU is shared
+        from natsched.hosting.runtime import run_loop  # uvloop, as the services run: the generator's own CPU is shared
 
         admitters = [port for name, port in sup.metrics_ports.items() if name.startswith("admitter")]
         return run_loop(drive(url, run, pids, admitters))

@@ -343,39 +343,23 @@ async def stream_tail(bus: Bus, stream: str, count: int, parallel: int = 64) -> 
 # --- the command ---------------------------------------------------------------------------
 
 
-def add_status_parser(sub, url_flag) -> None:
-    """``natsched status [--watch [SECONDS]] [--json]``."""
-    st = sub.add_parser("status", help="show workers, tenants, queues and recent rejections",
-                        description="A terminal view of the cluster: workers (state, load, KV use, hit ratio, "
-                                    "heartbeat age), each tenant's floor / usage / cap, queue depths by class "
-                                    "and recent rejections by reason.")
-    url_flag(st)
-    st.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
-                    help="redraw every SECONDS (default 2) until Ctrl-C")
-    st.add_argument("--json", action="store_true", help="print the view as JSON (once)")
-    st.add_argument("--window", type=float, default=300.0, help="rejections and hit ratios over this many seconds")
-
-
-async def run_status(args) -> int:
-    settings = StatusSettings(window_s=args.window)
-    if args.watch is not None and args.watch <= 0:
-        raise ValueError("--watch needs a positive number of seconds")
-    bus = await Bus.connect(args.nats_url, name="natsched-status", connect_budget_s=5.0,
-                            credentials=args.credentials)
+async def run_status(bus: Bus, settings: StatusSettings, watch_s: float | None = None, as_json: bool = False) -> int:
+    """``natsched status`` on a connected bus: print the view once (text or JSON), or redraw it every
+    ``watch_s`` seconds until cancelled. Closes the bus."""
     try:
         collector = StatusCollector(bus, settings)
         await collector.start()
         await asyncio.sleep(settings.listen_s)  # every worker's heartbeat, at 1-2 s intervals
         while True:
             view = await collector.snapshot()
-            if args.json:
+            if as_json:
                 sys.stdout.write(view.to_json().decode() + "\n")
                 return 0
-            if args.watch is None:
+            if watch_s is None:
                 sys.stdout.write(render_text(view))
                 return 0
             sys.stdout.write("\x1b[H\x1b[2J" + render_text(view))
             sys.stdout.flush()
-            await asyncio.sleep(args.watch)
+            await asyncio.sleep(watch_s)
     finally:
         await bus.close()

@@ -242,26 +242,6 @@ async def load_calibration(bus: Any, model: str, deployment: str) -> Calibration
         return None
 
 
-def add_calibrate_flags(p: Any) -> None:
-    """Flags of ``natsched worker calibrate`` (engine choice and sweep), on an argparse parser."""
-    from natsched.workers.vllm_worker import add_vllm_flags
-
-    p.add_argument("--engine", choices=["sim", "vllm"], default="sim")
-    p.add_argument("--model", default="default", help="model name requests use (the calibration key)")
-    p.add_argument("--block-size", type=int, default=32, help="KV block size in tokens (default 32)")
-    p.add_argument("--concurrency", type=int, default=64, help="engine batch size (vLLM max_num_seqs)")
-    p.add_argument("--profile", default="h100-llama8b", help="sim engine profile")
-    p.add_argument("--time-scale", type=float, default=1.0, help="sim engine: multiply step times")
-    p.add_argument("--levels", default="1,2,4,8,16,32,64", help="concurrency levels, increasing (default 1..64)")
-    p.add_argument("--rounds", type=int, default=3, help="requests per client and level (default 3)")
-    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (default 256)")
-    p.add_argument("--output-tokens", type=int, default=64, help="output length (default 64)")
-    p.add_argument("--knee-factor", type=float, default=2.0,
-                   help="knee: TTFT or TPOT p90 above this × its low-load value (default 2)")
-    p.add_argument("--dry-run", action="store_true", help="print the result, do not store it")
-    add_vllm_flags(p)
-
-
 async def calibrate_command(args: Any, engine: Any) -> int:
     """``natsched worker calibrate``: start the engine, sweep, store (unless --dry-run), print JSON.
 

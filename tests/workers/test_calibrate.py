@@ -118,7 +118,8 @@ async def test_stored_calibration_becomes_the_workers_capacity(bus):
 async def test_calibrate_command_prints_and_stores_the_record(bus, nats_url, capsys):
     import argparse
 
-    from natsched.workers.calibrate import add_calibrate_flags, calibrate_command
+    from natsched.cli.up import add_calibrate_flags
+    from natsched.workers.calibrate import calibrate_command
     from natsched.workers.profiles import get_profile
     from natsched.workers.simengine import SimEngine
 
@@ -137,7 +138,8 @@ async def test_calibrate_command_prints_and_stores_the_record(bus, nats_url, cap
 async def test_calibrate_command_reports_bad_levels_in_one_line(capsys):
     import argparse
 
-    from natsched.workers.calibrate import add_calibrate_flags, calibrate_command
+    from natsched.cli.up import add_calibrate_flags
+    from natsched.workers.calibrate import calibrate_command
 
     p = argparse.ArgumentParser()
     p.add_argument("--nats-url")
