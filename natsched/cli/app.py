@@ -13,20 +13,11 @@ import errno
 import os
 import sys
 
+import natsched
 from natsched.cli import auth, bench, chaos, cluster, gateway, jobs, quota, route, status, submit, up
 
 GROUPS = (up, submit, quota, route, gateway, status, auth, cluster, bench, chaos, jobs)
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
-    try:
-        return installed("natsched")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="natsched",
         description="Admission control and cache-aware routing for LLM inference on NATS JetStream.",
     )
-    parser.add_argument("--version", action="version", version=f"natsched {version()}")
+    parser.add_argument("--version", action="version", version=f"natsched {natsched.__version__}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in GROUPS:
