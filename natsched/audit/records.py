@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable
@@ -34,6 +33,7 @@ from nats.js.errors import NotFoundError
 
 from natsched.wire import subjects as S
 from natsched.errors import NatschedError
+from natsched.stats import percentile  # re-exported: sim.replay reads it here
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Completion, Decision, JobRecord, Request
 from natsched.bus.snapshot import KV_DELETE, KV_OPERATION, KV_PURGE
@@ -359,17 +359,6 @@ def _outcome(final: Completion | None, admission: list[Decision], job: JobRecord
     if job is not None:
         return job.status
     return "in flight (no completion recorded yet)"
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]); None when there is nothing."""
-    xs = sorted(v for v in values if v is not None and math.isfinite(v))
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def summarize(requests: int, decisions: list[Decision], completions: list[Completion]) -> dict[str, Any]:
