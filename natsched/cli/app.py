@@ -36,9 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from natsched.hosting.runtime import setup_logging
 
-    args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
     try:
+        args = build_parser().parse_args(argv)
+        setup_logging(args.log_level)
         code = args.handler(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at exit
         return code or 0

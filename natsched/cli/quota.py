@@ -56,6 +56,9 @@ def word(value: Any, unset: str = "none") -> str:
     return str(value)
 
 
+UNSET = "unset"  # a tenant, model or class limit that had no entry (None is a field set to "no limit")
+
+
 def quota_changes(old, new) -> list[tuple[str, Any, Any]]:
     """(field, old, new) for every field that differs between two :class:`Quotas`, in a stable order."""
     from natsched.admitter.quotas import TenantQuota
@@ -63,12 +66,16 @@ def quota_changes(old, new) -> list[tuple[str, Any, Any]]:
     out = [(name, getattr(old, name), getattr(new, name)) for name in ("total", "hard_cap", "unknown_tenant")]
     for tenant in sorted(set(old.tenants) | set(new.tenants)):
         was, now = old.tenants.get(tenant), new.tenants.get(tenant) or TenantQuota()
+        if was is None:  # a new tenant: its whole quota, in one line
+            out.append((f"tenant {tenant}", UNSET, f"floor {word(now.floor)}, weight {word(now.weight)}, "
+                                                  f"cap {word(now.cap)}"))
+            continue
         for name in ("floor", "weight", "cap"):
-            out.append((f"tenant {tenant} {name}", None if was is None else getattr(was, name), getattr(now, name)))
+            out.append((f"tenant {tenant} {name}", getattr(was, name), getattr(now, name)))
     for label, before, after in (("model", old.models, new.models), ("queue limit", old.queue_limits,
                                                                       new.queue_limits)):
         for key in sorted(set(before) | set(after)):
-            out.append((f"{label} {key}", before.get(key), after.get(key)))
+            out.append((f"{label} {key}", before.get(key, UNSET), after.get(key, UNSET)))
     return [(name, a, b) for name, a, b in out if a != b]
 
 
@@ -166,8 +173,7 @@ async def _write(bus, old, new, entries) -> int:
     if not changes:
         print("quotas unchanged")
     for name, was, now in changes:
-        print(f"{name}: {word(was, 'unset' if name.startswith(('tenant', 'model', 'queue')) else 'none')} "
-              f"-> {word(now)}")
+        print(f"{name}: {word(was)} -> {word(now)}")
     return 0
 
 
