@@ -75,8 +75,8 @@ def documented_commands() -> list[str]:
         for line in shell_lines(text):
             if natsched_argv(line) is not None:  # a synopsis' [options] must parse left out and written in
                 found += sorted({re.sub(r"\[([^]]*)\]", r"\1", line), re.sub(r"\[[^]]*\]", "", line)})
-        if path == README:  # inline commands in prose, except the ones written as a syntax (a|b, [opt], …)
-            found += [c for c in re.findall(r"`(natsched [^`]+)`", text) if not re.search(r"[|\[…<]|\.\.\.", c)]
+        # inline commands in prose too, except the ones written as a syntax (a|b, [opt], …)
+        found += [c for c in re.findall(r"`(natsched [^`]+)`", text) if not re.search(r"[|\[…<]|\.\.\.", c)]
     return found
 
 
