@@ -119,7 +119,7 @@ def test_documented_command_parses(line, capsys):
 async def system(bus, nats_url):
     """What ``natsched up --gateway`` runs, in this process, on the session's server."""
     stack = await start_stack(nats_url, workers=2, policy="natsched", time_scale=0.05)
-    runner, runner_bus = await start_runner(nats_url)
+    _, runner_bus = await start_runner(nats_url)
     stack.buses.append(runner_bus)
     gateway = await start_gateway(nats_url, open_tenant="open")
     await gateway.wait_for_workers(2)
