@@ -22,3 +22,15 @@ def percentile(values: Iterable[float | None], q: float) -> float | None:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def nearest_rank(values: Iterable[float], q: float) -> float | None:
+    """The sorted value at index ``min(n - 1, int(q * n))`` (q in [0, 1]); None when there are none.
+
+    The pipeline and chaos benchmarks' p50/p99 (their targets, e.g. "p99 <= 10 ms", were set and
+    published with this definition): always a measured value, never one interpolated between two.
+    """
+    xs = sorted(values)
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, int(q * len(xs)))]

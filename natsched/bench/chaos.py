@@ -72,6 +72,7 @@ from natsched.wire.errors import MessageError
 from natsched.wire.schema import Assignment, Completion, Heartbeat, Reply
 from natsched.hosting.cluster import ClusterSettings, LocalCluster
 from natsched.hosting.supervisor import Child, Supervisor, UpSettings
+from natsched.stats import nearest_rank
 
 log = logging.getLogger(__name__)
 
@@ -671,6 +672,8 @@ def _reclaim_detail(watch: dict[str, str], released: dict[str, float]) -> dict[s
 
 def _e2e(values: list[float]) -> dict[str, float | None]:
     """Producer-side latency of completed requests: a kill shows up as a tail (redeliveries wait ack_wait)."""
-    v = sorted(values)
-    pick = (lambda q: round(v[min(len(v) - 1, int(q * len(v)))], 3)) if v else (lambda q: None)
+    def pick(q: float) -> float | None:
+        found = nearest_rank(values, q)
+        return None if found is None else round(found, 3)
+
     return {"e2e_p50_s": pick(0.5), "e2e_p99_s": pick(0.99), "e2e_max_s": pick(1.0)}
