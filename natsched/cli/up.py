@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -280,9 +281,52 @@ def cmd_drain(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from natsched.workers.calibrate import calibrate_command
-
     return run(calibrate_command(args, _make_engine(args)))
+
+
+async def calibrate_command(args: argparse.Namespace, engine) -> int:
+    """``natsched worker calibrate``: start the engine, sweep, store (unless --dry-run), print JSON.
+
+    Errors (engine cannot start, nothing measurable) are one line on stderr and exit code 1.
+    """
+    from natsched.wire import subjects as S
+    from natsched.workers.calibrate import CalibrationSettings, calibrate, store_calibration
+    from natsched.workers.errors import WorkerError
+
+    try:
+        levels = [int(x) for x in str(getattr(args, "levels", None) or "1,2,4,8,16,32,64").split(",") if x.strip()]
+        settings = CalibrationSettings(  # checked before the (slow) engine start
+            model=args.model, deployment="", levels=levels,
+            rounds=getattr(args, "rounds", None) or 3,
+            prompt_tokens=getattr(args, "prompt_tokens", None) or 256,
+            output_tokens=getattr(args, "output_tokens", None) or 64,
+            knee_factor=getattr(args, "knee_factor", None) or 2.0,
+        )
+        settings_of = getattr(engine, "settings", None)
+        if settings_of is not None and hasattr(settings_of, "ignore_eos"):
+            settings_of.ignore_eos = True  # every request runs to output_tokens: the load is what we asked
+        await engine.start()
+        try:
+            # the engine's own deployment name may depend on what it found at start (KV size)
+            settings.deployment = (getattr(args, "deployment", None) or getattr(engine, "deployment", None)
+                                   or (f"sim-{args.profile}" if getattr(args, "engine", "") == "sim" else "default"))
+            cal = await calibrate(engine, settings)
+        finally:
+            await engine.stop()
+    except (WorkerError, ValueError) as exc:
+        print(f"natsched: error: calibration failed: {exc}", file=sys.stderr)
+        return 1
+    print(cal.to_json().decode(), flush=True)
+    if not getattr(args, "dry_run", False):
+        bus = await connect(args, "natsched-calibrate")
+        try:
+            await bus.provision()
+            await store_calibration(bus, cal)
+        finally:
+            await bus.close()
+        print(f"stored {S.calibration_key(cal.model, cal.deployment)} in bucket {S.BUCKET_WORKERS}: "
+              f"{cal.capacity_tokens} runtime tokens ({cal.knee_reason})", file=sys.stderr)
+    return 0
 
 
 def cmd_worker(args) -> int:
