@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from natsched.cli.options import fail, url_flag
+from natsched.cli.options import fail, no_server, url_flag
 
 BAD_SETTING = 2  # exit code of a refused flag, before anything is connected
 
@@ -64,6 +64,7 @@ def settings_from_args(args: argparse.Namespace):
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     """Refuse bad flags in one line before connecting anywhere (exit 2), then serve until a signal."""
+    from natsched.bus.errors import NoServerError
     from natsched.errors import NatschedError
     from natsched.gateway.errors import ConfigError
     from natsched.hosting.runtime import run_loop
@@ -74,6 +75,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         return fail(str(exc), BAD_SETTING)
     try:
         return run_loop(_serve(args, settings, keys))
+    except NoServerError as exc:
+        return fail(no_server(exc.url))
     except (NatschedError, OSError) as exc:
         return fail(str(exc))
 

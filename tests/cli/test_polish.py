@@ -38,7 +38,8 @@ def test_version_names_the_installed_package():
 async def test_client_commands_without_a_server_print_one_line():
     url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
     commands = [("submit", "--tenant", "t", "--prompt", "x"), ("quota", "show"), ("route", "show"), ("status",),
-                ("audit", "--since", "1h"), ("jobs", "list"), ("worker", "drain", "w1")]
+                ("audit", "--since", "1h"), ("jobs", "list"), ("worker", "drain", "w1"),
+                ("gateway", "--insecure-open", "--port", str(free_port()))]
     runs = await asyncio.gather(*(natsched(*cmd, "--nats-url", url) for cmd in commands))
     want = f"natsched: error: no NATS at {url}: start `natsched up` or set NATSCHED_NATS_URL\n"
     for cmd, (code, out, err) in zip(commands, runs):
