@@ -3,6 +3,7 @@
 ::
 
     WireError
+    ├── IdError                 an id that is not one subject token (also a ValueError)
     └── MessageError            a message that cannot be used (never retried)
         ├── DecodeError         bytes that are not valid msgpack / not a map / oversize
         └── SchemaError         a decoded map with a missing or mistyped field
@@ -15,6 +16,15 @@ from natsched.errors import NatschedError
 
 class WireError(NatschedError):
     """Root of every wire-contract error."""
+
+
+class IdError(WireError, ValueError):
+    """An id (tenant, worker, request, batch, ...) that is not one subject token; ``what`` names
+    the kind. A ``ValueError`` too: it is a bad argument to a subject builder."""
+
+    def __init__(self, message: str, what: str = "token") -> None:
+        super().__init__(message)
+        self.what = what
 
 
 class MessageError(WireError):

@@ -5,7 +5,7 @@ Rules (the wire contract in ``subjects.md`` mirrors them):
   **ignore unknown fields**, so a newer producer never breaks an older consumer;
 - ``to_wire()`` omits ``None`` so optional fields cost nothing;
 - ``from_wire()`` checks presence and type of each field and raises
-  :class:`~natsched.bus.errors.SchemaError` naming the field, so handlers can answer precisely.
+  :class:`~natsched.wire.errors.SchemaError` naming the field, so handlers can answer precisely.
 
 Pure module: no nats import, no I/O.
 """
@@ -13,25 +13,18 @@ Pure module: no nats import, no I/O.
 from __future__ import annotations
 
 import dataclasses
-import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NewType, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from natsched.wire import codec
 from natsched.wire.errors import SchemaError
-
-RequestId = NewType("RequestId", str)
-WorkerId = NewType("WorkerId", str)
-TenantId = NewType("TenantId", str)
-BlockHash = NewType("BlockHash", int)
+# the ids live in natsched.wire.ids; imported here too, beside the messages that carry them
+from natsched.wire.ids import ID_PATTERN, TOKEN, BlockHash, RequestId, TenantId, WorkerId, is_token  # noqa: F401
+from natsched.wire.subjects import reply_allowed
 
 SCHEMA_VERSION = 1
-
-#: Ids end up inside subjects (``resp.<id>``, ``work.<worker>``, ``req.<class>.<tenant>``),
-#: so they must be single subject tokens: no dots, wildcards or spaces.
-ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 T = TypeVar("T", bound="Schema")
 
@@ -203,8 +196,8 @@ class Schema:
 
 
 def _check_id(value: str, name: str) -> None:
-    if not ID_PATTERN.match(value):
-        raise SchemaError(f"field '{name}' must match {ID_PATTERN.pattern} (it is used in subjects)", name)
+    if not is_token(value):
+        raise SchemaError(f"field '{name}' must match {TOKEN} (it is used in subjects)", name)
 
 
 def _check_counts(obj: Any, names: tuple[str, ...]) -> None:
@@ -246,8 +239,6 @@ class Request(Schema):
         if self.prompt is None and self.prompt_token_ids is None:
             raise SchemaError("missing required field 'prompt' (or 'prompt_token_ids')", "prompt")
         if self.reply is not None:
-            from natsched.wire.subjects import reply_allowed  # (subjects imports this module)
-
             if not reply_allowed(self.reply, self.tenant):
                 raise SchemaError(f"field 'reply' must be one of the tenant's reply subjects "
                                   f"(resp.<tenant>.<id>), got {self.reply[:80]!r}", "reply")
