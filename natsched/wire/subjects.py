@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import re
 
-from natsched.wire.ids import TOKEN as _T, RequestId, TenantId, WorkerId, is_token, token
+from natsched.wire.ids import TOKEN as _T
+from natsched.wire.ids import RequestId, TenantId, WorkerId, is_token, token
 
 # --- request classes (priority subjects) -------------------------------------------------
 ONLINE = "online"

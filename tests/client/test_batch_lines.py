@@ -5,7 +5,7 @@ import pytest
 
 from natsched.wire import subjects as S
 from natsched.client.batch import LineError, attempt_id, batch_id, parse_line, plan_batch, request_id, span_lines, to_spans
-from natsched.wire.schema import ID_PATTERN
+from natsched.wire.ids import ID_PATTERN
 
 
 def jsonl(*rows) -> bytes:
