@@ -37,6 +37,7 @@ from natsched.admitter.quotas import Quotas
 from natsched.admitter.shared import Reservation, SharedState
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.client.batch import COMPLETED, FAILED, FINAL, RUNNING, SUBMITTED, WAITING, JobStore, attempt_id, note
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.wire.errors import MessageError
@@ -417,7 +418,7 @@ class OfflineRunner:
         admitted = Admitted(request=run, runtime_tokens=cost, admitted_at=now, admitter=self.settings.name,
                             queue_wait=max(0.0, now - h.since))
         await asyncio.gather(
-            self.bus.jpublish(S.admitted(req.cls, req.tenant), admitted, msg_id=f"{aid}:adm"),
+            self.bus.jpublish(S.admitted(req.cls, req.tenant), admitted, msg_id=M.admitted(aid)),
             self._decide(run, "allow", None, cost, {**budget, "attempt": record.attempts}, admitted.queue_wait))
         await h.delivery.ack()
         self.running[key] = (aid, now)
@@ -502,7 +503,7 @@ class OfflineRunner:
     async def _enqueue(self, record: JobRecord, why: str) -> None:
         assert record.request is not None
         req = dataclasses.replace(record.request, reply=S.outcome(record.tenant, record.batch, record.id))
-        await self.bus.jpublish(S.offline(record.tenant), req, msg_id=f"{record.id}:offline{record.enqueued}")
+        await self.bus.jpublish(S.offline(record.tenant), req, msg_id=M.offline(record.id, record.enqueued))
         await self._decide(dataclasses.replace(req, id=record.attempt_id or req.id), why, record.reason, None,
                            {"attempt": record.attempts, "enqueued": record.enqueued})
         log.info("job %s back on the OFFLINE queue (%s: %s)", record.id, why, record.reason)
@@ -511,8 +512,8 @@ class OfflineRunner:
         data = record.request.encode() if record.request is not None else b""
         dead = DeadLetter(subject=S.offline(record.tenant), reason=record.reason or "failed",
                           error=record.message or record.reason or "failed", ts=time.time(), data=data,
-                          headers={S.HDR_MSG_ID: record.id}, by=self.settings.name)
-        await self.bus.jpublish(S.deadletter("offline"), dead, msg_id=f"{record.id}:dead")
+                          headers={S.HDR_MSG_ID: M.request(record.id)}, by=self.settings.name)
+        await self.bus.jpublish(S.deadletter("offline"), dead, msg_id=M.dead(record.id))
         if record.request is not None:
             run = dataclasses.replace(record.request, id=record.attempt_id or record.id)
             await self._decide(run, "fail", record.reason, None, {"attempt": record.attempts,
@@ -523,8 +524,8 @@ class OfflineRunner:
         record = Decision(request_id=req.id, tenant=req.tenant, cls=req.cls, stage=S.STAGE_OFFLINE, decision=what,
                           ts=time.time(), reason=reason, runtime_tokens=cost, budget=budget,
                           queue_wait=queue_wait, by=self.settings.name)
-        suffix = "offline" if what == "allow" else f"offline-{what}{budget['attempt']}-{budget['enqueued']}"
-        await self.bus.jpublish(S.decision(S.STAGE_OFFLINE, req.tenant), record, msg_id=f"{req.id}:{suffix}")
+        msg_id = M.offline_decision(req.id, what, budget["attempt"], budget["enqueued"])
+        await self.bus.jpublish(S.decision(S.STAGE_OFFLINE, req.tenant), record, msg_id=msg_id)
 
     # --- lost attempts --------------------------------------------------------------------
     async def _sweep_loop(self) -> None:

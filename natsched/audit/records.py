@@ -33,6 +33,7 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.errors import NatschedError
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Completion, Decision, JobRecord, Request
@@ -187,8 +188,7 @@ def _raw_ts(raw: Any) -> float:
 
 def matches(msg_id: str, ids: Iterable[str]) -> bool:
     """A record of one of ``ids``: its ``Nats-Msg-Id`` is the id or ``<id>:<stage>``."""
-    head = msg_id.split(":", 1)[0]
-    return head in ids
+    return M.request_of(msg_id) in ids
 
 
 async def find_records(js: Any, stream: str, ids: set[str], since: float | None, until: float | None = None,

@@ -32,6 +32,7 @@ import orjson
 
 from natsched.wire import codec
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.audit.records import kv_snapshot, read_filtered
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ConflictError
@@ -451,7 +452,7 @@ class BatchClient:
         """Record first (the collector may see a reply before we return), then publish."""
         now = time.time()
         await self.store.create(S.job_key(plan.tenant, plan.id, req.id), submitted_record(plan, line, req, now))
-        ack = await self.bus.jpublish(S.request(plan.cls, plan.tenant), req, msg_id=req.id,
+        ack = await self.bus.jpublish(S.request(plan.cls, plan.tenant), req, msg_id=M.request(req.id),
                                       headers={S.HDR_REPLY: req.reply or ""})
         return 0 if ack.duplicate else 1
 

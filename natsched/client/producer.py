@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 from nats.errors import TimeoutError as NatsTimeout
 
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.bus.connection import Bus
 from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed, RequestTimeout
 from natsched.wire.errors import DecodeError, SchemaError
@@ -153,7 +154,7 @@ class Client:
             ack = await self.bus.jpublish(
                 S.request(request.cls, request.tenant),
                 request,
-                msg_id=request.id,
+                msg_id=M.request(request.id),
                 headers={S.HDR_REPLY: reply_to},
                 budget_s=self.timeouts.publish,
             )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.wire.errors import MessageError
@@ -211,7 +212,7 @@ class RouterService:
             # one id per request and attempt: a router that crashes after this publish and re-routes
             # on redelivery is deduplicated by the server instead of running the request twice; a
             # rescue (its worker died) is a new attempt, which must not be deduplicated away
-            msg_id = f"{req.id}:work" + (f":{adm.attempt}" if adm.attempt else "")
+            msg_id = M.work(req.id, adm.attempt)
             r.outgoing = (S.work(decision.worker), r.assignment, msg_id, None)
         return r
 
@@ -263,7 +264,7 @@ class RouterService:
         req = adm.request
         completion = Completion(request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model, status="error",
                                 runtime_tokens=adm.runtime_tokens, reason=reason, ts=time.time())
-        await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
+        await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=M.completion(req.id))
         await self._record(adm, decision, "fail", 0.0, reason)
         self.metrics.decisions.labels(decision.policy or "", "fail", reason).inc()
         if req.reply:
@@ -280,4 +281,4 @@ class RouterService:
                           scores={str(k): decision.terms.get(k, v) for k, v in decision.scores.items()},
                           expected_cached_tokens=decision.expected_cached_tokens, by=self.settings.name,
                           latency_ms=latency_ms, runtime_tokens=adm.runtime_tokens)
-        await self.bus.jpublish_nowait(S.decision("routing", req.tenant), record, msg_id=f"{req.id}:routing")
+        await self.bus.jpublish_nowait(S.decision("routing", req.tenant), record, msg_id=M.routing(req.id))

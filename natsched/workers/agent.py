@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.wire.errors import MessageError
@@ -226,7 +227,7 @@ class WorkerAgent:
             cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot,
             e2e=now - (req.created or started), expected_cached_tokens=a.expected_cached_tokens, ts=now,
         )
-        ack = await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
+        ack = await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=M.completion(req.id))
         answered = False
         if ack.duplicate:
             # another run's completion is stored: that one is counted. Its worker answered too. If
