@@ -524,7 +524,8 @@ class OfflineRunner:
         record = Decision(request_id=req.id, tenant=req.tenant, cls=req.cls, stage=S.STAGE_OFFLINE, decision=what,
                           ts=time.time(), reason=reason, runtime_tokens=cost, budget=budget,
                           queue_wait=queue_wait, by=self.settings.name)
-        msg_id = M.offline_decision(req.id, what, budget["attempt"], budget["enqueued"])
+        msg_id = (M.offline_decision(req.id) if what == "allow"  # an allow's budget holds no attempt count
+                  else M.offline_decision(req.id, what, budget["attempt"], budget["enqueued"]))
         await self.bus.jpublish(S.decision(S.STAGE_OFFLINE, req.tenant), record, msg_id=msg_id)
 
     # --- lost attempts --------------------------------------------------------------------

@@ -94,7 +94,7 @@ def offline(request_id: str, enqueued: int = 0) -> str:
     return _with(request_id, Kind.OFFLINE, str(enqueued) if enqueued else "")
 
 
-def offline_decision(request_id: str, what: str, attempt: int, enqueued: int) -> str:
+def offline_decision(request_id: str, what: str = "allow", attempt: int = 0, enqueued: int = 0) -> str:
     """The offline runner's decision: ``<id>:offline`` when it lets a job run, else one per
     attempt and queueing, ``<id>:offline-<what><attempt>-<enqueued>`` (retry, requeue, fail)."""
     return _with(request_id, Kind.OFFLINE, "" if what == "allow" else f"-{what}{attempt}-{enqueued}")
