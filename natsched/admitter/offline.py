@@ -42,7 +42,8 @@ from natsched.client.batch import COMPLETED, FAILED, FINAL, RUNNING, SUBMITTED, 
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.wire.errors import MessageError
 from natsched.bus.provision import provision_jobs, stored_settings
-from natsched.wire.schema import Admitted, DeadLetter, Decision, Heartbeat, JobRecord, Reply, Request
+from natsched.wire.schema import (Admitted, DeadLetter, Decision, Heartbeat, JobRecord, Reply, ReplyKind, ReplyStatus,
+                                  Request)
 
 log = logging.getLogger(__name__)
 
@@ -183,14 +184,14 @@ def on_reply(record: JobRecord | None, reply: Reply, job: tuple[str, str, str], 
     current = record.attempt_id or record.id
     if reply.request_id not in {attempt_id(record.id, n) for n in range(1, record.attempts + 1)} | {record.id}:
         return None, None  # not one of this job's attempts: someone else's reply on our subject
-    if reply.kind == "result":
+    if reply.kind == ReplyKind.RESULT:
         return _completed(record, reply, now), None  # any attempt's result: the first one stands
-    if reply.kind == "status":
+    if reply.kind == ReplyKind.STATUS:
         return _status(record, reply, now), None
     if reply.kind != "error" or reply.request_id != current:
         return None, None  # a token chunk, or an error of an attempt already given up on
     reason = reply.reason or "error"
-    if reply.status == "rejected" and reply.retry_after is not None and reason not in PERMANENT:
+    if reply.status == ReplyStatus.REJECTED and reply.retry_after is not None and reason not in PERMANENT:
         record.status, record.enqueued, record.reason = WAITING, record.enqueued + 1, reason
         note(record, "requeue", now, reason=reason)
         return record, "requeue"
@@ -209,16 +210,16 @@ def _completed(record: JobRecord, reply: Reply, now: float) -> JobRecord:
 
 
 def _status(record: JobRecord, reply: Reply, now: float) -> JobRecord | None:
-    if reply.status == "degraded" and record.status == SUBMITTED:
+    if reply.status == ReplyStatus.DEGRADED and record.status == SUBMITTED:
         record.status, record.enqueued = WAITING, record.enqueued + 1
         note(record, "degraded", now)
         return record
-    if reply.status == "admitted" and record.status in (SUBMITTED, WAITING) and record.attempts == 0:
+    if reply.status == ReplyStatus.ADMITTED and record.status in (SUBMITTED, WAITING) and record.attempts == 0:
         record.status, record.path, record.attempts, record.attempt_id = RUNNING, "online", 1, record.id
         record.started = now
         note(record, "admitted", now)
         return record
-    if reply.status == "assigned" and record.status == RUNNING and reply.request_id == record.attempt_id:
+    if reply.status == ReplyStatus.ASSIGNED and record.status == RUNNING and reply.request_id == record.attempt_id:
         record.worker = reply.worker
         note(record, "assigned", now, worker=reply.worker)
         return record

@@ -38,7 +38,7 @@ from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.bus.connection import Bus
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
+from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, ReplyKind, ReplyStatus, WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -205,4 +205,5 @@ class Rescuer:
                           runtime_tokens=a.runtime_tokens, by=self.name)
         await self.bus.jpublish_nowait(S.decision("admission", req.tenant), record, msg_id=M.rescue(req.id, attempt))
         if req.reply:
-            await self.bus.publish(req.reply, Reply(request_id=req.id, kind="status", status="rerouted", worker=worker))
+            await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.STATUS,
+                                                    status=ReplyStatus.REROUTED, worker=worker))

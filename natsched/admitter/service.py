@@ -36,7 +36,7 @@ from natsched.bus.aio import wait_event
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.errors import NatschedError
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Admitted, Completion, Decision, Reply, Request
+from natsched.wire.schema import Admitted, Completion, Decision, Reply, ReplyKind, ReplyStatus, Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -376,14 +376,14 @@ class AdmitterService(Repairs):
             return
         rid = request.id
         if dec.decision == ALLOW:
-            reply = Reply(request_id=rid, kind="status", status="admitted")
+            reply = Reply(request_id=rid, kind=ReplyKind.STATUS, status=ReplyStatus.ADMITTED)
         elif dec.decision == QUEUE:
-            reply = Reply(request_id=rid, kind="status", status="queued", est_wait=dec.est_wait)
+            reply = Reply(request_id=rid, kind=ReplyKind.STATUS, status=ReplyStatus.QUEUED, est_wait=dec.est_wait)
         elif dec.decision == DEGRADE:
-            reply = Reply(request_id=rid, kind="status", status="degraded", job_id=rid)
+            reply = Reply(request_id=rid, kind=ReplyKind.STATUS, status=ReplyStatus.DEGRADED, job_id=rid)
         else:
-            reply = Reply(request_id=rid, kind="error", status="rejected", reason=dec.reason, message=dec.message,
-                          retry_after=dec.retry_after)
+            reply = Reply(request_id=rid, kind=ReplyKind.ERROR, status=ReplyStatus.REJECTED, reason=dec.reason,
+                          message=dec.message, retry_after=dec.retry_after)
         await self.bus.publish(request.reply, reply)
 
     # --- the queue ----------------------------------------------------------------------

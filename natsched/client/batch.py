@@ -39,13 +39,14 @@ from natsched.bus.errors import ConflictError
 from natsched.client.errors import BatchError, BatchFileError, JobStoreError, NotFound
 from natsched.wire.errors import MessageError
 from natsched.bus.provision import provision_jobs, stored_settings
-from natsched.wire.schema import BatchManifest, JobRecord, Request, RequestId, TenantId
+from natsched.wire.schema import BatchManifest, JobRecord, JobStatus, Request, RequestId, TenantId
 
 log = logging.getLogger(__name__)
 
-SUBMITTED, WAITING, RUNNING, COMPLETED, FAILED = "submitted", "waiting", "running", "completed", "failed"
-JOB_STATUSES = (SUBMITTED, WAITING, RUNNING, COMPLETED, FAILED)
-FINAL = frozenset({COMPLETED, FAILED})
+SUBMITTED, WAITING, RUNNING, COMPLETED, FAILED = (JobStatus.SUBMITTED, JobStatus.WAITING, JobStatus.RUNNING,
+                                                   JobStatus.COMPLETED, JobStatus.FAILED)  # short names
+JOB_STATUSES = tuple(JobStatus)
+FINAL = frozenset(s for s in JobStatus if s.final)
 HISTORY_LIMIT = 32  # events kept per job record (the audit streams keep everything)
 
 

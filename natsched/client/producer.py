@@ -8,6 +8,7 @@ stage it was waiting for.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 import uuid
@@ -21,7 +22,7 @@ from natsched.wire import msgids as M
 from natsched.bus.connection import Bus
 from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed, RequestTimeout
 from natsched.wire.errors import DecodeError, SchemaError
-from natsched.wire.schema import Control, Reply, Request, RequestId, TenantId, WorkerId
+from natsched.wire.schema import Control, Reply, ReplyKind, ReplyStatus, Request, RequestId, TenantId, WorkerId
 from natsched.bus.server import DEFAULT_URL
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,19 @@ class Chunk:
     index: int
 
 
+class ResultStatus(enum.StrEnum):
+    """How a request ended for its producer (:attr:`Result.status`)."""
+
+    COMPLETED = "completed"  # it ran: ``text`` is its output
+    DEGRADED = "degraded"  # handed to the offline path: ``job_id`` names the job
+
+
 @dataclass
 class Result:
     """The final outcome of a request that ran (or was handed to the offline path)."""
 
     request_id: str
-    status: str  # "completed" | "degraded"
+    status: ResultStatus
     text: str = ""
     worker: str | None = None
     finish_reason: str | None = None
@@ -62,7 +70,7 @@ class Result:
     tpot: float | None = None
     e2e: float = 0.0
     job_id: str | None = None
-    statuses: list[str] = field(default_factory=list)  # queued / admitted / assigned, in order
+    statuses: list[ReplyStatus] = field(default_factory=list)  # queued / admitted / assigned, in order
 
 
 @dataclass
@@ -188,9 +196,9 @@ class Client:
                 reply = Reply.decode(msg.data)
             except (DecodeError, SchemaError):
                 continue  # not ours to interpret; a stray message on the reply subject
-            if reply.kind == "status" and reply.status == "rerouted":
+            if reply.kind == ReplyKind.STATUS and reply.status == ReplyStatus.REROUTED:
                 _rerouted(request, reply, progress, texts)
-                statuses.append("rerouted")
+                statuses.append(ReplyStatus.REROUTED)
                 continue
             if reply.worker and reply.worker in progress.abandoned:
                 continue  # a worker declared dead that was only slow: its re-run elsewhere counts
@@ -198,25 +206,26 @@ class Client:
                 progress.final = True
             if reply.worker:  # "assigned" names it; so does every token (which may overtake "assigned")
                 progress.worker = reply.worker
-            if reply.kind == "status":
-                statuses.append(reply.status or "")
-                if reply.status == "degraded":
-                    yield Result(request.id, "degraded", job_id=reply.job_id, statuses=statuses,
+            if reply.kind == ReplyKind.STATUS:
+                if reply.status is not None:
+                    statuses.append(reply.status)
+                if reply.status == ReplyStatus.DEGRADED:
+                    yield Result(request.id, ResultStatus.DEGRADED, job_id=reply.job_id, statuses=statuses,
                                  e2e=time.monotonic() - started)
                     return
-                if reply.status == "queued":
+                if reply.status == ReplyStatus.QUEUED:
                     wait, stage = self.timeouts.queued, "dequeue from the admission queue"
                 else:
                     wait, stage = self.timeouts.idle, "progress from the router or worker"
-            elif reply.kind == "token":
+            elif reply.kind == ReplyKind.TOKEN:
                 texts.append(reply.text or "")
                 yield Chunk(reply.text or "", reply.token_ids, reply.index or 0)
-            elif reply.kind == "error":
+            elif reply.kind == ReplyKind.ERROR:
                 _raise_error(request.id, reply)
-            elif reply.kind == "result":
+            elif reply.kind == ReplyKind.RESULT:
                 yield Result(
                     request_id=request.id,
-                    status="completed",
+                    status=ResultStatus.COMPLETED,
                     text=reply.text if reply.text is not None else "".join(texts),
                     worker=reply.worker,
                     finish_reason=reply.finish_reason,
@@ -252,6 +261,6 @@ def _raise_error(request_id: str, reply: Reply) -> None:
     message = f"request {request_id} {reply.status or 'failed'}: {reason}" + (
         f": {reply.message}" if reply.message else ""
     )
-    if reply.status == "rejected" or reply.retry_after is not None:
+    if reply.status == ReplyStatus.REJECTED or reply.retry_after is not None:
         raise Rejected(message, request_id, reason, reply.retry_after)
     raise RequestFailed(message, request_id, reason)

@@ -15,7 +15,8 @@ from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Admitted, Assignment, CacheEvent, Completion, Control, Decision, Heartbeat, Reply
+from natsched.wire.schema import (Admitted, Assignment, CacheEvent, Completion, CompletionStatus, Control, Decision,
+                                  Heartbeat, Reply, ReplyKind, ReplyStatus)
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.errors import ConfigError
 from natsched.router.metrics import RouterMetrics
@@ -167,7 +168,7 @@ class RouterService:
     def observe_completion(self, c: Completion) -> None:
         """Release the load of a finished request and score the cache claim it confirms or refutes."""
         self.core.on_completion(c, time.time())
-        if c.worker and c.status == "ok":
+        if c.worker and c.status == CompletionStatus.OK:
             self.metrics.cached_tokens.labels(c.worker, "actual").inc(c.cached_tokens)
             self.metrics.cached_tokens.labels(c.worker, "expected").inc(c.expected_cached_tokens or 0)
 
@@ -232,8 +233,8 @@ class RouterService:
         req = adm.request
         await self._record(adm, decision, "assign", r.latency_ms)
         if req.reply:
-            await self.bus.publish(req.reply, Reply(request_id=req.id, kind="status", status="assigned",
-                                                    worker=decision.worker))
+            await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.STATUS,
+                                                    status=ReplyStatus.ASSIGNED, worker=decision.worker))
         if r.delivery is not None:
             await r.delivery.ack()
         m = self.metrics
@@ -262,14 +263,15 @@ class RouterService:
     async def _fail(self, adm: Admitted, decision: RouteDecision, reason: str, message: str) -> None:
         """Close an admitted request that cannot run: its completion releases the reservation."""
         req = adm.request
-        completion = Completion(request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model, status="error",
-                                runtime_tokens=adm.runtime_tokens, reason=reason, ts=time.time())
+        completion = Completion(request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model,
+                                status=CompletionStatus.ERROR, runtime_tokens=adm.runtime_tokens, reason=reason,
+                                ts=time.time())
         await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=M.completion(req.id))
         await self._record(adm, decision, "fail", 0.0, reason)
         self.metrics.decisions.labels(decision.policy or "", "fail", reason).inc()
         if req.reply:
-            await self.bus.publish(req.reply, Reply(request_id=req.id, kind="error", status="failed", reason=reason,
-                                                    message=message))
+            await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.ERROR, status=ReplyStatus.FAILED,
+                                                    reason=reason, message=message))
         log.warning("request %s failed in routing: %s", req.id, message)
 
     async def _record(self, adm: Admitted, decision: RouteDecision, what: str, latency_ms: float,

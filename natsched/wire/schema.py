@@ -12,6 +12,7 @@ Pure module: no nats import, no I/O.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,17 +144,38 @@ class Assignment(Schema):
         _check_counts(self, ("runtime_tokens", "expected_cached_tokens", "attempt"))
 
 
+class ReplyKind(enum.StrEnum):
+    """What one :class:`Reply` is: news (``status``), output (``token``) or the end."""
+
+    STATUS = "status"  # with ``status``: queued / admitted / assigned / rerouted / degraded
+    TOKEN = "token"  # a chunk of output
+    RESULT = "result"  # final, success
+    ERROR = "error"  # final, failure (``status`` rejected or failed, ``reason`` says why)
+
+
+class ReplyStatus(enum.StrEnum):
+    """Where a request is, as its producer hears it (``Reply.status``), in the order it goes."""
+
+    QUEUED = "queued"  # the admitter holds it (``est_wait``)
+    ADMITTED = "admitted"
+    ASSIGNED = "assigned"  # a worker has it (``worker``)
+    REROUTED = "rerouted"  # its worker died; re-admitted to run elsewhere
+    DEGRADED = "degraded"  # final: moved to the offline path (``job_id``)
+    REJECTED = "rejected"  # an error: refused by admission (``retry_after`` may say when to retry)
+    FAILED = "failed"  # an error: it ran, or was routed, and failed
+
+
 @dataclass
 class Reply(Schema):
     """What the producer receives on its reply subject.
 
-    ``kind``: ``status`` (queued/admitted/assigned, with ``est_wait``), ``token``
-    (a chunk of output), ``result`` (final, success) or ``error`` (final, failure).
+    ``kind``: a :class:`ReplyKind`; ``status``: a :class:`ReplyStatus` (an unknown value of
+    either does not decode: :class:`~natsched.wire.errors.SchemaError`).
     """
 
     request_id: RequestId
-    kind: str
-    status: str | None = None
+    kind: ReplyKind
+    status: ReplyStatus | None = None
     text: str | None = None
     token_ids: list[int] | None = None
     index: int | None = None
@@ -179,7 +201,14 @@ class Reply(Schema):
 
     @property
     def final(self) -> bool:
-        return self.kind in ("result", "error")
+        return self.kind in (ReplyKind.RESULT, ReplyKind.ERROR)
+
+
+class CompletionStatus(enum.StrEnum):
+    """How an admitted request ended, for the admitter and the router (``Completion.status``)."""
+
+    OK = "ok"
+    ERROR = "error"  # ``reason`` says why
 
 
 @dataclass
@@ -188,7 +217,7 @@ class Completion(Schema):
 
     request_id: RequestId
     tenant: TenantId
-    status: str  # "ok" | "error"
+    status: CompletionStatus
     runtime_tokens: int
     cls: str = wire("class", "")
     model: str = "default"
@@ -302,6 +331,20 @@ class DeadLetter(Schema):
     v: int = SCHEMA_VERSION
 
 
+class JobStatus(enum.StrEnum):
+    """Where a job is (``JobRecord.status``); see :class:`JobRecord`."""
+
+    SUBMITTED = "submitted"  # published by a batch producer, nothing heard yet
+    WAITING = "waiting"  # on the OFFLINE queue
+    RUNNING = "running"
+    COMPLETED = "completed"  # final: ``output`` set
+    FAILED = "failed"  # final: ``reason`` set, dead-lettered
+
+    @property
+    def final(self) -> bool:
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED)
+
+
 @dataclass
 class JobRecord(Schema):
     """A batch line or a degraded/offline request in bucket ``jobs`` (``job.<tenant>.<batch>.<id>``).
@@ -316,7 +359,7 @@ class JobRecord(Schema):
 
     id: RequestId
     tenant: TenantId
-    status: str
+    status: JobStatus
     batch: str = "-"
     line: int | None = None
     request: Request | None = None

@@ -5,7 +5,8 @@ defined) into one :class:`_Spec` per field: the wire key, whether it is required
 types taken as they are (the fast path: most fields of most messages are a scalar of the
 declared type) and a checker for everything else, which converts or raises a
 :class:`~natsched.wire.errors.SchemaError` naming the field. ``X | None`` and ``NewType`` of X are
-checked as X (:func:`_unwrap`); lists of ints, strs or floats (token ids) are checked in one pass.
+checked as X (:func:`_unwrap`); an ``enum`` field takes only its members' values, decoded to
+the member (:func:`_enum_check`); lists of ints, strs or floats (token ids) are checked in one pass.
 
 The messages themselves are in :mod:`natsched.wire.schema`. Pure module: no I/O.
 """
@@ -13,6 +14,7 @@ The messages themselves are in :mod:`natsched.wire.schema`. Pure module: no I/O.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from dataclasses import dataclass, field
@@ -89,6 +91,8 @@ def _checker(tp: Any):
         return _scalar_check((dict,), "a map")
     if isinstance(tp, type) and issubclass(tp, Schema):
         return lambda v, p: tp.from_wire(v, path=p)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _enum_check(tp)
     if tp is float:
         return _scalar_check((int, float), "a number")
     if tp in (int, str, bool):
@@ -98,12 +102,30 @@ def _checker(tp: Any):
     return lambda v, p: v
 
 
+def _enum_check(tp: type[enum.Enum]):
+    """A value of a closed set (a status, a kind): decoded to its member, anything else refused.
+    The wire carries the plain value (a ``StrEnum`` member is its string), so adding a member is a
+    contract change: readers must know it before a writer sends it."""
+    members = {m.value: m for m in tp}
+    allowed = ", ".join(repr(v) for v in members)
+
+    def check(value: Any, path: str) -> Any:
+        member = members.get(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+        if member is None:
+            raise SchemaError(f"field '{path}' must be one of {allowed}, got {value!r}", path)
+        return member
+
+    return check
+
+
 def _exact_types(tp: Any) -> frozenset:
     """The value types a field of annotation ``tp`` accepts with no conversion and no further
     check (``type(v) in ...``: a bool is never taken for an int). Decoding takes these as they
     are, which is most fields of most messages; anything else goes through the field's checker,
     which converts or raises naming the field. Empty where every value needs the checker."""
     tp = _unwrap(tp)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return frozenset((tp,))  # a member as it is; a decoded string goes through the check
     if tp is float:
         return frozenset((int, float))
     if tp in (int, str, bool, bytes):
