@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 
 from nats.errors import TimeoutError as NatsTimeout
 
+from natsched.wire import chat
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.bus.connection import Bus
@@ -32,9 +33,22 @@ def new_request_id() -> RequestId:
     return RequestId(uuid.uuid4().hex)
 
 
-def make_request(tenant: str, prompt: str | None = None, *, cls: str = S.ONLINE, **fields: Any) -> Request:
-    """A request with a fresh id and creation time; keyword fields as in :class:`Request`."""
+def make_request(tenant: str, prompt: str | None = None, *, cls: str = S.ONLINE, messages: list | None = None,
+                 **fields: Any) -> Request:
+    """A request with a fresh id and creation time; keyword fields as in :class:`Request`.
+
+    ``messages`` (OpenAI-style chat messages, instead of ``prompt``) are rendered by the one chat
+    template (:mod:`natsched.wire.chat`), with ``system_prompt`` as a leading system message: the
+    same conversation sent through the gateway or a batch file is the same text, so it hashes to
+    the same prefix blocks and shares their KV cache. With ``prompt``, ``system_prompt`` and
+    ``prompt`` are raw text (as ``/v1/completions``). Malformed messages raise
+    :class:`~natsched.wire.errors.ChatError` (a ``ValueError``).
+    """
     fields.setdefault("id", new_request_id())
+    if messages is not None:
+        if prompt is not None:
+            raise ValueError("give a prompt or messages, not both")
+        fields["system_prompt"], prompt = chat.render(messages, fields.get("system_prompt"))
     return Request(tenant=TenantId(tenant), cls=cls, prompt=prompt, created=time.time(), **fields)
 
 

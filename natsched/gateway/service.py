@@ -1,6 +1,6 @@
 """The gateway's request path: key -> tenant, body -> Request, bus outcome -> HTTP answer.
 
-Thin on purpose: parsing and templates are pure (:mod:`natsched.gateway.protocol`, :mod:`natsched.gateway.chat`),
+Thin on purpose: parsing and templates are pure (:mod:`natsched.gateway.protocol`, :mod:`natsched.wire.chat`),
 admission is the admitter's and routing the router's. What is decided here is only how long
 to wait and what each outcome means in HTTP:
 

@@ -4,6 +4,7 @@
 
     WireError
     ├── IdError                 an id that is not one subject token (also a ValueError)
+    ├── ChatError               chat messages the template cannot render (also a ValueError)
     └── MessageError            a message that cannot be used (never retried)
         ├── DecodeError         bytes that are not valid msgpack / not a map / oversize
         └── SchemaError         a decoded map with a missing or mistyped field
@@ -25,6 +26,16 @@ class IdError(WireError, ValueError):
     def __init__(self, message: str, what: str = "token") -> None:
         super().__init__(message)
         self.what = what
+
+
+class ChatError(WireError, ValueError):
+    """Chat messages :mod:`natsched.wire.chat` cannot render; ``code`` is OpenAI-style
+    (``invalid_role``, ``unsupported_content``, ...) and ``param`` names the message at fault."""
+
+    def __init__(self, message: str, code: str = "invalid_messages", param: str | None = "messages") -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
 
 
 class MessageError(WireError):
