@@ -277,8 +277,8 @@ async def kv_snapshot(js: Any, bucket: str, pattern: str = ">", timeout: float =
     name, so its filter is not in the create subject and no permission can confine it; this way a
     tenant's batch role reads ``job.<tenant>.*.*`` and nothing else (``natsched.ops.auth``).
     """
-    prefix = f"$KV.{bucket}."
-    async for msg in read_filtered(js, f"KV_{bucket}", prefix + pattern, last_per_subject=True, timeout=timeout):
+    prefix = S.kv_subject(bucket, "")
+    async for msg in read_filtered(js, S.kv_stream(bucket), prefix + pattern, last_per_subject=True, timeout=timeout):
         if msg.headers.get(KV_OPERATION) not in (KV_DELETE, KV_PURGE):
             yield msg.subject[len(prefix):], msg.data
 

@@ -46,8 +46,6 @@ from natsched.wire import subjects as S
 JS_API = "$JS.API"
 JS_ACK = "$JS.ACK"
 JS_FC = "$JS.FC"  # flow-control replies of push consumers (KV watches)
-KV_PREFIX = "$KV"
-KV_STREAM_PREFIX = "KV_"
 INBOX_ROOT = "_INBOX"
 
 
@@ -76,12 +74,11 @@ def _js(*parts: str) -> str:
     return ".".join((JS_API, *parts))
 
 
-def _kv_stream(bucket: str) -> str:
-    return KV_STREAM_PREFIX + bucket
+_kv_stream = S.kv_stream
 
 
 def _kv_key(bucket: str, key: str = ">") -> str:
-    return f"{KV_PREFIX}.{bucket}.{key}"
+    return S.kv_subject(bucket, key)
 
 
 def consumer_permissions(stream: str, durable: str, filter_subject: str) -> list[str]:

@@ -180,9 +180,20 @@ def tenant_quota_key(tenant: TenantId) -> str:
     return f"tenant.{token(tenant, 'tenant')}"
 
 
+#: NATS KV's own naming: bucket ``B`` is stream ``KV_B``, its key ``K`` is stored on ``$KV.B.K``
+KV_STREAM_PREFIX = "KV_"
+KV_SUBJECT_PREFIX = "$KV"
+
+
 def kv_subject(bucket: str, key: str) -> str:
-    """The subject a KV bucket stores ``key`` on (a put is a JetStream publish there)."""
-    return f"$KV.{bucket}.{key}"
+    """The subject a KV bucket stores ``key`` on (a put is a JetStream publish there); ``key``
+    may be a filter (``>``, ``job.A.*.*``)."""
+    return f"{KV_SUBJECT_PREFIX}.{bucket}.{key}"
+
+
+def kv_stream(bucket: str) -> str:
+    """The stream that holds a KV bucket: ``KV_<bucket>``."""
+    return KV_STREAM_PREFIX + bucket
 
 
 def reservation_key(request_id: RequestId) -> str:

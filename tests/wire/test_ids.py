@@ -42,3 +42,8 @@ def test_schema_and_subjects_import_without_a_cycle():
     for first in ("natsched.wire.subjects", "natsched.wire.schema", "natsched.wire.ids"):
         done = subprocess.run([sys.executable, "-c", f"import {first}"], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
+
+
+def test_kv_names_follow_nats_kv():
+    assert S.kv_stream(S.BUCKET_JOBS) == "KV_jobs"
+    assert S.kv_subject(S.BUCKET_JOBS, S.job_filter("A")) == "$KV.jobs.job.A.*.*"
