@@ -27,7 +27,8 @@ from natsched.bus.errors import ConnectError
 from natsched.wire.schema import Completion, Reply
 from natsched.bus.server import EmbeddedServer, find_binary, free_port
 from natsched.cli.auth import add_parsers as add_auth_parser, cmd_auth
-from natsched.ops.auth import AuthExistsError, AuthFiles, AuthSettings, init, tenant_reply
+from natsched.ops.auth import AuthExistsError, AuthFiles, AuthSettings, init
+from natsched.wire.subjects import tenant_reply
 from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings
 from natsched.workers.agent import WorkerAgent, WorkerSettings
