@@ -440,7 +440,7 @@ def job_attempt_ids(job: JobRecord | None) -> list[str]:
     """The ids a job's attempts ran under (the first is the job id itself)."""
     if job is None:
         return []
-    from natsched.client.batch import attempt_id
+    from natsched.wire.ids import attempt_id
 
     return [attempt_id(job.id, n) for n in range(1, max(1, job.attempts) + 1)]
 

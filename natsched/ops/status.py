@@ -1,4 +1,4 @@
-"""``natsched status``: the cluster view (:mod:`natsched.audit.status`) as a terminal page, once or redrawn."""
+"""``natsched status``: the cluster view (:mod:`natsched.gateway.status`) as a terminal page, once or redrawn."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import sys
 import time
 
-from natsched.audit.status import StatusCollector, StatusSettings, StatusView
+from natsched.gateway.status import StatusCollector, StatusSettings, StatusView
 from natsched.bus.connection import Bus
 
 

@@ -15,7 +15,8 @@ so it works against any cluster it can reach on the bus):
 :class:`StatusCollector` feeds it from the bus, first from the tail of the DECISIONS and
 COMPLETIONS streams, then live. The gateway keeps one collector running and renders the same
 view as HTML (``natsched.gateway.status_page``); ``natsched status`` renders it as text
-(``natsched.ops.status``). It lives beside the audit records it reads, below both of them.
+(``natsched.ops.status``). It lives with the gateway, its first user (the collector's
+heartbeats also tell the gateway which models are live), below the operations package.
 """
 
 from __future__ import annotations
