@@ -40,7 +40,6 @@ from natsched.wire import subjects as S
 from natsched.client.batch import COMPLETED, FAILED, FINAL, RUNNING, SUBMITTED, WAITING, JobStore, attempt_id, note
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.wire.errors import MessageError
-from natsched.bus.provision import provision_jobs, stored_settings
 from natsched.wire.schema import Admitted, DeadLetter, Decision, Heartbeat, JobRecord, Reply, Request
 
 log = logging.getLogger(__name__)
@@ -277,8 +276,7 @@ class OfflineRunner:
         self._outcomes = ConsumerSpec(S.STREAM_OUTCOMES, S.CONSUMER_OFFLINE_OUTCOMES, S.OUTCOMES_ALL, batch=128)
 
     async def start(self) -> None:
-        await self.bus.provision(await stored_settings(self.bus.js))  # keeps `natsched retention set` limits
-        await provision_jobs(self.bus.js)
+        await self.bus.provision(jobs=True)  # keeps `natsched retention set` limits
         await self.shared.start()
         ready = asyncio.Event()
         self.bus.spawn(self._watch_quotas(ready), "offline-quotas")

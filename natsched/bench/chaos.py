@@ -409,7 +409,7 @@ class ChaosRun:
         await bus.subscribe(S.WORK_ALL, on_work)
         await bus.subscribe("resp.>", on_reply)
         await bus.subscribe(S.HEARTBEATS_ALL, on_heartbeat)
-        await bus.nc.flush()
+        await bus.flush()
 
     async def _wait_for_workers(self) -> None:
         """Until every worker's heartbeat was seen (the routers see them too), at most 15 s."""

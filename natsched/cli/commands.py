@@ -182,7 +182,7 @@ async def _send_control(url: str, worker: str, kind: str, credentials=None) -> i
     bus = await Bus.connect(url, name="natsched-cli", credentials=credentials)
     try:
         await bus.publish(S.control(worker), Control(kind=kind, ts=time.time(), by="cli"))
-        await bus.nc.flush()
+        await bus.flush()
     finally:
         await bus.close()
     print(f"sent {kind} to worker {worker}")
