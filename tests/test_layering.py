@@ -8,6 +8,9 @@ Two tables say who may import what; a new rule is a new row:
   standard library. ``natsched/wire/`` is the contract every process shares; it stands on
   nothing but itself, the root error and its two codecs.
 
+Nor may code outside the transport reach through a Bus into its nats objects (``bus.js``,
+``bus.nc``, ``js._nc``): :data:`TRANSPORT_ATTRIBUTES`.
+
 Every import counts, wherever it is written (in a function, under ``TYPE_CHECKING``): an
 import that only type checkers see still ties the layers together.
 """
@@ -32,6 +35,10 @@ CONFINED: dict[str, tuple[str, ...]] = {
 ALLOWED: dict[str, tuple[str, ...]] = {
     "natsched.wire": ("natsched.wire", "natsched.errors", "msgpack", "orjson"),
 }
+
+#: attributes that hold nats objects (the Bus's connection and JetStream context): bus/ only
+TRANSPORT_ATTRIBUTES = {"js", "nc", "_js", "_nc"}
+TRANSPORT = "natsched.bus"
 
 
 def module_name(path: Path) -> str:
@@ -76,6 +83,15 @@ def violations(module: str, found: list[tuple[int, str]]) -> list[str]:
     return out
 
 
+def reaches_into_transport(module: str, source: str) -> list[str]:
+    """``x.js`` / ``x.nc`` (and the private spellings) in a module outside :data:`TRANSPORT`."""
+    if within(module, TRANSPORT):
+        return []
+    return [f"{module}:{node.lineno} uses .{node.attr}: ask the Bus for a handle instead"
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in TRANSPORT_ATTRIBUTES]
+
+
 def shipped_modules() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
@@ -86,6 +102,24 @@ def test_every_shipped_module_keeps_to_the_layers():
         module = module_name(path)
         problems += violations(module, imports(path.read_text(), module, path.name == "__init__.py"))
     assert not problems, "\n".join(problems)
+
+
+def test_no_module_outside_the_transport_holds_its_nats_objects():
+    problems = []
+    for path in shipped_modules():
+        problems += reaches_into_transport(module_name(path), path.read_text())
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("module, source, broken", [
+    ("natsched.ops.status", "await bus.js.stream_info(s)\n", True),
+    ("natsched.gateway.app", "ok = gw.client.bus.nc.is_connected\n", True),
+    ("natsched.audit.records", "nc = js._nc\n", True),
+    ("natsched.ops.status", "await bus.stream(s).info()\nx = 'bench.js.>'\n", False),
+    ("natsched.bus.streams", "await self.bus.js.get_msg(s, 1)\n", False),
+])
+def test_the_checker_sees_a_reach_into_the_transport(module, source, broken):
+    assert bool(reaches_into_transport(module, source)) is broken
 
 
 def test_the_tables_name_parts_that_exist():
