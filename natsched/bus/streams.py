@@ -86,6 +86,19 @@ class StreamState:
     leader: str | None  # the cluster's leader for this stream, None when not clustered
 
 
+@dataclass
+class ConsumerState:
+    """Where a durable consumer of the stream stands (the part of nats' ConsumerInfo natsched reads)."""
+
+    durable: str
+    pending: int  # stored, not yet delivered
+    ack_pending: int  # delivered, not yet acked
+    redelivered: int
+    ack_floor: int  # the stream sequence up to which every message is acked
+    delivered_stream_seq: int  # the last one handed out, as a stream sequence
+    delivered_consumer_seq: int  # ... and as the consumer's own count of deliveries
+
+
 def state_of(info: Any) -> StreamState:
     cluster = getattr(info, "cluster", None)
     return StreamState(info.config.name, info.state.messages, info.state.bytes, info.state.first_seq,
@@ -109,6 +122,17 @@ class Stream:
             return state_of(await self.bus._read(lambda: self.bus.js.stream_info(self.name)))
         except NotFoundError:
             raise _missing(self.name) from None
+
+    async def consumer(self, durable: str) -> ConsumerState:
+        """The state of the durable consumer ``durable`` on this stream."""
+        try:
+            info = await self.bus._read(lambda: self.bus.js.consumer_info(self.name, durable))
+        except NotFoundError:
+            raise StreamNotFound(f"no consumer {durable} on stream {self.name}") from None
+        floor, delivered = info.ack_floor, info.delivered
+        return ConsumerState(durable, info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0,
+                             floor.stream_seq if floor else 0, delivered.stream_seq if delivered else 0,
+                             delivered.consumer_seq if delivered else 0)
 
     async def retention(self) -> Retention:
         """The stream's limits, how much it holds and since when."""

@@ -56,8 +56,8 @@ async def test_batch_completes_offline_while_online_is_admitted_normally(bus, na
         assert by_stage == {("admission", "degrade"): LINES, ("offline", "allow"): LINES, ("routing", "assign"): LINES}
 
         # each OFFLINE message was delivered once: nothing waited for an ack timeout to be redelivered
-        info = await bus.js.consumer_info(S.STREAM_OFFLINE, S.CONSUMER_OFFLINE)
-        assert info.delivered.consumer_seq == info.delivered.stream_seq == LINES
+        info = await bus.stream(S.STREAM_OFFLINE).consumer(S.CONSUMER_OFFLINE)
+        assert info.delivered_consumer_seq == info.delivered_stream_seq == LINES
 
         # the offline runner stayed under its share: every reservation fit the low watermark
         for d in decisions:

@@ -131,8 +131,8 @@ async def test_queued_request_is_held_then_admitted_when_tokens_free(bus, nats_u
         assert (status.kind, status.status) == ("status", "queued") and status.est_wait is not None
         assert second.id in adm.held
         await asyncio.sleep(1.5)  # longer than keepalive: the held message is kept alive, not redelivered
-        info = await bus.js.consumer_info(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER)
-        assert info.num_ack_pending == 1 and info.num_redelivered == 0
+        info = await bus.stream(S.STREAM_REQUESTS).consumer(S.CONSUMER_ADMITTER)
+        assert info.ack_pending == 1 and info.redelivered == 0
         await bus.jpublish(S.completion("t1"), make_completion(first.id, runtime_tokens=300), msg_id="c-first")
         admitted = Reply.decode((await sub.next_msg(timeout=5)).data)
         assert admitted.status == "admitted"

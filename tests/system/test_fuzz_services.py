@@ -384,8 +384,8 @@ def test_work_subject(fresh, data):
 
 
 async def _consumers_done(bus: Bus, seq: int) -> bool:
-    info = await bus.js.consumer_info(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS)
-    return info.ack_floor.stream_seq >= seq and not info.num_ack_pending
+    info = await bus.stream(S.STREAM_COMPLETIONS).consumer(S.CONSUMER_ADMITTER_COMPLETIONS)
+    return info.ack_floor >= seq and not info.ack_pending
 
 
 def _router_feedback(env, worker: str) -> float:
@@ -540,8 +540,8 @@ def test_router_config_values(fresh, value):
 # --- the inputs the fuzz found, pinned ------------------------------------------------------
 def _admitter_acked(env: Env, seq: int) -> Callable[[], Any]:
     async def check() -> bool:
-        info = await env.bus.js.consumer_info(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER)
-        return info.ack_floor.stream_seq >= seq and info.num_ack_pending == 0
+        info = await env.bus.stream(S.STREAM_REQUESTS).consumer(S.CONSUMER_ADMITTER)
+        return info.ack_floor >= seq and info.ack_pending == 0
     return check
 
 

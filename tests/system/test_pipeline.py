@@ -117,8 +117,8 @@ async def test_malformed_bytes_get_error_reply_dead_letter_and_service_keeps_ser
     assert [(d.subject, d.reason, d.data) for d in dead] == [("req.online.t1", "malformed", b"\xc1\xff not msgpack")]
     # the term goes out before the reply, but the server applies acks on its own time: wait for it
     async def settled():
-        info = await bus.js.consumer_info(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER)
-        return info.num_ack_pending == 0 and info.num_redelivered == 0  # terminated, not redelivered
+        info = await bus.stream(S.STREAM_REQUESTS).consumer(S.CONSUMER_ADMITTER)
+        return info.ack_pending == 0 and info.redelivered == 0  # terminated, not redelivered
     assert await wait_for(settled)
     result = await stack.client.submit(make_request("t1", "still serving", max_tokens=2))
     assert result.status == "completed"
