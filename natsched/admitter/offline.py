@@ -299,7 +299,7 @@ class OfflineRunner:
 
     # --- totals: the same inputs the admitters use ------------------------------------------
     async def _watch_quotas(self, ready: asyncio.Event) -> None:
-        async for key, value, _rev in self.bus.kv_watch(S.BUCKET_QUOTAS, ">", ready=ready):
+        async for key, value, _rev in self.bus.kv(S.BUCKET_QUOTAS).watch(">", ready=ready):
             if value is None:
                 self.quota_entries.pop(key, None)
             else:

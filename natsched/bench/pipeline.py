@@ -362,7 +362,7 @@ def start_relay(url: str, workers: list[str], timeout_s: float = 30.0) -> subpro
 async def _set_quota(url: str, audit_max_bytes: int | None = None) -> None:
     bus = await Bus.connect(url, name="bench-setup")
     try:  # measure the scheduler, not a quota: a total nothing here can reach
-        await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(10**12))
+        await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(10**12))
         if audit_max_bytes is not None:
             await _cap_audit_streams(bus, audit_max_bytes)
     finally:

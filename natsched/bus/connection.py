@@ -686,35 +686,6 @@ class Bus:
         await self._retrying(lambda _remaining: self.js.publish(subject, b"", headers=headers), None,
                              "KV write", logging.INFO, _NOT_PROCESSED)
 
-    # The bucket-and-key spellings below predate the handles; they stay for the many call sites.
-    async def kv_get(self, bucket: str, key: str) -> tuple[bytes, int] | None:
-        return await self.kv(bucket).get(key)
-
-    async def kv_last_operation(self, bucket: str, key: str) -> str | None:
-        return await self.kv(bucket).last_operation(key)
-
-    async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
-        return await self.kv(bucket).put(key, value)
-
-    async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
-        return await self.kv(bucket).create(key, value)
-
-    async def kv_update(self, bucket: str, key: str, value: bytes, last: int) -> int:
-        return await self.kv(bucket).update(key, value, last)
-
-    async def kv_delete(self, bucket: str, key: str, last: int | None = None, marker_ttl_s: int | None = None) -> None:
-        await self.kv(bucket).delete(key, last, marker_ttl_s)
-
-    async def kv_keys(self, bucket: str) -> list[str]:
-        return await self.kv(bucket).keys()
-
-    async def kv_snapshot(self, bucket: str, keys: str = ">") -> dict[str, tuple[bytes, int]]:
-        return await self.kv(bucket).snapshot(keys)
-
-    def kv_watch(self, bucket: str, keys: str = ">", ready: asyncio.Event | None = None
-                 ) -> AsyncIterator[tuple[str, bytes | None, int]]:
-        return self.kv(bucket).watch(keys, ready)
-
     # --- streams (audit, tests) -------------------------------------------------------------
     def stream(self, name: str) -> Stream:
         """The reader of one stream (:mod:`natsched.bus.streams`)."""

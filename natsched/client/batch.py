@@ -245,7 +245,7 @@ class JobStore:
 
     async def _read(self, key: str) -> tuple[JobRecord | None, int]:
         await self.ensure()
-        current = await self.bus.kv_get(S.BUCKET_JOBS, key)
+        current = await self.bus.kv(S.BUCKET_JOBS).get(key)
         if current is None:
             return None, 0
         try:
@@ -258,7 +258,7 @@ class JobStore:
         """Write a new record; False when one exists already (then it is left alone)."""
         await self.ensure()
         try:
-            await self.bus.kv_create(S.BUCKET_JOBS, key, record.encode())
+            await self.bus.kv(S.BUCKET_JOBS).create(key, record.encode())
             return True
         except ConflictError:
             return False
@@ -273,9 +273,9 @@ class JobStore:
                 return record
             try:
                 if rev:
-                    await self.bus.kv_update(S.BUCKET_JOBS, key, new.encode(), rev)
+                    await self.bus.kv(S.BUCKET_JOBS).update(key, new.encode(), rev)
                 else:
-                    await self.bus.kv_create(S.BUCKET_JOBS, key, new.encode())
+                    await self.bus.kv(S.BUCKET_JOBS).create(key, new.encode())
                 return new
             except ConflictError:
                 continue
@@ -301,7 +301,7 @@ class JobStore:
 
     async def manifest(self, batch: str) -> tuple[BatchManifest, int] | None:
         await self.ensure()
-        current = await self.bus.kv_get(S.BUCKET_JOBS, S.batch_key(batch))
+        current = await self.bus.kv(S.BUCKET_JOBS).get(S.batch_key(batch))
         if current is None:
             return None
         try:
@@ -310,7 +310,7 @@ class JobStore:
             raise JobStoreError(f"batch manifest {batch} cannot be decoded: {exc}") from None
 
     async def put_manifest(self, manifest: BatchManifest) -> None:
-        await self.bus.kv_put(S.BUCKET_JOBS, S.batch_key(manifest.id), manifest.encode())
+        await self.bus.kv(S.BUCKET_JOBS).put(S.batch_key(manifest.id), manifest.encode())
 
 
 def _decode(key: str, raw: bytes) -> JobRecord:

@@ -298,7 +298,7 @@ class StatusCollector:
         # one filtered snapshot, not a watch plus a get per key: a role may be allowed this read
         # without the rights a watch needs (natsched.ops.auth, the gateway's role)
         entries = {key: value async for key, value in self.bus.kv(S.BUCKET_QUOTAS).entries()}
-        usage = await self.bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
+        usage = await self.bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE)
         return self.state.view(entries, usage[0] if usage else None, time.time())
 
     @staticmethod

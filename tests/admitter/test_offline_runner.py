@@ -32,7 +32,7 @@ async def jobs_stack(url: str, *, total: int = 3000, workers: int = 2, **stack_k
     the admitter degrades every batch request (degrade watermark 0: batch work always goes offline)."""
     stack = await start_stack(url, workers=workers, **stack_kw)
     stack.admitter.core.settings.degrade_watermark = 0.0
-    await stack.client.bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(total))
+    await stack.client.bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(total))
     runner, runner_bus = await start_runner(url)
     stack.buses.append(runner_bus)
     await wait_for(lambda: stack.admitter.total == total and runner.total == total)
@@ -259,7 +259,7 @@ async def test_a_quota_rejection_of_a_batch_line_puts_it_on_the_offline_path(sta
 
 async def test_a_corrupted_job_record_is_replaced_not_fatal(stack, bus):
     await JobStore(bus).ensure()
-    await bus.kv_put(S.BUCKET_JOBS, S.job_key("t1", S.NO_BATCH, "rot1"), b"\xc1 rotten")
+    await bus.kv(S.BUCKET_JOBS).put(S.job_key("t1", S.NO_BATCH, "rot1"), b"\xc1 rotten")
     assert (await JobStore(bus).get(S.job_key("t1", S.NO_BATCH, "rot1"))) is None
     await stack.client.submit(make_request("t1", "after the rot", max_tokens=2, cls="offline", id="rot1"))
     assert await wait_for(lambda: _status(bus, "rot1", "completed"))

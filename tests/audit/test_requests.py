@@ -40,7 +40,7 @@ async def test_a_rejected_request_ends_with_its_reason(stack, bus):
 
 
 async def test_a_queued_request_shows_its_wait(stack, bus):
-    await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
+    await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
     from tests.admitter.test_offline_runner import wait_for
 
     assert await wait_for(lambda: stack.admitter.total == 300)

@@ -39,7 +39,7 @@ async def test_bad_input_is_refused_and_nothing_changes(bus, nats_url):
 
 
 async def test_a_corrupted_stored_value_is_ignored_not_fatal(bus):
-    await bus.kv_put(S.BUCKET_CONFIG, S.KEY_RETENTION, b'{"REQUESTS": {"max_age_s": "forever"}}')
+    await bus.kv(S.BUCKET_CONFIG).put(S.KEY_RETENTION, b'{"REQUESTS": {"max_age_s": "forever"}}')
     assert await bus.stored_overrides() == {}
     settings = await stored_settings(bus.js)
     assert settings.limits[S.STREAM_REQUESTS] == ProvisionSettings().limits[S.STREAM_REQUESTS]
