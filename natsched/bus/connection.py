@@ -494,11 +494,13 @@ class Bus:
             log.error("publish to %s lost (%s, then %s)", subject, None if f.cancelled() else f.exception(), exc)
 
     async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
-        """Core request/reply: the answer's body; :class:`BusTimeout` when none comes in time."""
+        """Core request/reply: the answer's body; :class:`BusTimeout` when none comes in time (or nobody listens)."""
         try:
             msg = await self.nc.request(subject, data, timeout=timeout)
         except (NatsTimeout, asyncio.TimeoutError):
             raise BusTimeout(f"no answer on {subject} within {timeout:g}s") from None
+        except NoRespondersError:
+            raise BusTimeout(f"no answer on {subject}: nobody listens") from None
         return msg.data
 
     async def respond(self, subject: str, answer: Callable[[bytes], Awaitable[bytes]]) -> Subscription:
