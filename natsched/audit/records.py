@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from natsched.bus.streams import Stored
+from natsched.wire import msgids as M
 from natsched.errors import NatschedError
 from natsched.wire import subjects as S
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Completion, Decision, JobRecord, Request
+from natsched.wire.schema import Completion, CompletionStatus, Decision, JobRecord, Request
 
 if TYPE_CHECKING:
     from natsched.bus.connection import Bus
@@ -46,8 +47,7 @@ class AuditNotFound(AuditError):
 
 def matches(msg_id: str, ids: Iterable[str]) -> bool:
     """A record of one of ``ids``: its ``Nats-Msg-Id`` is the id or ``<id>:<stage>``."""
-    head = msg_id.split(":", 1)[0]
-    return head in ids
+    return M.request_of(msg_id) in ids
 
 
 # ------------------------------------------------------------------ pure assembly
@@ -117,10 +117,10 @@ def _prompt_tokens(request: Request) -> int:
 
 
 def _outcome(final: Completion | None, admission: list[Decision], job: JobRecord | None) -> str:
-    if job is not None and job.status in ("completed", "failed"):
+    if job is not None and job.status.final:
         return job.status + (f" ({job.reason})" if job.reason else "")
     if final is not None:
-        return "completed" if final.status == "ok" else f"failed ({final.reason})"
+        return "completed" if final.status == CompletionStatus.OK else f"failed ({final.reason})"
     if admission and admission[-1].decision == "reject":
         return f"rejected ({admission[-1].reason})"
     if job is not None:
@@ -146,10 +146,10 @@ def summarize(requests: int, decisions: list[Decision], completions: list[Comple
         key = f"{d.stage}.{d.decision}"
         reasons = by_decision.setdefault(key, {})
         reasons[d.reason or "-"] = reasons.get(d.reason or "-", 0) + 1
-    ok = [c for c in completions if c.status == "ok"]
+    ok = [c for c in completions if c.status == CompletionStatus.OK]
     failed: dict[str, int] = {}
     for c in completions:
-        if c.status != "ok":
+        if c.status != CompletionStatus.OK:
             failed[c.reason or "error"] = failed.get(c.reason or "error", 0) + 1
     prompt = sum(c.prompt_tokens for c in ok)
     waits = [d.queue_wait for d in decisions if d.stage == "admission" and d.queue_wait]

@@ -39,7 +39,7 @@ class KV:
     def __init__(self, bus: "Bus", bucket: str) -> None:
         self.bus = bus
         self.bucket = bucket
-        self.stream = f"KV_{bucket}"
+        self.stream = S.kv_stream(bucket)
         self._kv: Any = None
 
     async def _handle(self) -> Any:
@@ -135,7 +135,7 @@ class KV:
         permission can confine it; this way a tenant's batch role reads ``job.<tenant>.*.*`` and
         nothing else (``natsched.ops.auth``).
         """
-        prefix = f"$KV.{self.bucket}."
+        prefix = S.kv_subject(self.bucket, "")
         async for msg in self.bus.stream(self.stream).filtered(prefix + pattern, last_per_subject=True,
                                                                 timeout=timeout):
             if msg.headers.get(KV_OPERATION) not in (KV_DELETE, KV_PURGE):
