@@ -85,8 +85,8 @@ async def _read_quotas(bus):
     from natsched.admitter.quotas import Quotas
 
     entries = {}
-    for key in await bus.kv_keys(S.BUCKET_QUOTAS):
-        current = await bus.kv_get(S.BUCKET_QUOTAS, key)
+    for key in await bus.kv(S.BUCKET_QUOTAS).keys():
+        current = await bus.kv(S.BUCKET_QUOTAS).get(key)
         if current is not None:
             entries[key] = current[0]
     dynamic = entries.pop(S.KEY_DYNAMIC_TOTAL, None)
@@ -99,7 +99,7 @@ async def _read_usage(bus):
     from natsched.admitter.errors import UsageError
     from natsched.admitter.usage import Usage
 
-    raw = await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
+    raw = await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE)
     try:
         return Usage.from_json(raw[0]) if raw else Usage()
     except UsageError as exc:
@@ -168,7 +168,7 @@ async def _quota(args) -> int:
 async def _write(bus, old, new, entries) -> int:
     for key, value in new.to_kv().items():
         if entries.get(key) != value:
-            await bus.kv_put(S.BUCKET_QUOTAS, key, value)
+            await bus.kv(S.BUCKET_QUOTAS).put(key, value)
     changes = quota_changes(old, new)
     if not changes:
         print("quotas unchanged")

@@ -62,10 +62,10 @@ async def _route(args) -> int:
     try:
         await bus.provision()
         if args.action == "set":
-            await bus.kv_put(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG, orjson.dumps(config))
+            await bus.kv(S.BUCKET_CONFIG).put(S.KEY_ROUTER_CONFIG, orjson.dumps(config))
             print(orjson.dumps(config).decode() if args.json else f"routing config set: {describe(config)}")
             return 0
-        current = await bus.kv_get(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG)
+        current = await bus.kv(S.BUCKET_CONFIG).get(S.KEY_ROUTER_CONFIG)
         if current is None:
             print("null" if args.json else "routing config not set (routers use their --policy)")
         else:

@@ -374,7 +374,7 @@ async def _send_control(args, worker: str, kind: str) -> int:
     bus = await connect(args)
     try:
         await bus.publish(S.control(worker), Control(kind=kind, ts=time.time(), by="cli"))
-        await bus.nc.flush()
+        await bus.flush()
     finally:
         await bus.close()
     print(f"sent {kind} to worker {worker}")
