@@ -59,7 +59,7 @@ async def test_a_closed_pipe_ends_the_command_quietly(bus, nats_url):
 
 
 async def test_quota_show_writes_unset_values_as_words(bus, nats_url):
-    await bus.kv_put(S.BUCKET_QUOTAS, S.tenant_quota_key("acme"), orjson.dumps({"floor": 0.1}))
+    await bus.kv(S.BUCKET_QUOTAS).put(S.tenant_quota_key("acme"), orjson.dumps({"floor": 0.1}))
     code, out, err = await natsched("quota", "show", "--nats-url", nats_url)
     assert code == 0, err
     assert "None" not in out and "{" not in out and "[" not in out, out
