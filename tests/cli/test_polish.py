@@ -15,7 +15,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import orjson
-import pytest
 
 from natsched.bus.server import free_port
 from natsched.wire import subjects as S
