@@ -19,6 +19,8 @@ malformed (class, subject, max_tokens ...)  reject     invalid_class, subject_mi
                                                        invalid_max_tokens, prompt_too_long,
                                                        invalid
 already queued (redelivered message)        queue      -
+model served by no live worker (once any    reject     unknown_model (the served ones named)
+worker reported: see set_served_models)
 tenant unknown and quotas say reject        reject     unknown_tenant
 cost > total / tenant cap / model limit     reject     too_large / tenant_cap / model_limit
 deadline already passed                     reject     deadline_exceeded
@@ -163,6 +165,7 @@ class AdmitterCore:
         self.outputs = OutputEstimator(s.ewma_alpha, s.ewma_min_samples)
         self.releases = ReleaseRate(s.rate_window_s)
         self._clock = 0.0  # latest time seen: est_wait() has no `now` of its own
+        self.served_models: frozenset[str] | None = None  # None: not known yet (no worker heard)
 
     # ------------------------------------------------------------------ configuration
     def set_quotas(self, quotas: Quotas) -> None:
@@ -177,6 +180,11 @@ class AdmitterCore:
         total = max(0, int(total))
         cap = self.quotas.hard_cap
         self.total = total if cap is None else min(total, cap)
+
+    def set_served_models(self, models: frozenset[str] | None) -> None:
+        """The models live workers serve (from their heartbeats); None while none reported, so a
+        replica that just started does not refuse what it simply has not heard of yet."""
+        self.served_models = models or None
 
     @property
     def used(self) -> int:
@@ -212,6 +220,9 @@ class AdmitterCore:
         queued = self.queue.get(request.id)
         if queued is not None:  # redelivered while we hold it: same place, no second entry
             return self._decision(QUEUE, queued.cost, request, est_wait=self.est_wait(request))
+        if self.served_models is not None and request.model not in self.served_models:
+            return self._reject(0, "unknown_model", f"model {request.model!r} is not served; served: "
+                                f"{', '.join(sorted(self.served_models))}", request=request)
         cost = self.cost(request)
         never = never_fits(self.quotas, self.total, request.tenant, request.model, cost)
         if never:

@@ -74,6 +74,7 @@ class Repairs:
         self.leases.on_heartbeat(hb.worker, now, hb.interval, hb.inflight)
         self._dead.pop(hb.worker, None)
         self.worker_load[hb.worker] = (hb.capacity_tokens, hb.runtime_tokens, now)
+        self.note_model(hb.worker, hb.model, now)
 
     async def _lease_loop(self) -> None:
         """Judge leases every ``LEASE_TICK_S``; reclaim beside the loop, one reclaim at a time.

@@ -61,6 +61,7 @@ class AdmitterServiceSettings:
     dynamic: DynamicTotalSettings = field(default_factory=DynamicTotalSettings)
     credit: CreditSettings = field(default_factory=CreditSettings)
     metrics_port: int | None = None
+    model_memory_s: float = 60.0  # a model no heartbeat named for this long is no longer served
 
 
 class InlineRouter(Protocol):
@@ -108,6 +109,7 @@ class AdmitterService(Repairs):
         self.held: dict[str, Held] = {}
         self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
         self.quota_entries: dict[str, bytes] = {}
+        self.worker_models: dict[str, tuple[str, float]] = {}  # worker -> (model it serves, last heard)
         self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
         self._releasing: list[tuple[Completion | None, Reservation]] = []  # waiting for the next commit
         self._wake = asyncio.Event()
@@ -616,7 +618,24 @@ class AdmitterService(Repairs):
         self._wake.set()
         return total
 
+    def note_model(self, worker: str, model: str, now: float) -> None:
+        """A heartbeat named ``model``: the core refuses models no live worker serves (issue 25:
+        an unknown model failed after the router's 10 s wait as ``no_worker``)."""
+        self.worker_models[worker] = (model, now)
+        served = self.core.served_models
+        if served is None or model not in served:
+            self.refresh_served_models(now)
+
+    def refresh_served_models(self, now: float) -> None:
+        """Forget workers silent for ``model_memory_s``; called with the gauges (every 0.1 s)."""
+        memory = self.settings.model_memory_s
+        for worker, (_, seen) in list(self.worker_models.items()):
+            if now - seen > memory:
+                del self.worker_models[worker]
+        self.core.set_served_models(frozenset(m for m, _ in self.worker_models.values()))
+
     def _refresh_gauges(self) -> None:
+        self.refresh_served_models(time.time())
         if self.shared.conflicts > self._conflicts_seen:
             self.metrics.cas_conflicts.inc(self.shared.conflicts - self._conflicts_seen)
             self._conflicts_seen = self.shared.conflicts

@@ -29,17 +29,10 @@ def cmd_route(args) -> int:
 
 
 def describe(config: dict) -> str:
-    """A routing config in one line for people: policy, its weights, the canary and its share."""
-    weights = config.get("weights") or {}
-    text = f"policy {config.get('policy')}"
-    if weights:
-        text += " (weights " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                                        for k, v in sorted(weights.items())) + ")"
-    if config.get("canary"):
-        text += f"; canary {config['canary']} on {float(config.get('canary_share') or 0):.0%} of requests"
-    else:
-        text += "; no canary"
-    return text
+    """A routing config in one line (:func:`natsched.ops.persisted.describe_route`)."""
+    from natsched.ops.persisted import describe_route
+
+    return describe_route(config)
 
 
 async def _route(args) -> int:

@@ -364,6 +364,10 @@ def cmd_worker(args) -> int:
 
     code = run(serve(args.nats_url, f"worker {args.id}", start, stop, until, credentials=args.credentials))
     agent = holder.get("agent")
+    if code == 0 and agent is not None and agent.drained_by is not None and not agent.failure:
+        from natsched.hosting.runtime import announce_drained
+
+        announce_drained(f"worker {args.id}", f"by={agent.drained_by}")  # natsched up leaves it stopped
     return 1 if code == 0 and agent is not None and agent.failure else code  # engine died: not a clean exit
 
 

@@ -265,6 +265,8 @@ def api_error(exc: RequestError, settings: GatewaySettings) -> ApiError:
             return Forbidden(message, code=exc.reason)
         if exc.reason == "deadline_exceeded":
             return GatewayTimeout(message, code=exc.reason)
+        if exc.reason == "unknown_model":  # the admitter heard of no worker serving it
+            return NotFound(message, code="model_not_found", param="model")
         if exc.retry_after is not None:
             return RateLimited(message, code=exc.reason, retry_after=exc.retry_after)
         return BadRequest(message, code=exc.reason)

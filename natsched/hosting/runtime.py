@@ -19,6 +19,8 @@ from natsched.bus.connection import Bus
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "READY "
+#: printed by a worker leaving after an operator's drain: ``natsched up`` then does not restart it
+DRAINED_PREFIX = "DRAINED "
 
 
 def run_loop(coro):
@@ -42,6 +44,11 @@ def setup_logging(level: str) -> None:
 
 def announce(component: str, detail: str = "") -> None:
     print(f"{READY_PREFIX}{component} {detail}".rstrip(), flush=True)
+
+
+def announce_drained(component: str, by: str = "") -> None:
+    """Tell a supervisor this exit was asked for (``natsched worker drain``), not a crash."""
+    print(f"{DRAINED_PREFIX}{component} {by}".rstrip(), flush=True)
 
 
 def freeze_startup_heap() -> int:

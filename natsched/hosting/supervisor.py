@@ -21,17 +21,21 @@ from natsched.bus.connection import Bus
 from natsched.bus.errors import ServerError
 from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, EmbeddedServer, die_with_parent
 from natsched.ops.auth import AuthDir, AuthError
-from natsched.hosting.runtime import READY_PREFIX
+from natsched.hosting.runtime import DRAINED_PREFIX, READY_PREFIX
 
 log = logging.getLogger(__name__)
 
 
-async def _provision(url: str, credentials: Path | None = None) -> None:
+async def _provision(url: str, credentials: Path | None = None) -> list[str]:
     """Every stream and bucket, the offline runner's included: under auth only the admin may
-    create them (the services' roles may read stream info, not change it)."""
+    create them (the services' roles may read stream info, not change it). Returns the notes on
+    settings the data dir carries from earlier runs (:mod:`natsched.ops.persisted`)."""
+    from natsched.ops.persisted import persisted_notes
+
     bus = await Bus.connect(url, name="natsched-up", credentials=credentials)
     try:
         await bus.provision(jobs=True)
+        return await persisted_notes(bus)
     finally:
         await bus.close()
 
@@ -88,6 +92,8 @@ class Child:
     ready: threading.Event = field(default_factory=threading.Event)
     detail: str = ""
     user: str = ""  # the role it connects as under --auth-dir (natsched auth init's user name)
+    reader: threading.Thread | None = None  # reads its stdout (READY / DRAINED lines)
+    drained: str = ""  # set when it left after an operator's drain (DRAINED line): not restarted
 
 
 class Supervisor:
@@ -187,6 +193,7 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         child.ready.clear()
+        child.drained = ""
         err = None
         if self.s.log_dir is not None:
             self.s.log_dir.mkdir(parents=True, exist_ok=True)
@@ -199,7 +206,8 @@ class Supervisor:
         finally:
             if err is not None:
                 err.close()  # the child has its own copy
-        threading.Thread(target=self._read, args=(child, child.proc), daemon=True).start()
+        child.reader = threading.Thread(target=self._read, args=(child, child.proc), daemon=True)
+        child.reader.start()
 
     def restart(self, child: Child) -> None:
         """Start a child that exited (or was killed) again; ``child.ready`` is set by its READY line.
@@ -218,6 +226,8 @@ class Supervisor:
             if line.startswith(READY_PREFIX):
                 child.detail = line[len(READY_PREFIX):].strip()
                 child.ready.set()
+            elif line.startswith(DRAINED_PREFIX):
+                child.drained = line[len(DRAINED_PREFIX):].strip() or "drained"
             else:
                 sys.stdout.write(line)
 
@@ -233,7 +243,10 @@ class Supervisor:
             say(f"ready: nats-server {url} (JetStream, data {self.server.data_dir}"
                 + (f", auth {self.auth.config})" if self.auth else ")"), flush=True)
         admin = self.auth.creds("admin") if self.auth else None
-        asyncio.run(_provision(url, admin))  # once, before the components race to create streams
+        notes = asyncio.run(_provision(url, admin))  # once, before the components race to create streams
+        for note in notes:  # a canary or quota set once persists: say so before it applies
+            say(f"note: {note}", flush=True)
+            log.warning("data dir state: %s", note)
         self.children = self.plan(url)
         for child in self.children:
             self._spawn(child)
@@ -291,8 +304,18 @@ class Supervisor:
             self.stop()
 
     def _restart_dead(self) -> None:
+        """Start crashed children again; one an operator drained stays stopped (the drain asked
+        for it to leave: ``natsched worker drain ID``; the next ``natsched up`` starts it)."""
         for child in self.children:
             if child.proc is not None and child.proc.poll() is not None and not self._stop.is_set():
+                if child.reader is not None:
+                    child.reader.join(2.0)  # its last lines (a DRAINED one) are read before we judge
+                if child.drained:
+                    print(f"{child.name} drained ({child.drained}) and exited; not restarted "
+                          "(the next natsched up starts it)", flush=True)
+                    log.info("%s drained and exited; not restarted", child.name)
+                    child.proc = None
+                    continue
                 print(f"{child.name} exited with code {child.proc.returncode}; restarting", flush=True)
                 time.sleep(1.0)
                 self._spawn(child)

@@ -81,6 +81,7 @@ class WorkerAgent:
         self.capacity_tokens: int | None = settings.capacity_tokens
         self.capacity_source = "settings" if settings.capacity_tokens else "engine"
         self.failure: str | None = None  # why the engine can no longer serve
+        self.drained_by: str | None = None  # who asked for the drain (a supervisor does not restart it)
         self.backoff = BackoffMonitor(settings.backoff)
         self.metrics = WorkerMetrics(settings.id, settings.model)
         self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # its producer gave up on it
@@ -382,6 +383,7 @@ class WorkerAgent:
         elif ctl.kind == "drain":
             log.info("worker %s quiescing (drain requested by %s)", self.id, ctl.by or "?")
             self.state = "quiescing"
+            self.drained_by = ctl.by or "?"
             await self._heartbeat()
             if not self.inflight:
                 self._stopped.set()
@@ -392,6 +394,7 @@ class WorkerAgent:
                 log.warning("worker %s cannot resume: its engine failed (%s)", self.id, self.failure)
                 return
             self.state = "healthy"
+            self.drained_by = None
             await self._heartbeat()
         else:
             log.warning("unknown control kind %r on %s", ctl.kind, subject)
