@@ -39,5 +39,17 @@ class AdmitterMetrics:
                                      "Allows paid from this replica's credit (no shared write)", registry=r)
         self.credit_unspent = Gauge("natsched_admission_credit_unspent_runtime_tokens",
                                     "Runtime tokens this replica holds in credit, unspent", registry=r)
+        # scaling signals (natsched.admitter.scaling): scale on queue wait, not GPU utilisation
+        self.queue_wait_p95 = Gauge("natsched_admission_queue_wait_p95_seconds",
+                                    "p95 of queue waits over the scaling window (queued requests' ages included)",
+                                    registry=r)
+        self.scale_signals = Counter("natsched_admission_scale_signals", "Scaling signals published",
+                                     ["kind"], registry=r)
+        self.scale_advice = Gauge("natsched_admission_scale_advice",
+                                  "Holding advice: kind=out workers to add, kind=in 1 while a drain is advised",
+                                  ["kind"], registry=r)
+        self.lease_expiries = Counter("natsched_admission_lease_expiries",
+                                      "Worker leases expired (missed heartbeats): their reservations reclaimed",
+                                      registry=r)
         self.bad_quota_entries = Counter("natsched_admission_bad_quota_entries", "Corrupted quota entries ignored",
                                          registry=r)

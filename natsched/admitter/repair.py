@@ -134,6 +134,7 @@ class Repairs:
                         "unfinished work", worker, self.settings.lease_missed, len(held))
             self.worker_load.pop(worker, None)
             self._dead[worker] = time.monotonic()
+            self.metrics.lease_expiries.inc()
         report = await self.rescuer.sweep(self.is_live)
         self.metrics.repairs.labels("rescue").inc(len(report.rescued))
         for worker, held in expired.items():

@@ -28,6 +28,7 @@ from natsched.admitter.policy import ALLOW, DEGRADE, QUEUE, AdmissionDecision, A
 from natsched.admitter.quotas import Quotas
 from natsched.admitter.repair import Repairs
 from natsched.admitter.rescue import Rescuer
+from natsched.admitter.scaling import ScaleAdvisor, ScaleSettings, WorkerLoad
 from natsched.admitter.shared import Reservation, SharedState
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
@@ -36,7 +37,8 @@ from natsched.bus.aio import wait_event
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.errors import NatschedError
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Admitted, Completion, Decision, Reply, ReplyKind, ReplyStatus, Request
+from natsched.wire.schema import (Admitted, Completion, Decision, Reply, ReplyKind, ReplyStatus, Request,
+                                  ScaleEvent)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,6 +62,7 @@ class AdmitterServiceSettings:
     orphan_after_s: float = 120.0  # a reservation no live worker reports after this is leaked
     dynamic: DynamicTotalSettings = field(default_factory=DynamicTotalSettings)
     credit: CreditSettings = field(default_factory=CreditSettings)
+    scale: ScaleSettings = field(default_factory=ScaleSettings)
     metrics_port: int | None = None
     model_memory_s: float = 60.0  # a model no heartbeat named for this long is no longer served
 
@@ -105,6 +108,7 @@ class AdmitterService(Repairs):
         self._started = time.monotonic()
         self._dead: dict[str, float] = {}  # worker -> when its lease expired here (until it heartbeats)
         self.dynamic = DynamicTotal(s.dynamic)
+        self.scale = ScaleAdvisor(s.scale)
         self.metrics = metrics or AdmitterMetrics()
         self.held: dict[str, Held] = {}
         self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
@@ -139,7 +143,7 @@ class AdmitterService(Repairs):
         await self.bus.consume_batches(self._completions_spec, self._on_completions, source="admitter")
         await self.bus.consume_batches(self._spec, self._on_requests, source="admitter")
         for loop in (self._dequeue_loop, self._keepalive_loop, self._lease_loop, self._reconcile_loop,
-                     self._dynamic_loop, self._keeper_loop):
+                     self._dynamic_loop, self._keeper_loop, self._scale_loop):
             self.bus.spawn(loop(), loop.__name__)
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -427,6 +431,7 @@ class AdmitterService(Repairs):
                 continue
             wait = now - held.since
             self.metrics.queue_wait.labels(req.cls).observe(wait)
+            self.scale.observe_wait(now, wait)
             entries.append((req, dec, held.delivery, wait, latency_ms))
         await self._act_batch(entries)  # one wait for the whole dequeue, like a fresh batch
         return len(picks)
@@ -617,6 +622,39 @@ class AdmitterService(Repairs):
         self.core.set_total(total)
         self._wake.set()
         return total
+
+    async def _scale_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.scale.settings.interval_s)
+            try:
+                await self.check_scale()
+            except NatschedError as exc:  # the bus away: the next check tries again
+                log.warning("scaling signal deferred: %s", exc)
+
+    async def check_scale(self, now: float | None = None) -> ScaleEvent | None:
+        """One look at the queue and the workers; publishes the signal due, if any (and returns it)."""
+        now = time.time() if now is None else now
+        entries = list(self.core.queue.oldest())
+        live = [WorkerLoad(w, cap, used) for w, (cap, used, seen) in sorted(self.worker_load.items())
+                if now - seen < 10.0]
+        signal = self.scale.check(now, [now - e.enqueued_at for e in entries], sum(e.cost for e in entries),
+                                  self.shared.usage.used, live)
+        held = self.scale.current
+        self.metrics.queue_wait_p95.set(self.scale.wait_p95)
+        self.metrics.scale_advice.labels("out").set(held.add if held is not None and held.kind == "out" else 0)
+        self.metrics.scale_advice.labels("in").set(1 if held is not None and held.kind == "in" else 0)
+        if signal is None:
+            return None
+        event = ScaleEvent(kind=signal.kind, ts=now, by=self.settings.name, reason=signal.reason,
+                           workers=signal.workers, add=signal.add, drain=signal.drain,
+                           queue_wait_p95=signal.queue_wait_p95, demand_tokens=signal.demand_tokens,
+                           worker_capacity=signal.worker_capacity, utilisation=signal.utilisation)
+        self.metrics.scale_signals.labels(signal.kind).inc()
+        log.warning("scale %s: %s%s", signal.kind, signal.reason,
+                    f"; add {signal.add} worker(s)" if signal.kind == "out" else f"; drain {signal.drain}")
+        await self.bus.publish(S.scale(signal.kind), event)
+        await self.bus.kv(S.BUCKET_CONFIG).put(S.KEY_SCALE, event.encode())
+        return event
 
     def note_model(self, worker: str, model: str, now: float) -> None:
         """A heartbeat named ``model``: the core refuses models no live worker serves (issue 25:

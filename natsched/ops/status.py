@@ -6,15 +6,44 @@ import asyncio
 import sys
 import time
 
+import orjson
+
 from natsched.gateway.status import StatusCollector, StatusSettings, StatusView
 from natsched.bus.connection import Bus
+from natsched.wire import subjects as S
+from natsched.wire.errors import MessageError
+from natsched.wire.schema import ScaleEvent
+
+#: a scaling signal older than this is shown as past advice, not as what holds now
+SCALE_FRESH_S = 300.0
 
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def render_text(view: StatusView) -> str:
+def render_scale(event: ScaleEvent | None, now: float) -> str:
+    """The latest scaling signal in one line (``natsched.admitter.scaling``)."""
+    if event is None:
+        return "SCALING  no signal yet"
+    age = now - event.ts
+    advice = f"add {event.add} worker(s)" if event.kind == "out" else f"drain {event.drain}"
+    when = f"{age:.0f}s ago" + ("" if age < SCALE_FRESH_S else ", no longer current")
+    return f"SCALING  scale {event.kind}: {advice} ({when}, {event.workers} workers, by {event.by}): {event.reason}"
+
+
+async def read_scale(bus: Bus) -> ScaleEvent | None:
+    """The latest scaling signal the admitters kept in KV ``config`` (None: none, or unreadable)."""
+    got = await bus.kv(S.BUCKET_CONFIG).get(S.KEY_SCALE)
+    if got is None:
+        return None
+    try:
+        return ScaleEvent.decode(got[0])
+    except MessageError:
+        return None
+
+
+def render_text(view: StatusView, scale: ScaleEvent | None = None) -> str:
     """A plain-text page: one table per section, widths fixed so ``--watch`` does not jump."""
     out = [f"natsched status  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(view.at))}   "
            f"in use {view.used} of {view.total} runtime tokens ({_pct(view.used / view.total if view.total else None)})"]
@@ -46,6 +75,8 @@ def render_text(view: StatusView) -> str:
         out.append(f"REJECTIONS (last {window})  " + "   ".join(f"{r} {n}" for r, n in view.rejections.items()))
     else:
         out.append(f"REJECTIONS (last {window})  none")
+    out.append("")
+    out.append(render_scale(scale, view.at))
     for warning in view.warnings:
         out.append(f"warning: {warning}")
     return "\n".join(out) + "\n"
@@ -60,13 +91,16 @@ async def run_status(bus: Bus, settings: StatusSettings, watch_s: float | None =
         await asyncio.sleep(settings.listen_s)  # every worker's heartbeat, at 1-2 s intervals
         while True:
             view = await collector.snapshot()
+            scale = await read_scale(bus)
             if as_json:
-                sys.stdout.write(view.to_json().decode() + "\n")
+                data = orjson.loads(view.to_json())
+                data["scale"] = scale.to_wire() if scale is not None else None
+                sys.stdout.write(orjson.dumps(data).decode() + "\n")
                 return 0
             if watch_s is None:
-                sys.stdout.write(render_text(view))
+                sys.stdout.write(render_text(view, scale))
                 return 0
-            sys.stdout.write("\x1b[H\x1b[2J" + render_text(view))
+            sys.stdout.write("\x1b[H\x1b[2J" + render_text(view, scale))
             sys.stdout.flush()
             await asyncio.sleep(watch_s)
     finally:

@@ -202,6 +202,9 @@ def admitter_role() -> Role:
         *kv_snapshot_permissions(S.BUCKET_INFLIGHT), *kv_write_permissions(S.BUCKET_INFLIGHT),
         *kv_read_permissions(S.BUCKET_QUOTAS), *kv_write_permissions(S.BUCKET_QUOTAS, S.KEY_DYNAMIC_TOTAL),
         *kv_read_permissions(S.BUCKET_WORKERS),
+        # scaling signals (admitter/scaling.py): the event, and the latest kept for natsched status
+        S.SCALE_ALL, _js("STREAM", "INFO", _kv_stream(S.BUCKET_CONFIG)),
+        *kv_write_permissions(S.BUCKET_CONFIG, S.KEY_SCALE),
     ]
     return Role("admitter", "admitter", publish=pub, subscribe=[S.HEARTBEATS_ALL])
 

@@ -318,6 +318,31 @@ class Control(Schema):
 
 
 @dataclass
+class ScaleEvent(Schema):
+    """A scaling signal on ``scale.<kind>`` (``natsched.admitter.scaling``): ``out`` (add ``add``
+    workers: queue wait p95 over its threshold for a window) or ``in`` (drain ``drain``: the
+    cluster idle for a window). The latest is also kept in KV ``config`` under ``scale``."""
+
+    kind: str  # out | in
+    ts: float
+    by: str  # the admitter replica that saw it
+    reason: str
+    workers: int
+    add: int = 0
+    drain: WorkerId | None = None
+    queue_wait_p95: float = 0.0
+    demand_tokens: int = 0
+    worker_capacity: int = 0
+    utilisation: float = 0.0
+    v: int = SCHEMA_VERSION
+
+    def __post_init_check__(self) -> None:
+        if self.kind not in ("out", "in"):
+            raise SchemaError(f"field 'kind' must be 'out' or 'in', got {self.kind!r}", "kind")
+        _check_counts(self, ("workers", "add", "demand_tokens", "worker_capacity"))
+
+
+@dataclass
 class DeadLetter(Schema):
     """A message no handler could use, kept on ``dead.<source>`` with the reason."""
 

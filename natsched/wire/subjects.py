@@ -44,6 +44,7 @@ OFFLINE_ALL = "offline.>"
 DEADLETTER_ALL = "dead.>"
 HEARTBEATS_ALL = "worker.*.hb"
 CACHE_EVENTS_ALL = "worker.*.kv"
+SCALE_ALL = "scale.*"
 
 # --- benchmark-only names (natsched bench pipeline) ---------------------------------------
 STREAM_BENCH = "BENCH"  # reference JetStream publish round trips, deleted after the run
@@ -78,6 +79,8 @@ KEY_DYNAMIC_TOTAL = "cluster.dynamic_total"
 
 #: key in ``config`` holding the routing policy, its weights and the canary (JSON)
 KEY_ROUTER_CONFIG = "router"
+#: key in ``config`` holding the latest scaling signal (a ScaleEvent, msgpack), for ``natsched status``
+KEY_SCALE = "scale"
 
 # --- headers ------------------------------------------------------------------------------
 HDR_MSG_ID = "Nats-Msg-Id"  # JetStream dedup: the request id
@@ -106,6 +109,11 @@ def work_owner(subject: str) -> WorkerId | None:
     """The worker whose input ``subject`` is (``work.<worker>``), or None for any other subject."""
     prefix, _, worker = subject.partition(".")
     return WorkerId(worker) if prefix == "work" and is_token(worker) else None
+
+
+def scale(kind: str) -> str:
+    """Where an admitter publishes a scaling signal: ``scale.out`` / ``scale.in`` (core NATS)."""
+    return f"scale.{token(kind, 'scale kind')}"
 
 
 def reply(request_id: RequestId) -> str:
@@ -221,6 +229,7 @@ PATTERNS = {
     "replies_of": "resp.<tenant>.>",
     "bench_reply": "bench.resp.<run>",
     "calibration_key": "capacity.<model>.<deployment>",
+    "scale": "scale.<kind>",
 }
 
 
