@@ -104,16 +104,19 @@ class RouterCore:
             self._check_fresh(ev.worker)
         return ok
 
-    def on_completion(self, c: Completion, now: float) -> None:
-        """Release the request's load and score the cache claim it confirms or refutes."""
+    def on_completion(self, c: Completion, now: float) -> bool:
+        """Release the request's load and score the cache claim it confirms or refutes; True when
+        the worker's claims failed (it is demoted: counted as a claim failure)."""
         a = self.registry.on_completion(c.request_id, c.worker, c.runtime_tokens)
         if a is None or c.status != CompletionStatus.OK or (c.worker is not None and c.worker != a.worker):
-            return  # not routed by us (another replica judges it), failed, or re-routed
-        if self._claim_failed(a, c.cached_tokens):
-            w = a.worker
-            reason = f"claims failing: accuracy {self.claims.accuracy(w):.2f}"
-            if self.index.distrust(w, reason) and self.index.needs_snapshot(w, now):
-                self._snapshot_requests[w] = None
+            return False  # not routed by us (another replica judges it), failed, or re-routed
+        if not self._claim_failed(a, c.cached_tokens):
+            return False
+        w = a.worker
+        reason = f"claims failing: accuracy {self.claims.accuracy(w):.2f}"
+        if self.index.distrust(w, reason) and self.index.needs_snapshot(w, now):
+            self._snapshot_requests[w] = None
+        return True
 
     def _claim_failed(self, a: Assignment, actual: int) -> bool:
         """Score one completion against the worker's own claim; True when it must be demoted.

@@ -44,6 +44,9 @@ class RouterMetrics:
         self.prefix_migrations = Counter("natsched_routing_prefix_migrations",
                                          "Of those, requests sent to another worker than last time "
                                          "(migration rate = migrations / prefix routes)", registry=r)
+        self.claim_failures = Counter("natsched_routing_claim_failures",
+                                      "Workers demoted because their cache claims kept failing", ["worker"],
+                                      registry=r)
         self.index_entries = Gauge("natsched_routing_index_entries", "Block hashes in the prefix index", registry=r)
         self.bad_reports = Counter("natsched_routing_bad_reports", "Heartbeats and cache events refused",
                                    ["kind"], registry=r)

@@ -167,7 +167,8 @@ class RouterService:
 
     def observe_completion(self, c: Completion) -> None:
         """Release the load of a finished request and score the cache claim it confirms or refutes."""
-        self.core.on_completion(c, time.time())
+        if self.core.on_completion(c, time.time()):
+            self.metrics.claim_failures.labels(c.worker or "").inc()
         if c.worker and c.status == CompletionStatus.OK:
             self.metrics.cached_tokens.labels(c.worker, "actual").inc(c.cached_tokens)
             self.metrics.cached_tokens.labels(c.worker, "expected").inc(c.expected_cached_tokens or 0)

@@ -35,6 +35,10 @@ EXPECTED = {
         "natsched_admission_reconciliation_repairs": "counter",
         "natsched_admission_cas_conflicts": "counter",
         "natsched_admission_bad_quota_entries": "counter",
+        "natsched_admission_queue_wait_p95_seconds": "gauge",
+        "natsched_admission_scale_signals": "counter",
+        "natsched_admission_scale_advice": "gauge",
+        "natsched_admission_lease_expiries": "counter",
     },
     "router": {
         "natsched_routing_decisions": "counter",
@@ -45,6 +49,9 @@ EXPECTED = {
         "natsched_routing_workers": "gauge",
         "natsched_routing_snapshot_requests": "counter",
         "natsched_routing_config_errors": "counter",
+        "natsched_routing_claim_failures": "counter",
+        "natsched_routing_prefix_routes": "counter",
+        "natsched_routing_prefix_migrations": "counter",
     },
     "worker": {
         "natsched_worker_info": "gauge",  # an Info: labels worker, model
