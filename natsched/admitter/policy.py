@@ -103,9 +103,13 @@ class AdmissionSettings:
         for name in ("aging_s", "queue_timeout_s", "calibrated_margin", "retry_after_s"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("long_threshold_tokens", "rate_window_s", "fallback_hold_s", "scan_limit"):
+        for name in ("long_threshold_tokens", "rate_window_s", "fallback_hold_s", "scan_limit", "max_prompt_tokens",
+                     "max_output_tokens", "default_total", "ewma_min_samples"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be > 0, got {getattr(self, name)}")
+        unknown = sorted(set(self.degrade_classes) - set(self.classes))
+        if unknown:
+            raise SettingsError(f"degrade_classes names unknown classes {unknown}; known: {', '.join(self.classes)}")
 
 
 @dataclass
@@ -174,6 +178,12 @@ class AdmitterCore:
         quotas.validate()
         self.quotas = quotas
         self.total = quotas.ceiling()
+
+    def set_settings(self, settings: AdmissionSettings) -> None:
+        """New settings live (``natsched.admitter.knobs``); the learned estimates are kept."""
+        self.settings = settings
+        self.outputs.alpha, self.outputs.min_samples = settings.ewma_alpha, settings.ewma_min_samples
+        self.releases.window_s = settings.rate_window_s
 
     def set_total(self, total: int) -> None:
         """The dynamic total, never above the hard cap nor below zero."""

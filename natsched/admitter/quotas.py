@@ -43,7 +43,7 @@ FLOOR_EPSILON = 1e-9  # floors are floats: 0.1 + 0.2 + 0.7 must pass
 KEY_TOTAL, KEY_HARD_CAP = "cluster.total", "cluster.hard_cap"
 KEY_DEFAULT_TENANT, KEY_UNKNOWN = "default.tenant", "unknown_tenant"
 #: keys other writers keep in the bucket; from_kv leaves them alone
-FOREIGN_KEYS = frozenset({S.KEY_DYNAMIC_TOTAL})
+FOREIGN_KEYS = frozenset({S.KEY_DYNAMIC_TOTAL, S.KEY_QUOTA_CHANGE})
 
 
 def _default_queue_limits() -> dict[str, int]:
@@ -176,8 +176,8 @@ class _KvReader:
 
     def read(self) -> tuple[Quotas, list[str]]:
         for key in sorted(self.entries):
-            if key in FOREIGN_KEYS:
-                continue
+            if key in FOREIGN_KEYS or key.startswith(S.SETTING_PREFIX):
+                continue  # (settings: natsched.admitter.knobs)
             try:
                 known = self._entry(key, self.entries[key])
             except QuotaError as exc:

@@ -53,6 +53,7 @@ class Repairs:
     rescuer: Rescuer
     metrics: AdmitterMetrics
     worker_load: dict[str, tuple[int, int, float]]
+    knobs: Any  # natsched.admitter.knobs.Knobs: the lease settings in force
     _dead: dict[str, float]
     _started: float
     _lock: asyncio.Lock
@@ -125,13 +126,13 @@ class Repairs:
         """Alive for rescue purposes: its lease holds, or (never seen) this replica is too new to judge."""
         if worker in self.leases.workers:
             return True
-        return worker not in self._dead and time.monotonic() - self._started < self.settings.rescue_grace_s
+        return worker not in self._dead and time.monotonic() - self._started < self.knobs.lease.rescue_grace_s
 
     async def reclaim(self, expired: dict[str, set[str]]) -> RescueReport:
         """Rescue what dead workers left on WORK, then free the reservations nothing runs any more."""
         for worker, held in expired.items():
             log.warning("worker %s missed %d heartbeats: its lease expired (%d requests held); rescuing its "
-                        "unfinished work", worker, self.settings.lease_missed, len(held))
+                        "unfinished work", worker, self.knobs.lease.missed, len(held))
             self.worker_load.pop(worker, None)
             self._dead[worker] = time.monotonic()
             self.metrics.lease_expiries.inc()
@@ -150,7 +151,7 @@ class Repairs:
         """A pass that fails (a contended usage, a read that stalled, a server away) is tried again
         at the next interval: a background repair must never stop for good on one bad moment."""
         while True:
-            await asyncio.sleep(self.settings.reconcile_interval_s)
+            await asyncio.sleep(self.knobs.lease.reconcile_interval_s)
             try:
                 await self.reconcile_once()
             except asyncio.CancelledError:
@@ -189,7 +190,7 @@ class Repairs:
         ages = {rid: now - r.ts for rid, r in records.items()}
         repair = reconcile(self.shared.usage, records, self.shared.drift(records, self.core.is_long, self.shared.usage),
                            self.leases,
-                           now, self.settings.orphan_after_s, ages)
+                           now, self.knobs.lease.orphan_after_s, ages)
         repaired = 0
         for rid in repair.orphans:
             if await self.release(rid, why="orphan: no worker reports it"):

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol, TypeVar
 from natsched.admitter.credit import Credit, CreditSettings, KeeperPlan
 from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
 from natsched.admitter.errors import AdmitterError, QuotaError
+from natsched.admitter import knobs as K
 from natsched.admitter.leases import LeaseTracker
 from natsched.admitter.metrics import AdmitterMetrics
 from natsched.admitter.policy import ALLOW, DEGRADE, QUEUE, AdmissionDecision, AdmissionSettings, AdmitterCore
@@ -109,6 +110,7 @@ class AdmitterService(Repairs):
         self._dead: dict[str, float] = {}  # worker -> when its lease expired here (until it heartbeats)
         self.dynamic = DynamicTotal(s.dynamic)
         self.scale = ScaleAdvisor(s.scale)
+        self.knobs = self.base_knobs()  # plus the quotas bucket's setting.* entries (apply_knobs)
         self.metrics = metrics or AdmitterMetrics()
         self.held: dict[str, Held] = {}
         self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
@@ -164,7 +166,33 @@ class AdmitterService(Repairs):
                 self.apply_quotas()
         # (the loop ends only when the Bus closes)
 
+    def base_knobs(self) -> K.Knobs:
+        """The settings this replica started with (code defaults and flags), before the bucket's."""
+        s = self.settings
+        return K.Knobs(admission=s.admission, dynamic=s.dynamic, scale=s.scale,
+                       lease=K.LeaseSettings(missed=s.lease_missed, rescue_grace_s=s.rescue_grace_s,
+                                             reconcile_interval_s=s.reconcile_interval_s,
+                                             orphan_after_s=s.orphan_after_s, model_memory_s=s.model_memory_s))
+
+    def apply_knobs(self) -> K.Knobs:
+        """The bucket's ``setting.*`` entries over the start settings, in force now; an entry that
+        is bad keeps what ran before for that knob (logged and counted, like a bad quota)."""
+        knobs, errors = K.resolve(self.base_knobs(), self.quota_entries, previous=self.knobs)
+        for err in errors:
+            self.metrics.bad_quota_entries.inc()
+            log.error("setting ignored, last good value kept: %s", err)
+        if knobs != self.knobs:
+            changed = {k: v for k, v in K.flat(knobs).items() if K.flat(self.knobs).get(k) != v}
+            log.info("settings in force: %s", ", ".join(f"{k}={v}" for k, v in sorted(changed.items())) or "-")
+        self.knobs = knobs
+        self.core.set_settings(knobs.admission)
+        self.dynamic.settings = knobs.dynamic
+        self.scale.settings = knobs.scale
+        self.leases.missed = knobs.lease.missed
+        return knobs
+
     def apply_quotas(self) -> None:
+        self.apply_knobs()
         quotas, errors = Quotas.from_kv(self.quota_entries, previous=self.core.quotas)
         for err in errors:
             self.metrics.bad_quota_entries.inc()
@@ -608,7 +636,7 @@ class AdmitterService(Repairs):
 
     async def _dynamic_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.dynamic.interval_s)
+            await asyncio.sleep(self.dynamic.settings.interval_s)
             self.update_dynamic_total()
 
     def update_dynamic_total(self) -> int:
@@ -666,7 +694,7 @@ class AdmitterService(Repairs):
 
     def refresh_served_models(self, now: float) -> None:
         """Forget workers silent for ``model_memory_s``; called with the gauges (every 0.1 s)."""
-        memory = self.settings.model_memory_s
+        memory = self.knobs.lease.model_memory_s
         for worker, (_, seen) in list(self.worker_models.items()):
             if now - seen > memory:
                 del self.worker_models[worker]

@@ -115,6 +115,23 @@ class KV:
                 raise ConflictError(f"{self.bucket}/{key} changed since revision {last}") from exc
             raise
 
+    async def history(self, keys: str = ">") -> list[tuple[str, bytes | None, int, str]]:
+        """Every stored revision of the keys matching ``keys`` (as many as the bucket's history
+        keeps per key), oldest first: (key, value or None when it is a delete, revision,
+        operation ``PUT`` / ``DEL`` / ``PURGE``). Empty when nothing matches. For rollbacks."""
+        from nats.js.errors import NoKeysError
+
+        kv = await self._handle()
+        try:
+            entries = await self.bus._read(lambda: kv.history(keys))
+        except NoKeysError:
+            return []
+        out = []
+        for e in entries:
+            op = e.operation or "PUT"
+            out.append((e.key, None if op in (KV_DELETE, KV_PURGE) else (e.value or b""), e.revision, op))
+        return sorted(out, key=lambda row: row[2])
+
     async def keys(self) -> list[str]:
         kv = await self._handle()
         try:

@@ -77,6 +77,11 @@ _BUCKETS: dict[str, tuple[int, float | None]] = {
 }
 
 
+def bucket_history(bucket: str) -> int:
+    """Revisions kept per key in ``bucket`` (what a rollback can reach)."""
+    return _BUCKETS[bucket][0]
+
+
 def stream_config(name: str, settings: ProvisionSettings) -> api.StreamConfig:
     subjects, retention = _STREAMS[name]
     limits = settings.limits[name]

@@ -38,7 +38,21 @@ def add_parsers(sub) -> None:
     qset.add_argument("--queue-limit", type=int, help="max queued requests of the class")
     qset.add_argument("--unknown-tenant", choices=["default", "reject"],
                       help="unknown tenants get the default quota, or are rejected")
+    qset.add_argument("--set", dest="settings", action="append", default=[], metavar="GROUP.NAME=VALUE",
+                      help="an admission / dynamic / scale / lease setting, live (JSON value, e.g. "
+                           "admission.aging_s=5, admission.calibrated_output=true; docs/operations.md)")
+    qset.add_argument("--unset", dest="unset", action="append", default=[], metavar="GROUP.NAME",
+                      help="drop a live setting: the admitters' start value applies again")
     qset.set_defaults(handler=cmd_quota)
+    qback = qt_sub.add_parser("rollback", help="undo the last quota edit, or restore the quotas of a revision",
+                              description="Write the quotas (and live settings) as they were at an earlier revision "
+                                          "of the bucket; default: before the last natsched quota set.")
+    url_flag(qback)
+    qback.add_argument("--to", type=int, default=None, metavar="REV", help="the revision to restore (quota history)")
+    qback.set_defaults(handler=cmd_quota)
+    qhist = qt_sub.add_parser("history", help="list the recorded quota edits with their revisions")
+    url_flag(qhist)
+    qhist.set_defaults(handler=cmd_quota)
 
 
 def cmd_quota(args) -> int:
@@ -147,6 +161,7 @@ def _edit_quotas(quotas, args):
 
 async def _quota(args) -> int:
     from natsched.admitter.errors import QuotaError
+    from natsched.errors import NatschedError
 
     bus = await connect(args)
     try:
@@ -154,32 +169,145 @@ async def _quota(args) -> int:
         quotas, errors, dynamic, entries = await _read_quotas(bus)
         for err in errors:
             print(f"natsched: warning: {err}", file=sys.stderr)
+        if args.action in ("rollback", "history"):
+            return await _rollback(bus, args)
         if args.action == "set":
             try:
                 new = _edit_quotas(quotas, args)
-            except (QuotaError, ValueError) as exc:
+                settings = _edit_settings(entries, args)
+            except (QuotaError, ValueError, NatschedError) as exc:
                 return fail(f"quota change refused, nothing written: {exc}")
-            return await _write(bus, quotas, new, entries)
-        return await _show(bus, quotas, dynamic, args.json)
+            code = await _write(bus, quotas, new, entries, bool(args.settings or args.unset))
+            changed = [f"{n}: {word(a)} -> {word(b)}" for n, a, b in quota_changes(quotas, new)]
+            changed += await _write_settings(bus, entries, settings)
+            if changed:
+                await _mark(bus, {"changes": changed})
+            return code
+        return await _show(bus, quotas, dynamic, args.json, entries)
     finally:
         await bus.close()
 
 
-async def _write(bus, old, new, entries) -> int:
+def _edit_settings(entries: dict[str, bytes], args) -> dict:
+    """The live settings after ``--set`` / ``--unset``, checked together (SettingsError, nothing
+    written, when any is bad): ``{"group.name": value}``."""
+    from natsched.admitter import knobs as K
+
+    current, errors = K.from_kv(entries)
+    for err in errors:
+        print(f"natsched: warning: {err}", file=sys.stderr)
+    new = dict(current)
+    for key in getattr(args, "unset", None) or []:
+        K.split(key)
+        if key not in new:
+            raise ValueError(f"--unset {key}: it is not set live")
+        del new[key]
+    for text in getattr(args, "settings", None) or []:
+        key, value = K.parse_assignment(text)
+        new[key] = value
+    K.apply(K.Knobs(), new)  # every value and their combination, before anything is written
+    return new
+
+
+async def _write_settings(bus, entries: dict[str, bytes], new: dict) -> None:
+    import orjson
+
+    from natsched.admitter import knobs as K
+
+    old, _ = K.from_kv(entries)
+    lines = []
+    for key in sorted(set(old) - set(new)):
+        await bus.kv(S.BUCKET_QUOTAS).delete(S.setting_key(*K.split(key)))
+        lines.append(f"setting {key}: {word(old[key])} -> unset (the admitters' start value)")
+    for key, value in sorted(new.items()):
+        if key not in old or old[key] != value:
+            await bus.kv(S.BUCKET_QUOTAS).put(S.setting_key(*K.split(key)), orjson.dumps(value))
+            lines.append(f"setting {key}: {word(old.get(key), UNSET)} -> {word(value)}")
+    for line in lines:
+        print(line)
+    return lines
+
+
+async def _mark(bus, what: dict) -> int:
+    """The ``change`` marker, written last: what ``quota rollback`` undoes one edit by."""
+    import time
+
+    import orjson
+
+    return await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_QUOTA_CHANGE, orjson.dumps({"ts": time.time(), "by": "cli",
+                                                                                **what}))
+
+
+async def _rollback(bus, args) -> int:
+    import time
+
+    import orjson
+
+    from natsched.bus.provision import bucket_history
+    from natsched.ops.rollback import quota_plan, quota_target
+
+    kv = bus.kv(S.BUCKET_QUOTAS)
+    rows = await kv.history()
+    if args.action == "history":
+        marks = [(rev, orjson.loads(v)) for k, v, rev, _ in rows if k == S.KEY_QUOTA_CHANGE and v is not None]
+        if not marks:
+            print("no quota edit recorded")
+        for rev, mark in marks:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mark.get("ts", 0)))
+            what = ("rollback to revision " + str(mark["rollback_to"]) if "rollback_to" in mark
+                    else "; ".join(mark.get("changes") or []))
+            print(f"{rev:>6}  {when}  {what}")
+        return 0
+    plan = quota_plan(rows, quota_target(rows, args.to), bucket_history(S.BUCKET_QUOTAS))
+    latest = {k: v for k, v, _, _ in rows}  # the last row of each key wins
+    current = {k: v for k, v in latest.items()
+               if v is not None and k not in (S.KEY_DYNAMIC_TOTAL, S.KEY_QUOTA_CHANGE)}
+    after = {k: v for k, v in current.items() if k not in plan.delete} | plan.put
+    quotas_now, _ = _quotas(current)
+    quotas_then, problems = _quotas(after)
+    if problems:
+        raise ValueError(f"the quotas of revision {plan.target} would not apply cleanly: {'; '.join(problems)}")
+    for key, value in sorted(plan.put.items()):
+        await kv.put(key, value)
+    for key in plan.delete:
+        await kv.delete(key)
+    changes = [f"{n}: {word(a)} -> {word(b)}" for n, a, b in quota_changes(quotas_now, quotas_then)]
+    for key in sorted(set(plan.put) | set(plan.delete)):
+        if key.startswith(S.SETTING_PREFIX):
+            was, now = current.get(key), after.get(key)
+            changes.append(f"setting {key[len(S.SETTING_PREFIX):]}: {word(orjson.loads(was)) if was else UNSET} -> "
+                           f"{word(orjson.loads(now)) if now else UNSET}")
+    await _mark(bus, {"rollback_to": plan.target})
+    print(f"quotas rolled back to revision {plan.target}" + ("" if changes else " (nothing differed)"))
+    for line in changes:
+        print(line)
+    return 0
+
+
+def _quotas(entries: dict[str, bytes]):
+    from natsched.admitter.quotas import Quotas
+
+    return Quotas.from_kv(entries)
+
+
+async def _write(bus, old, new, entries, settings_edited: bool = False) -> int:
     for key, value in new.to_kv().items():
         if entries.get(key) != value:
             await bus.kv(S.BUCKET_QUOTAS).put(key, value)
     changes = quota_changes(old, new)
-    if not changes:
+    if not changes and not settings_edited:
         print("quotas unchanged")
     for name, was, now in changes:
         print(f"{name}: {word(was)} -> {word(now)}")
     return 0
 
 
-async def _show(bus, quotas, dynamic, as_json: bool) -> int:
+async def _show(bus, quotas, dynamic, as_json: bool, entries: dict | None = None) -> int:
     import orjson
 
+    from natsched.admitter import knobs as K
+
+    live, _ = K.from_kv(entries or {})
     usage = await _read_usage(bus)
     credit = usage.credit_by_tenant() if usage else {}
     view = {"total": quotas.total, "hard_cap": quotas.hard_cap, "dynamic_total": dynamic,
@@ -188,7 +316,7 @@ async def _show(bus, quotas, dynamic, as_json: bool) -> int:
                                         "credit": credit.get(t, 0)}
                         for t, q in sorted(quotas.tenants.items())},
             "models": dict(quotas.models), "queue_limits": dict(quotas.queue_limits),
-            "used": usage.used if usage else None, "credit": sum(credit.values())}
+            "used": usage.used if usage else None, "credit": sum(credit.values()), "settings": live}
     if as_json:
         print(orjson.dumps(view).decode())
         return 0
@@ -201,4 +329,5 @@ async def _show(bus, quotas, dynamic, as_json: bool) -> int:
               f"{word(t['used'], 'unknown'):>12}{t['credit']:>12}")
     print(f"unknown tenants: {quotas.unknown_tenant}; models: {word(view['models'])}; "
           f"queue limits: {word(view['queue_limits'])}")
+    print(f"settings set live: {word(live) if live else 'none'}")
     return 0

@@ -22,6 +22,15 @@ def add_parsers(sub) -> None:
     rset.add_argument("--canary-share", type=float, default=0.0, help="share of requests for the canary (0..1)")
     rset.add_argument("--json", action="store_true", help="print the config written as JSON")
     rset.set_defaults(handler=cmd_route)
+    rback = ro_sub.add_parser("rollback", help="restore an earlier routing config from the bucket's history",
+                              description="Write an earlier revision of the routing config again (the routers "
+                                          "apply it within a second). Default: the revision before the current.")
+    url_flag(rback)
+    rback.add_argument("--to", type=int, default=None, metavar="REV", help="the revision to restore (route history)")
+    rback.set_defaults(handler=cmd_route)
+    rhist = ro_sub.add_parser("history", help="list the routing configs the bucket keeps, with revisions")
+    url_flag(rhist)
+    rhist.set_defaults(handler=cmd_route)
 
 
 def cmd_route(args) -> int:
@@ -54,6 +63,8 @@ async def _route(args) -> int:
     bus = await connect(args)
     try:
         await bus.provision()
+        if args.action in ("rollback", "history"):
+            return await _route_history(bus, args)
         if args.action == "set":
             await bus.kv(S.BUCKET_CONFIG).put(S.KEY_ROUTER_CONFIG, orjson.dumps(config))
             print(orjson.dumps(config).decode() if args.json else f"routing config set: {describe(config)}")
@@ -66,3 +77,22 @@ async def _route(args) -> int:
         return 0
     finally:
         await bus.close()
+
+
+async def _route_history(bus, args) -> int:
+    import orjson
+
+    from natsched.ops.rollback import route_target
+
+    kv = bus.kv(S.BUCKET_CONFIG)
+    rows = await kv.history(S.KEY_ROUTER_CONFIG)
+    if args.action == "history":
+        if not rows:
+            print("no routing config was ever set (routers use their --policy)")
+        for _key, value, rev, op in rows:
+            print(f"{rev:>6}  {describe(orjson.loads(value)) if value is not None else op.lower()}")
+        return 0
+    rev, value = route_target(rows, args.to)
+    written = await kv.put(S.KEY_ROUTER_CONFIG, value)
+    print(f"routing config rolled back to revision {rev} (now revision {written}): {describe(orjson.loads(value))}")
+    return 0

@@ -24,6 +24,17 @@ def add_parsers(sub) -> None:
     _worker_parser(sub)
 
 
+SET_HELP = ("an admission / dynamic / scale / lease setting at start (JSON value, e.g. admission.aging_s=5); "
+            "the quotas bucket's live settings (natsched quota set --set) win over it; docs/operations.md")
+
+
+def start_knobs(assignments: list[str]):
+    """``--set`` flags as settings (SettingsError naming the bad one, before anything starts)."""
+    from natsched.admitter import knobs as K
+
+    return K.apply(K.Knobs(), dict(K.parse_assignment(a) for a in assignments))
+
+
 def _up_parser(sub) -> None:
     up = sub.add_parser("up", help="run nats-server (embedded unless --nats-url), admitter, router and N workers",
                         description="Start the whole system in the foreground; Ctrl-C or SIGTERM stops it cleanly.")
@@ -52,6 +63,8 @@ def _up_parser(sub) -> None:
     up.add_argument("--auth-dir", type=Path, default=None, metavar="DIR",
                     help="a directory written by natsched auth init: the embedded server enforces its "
                          "permissions and every component connects with its own role's credentials")
+    up.add_argument("--set", dest="settings", action="append", default=[], metavar="GROUP.NAME=VALUE",
+                    help=SET_HELP + " (passed to every admitter)")
     up.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                     help="Prometheus metrics on PORT and the next ones: admitters, routers, workers, gateway, "
                          "in that order (each ready line names its port)")
@@ -72,6 +85,8 @@ def _admitter_parser(sub) -> None:
                           "the workers' WORK subjects (ADMITTED only when no worker can take a request now)")
     adm.add_argument("--policy", default="natsched", help="with --route: routing policy (default natsched)")
     adm.add_argument("--block-size", type=int, default=32, help="with --route: prefix block size (default 32)")
+    adm.add_argument("--set", dest="settings", action="append", default=[], metavar="GROUP.NAME=VALUE",
+                     help=SET_HELP)
     adm.set_defaults(handler=cmd_admitter)
 
 
@@ -155,7 +170,11 @@ def up_settings(args):
 
     if args.workers < 0 or args.admitters < 1:
         raise ValueError("--admitters must be >= 1, --workers >= 0")
-    return UpSettings(workers=args.workers, admitters=args.admitters, inline_routing=args.inline_routing,
+    try:
+        start_knobs(args.settings)  # a bad --set fails here, not in every admitter
+    except ValueError as exc:
+        raise ValueError(f"--set refused: {exc}") from None
+    return UpSettings(admitter_settings=list(args.settings), workers=args.workers, admitters=args.admitters, inline_routing=args.inline_routing,
                       credit=not args.no_credit,
                       routers=router_count(args.routers, args.inline_routing), engine=args.engine,
                       nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, policy=args.policy,
@@ -235,6 +254,11 @@ def cmd_admitter(args) -> int:
     from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
     from natsched.hosting.runtime import serve
 
+    try:
+        knobs = start_knobs(args.settings)
+    except ValueError as exc:  # SettingsError: the bad knob named, nothing started
+        return fail(f"--set refused: {exc}")
+
     async def start(bus):
         metrics, router = AdmitterMetrics(), None
         if args.route:  # inline routing: a router on this connection, its metrics beside ours
@@ -246,8 +270,12 @@ def cmd_admitter(args) -> int:
                 name=args.name, core=RouterSettings(policy=args.policy, block_size=args.block_size)),
                 RouterMetrics(metrics.registry))
         nonlocal service
+        lease = knobs.lease
         service = AdmitterService(bus, AdmitterServiceSettings(
-            name=args.name, metrics_port=args.metrics_port, credit=CreditSettings(enabled=not args.no_credit)),
+            name=args.name, metrics_port=args.metrics_port, credit=CreditSettings(enabled=not args.no_credit),
+            admission=knobs.admission, dynamic=knobs.dynamic, scale=knobs.scale, lease_missed=lease.missed,
+            rescue_grace_s=lease.rescue_grace_s, reconcile_interval_s=lease.reconcile_interval_s,
+            orphan_after_s=lease.orphan_after_s, model_memory_s=lease.model_memory_s),
             metrics, router=router)
         await service.start()
         return f"total={service.total}" + (f" routing={router.core.policy.name}" if router else "")

@@ -72,6 +72,7 @@ class UpSettings:
     offline: bool = True  # also run the offline runner
     auth_dir: Path | None = None  # from natsched auth init: the server runs its config, each child its role
     log_dir: Path | None = None  # children's stderr to <log_dir>/<name>.log; None: this process's stderr
+    admitter_settings: list[str] = field(default_factory=list)  # --set GROUP.NAME=VALUE for every admitter
     metrics_port: int | None = None  # Prometheus on this port and the next ones: admitters, routers, workers, gateway
 
     def __post_init__(self) -> None:
@@ -121,6 +122,7 @@ class Supervisor:
             # inline routing: the scheduler role, an admitter's and a router's permissions together
             route = ["--route", "--policy", self.s.policy] if self.s.inline_routing else []
             route += [] if self.s.credit else ["--no-credit"]
+            route += [f"--set={a}" for a in self.s.admitter_settings]
             kids.append(Child(name, self._cmd("admitter", *common, "--name", name, *route),
                               user="scheduler" if self.s.inline_routing else "admitter"))
         for i in range(1, self.s.routers + 1):

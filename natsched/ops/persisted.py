@@ -44,6 +44,11 @@ async def persisted_notes(bus) -> list[str]:
         if changed:
             what = "; ".join(f"{name} {word(now)}" for name, _was, now in changed)
             notes.append(f"quotas set earlier apply: {what} (natsched quota show / quota rollback)")
+        from natsched.admitter.knobs import from_kv
+
+        live, _ = from_kv(entries)
+        if live:
+            notes.append(f"settings set live earlier apply: {word(live)} (natsched quota show / quota set --unset)")
     route = await bus.kv(S.BUCKET_CONFIG).get(S.KEY_ROUTER_CONFIG)
     if route is not None:
         try:

@@ -79,6 +79,18 @@ KEY_DYNAMIC_TOTAL = "cluster.dynamic_total"
 
 #: key in ``config`` holding the routing policy, its weights and the canary (JSON)
 KEY_ROUTER_CONFIG = "router"
+#: key in ``quotas`` written last by every ``natsched quota set`` / ``rollback``: what changed (JSON),
+#: so ``natsched quota rollback`` can undo one edit of several keys
+KEY_QUOTA_CHANGE = "change"
+#: keys in ``quotas`` holding admission settings set live (``natsched.admitter.knobs``)
+SETTING_PREFIX = "setting."
+
+
+def setting_key(group: str, name: str) -> str:
+    """A live admission setting in ``quotas``: ``setting.<group>.<name>`` (JSON value)."""
+    return f"{SETTING_PREFIX}{token(group, 'setting group')}.{token(name, 'setting name')}"
+
+
 #: key in ``config`` holding the latest scaling signal (a ScaleEvent, msgpack), for ``natsched status``
 KEY_SCALE = "scale"
 
@@ -230,6 +242,7 @@ PATTERNS = {
     "bench_reply": "bench.resp.<run>",
     "calibration_key": "capacity.<model>.<deployment>",
     "scale": "scale.<kind>",
+    "setting_key": "setting.<group>.<name>",
 }
 
 

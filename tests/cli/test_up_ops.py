@@ -38,7 +38,7 @@ def test_up_announces_quotas_and_a_canary_left_in_the_data_dir(tmp_path):
     first = Up(tmp_path, port)
     try:
         assert not any(l.startswith("note:") for l in first.lines)  # a fresh data dir: nothing to say
-        first.cli("quota", "set", "--total", "4242")
+        first.cli("quota", "set", "--total", "4242", "--set", "admission.aging_s=3")
         first.cli("route", "set", "--policy", "natsched", "--canary", "least_loaded", "--canary-share", "0.1")
     finally:
         assert first.stop() == 0
@@ -46,6 +46,7 @@ def test_up_announces_quotas_and_a_canary_left_in_the_data_dir(tmp_path):
     try:
         notes = [l for l in second.lines if l.startswith("note:")]
         assert any("quotas set earlier apply: total 4242" in l for l in notes), notes
+        assert any("settings set live earlier apply: admission.aging_s=3" in l for l in notes), notes
         assert any("a route canary is live: policy natsched; canary least_loaded on 10% of requests" in l
                    for l in notes), notes
     finally:
