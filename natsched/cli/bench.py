@@ -88,7 +88,27 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     ss.set_defaults(handler=_cmd_shared)
     add_scale_parser(bsub)
+    cd = bsub.add_parser("codec", help="decode-and-validate cost per message: natsched's validator vs msgspec",
+                         description="Time decoding and validating the same encoded messages with natsched's "
+                                     "schema engine and with msgspec's typed decoder; both refuse the same "
+                                     "malformed inputs (checked first).")
+    cd.add_argument("--n", type=positive_int, default=20_000, help="decodes per round (default 20000)")
+    cd.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+    cd.set_defaults(handler=_cmd_codec)
     return bench
+
+
+def _cmd_codec(args) -> int:
+    from natsched.bench.codec import codec_table, refusals, run_codec_benchmark
+
+    differ = [name for name, (ours, theirs) in refusals().items() if not (ours and theirs)]
+    if differ:
+        return _fail(f"the contenders do not refuse the same input: {', '.join(differ)}")
+    rows = run_codec_benchmark(args.n)
+    print(codec_table(rows))
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
+    return 0
 
 
 def add_scale_parser(bsub) -> None:
