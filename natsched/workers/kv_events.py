@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 Delta = tuple[str, list[BlockHash]]
 
 #: positional field order of events in vLLM versions that encoded them as arrays
-_ARRAY_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+_ARRAY_FIELDS = {  # vLLM's older encoding, and SGLang's (python/sglang/srt/disaggregation/kv_events.py)
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
@@ -161,8 +161,9 @@ class KvTranslator:
             # partial/null blocks or another block size: these tokens cannot be cut into our chain
             self.counters.unmappable += 1
             return
-        if parent is None:
-            our_parent = self.root
+        if parent is None:  # a LoRA adapter's blocks chain from its own name, as its requests do
+            lora = ev.get("lora_name")
+            our_parent = root_hash(lora) if isinstance(lora, str) and lora else self.root
         else:
             entry = self._by_vllm.get(parent)
             if entry is None:
@@ -372,6 +373,7 @@ class KvEventSubscriber:
         host: str = "127.0.0.1",
         port: int = 0,
         topic: str = "",
+        connect: str | None = None,
     ) -> None:
         self.translator = translator
         self.emit = emit
@@ -379,6 +381,7 @@ class KvEventSubscriber:
         self.host = host
         self.port = port
         self.topic = topic.encode()
+        self.connect = connect  # a publisher that binds (``vllm serve``'s ``tcp://*:PORT``): we connect to it
         self.endpoint: str | None = None
         self._ctx: Any = None
         self._sock: Any = None
@@ -390,7 +393,8 @@ class KvEventSubscriber:
         return self.translator.counters
 
     def bind(self) -> str:
-        """Bind the SUB socket; returns the endpoint vLLM's publisher must *connect* to."""
+        """Bind the SUB socket (or connect it, given ``connect``); returns the endpoint vLLM's
+        publisher must *connect* to (or the one we connected to)."""
         import zmq
         import zmq.asyncio
 
@@ -399,6 +403,10 @@ class KvEventSubscriber:
         self._sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if self.connect:
+            self._sock.connect(self.connect)  # ZMQ reconnects by itself when the server restarts
+            self.endpoint = self.connect
+            return self.endpoint
         if self.port:
             self._sock.bind(f"tcp://{self.host}:{self.port}")
         else:
