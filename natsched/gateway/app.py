@@ -183,7 +183,7 @@ async def models(request: Request) -> Any:
         gw.keys.authenticate(request.headers.get("authorization"))
     except ApiError as err:
         return _failed(gw, err)
-    return JSON(P.models_body(gw.models()))
+    return JSON(P.models_body(gw.models(), cards=gw.model_cards()))
 
 
 async def healthz(request: Request) -> Any:
