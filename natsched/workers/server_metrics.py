@@ -87,13 +87,14 @@ def parse_metrics(text: str, flavor: str = "vllm") -> ServerLoad:
     best: dict[str, float] = {}
     try:
         for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name.endswith(("_created", "_bucket", "_sum", "_count")) and s.name != fam.name:
+            for s in fam.samples:  # by sample name: a counter's ``X_total`` counts as ``X``
+                if s.name.endswith(("_created", "_bucket", "_sum", "_count")):
                     continue
-                sums[fam.name] = sums.get(fam.name, 0.0) + float(s.value)
-                labels.setdefault(fam.name, []).append(dict(s.labels))
-                if float(s.value) > best.get(fam.name, float("-inf")):
-                    best[fam.name], latest[fam.name] = float(s.value), dict(s.labels)
+                name = s.name[:-6] if s.name.endswith("_total") else s.name
+                sums[name] = sums.get(name, 0.0) + float(s.value)
+                labels.setdefault(name, []).append(dict(s.labels))
+                if float(s.value) > best.get(name, float("-inf")):
+                    best[name], latest[name] = float(s.value), dict(s.labels)
     except Exception as exc:  # the parser raises ValueError/TypeError/IndexError on garbage
         raise MetricsError(f"not Prometheus text: {type(exc).__name__}: {exc}") from None
     missing = [n for n in (names.running, names.waiting, names.kv_usage) if n not in sums]
