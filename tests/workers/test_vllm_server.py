@@ -259,3 +259,22 @@ async def test_a_killed_server_sends_its_agent_away_and_a_restart_is_relearned(s
     assert res.worker == w
     hashes = request_block_hashes(make_request("t5", prompt_token_ids=prefix, model=MODEL), 32)[:3]
     assert await wait_for(lambda: set(hashes) <= watch.cache.get(w, set()), timeout=15)
+
+
+async def test_the_servers_chat_template_runs_on_the_tiny_tokenizer(system):
+    """The tiny model's tokenizer ships a chat template: vllm serve renders chats with it (the
+    official openai SDK, straight to the server)."""
+    from openai import AsyncOpenAI
+
+    srv = system.servers["s1"]
+    api = AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+    try:
+        chat = await api.chat.completions.create(
+            model=MODEL, max_tokens=4, extra_body={"ignore_eos": True},
+            messages=[{"role": "system", "content": "You route requests."},
+                      {"role": "user", "content": "Which worker holds the cache?"}])
+    finally:
+        await api.close()
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+    # <s> <|system|> \n ... </s> \n <|user|> ...: the template's tokens, counted by the server
+    assert chat.usage.prompt_tokens > 12
