@@ -70,6 +70,10 @@ class VllmServe:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def replay_endpoint(self) -> str | None:
+        return None if self.replay_port is None else f"tcp://{self.host}:{self.replay_port}"
+
+    @property
     def kv_endpoint(self) -> str | None:
         return None if self.kv_port is None else f"tcp://{self.host}:{self.kv_port}"
 

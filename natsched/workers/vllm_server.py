@@ -10,7 +10,8 @@ tensor/pipeline parallelism, quantisation, LoRA); this engine fronts one of them
   ``return_token_ids`` the token ids of each increment and of the prompt. **Cancel** = closing
   the HTTP stream: vLLM aborts a request whose client went away.
 - **cache summaries** come from the server's own KV events (``--kv-events-config`` with the ZMQ
-  publisher bound on ``tcp://*:PORT``; we connect): the same :class:`~natsched.workers.kv_events.KvTranslator`
+  publisher bound on ``tcp://*:PORT``; we connect; with its replay socket, batches we missed —
+  before we connected, or in a gap — are fetched again first): the same :class:`~natsched.workers.kv_events.KvTranslator`
   as the in-process engine turns them into natsched hashes. A text prompt's text hashes are
   attached to its token blocks from the prompt token ids the server returns (no character
   offsets over HTTP: the proportional estimate of :mod:`natsched.workers.textmap`).
@@ -70,6 +71,7 @@ class ServerSettings:
 
     url: str  # http://HOST:PORT of the OpenAI-compatible server
     kv_events: str | None = None  # tcp://HOST:PORT its ZMQ publisher binds (None: no cache summaries)
+    kv_replay: str | None = None  # tcp://HOST:PORT of its replay socket: lost batches are asked for again
     metrics_url: str | None = None  # default: <url>/metrics
     flavor: str = "vllm"  # vllm | sglang
     model: str | None = None  # the served model name to announce as this worker's; default: the first base model
@@ -126,7 +128,8 @@ class ServerEngine:
     def from_args(cls, args: Any) -> "ServerEngine":
         model = getattr(args, "model", None)
         return cls(ServerSettings(
-            url=args.url, kv_events=getattr(args, "kv_events", None), metrics_url=getattr(args, "metrics_url", None),
+            url=args.url, kv_events=getattr(args, "kv_events", None), kv_replay=getattr(args, "kv_replay", None),
+            metrics_url=getattr(args, "metrics_url", None),
             flavor=getattr(args, "flavor", None) or "vllm", model=None if model in (None, "default") else model,
             block_size=getattr(args, "server_block_size", None), scrape_interval_s=getattr(args, "heartbeat", 1.0),
             ignore_eos=bool(getattr(args, "ignore_eos", False)), api_key=getattr(args, "api_key", None),
@@ -140,7 +143,8 @@ class ServerEngine:
         self.translator = KvTranslator(self.model, self.block_size,
                                        max_entries=2 * max(1, self.kv_total_blocks) + 1024)
         if self.settings.kv_events:
-            self._sub = KvEventSubscriber(self.translator, self._emit, self._resync, connect=self.settings.kv_events)
+            self._sub = KvEventSubscriber(self.translator, self._emit, self._resync, connect=self.settings.kv_events,
+                                          replay=self.settings.kv_replay)
             self._sub.bind()
             self._sub.start()
         self._scraper = asyncio.create_task(self._scrape_loop(), name="server-scrape")

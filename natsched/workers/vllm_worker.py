@@ -46,6 +46,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                    help="vllm-server: the server's ZMQ KV-event endpoint, tcp://HOST:PORT (vllm serve "
                         "--kv-events-config with endpoint tcp://*:PORT); without it no cache summaries")
+    p.add_argument("--kv-replay", default=None, metavar="ENDPOINT",
+                   help="vllm-server: its KV-event replay socket (replay_endpoint), tcp://HOST:PORT: batches "
+                        "missed before connecting or in a gap are fetched again")
     p.add_argument("--metrics-url", default=None, help="vllm-server: its Prometheus page (default URL/metrics)")
     p.add_argument("--flavor", choices=["vllm", "sglang"], default="vllm", help="vllm-server: the server's kind")
     p.add_argument("--api-key", default=None, help="vllm-server: the server's --api-key")

@@ -28,6 +28,7 @@ from natsched.wire import subjects as S
 from natsched.wire.blocks import request_block_hashes
 from natsched.wire.schema import CacheEvent, Control, Heartbeat
 from natsched.workers.agent import WorkerAgent, WorkerSettings
+from natsched.workers.engine import EngineRequest
 from natsched.workers.server_metrics import parse_metrics
 from natsched.workers.tiny_model import write_tiny_model
 from natsched.workers.vllm_serve import VllmServe
@@ -97,8 +98,8 @@ async def system(nats_url, tmp_path_factory):
                                RouterServiceSettings(core=RouterSettings(policy="natsched", block_size=32)))
         await router.start()
         for w, srv in servers.items():
-            engine = ServerEngine(ServerSettings(url=srv.url, kv_events=srv.kv_endpoint, ignore_eos=True,
-                                                 scrape_interval_s=0.3))
+            engine = ServerEngine(ServerSettings(url=srv.url, kv_events=srv.kv_endpoint, kv_replay=srv.replay_endpoint,
+                                                 ignore_eos=True, scrape_interval_s=0.3))
             await engine.discover()
             agent = WorkerAgent(await connect(w), engine, WorkerSettings(
                 id=w, model=engine.model, concurrency=4, heartbeat_interval_s=0.3, unreachable_leave_s=1.5))
@@ -189,6 +190,25 @@ async def test_repeated_long_prefix_lands_on_its_holder_with_the_servers_cached_
         assert res.cached_tokens >= 7 * 32  # as the server's own usage says (prompt_tokens_details)
     other = next(w for w in WORKERS if w != first.worker)
     assert not set(prefix_hashes) & watch.cache.get(other, set())
+
+
+async def test_a_reader_that_connects_late_learns_the_servers_cache_from_its_replay_socket(system):
+    srv = system.servers["s1"]
+    prefix = [1] + [500 + i for i in range(95)]  # 3 blocks, served before the late reader exists
+    async with only(system, "s1"):
+        await system.client.submit(make_request("t6", prompt_token_ids=prefix, model=MODEL, max_tokens=2))
+    late = ServerEngine(ServerSettings(url=srv.url, kv_events=srv.kv_endpoint, kv_replay=srv.replay_endpoint,
+                                       ignore_eos=True))
+    await late.start()
+    try:
+        outs = [o async for o in late.generate(EngineRequest(  # a new batch of events: the late reader joins
+            id="late-1", prompt_tokens=64, hashes=[], max_tokens=1, prompt_token_ids=[1] + [700 + i for i in range(63)]))]
+        assert outs[-1].error is None
+        hashes = request_block_hashes(make_request("t6", prompt_token_ids=prefix, model=MODEL), 32)[:2]
+        assert await wait_for(lambda: set(hashes) <= set(late.cached_hashes()), timeout=20)
+        assert late._sub.replayed > 0
+    finally:
+        await late.stop()
 
 
 async def test_a_text_prefix_is_announced_under_the_routers_text_hashes(system):
