@@ -18,8 +18,9 @@ tensor/pipeline parallelism, quantisation, LoRA); this engine fronts one of them
 - **load** comes from the server's ``/metrics`` (:mod:`natsched.workers.server_metrics`), scraped
   every ``scrape_interval_s`` and smoothed over ``stats_window_s`` (the same window as vLLM's
   in-process stats).
-- **models** come from ``GET /v1/models``: base models, LoRA adapters (``parent`` set) and
-  ``max_model_len``, announced in heartbeats (:class:`~natsched.wire.schema.ServedModel`).
+- **models** come from ``GET /v1/models`` (again every ``models_every_s``: adapters can be loaded
+  at run time): base models, LoRA adapters (``parent`` set) and ``max_model_len``, announced in
+  heartbeats (:class:`~natsched.wire.schema.ServedModel`).
 
 Two things the agent learns from it, for its state (:mod:`natsched.workers.agent`):
 
@@ -78,6 +79,7 @@ class ServerSettings:
     block_size: int | None = None  # default: the server's (vllm:cache_config_info), else 32
     scrape_interval_s: float = 1.0  # the agent sets its heartbeat period
     stats_window_s: float = 2.0
+    models_every_s: float = 10.0  # /v1/models again (adapters loaded or unloaded at run time)
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 300.0  # between two chunks of a stream (a queued prefill may be slow)
     start_timeout_s: float = 30.0  # how long start() waits for the server to answer
@@ -257,12 +259,16 @@ class ServerEngine:
     async def _scrape_loop(self) -> None:
         import httpx
 
+        models_at = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.scrape_interval_s)
             self.scrapes += 1
             try:
                 load = await self._scrape()
-            except (httpx.HTTPError, MetricsError) as exc:
+                if time.monotonic() - models_at >= self.settings.models_every_s:
+                    models_at = time.monotonic()
+                    await self._refresh_models()
+            except (httpx.HTTPError, MetricsError, ValueError) as exc:
                 self.scrape_failures += 1
                 self._failed(f"/metrics: {type(exc).__name__}: {exc}")
                 continue

@@ -375,3 +375,20 @@ def test_a_lora_adapters_blocks_chain_from_its_own_name():
                               "token_ids": tokens, "block_size": 32, "lora_id": 1, "lora_name": "sql-lora",
                               "medium": "GPU"}])
     assert deltas == [("stored", token_block_hashes(tokens, 32, root_hash("sql-lora")))]
+
+
+async def test_adapters_loaded_at_run_time_are_announced():
+    fake = Fake()
+    async with fake_server(fake) as (url, _), engine_for(url, models_every_s=0.1) as eng:
+        assert [m.id for m in eng.served_models()] == ["tiny", "sql-lora"]
+        MODELS["data"].append({"id": "chat-lora", "object": "model", "created": 1, "owned_by": "vllm",
+                               "root": "/adapters/chat", "parent": "tiny", "max_model_len": None})
+        try:
+            for _ in range(200):
+                if len(eng.served_models()) == 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert [m.id for m in eng.served_models()] == ["tiny", "sql-lora", "chat-lora"]
+            assert eng.model == "tiny"  # the worker's own model stays
+        finally:
+            MODELS["data"].pop()
