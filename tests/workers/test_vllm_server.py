@@ -34,7 +34,7 @@ from natsched.workers.tiny_model import write_tiny_model
 from natsched.workers.vllm_serve import VllmServe
 from natsched.workers.vllm_server import ServerEngine, ServerSettings
 from tests.conftest import wipe
-from tests.factories.core import wait_for
+from tests.factories.core import submit_shared_prefix, wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -176,13 +176,8 @@ async def test_text_and_token_prompts_stream_back(system):
 async def test_repeated_long_prefix_lands_on_its_holder_with_the_servers_cached_tokens(system):
     client, watch = system.client, system.watch
     prefix = [1] + [7 + (i * 13) % 1000 for i in range(255)]  # 8 blocks of 32 tokens
-    results = []
-    for n in range(4):
-        tail = [11 + ((n + 1) * 97 + i) % 1000 for i in range(16)]
-        req = make_request("t2", prompt_token_ids=prefix + tail, model=MODEL, max_tokens=3)
-        results.append((req, await client.submit(req)))
+    results = await submit_shared_prefix(client, "t2", prefix, model=MODEL)
     first_req, first = results[0]
-    assert first.status == "completed" and first.cached_tokens == 0
     prefix_hashes = request_block_hashes(first_req, 32)[:8]
     assert await wait_for(lambda: set(prefix_hashes) <= watch.cache.get(first.worker, set()), timeout=10)
     for _, res in results[1:]:
