@@ -293,3 +293,32 @@ async def test_the_servers_chat_template_runs_on_the_tiny_tokenizer(system):
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
     # <s> <|system|> \n ... </s> \n <|user|> ...: the template's tokens, counted by the server
     assert chat.usage.prompt_tokens > 12
+
+
+async def test_the_gateway_lists_the_servers_models_with_vllms_fields_and_serves_through_them(system, nats_url):
+    """The OpenAI SDK against the gateway in front of the agents: vLLM's model entry fields, a
+    chat completion rendered by the gateway and run on a real vllm serve, and /health."""
+    from openai import AsyncOpenAI
+
+    from tests.factories.gateway import ALPHA, start_gateway
+
+    gw = await start_gateway(nats_url)
+    try:
+        await gw.wait_for_workers(len(WORKERS))
+        async with httpx.AsyncClient() as http:
+            raw = (await http.get(f"{gw.url}/v1/models", headers={"authorization": f"Bearer {ALPHA}"})).json()
+            assert (await http.get(f"{gw.url}/health")).status_code == 200
+        (entry,) = raw["data"]
+        assert {k: entry[k] for k in ("id", "object", "owned_by", "parent", "max_model_len")} == \
+            {"id": MODEL, "object": "model", "owned_by": "vllm", "parent": None, "max_model_len": 1024}
+        assert entry["root"] and entry["created"] > 0
+        api = AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=ALPHA, max_retries=0)
+        try:
+            chat = await api.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+                {"role": "user", "content": "which worker holds the prefix?"}])
+        finally:
+            await api.close()
+        assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+        assert chat.system_fingerprint in WORKERS
+    finally:
+        await gw.close()

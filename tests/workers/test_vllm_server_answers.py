@@ -392,3 +392,30 @@ async def test_adapters_loaded_at_run_time_are_announced():
             assert eng.model == "tiny"  # the worker's own model stays
         finally:
             MODELS["data"].pop()
+
+
+def _frames(seq: int, events) -> list[bytes]:
+    return [b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([0.0, events])]
+
+
+def _stored(h, parent, tokens):
+    return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": 32, "lora_id": None, "medium": "GPU"}
+
+
+@pytest.mark.parametrize("second", ["gap", "restart", "cleared"])
+async def test_lost_events_a_restarted_sequence_or_a_cleared_cache_void_the_view_in_a_new_epoch(second):
+    fake = Fake()
+    async with fake_server(fake) as (url, _), \
+            engine_for(url, kv_events=f"tcp://127.0.0.1:{free_port()}") as eng:  # nothing publishes there
+        seen: list[str] = []
+        eng.set_cache_listener(lambda kind, hashes: seen.append(kind))
+        eng._sub.handle_frames(_frames(4, [_stored(1, None, list(range(32)))]))
+        assert eng.cached_hashes() and seen == ["stored"]
+        epoch = eng.epoch
+        await asyncio.sleep(0.01)
+        frames = {"gap": _frames(9, []), "restart": _frames(0, []),
+                  "cleared": _frames(5, [{"type": "AllBlocksCleared"}])}[second]
+        eng._sub.handle_frames(frames)
+        assert eng.cached_hashes() == [] and "cleared" in seen
+        assert eng.epoch > epoch  # the agent re-registers the worker with the router
