@@ -103,6 +103,8 @@ class ServerEngine:
     deployment = None  # a server's capacity is its own KV size (no calibration key of ours)
 
     def __init__(self, settings: ServerSettings) -> None:
+        for name in ("httpx", "httpcore"):  # a line per HTTP call is noise: the agent logs each request's states
+            logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
         self.settings = settings
         self.block_size = settings.block_size or 32
         self.model = settings.model or ""
