@@ -55,7 +55,8 @@ from typing import Any, AsyncIterator
 import orjson
 
 from natsched.wire.blocks import root_hash, token_block_hashes
-from natsched.wire.schema import BlockHash, ServedModel
+from natsched.wire.ids import BlockHash
+from natsched.wire.schema import ServedModel
 from natsched.workers.engine import CacheListener, EngineOutput, EngineRequest, EngineStats
 from natsched.workers.errors import EngineStartError
 from natsched.workers.kv_events import KvEventSubscriber, KvTranslator

@@ -241,6 +241,10 @@ async def test_batches_published_before_we_connected_are_replayed_from_vllms_own
     try:
         pub.publish(batch(1, None, [1, 2, 3, 4]))  # nobody listens yet: only the replay buffer keeps these
         pub.publish(batch(2, 1, [5, 6, 7, 8]))
+        for _ in range(500):  # its thread has sent them (into no socket) and buffered them for replay
+            if len(pub._buffer) >= 2:
+                break
+            await asyncio.sleep(0.01)
         sub.bind()
         sub.start()
         chain = token_block_hashes(list(range(1, 17)), BS, root_hash("m"))
