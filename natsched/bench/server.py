@@ -16,9 +16,11 @@ natsched adds (on a shared CPU, ±100 ms between two identical calls), so percen
 different calls cannot isolate the overhead; **natsched's overhead is therefore measured per
 request, paired**: the request's end-to-end time minus the time the agent's HTTP call to the
 server took for that very request (from the agent's first byte sent to the server's
-``[DONE]``). That is everything natsched adds: the producer's publish, admission, routing, the
-hops over the bus, the agent's hand-off, the token relay and the final reply. Without ``--url`` the command starts a ``vllm serve`` of
-the tiny dummy-weights model (:mod:`natsched.workers.vllm_serve`), which is what it measures on a
+``[DONE]``), split into *before* (the producer's publish, admission, routing, the hops over
+the bus, the hand-off to the agent) and *after* (the final reply back to the producer). The
+per-token relay to the producer happens while the agent reads the stream, so it falls inside
+the HTTP span (a buffered NATS publish per chunk). Without ``--url`` the command starts a
+``vllm serve`` of the tiny dummy-weights model (:mod:`natsched.workers.vllm_serve`), which is what it measures on a
 machine without a GPU; on a real deployment point it at a server (``--url``, ``--model``).
 """
 
@@ -144,16 +146,21 @@ async def _measure(args: argparse.Namespace, url: str, kv: str | None) -> dict[s
             if outs[-1].error:
                 raise RuntimeError(outs[-1].error)
 
-        overhead: list[float] = []
+        overhead: dict[str, list[float]] = {"total": [], "before": [], "after": []}
 
-        async def via_natsched(i: int) -> float:
+        async def via_natsched(i: int) -> bool:
             t0 = time.perf_counter()
             req = make_request("bench", prompt_token_ids=prompt(i), model=model, max_tokens=n_out)
             res = await client.submit(req)
-            e2e = time.perf_counter() - t0
+            t1 = time.perf_counter()
             if res.output_tokens != n_out:
                 raise RuntimeError(f"natsched path produced {res.output_tokens} tokens, not {n_out}")
-            return (e2e - engine.took.pop(req.id)) * 1000
+            began, done = engine.spans.pop(req.id)
+            sample.update(before=(began - t0) * 1000, after=(t1 - done) * 1000,
+                          total=((t1 - t0) - (done - began)) * 1000)
+            return True
+
+        sample: dict[str, float] = {}
 
         runners = {"direct": direct, "engine": via_engine, "natsched": via_natsched}
         times: dict[str, list[float]] = {p: [] for p in PATHS}
@@ -161,11 +168,12 @@ async def _measure(args: argparse.Namespace, url: str, kv: str | None) -> dict[s
         for i in range(total):
             for k, p in enumerate(PATHS):  # round-robin, a fresh prompt for each
                 t0 = time.perf_counter()
-                extra = await runners[p](i * len(PATHS) + k + 10_000 * (i < args.warmup))
+                paired = await runners[p](i * len(PATHS) + k + 10_000 * (i < args.warmup))
                 if i >= args.warmup:
                     times[p].append((time.perf_counter() - t0) * 1000)
-                    if extra is not None:
-                        overhead.append(extra)
+                    if paired:
+                        for key, value in sample.items():
+                            overhead[key].append(value)
         await http.aclose()
         await probe.stop()
         await agent.stop()
@@ -181,13 +189,13 @@ class _TimedEngine(ServerEngine):
 
     def __init__(self, settings: ServerSettings) -> None:
         super().__init__(settings)
-        self.took: dict[str, float] = {}
+        self.spans: dict[str, tuple[float, float]] = {}  # request id -> (HTTP call began, [DONE] read)
 
     async def generate(self, request):
         t0 = time.perf_counter()
         async for out in super().generate(request):
             if out.finished:
-                self.took[request.id] = time.perf_counter() - t0
+                self.spans[request.id] = (t0, time.perf_counter())
             yield out
 
 
@@ -202,11 +210,11 @@ def _stats(v: list[float]) -> dict[str, float]:
     return {"p50_ms": _pct(v, 50), "p99_ms": _pct(v, 99), "mean_ms": statistics.fmean(v), "n": len(v)}
 
 
-def _report(times: dict[str, list[float]], overhead: list[float], url: str, model: str,
+def _report(times: dict[str, list[float]], overhead: dict[str, list[float]], url: str, model: str,
             args: argparse.Namespace) -> dict[str, Any]:
     return {"url": url, "model": model, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens, "paths": {p: _stats(v) for p, v in times.items()},
-            "natsched_overhead": _stats(overhead)}
+            "natsched_overhead": {k: _stats(v) for k, v in overhead.items()}}
 
 
 def table(r: dict[str, Any]) -> str:
@@ -216,7 +224,10 @@ def table(r: dict[str, Any]) -> str:
     for p in PATHS:
         s = r["paths"][p]
         lines.append(f"{p:<22} {s['p50_ms']:>9.2f} {s['p99_ms']:>9.2f} {s['mean_ms']:>9.2f}")
-    o = r["natsched_overhead"]
-    lines.append(f"{'natsched overhead':<22} {o['p50_ms']:>9.2f} {o['p99_ms']:>9.2f} {o['mean_ms']:>9.2f}"
-                 "   (per request: end to end minus its own HTTP call to the server)")
+    labels = {"total": "natsched overhead", "before": "  submit -> HTTP call", "after": "  [DONE] -> result"}
+    for key, label in labels.items():
+        o = r["natsched_overhead"][key]
+        lines.append(f"{label:<22} {o['p50_ms']:>9.2f} {o['p99_ms']:>9.2f} {o['mean_ms']:>9.2f}")
+    lines.append("(overhead per request: its end to end minus its own HTTP call to the server; before: publish, "
+                 "admission, routing, hand-off to the agent; after: the final reply back to the producer)")
     return "\n".join(lines)

@@ -257,7 +257,8 @@ class ServerEngine:
         url = self.settings.metrics_url or "/metrics"
         resp = await self._client.get(url)
         resp.raise_for_status()
-        return parse_metrics(resp.text, self.settings.flavor)
+        # vLLM's page is hundreds of lines of histograms: parsed off the event loop, which relays tokens
+        return await asyncio.to_thread(parse_metrics, resp.text, self.settings.flavor)
 
     async def _scrape_loop(self) -> None:
         import httpx
