@@ -26,6 +26,17 @@ def make_request(
                    max_tokens=max_tokens, created=time.time(), **fields)
 
 
+def apply_cache_event(view: set, ev) -> None:
+    """A worker's cache as a reader of its events sees it: ``ev`` (a CacheEvent) applied to ``view``."""
+    if ev.kind in ("snapshot", "cleared"):
+        view.clear()
+        view.update(ev.hashes)
+    elif ev.kind == "stored":
+        view.update(ev.hashes)
+    elif ev.kind == "removed":
+        view.difference_update(ev.hashes)
+
+
 async def submit_shared_prefix(client, tenant: str, prefix: list[int], *, model: str, n: int = 4,
                                max_tokens: int = 3) -> list:
     """``n`` token-id requests sharing ``prefix`` (each with its own 16-token tail), one after the

@@ -20,7 +20,7 @@ from natsched.wire.schema import CacheEvent
 from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings
 from tests.conftest import wipe
-from tests.factories.core import submit_shared_prefix
+from tests.factories.core import apply_cache_event, submit_shared_prefix
 from natsched.workers.tiny_model import write_tiny_model
 from natsched.workers.vllm_worker import VllmWorkerProcess
 
@@ -38,14 +38,7 @@ class CacheView:
 
     async def on_event(self, subject: str, data: bytes, headers: dict) -> None:
         ev = CacheEvent.decode(data)
-        view = self.by_worker.setdefault(ev.worker, set())
-        if ev.kind in ("snapshot", "cleared"):
-            view.clear()
-            view.update(ev.hashes)
-        elif ev.kind == "stored":
-            view.update(ev.hashes)
-        elif ev.kind == "removed":
-            view.difference_update(ev.hashes)
+        apply_cache_event(self.by_worker.setdefault(ev.worker, set()), ev)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from natsched.workers.tiny_model import write_tiny_model
 from natsched.workers.vllm_serve import VllmServe
 from natsched.workers.vllm_server import ServerEngine, ServerSettings
 from tests.conftest import wipe
-from tests.factories.core import submit_shared_prefix, wait_for
+from tests.factories.core import apply_cache_event, submit_shared_prefix, wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -53,15 +53,8 @@ class Watch:
 
     async def on_kv(self, subject, data, headers) -> None:
         ev = CacheEvent.decode(data)
-        view = self.cache.setdefault(ev.worker, set())
         self.kinds.setdefault(ev.worker, []).append(ev.kind)
-        if ev.kind in ("snapshot", "cleared"):
-            view.clear()
-            view.update(ev.hashes)
-        elif ev.kind == "stored":
-            view.update(ev.hashes)
-        elif ev.kind == "removed":
-            view.difference_update(ev.hashes)
+        apply_cache_event(self.cache.setdefault(ev.worker, set()), ev)
 
     async def on_hb(self, subject, data, headers) -> None:
         hb = Heartbeat.decode(data)
