@@ -185,6 +185,9 @@ class ServerEngine:
             self.block_size = load.block_size
         self._process_start = load.process_start
         self.kv_total_blocks = load.kv_total_blocks or (load.kv_total_tokens or 0) // self.block_size
+        if load.prefix_caching is False:
+            log.warning("the server at %s runs without prefix caching: nothing is cached to route by "
+                        "(start it with --enable-prefix-caching)", s.url)
         if s.model and s.model not in {m.id for m in self.served}:
             await self._client.aclose()
             raise EngineStartError(f"the server at {s.url} does not serve {s.model!r} "
