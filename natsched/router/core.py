@@ -224,7 +224,7 @@ class RouterCore:
         uncached = prompt - expected
         a = Assignment(w, kv, uncached, expected, now, claimed_cached=claimed, hashes=req.hashes,
                        mark=self.index.mark(), prompt_tokens=prompt, host_tokens=self._host_tokens(req, w, now))
-        self._predict(a, self.workers[w], now)
+        self._predict(a, self.workers[w], now, req.expected_output)
         self.registry.on_assigned(req.id, a)
         self._audit(decision, w, now)
         return decision
@@ -238,7 +238,7 @@ class RouterCore:
         more = self.index.match_host(req.hashes, w, start)
         return cached_tokens(start + more, bt, prompt) - cached_tokens(start, bt, prompt) if more else 0
 
-    def _predict(self, a: Assignment, view: WorkerView, now: float) -> None:
+    def _predict(self, a: Assignment, view: WorkerView, now: float, output: int = 0) -> None:
         """What the worker's own model expects of this request (judged at its completion)."""
         wc = self.costs.of(a.worker)
         base = self.settings.cost
@@ -250,6 +250,7 @@ class RouterCore:
         a.batch = view.inflight + 1
         a.batch_kv = wc.batch_kv_tokens(view) + a.kv_tokens
         a.pred_tpot_s = wc.step_s(a.batch_kv, a.batch)
+        a.pred_e2e_s = a.pred_ttft_s + max(0, output - 1) * a.pred_tpot_s
         a.fixed_ttft_s = base.backlog_s(view) + base.prefill_ctx_s(uncached, cached)
 
     def _audit(self, decision: RouteDecision, w: WorkerId, now: float) -> None:
@@ -303,9 +304,36 @@ class RouterCore:
             self._completed.pop(w, None)
             self.predictions.pop(w, None)
         self.index.expire(now)
+        self._judge_overdue(now)
         for w in self.index.untrusted():
             if w in self.registry.views and self.index.needs_snapshot(w, now):
                 self._snapshot_requests[w] = None
+
+    def _judge_overdue(self, now: float) -> None:
+        """An outstanding request past ``slow_factor`` x its predicted end is evidence of slowness
+        *before* it completes (a slowed worker's completions come late by the very slowdown).
+
+        The prefill the worker's heartbeats say is still queued there now (which the prediction at
+        routing time may not have known: another router's burst) is added to the allowance: a
+        request waiting in a queue the router can see is late, not evidence of a slow worker."""
+        hs = self.health.settings
+        if not hs.enabled or not self.costs.settings.enabled:
+            return
+        factor = hs.slow_factor
+        views = self.workers
+        for a in self.registry.ledger.values():
+            if a.overdue or a.pred_e2e_s <= 0.0:
+                continue
+            age = now - a.routed_at
+            if age <= factor * a.pred_e2e_s:
+                continue
+            view = views.get(a.worker)
+            if view is None or self.costs.samples(a.worker) < hs.min_learned:
+                continue
+            if age > factor * a.pred_e2e_s + self.costs.of(a.worker).wait_s(view, now):
+                a.overdue = True
+                self.health.observe(a.worker, age / a.pred_e2e_s, now, completed=False)
+                self.costs.freeze(a.worker, self.health.learning_frozen(a.worker, now))
 
     def pop_snapshot_requests(self) -> list[WorkerId]:
         """Workers the service should send a ``snapshot`` control message to (drained)."""

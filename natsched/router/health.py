@@ -22,7 +22,12 @@ not the worker's (a queue the router under-estimated raises TTFT; a long prefill
 raises TPOT), and those rarely coincide. The *median* over a window, with a minimum of samples,
 ignores a single long queue or an outlier. Only a worker whose model has learned from
 ``min_learned`` samples is judged: the fixed model, or a prior that has not met the worker, is
-no yardstick (a 27B model is "3x slower than predicted" by the 8B constants, and healthy). Hysteresis (``recover_factor`` < ``slow_factor``) keeps a borderline worker from
+no yardstick (a 27B model is "3x slower than predicted" by the 8B constants, and healthy).
+Besides completions, the router counts requests still outstanding past ``slow_factor`` x their
+predicted end (:meth:`natsched.router.core.RouterCore.tick`): a slowed worker's completions come
+late by the very slowdown, its overdue requests do not. An overdue request alone is weaker
+evidence (it may sit in a queue nobody predicted), so going half-open also needs one *completed*
+request over the factor in the window. Hysteresis (``recover_factor`` < ``slow_factor``) keeps a borderline worker from
 flapping.
 
 HALF_OPEN (the circuit breaker's middle state) takes only what is cheap to run slowly and cheap
@@ -58,7 +63,7 @@ class HealthSettings:
     enabled: bool = True
     slow_factor: float = 2.0  # observed / predicted above this for the window: half-open
     recover_factor: float = 1.5  # ... below this for the window: healthy again
-    window_s: float = 5.0  # the sustained window (long enough for a few completions per worker)
+    window_s: float = 10.0  # the sustained window (long enough for a few completions per worker)
     min_samples: int = 3  # never judge on fewer completions than this
     min_learned: float = 50.0  # ... nor a worker whose model has learned from fewer (a prior is no yardstick)
     probe_share: float = 0.05  # share of other requests a half-open worker may still take
@@ -107,6 +112,7 @@ class LatencyHealth:
     def __init__(self, settings: HealthSettings | None = None) -> None:
         self.settings = settings or HealthSettings()
         self._w: dict[str, _State] = {}
+        self._confirmed: dict[str, float] = {}  # worker -> time of the last completion over slow_factor
         self.transitions: deque[tuple[float, str, str]] = deque(maxlen=1000)  # (t, worker, new state)
 
     def state(self, w: str) -> str:
@@ -134,11 +140,14 @@ class LatencyHealth:
         st = self._w.get(w)
         return st is not None and st.state == HALF_OPEN and now - st.since < self.settings.max_half_open_s
 
-    def observe(self, w: str, ratio: float, now: float) -> str | None:
-        """Add one completion's ratio; returns the new state when it changed, else None."""
+    def observe(self, w: str, ratio: float, now: float, completed: bool = True) -> str | None:
+        """Add one ratio (a completion's, or an overdue request's with ``completed`` False);
+        returns the new state when it changed, else None."""
         s = self.settings
         if not s.enabled or not math.isfinite(ratio) or ratio <= 0:
             return None
+        if completed and ratio > s.slow_factor:
+            self._confirmed[w] = now
         st = self._w.get(w)
         if st is None:
             st = self._w[w] = _State()
@@ -149,7 +158,8 @@ class LatencyHealth:
         if len(win) < s.min_samples:
             return None
         med = self.median(w)
-        if st.state == HEALTHY and med > s.slow_factor:
+        confirmed = self._confirmed.get(w, -math.inf) >= now - s.window_s
+        if st.state == HEALTHY and med > s.slow_factor and confirmed:
             return self._set(w, st, HALF_OPEN, now, med)
         if st.state == HALF_OPEN and med < s.recover_factor:
             return self._set(w, st, HEALTHY, now, med)
@@ -167,6 +177,7 @@ class LatencyHealth:
 
     def forget(self, w: str) -> None:
         self._w.pop(w, None)
+        self._confirmed.pop(w, None)
 
     def changes(self) -> int:
         return sum(st.changes for st in self._w.values())

@@ -88,6 +88,8 @@ class Assignment:
     batch: int = 0  # sequences on the worker with it
     batch_kv: float = 0.0  # their KV tokens
     fixed_ttft_s: float = 0.0  # the fixed model's prediction (for the benchmark's comparison)
+    pred_e2e_s: float = 0.0  # first token + its expected decode: past slow_factor x this it is overdue
+    overdue: bool = False  # already counted as overdue (natsched.router.health)
     host_tokens: int = 0  # expected cached tokens in the worker's host tier (loaded, not recomputed)
 
 
