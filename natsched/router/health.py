@@ -64,9 +64,9 @@ class HealthSettings:
     slow_factor: float = 2.0  # observed / predicted above this for the window: half-open
     recover_factor: float = 1.5  # ... below this for the window: healthy again
     window_s: float = 10.0  # the sustained window (long enough for a few completions per worker)
-    min_samples: int = 3  # never judge on fewer completions than this
+    min_samples: int = 2  # never judge on fewer samples than this (with one completion over the factor)
     min_learned: float = 50.0  # ... nor a worker whose model has learned from fewer (a prior is no yardstick)
-    probe_share: float = 0.05  # share of other requests a half-open worker may still take
+    probe_share: float = 0.1  # share of other requests a half-open worker may still take
     short_prompt_tokens: int = 1024  # prompts up to this are "short" (as for BACKOFF)
     max_half_open_s: float = 60.0  # then the worker's new speed is learned (it changed for good)
 

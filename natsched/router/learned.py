@@ -30,8 +30,10 @@ bucket ``workers``, see ``subjects.md``). Choices:
 
 - **relative errors**: each sample is weighted by ``1 / prediction^2``, so a 10 ms TTFT and a
   10 s TTFT count alike (absolute errors would fit only the long prompts);
-- **decay by time** (``tau_s``, 20 s): statistics are multiplied by ``exp(-dt / tau)`` at each
-  new sample, so a changed worker is re-learned within a minute (3 tau: old data weigh 5 %);
+- **decay by time** (``tau_s``, 10 s): statistics are multiplied by ``exp(-dt / tau)`` at each
+  new sample, so a changed worker is re-learned within a minute (a worker slowed to a third:
+  ~17 % off after 30 s, ~3 % after 60 s in the tests; relative weighting makes the old, faster
+  samples weigh more, hence 10 s and not 20);
   never below ``min_weight`` samples' worth, so a worker that was idle for an hour keeps what
   was learned instead of falling back to its prior on its first sample;
 - **prior** (``prior_weight`` pseudo-samples): the calibration stored by ``natsched worker
@@ -62,11 +64,10 @@ PREFILL, DECODE = "prefill", "decode"
 @dataclass
 class LearnSettings:
     enabled: bool = True  # False: every worker uses the fixed model (the comparison baseline)
-    tau_s: float = 20.0  # decay time of old samples: a changed worker is re-learned in ~3 tau
+    tau_s: float = 10.0  # decay time of old samples: a changed worker is re-learned within a minute
     min_weight: float = 100.0  # decay never takes the samples below this many samples' worth
     prior_weight: float = 2.0  # pseudo-samples of the prior (calibration, else the fixed model)
-    huber_k: float = 3.0  # residuals beyond k robust scales are down-weighted ...
-    huber_after: float = 20.0  # ... once the fit holds this many samples' worth
+    huber_k: float = 3.0  # residuals beyond k robust scales are down-weighted
     min_slope_share: float = 0.02  # a fitted slope stays >= this share of the prior's
     max_ttft_s: float = 3600.0  # longer reports are refused (a clock jump, not a prefill)
     max_tpot_s: float = 60.0
@@ -150,7 +151,7 @@ class Fit:
         self.b = [0.0] * k
         self.n = 0.0  # decayed sample count (unweighted), for the floor and for reports
         self.at: float | None = None  # time of the last sample
-        self.scale = 0.5  # robust scale of the relative residuals (EWMA of |r|)
+        self.scale = 1.0  # robust scale of the relative residuals (EWMA of |r|)
 
     def decay_to(self, now: float, tau: float, min_weight: float) -> None:
         if self.at is None or now <= self.at:
@@ -281,6 +282,8 @@ class CostBook:
         self._w: dict[str, _Worker] = {}
         self.refused: Counter[str] = Counter()  # reason -> bad reports refused
         self.accepted = 0
+        # what a worker never heard of gets: the prior as the fits see it (see _solve)
+        self.prior_cost = replace(self.base, ttft_overhead_s=max(self.base.ttft_overhead_s, self.base.decode_step_s))
 
     # ------------------------------------------------------------------ queries
 
@@ -290,7 +293,7 @@ class CostBook:
             return self.base
         st = self._w.get(w)
         if st is None:
-            return self.base
+            return self.prior_cost
         if st.cost is None:
             st.cost = self._solve(st)
         return st.cost
@@ -382,10 +385,11 @@ class CostBook:
         pred = pred if pred > 1e-9 else 1e-9
         r = abs(y - pred) / pred
         cut = cfg.huber_k * fit.scale
-        # no down-weighting while the fit is young: far from a wrong prior, every residual is
-        # large, and Huber would slow the first hundred samples down for nothing
-        huber = 1.0 if r <= cut or fit.n < cfg.huber_after else cut / r
-        fit.scale += 0.05 * ((r if r < 4 * fit.scale + 0.1 else 4 * fit.scale + 0.1) - fit.scale)
+        huber = 1.0 if r <= cut else cut / r
+        # the scale follows |r| clipped at twice itself: a lone outlier moves it by 10 % at most,
+        # a lasting change (the worker slowed down) raises it within tens of samples, and then
+        # its samples count fully again: outliers are ignored, a new normal is learned
+        fit.scale += 0.1 * ((r if r < 2.0 * fit.scale else 2.0 * fit.scale) - fit.scale)
         fit.scale = min(max(fit.scale, 0.05), 2.0)
         fit.add(x, y, huber * share / (pred * pred), now)
 
@@ -404,13 +408,17 @@ class CostBook:
         Raises ValueError for a malformed record (the caller logs and counts it); ``None``
         removes that replica's contribution.
         """
-        st = self._state(w)
         if raw is None:
-            st.others.pop(replica, None)
-        else:
-            if not isinstance(raw, dict):
-                raise ValueError("cost statistics must be a map")
-            st.others[replica] = {PREFILL: Fit.from_json(raw.get(PREFILL), 4), DECODE: Fit.from_json(raw.get(DECODE), 3)}
+            st = self._w.get(w)
+            if st is not None:
+                st.others.pop(replica, None)
+                st.cost = None
+            return
+        if not isinstance(raw, dict):
+            raise ValueError("cost statistics must be a map")
+        fits = {PREFILL: Fit.from_json(raw.get(PREFILL), 4), DECODE: Fit.from_json(raw.get(DECODE), 3)}
+        st = self._state(w)
+        st.others[replica] = fits
         st.cost = None
 
     # ------------------------------------------------------------------ internals
@@ -447,9 +455,10 @@ def calibrated_prior(base: CostModel, ttft_s: float, tpot_s: float, prompt_token
     scaled to those two points (one measurement cannot separate an overhead from a slope)."""
     if not (ttft_s > 0 and tpot_s > 0 and prompt_tokens > 0) or not (math.isfinite(ttft_s) and math.isfinite(tpot_s)):
         raise ValueError("calibration baselines must be positive and finite")
-    pred_ttft = base.first_token_s(prompt_tokens, 0) or base.prefill_ctx_s(prompt_tokens)
-    pred_step = base.step_s(prompt_tokens, 1)
-    r, q = ttft_s / pred_ttft, tpot_s / pred_step
-    return replace(base, ttft_overhead_s=base.ttft_overhead_s * r, prefill_tokens_per_s=base.prefill_tokens_per_s / r,
-                   decode_step_s=base.decode_step_s * q, decode_s_per_seq=base.decode_s_per_seq * q,
+    q = tpot_s / base.step_s(prompt_tokens, 1)
+    step = base.decode_step_s * q  # the first token costs one engine step at least
+    prefill = ttft_s - step if ttft_s > 2 * step else ttft_s / 2
+    r = prefill / base.prefill_ctx_s(prompt_tokens)
+    return replace(base, ttft_overhead_s=ttft_s - prefill, prefill_tokens_per_s=base.prefill_tokens_per_s / r,
+                   decode_step_s=step, decode_s_per_seq=base.decode_s_per_seq * q,
                    decode_s_per_1k_ctx=base.decode_s_per_1k_ctx * q)
