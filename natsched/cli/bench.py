@@ -57,8 +57,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                       help="pick the speed-up at which least_loaded keeps workers busy this share of the time "
                            "(e.g. 0.8), then use it for every policy")
     rt.add_argument("--limit", type=positive_int, default=None, help="keep only the first N requests")
-    rt.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
-                    help=f"engine profile (default {DEFAULT_PROFILE})")
+    rt.add_argument("--profile", default=DEFAULT_PROFILE,
+                    help=f"engine profile (default {DEFAULT_PROFILE}), or several, comma-separated, that the "
+                         f"workers take in turn (a mixed cluster); known: {', '.join(sorted(PROFILES))}")
     rt.add_argument("--kv-blocks", type=positive_int, default=None, metavar="N",
                     help="KV cache blocks per simulated worker (default: the profile's KV capacity / the trace's "
                          "block size): what more or less KV would do")
