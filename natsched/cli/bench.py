@@ -81,6 +81,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     rt.add_argument("--sweep-span", type=fraction, default=0.05, metavar="F",
                     help="the sweep covers speed-up x [1-F, 1+F] (default 0.05)")
     _add_pipeline_parser(bsub)
+    _add_health_parser(bsub)
     from natsched.sim.bench_admission import add_admission_parser
 
     add_admission_parser(bsub)
@@ -92,6 +93,43 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     return bench
+
+
+def _add_health_parser(bsub) -> None:
+    hp = bsub.add_parser("health", help="how fast a slowed worker leaves online work and comes back",
+                         description="Simulate the shipped router on a trace while one worker runs at a third of "
+                                     "its speed for a minute; print when it went half-open and healthy again, "
+                                     "its share of routed requests, and TTFT with and without the health rule.")
+    hp.add_argument("--trace", type=Path, default=MOONCAKE_TRACE, help="Mooncake JSONL trace (default: the shipped one)")
+    hp.add_argument("--workers", type=positive_int, default=8, help="simulated workers (default 8)")
+    hp.add_argument("--speedup", type=positive_float, default=0.8, help="arrival speed-up (default 0.8)")
+    hp.add_argument("--speed", type=positive_float, default=1 / 3, help="the slowed worker's speed (default 1/3)")
+    hp.add_argument("--slow-at", type=positive_float, default=400.0, help="seconds after the first arrival (400)")
+    hp.add_argument("--slow-for", type=positive_float, default=60.0, help="seconds slowed (default 60)")
+    hp.add_argument("--worker", type=int, default=3, help="index of the worker slowed (default 3)")
+    hp.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+
+
+def _cmd_health(args) -> int:
+    from natsched.sim.bench_health import HealthBenchSettings, format_health, run_health_benchmark
+    from natsched.sim.errors import SimError
+    from natsched.sim.trace import load_mooncake
+
+    try:
+        settings = HealthBenchSettings(workers=args.workers, speedup=args.speedup, worker=args.worker,
+                                       speed=args.speed, slow_at=args.slow_at, slow_for=args.slow_for)
+        report = run_health_benchmark(load_mooncake(str(args.trace)), settings)
+    except SimError as exc:
+        return _fail(str(exc))
+    print(format_health(report))
+    if args.json is not None:
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        except OSError as exc:
+            return _fail(f"cannot write output: {exc}")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
 
 
 def _add_pipeline_parser(bsub) -> None:
@@ -148,6 +186,8 @@ def cmd_bench(args) -> int:
         return _cmd_pipeline(args)
     if name == "shared-state":
         return _cmd_shared(args)
+    if name == "health":
+        return _cmd_health(args)
     if name == "admission":
         from natsched.sim.bench_admission import run_admission
 
