@@ -197,7 +197,7 @@ class Fit:
         # The samples are weighted 1 / prediction^2, as if their noise were 100 %: the prior is
         # scaled by the fit's robust relative scale squared (its real noise) to stay comparable
         ref = 0.1 * max(prior)
-        noise = self.scale * self.scale
+        noise = max([self.scale, *(f.scale for f in extra)]) ** 2  # symmetric: replicas agree exactly
         for i in range(k):
             p = prior[i] if prior[i] > ref else ref
             lam = (prior_weight * noise / (p * p)) if p > 0 else prior_weight
@@ -222,25 +222,26 @@ class Fit:
         return theta
 
     def to_json(self) -> dict[str, Any]:
-        return {"a": self.a, "b": self.b, "n": self.n, "at": self.at}
+        return {"a": self.a, "b": self.b, "n": self.n, "at": self.at, "scale": self.scale}
 
     @classmethod
     def from_json(cls, raw: Any, k: int = 3) -> "Fit":
         """Parse another replica's statistics; raises ValueError on anything malformed."""
         if not isinstance(raw, dict):
             raise ValueError("fit must be a map")
-        a, b, n, at = raw.get("a"), raw.get("b"), raw.get("n"), raw.get("at")
+        a, b, n, at, scale = raw.get("a"), raw.get("b"), raw.get("n"), raw.get("at"), raw.get("scale", 1.0)
         ok = (isinstance(a, list) and len(a) == k and all(isinstance(r, list) and len(r) == k for r in a)
               and isinstance(b, list) and len(b) == k and isinstance(n, (int, float)) and n >= 0
               and (at is None or isinstance(at, (int, float))))
         values = [v for row in a for v in row] + list(b) if ok else []
         if not ok or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                             for v in values + [n]):
+                             for v in values + [n, scale]) or not 0 < scale <= 2.0:
             raise ValueError("fit must be {a: kxk numbers, b: k numbers, n >= 0, at}")
         if any(a[i][i] < 0 for i in range(k)):
             raise ValueError("fit statistics must have a non-negative diagonal")
         f = cls(k)
         f.a, f.b, f.n, f.at = [[float(v) for v in r] for r in a], [float(v) for v in b], float(n), at
+        f.scale = float(scale)
         return f
 
 
@@ -401,6 +402,28 @@ class CostBook:
         if st is None or st.fits[PREFILL].at is None and st.fits[DECODE].at is None:
             return None
         return {"v": 1, PREFILL: st.fits[PREFILL].to_json(), DECODE: st.fits[DECODE].to_json()}
+
+    def record(self, w: str, now: float, health: str = "healthy") -> dict[str, Any] | None:
+        """What a replica publishes about ``w`` (bucket ``workers``, ``cost.<worker>.<replica>``):
+        its own statistics (which the others merge), and for operators the estimate it routes with
+        and its health verdict. None when it has learned nothing of ``w`` itself."""
+        stats = self.export(w)
+        if stats is None:
+            return None
+        c = self.of(w)
+        return {"v": 1, "at": now, "stats": stats, "health": health, "samples": round(self.samples(w), 1),
+                "estimate": {"prefill_tokens_per_s": c.prefill_tokens_per_s, "attention_ctx_tokens": c.attention_ctx_tokens,
+                             "ttft_overhead_s": c.ttft_overhead_s, "decode_step_s": c.decode_step_s,
+                             "decode_s_per_1k_ctx": c.decode_s_per_1k_ctx, "decode_s_per_seq": c.decode_s_per_seq,
+                             "host_tokens_per_s": c.host_tokens_per_s}}
+
+    def last_sample(self, w: str) -> float | None:
+        """Time of this replica's newest own sample of ``w`` (what a publish would change)."""
+        st = self._w.get(w)
+        if st is None:
+            return None
+        ats = [f.at for f in st.fits.values() if f.at is not None]
+        return max(ats) if ats else None
 
     def merge(self, w: str, replica: str, raw: Any) -> None:
         """Take another replica's published statistics of ``w`` (replacing its previous ones).
