@@ -57,7 +57,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                       help="pick the speed-up at which least_loaded keeps workers busy this share of the time "
                            "(e.g. 0.8), then use it for every policy")
     rt.add_argument("--limit", type=positive_int, default=None, help="keep only the first N requests")
-    rt.add_argument("--profile", default=DEFAULT_PROFILE,
+    rt.add_argument("--profile", default=DEFAULT_PROFILE, type=_profiles,
                     help=f"engine profile (default {DEFAULT_PROFILE}), or several, comma-separated, that the "
                          f"workers take in turn (a mixed cluster); known: {', '.join(sorted(PROFILES))}")
     rt.add_argument("--kv-blocks", type=positive_int, default=None, metavar="N",
@@ -93,6 +93,18 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     return bench
+
+
+def _profiles(value: str) -> str:
+    """``--profile``: one engine profile, or several comma-separated (a mixed cluster), all known."""
+    import argparse
+
+    names = [p.strip() for p in value.split(",") if p.strip()]
+    unknown = [n for n in names if n not in PROFILES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown engine profile {', '.join(unknown) or repr(value)}; "
+                                         f"known: {', '.join(sorted(PROFILES))}")
+    return ",".join(names)
 
 
 def _add_health_parser(bsub) -> None:

@@ -99,6 +99,8 @@ class RouterCore:
     def on_heartbeat(self, hb: Heartbeat, now: float) -> None:
         w = hb.worker
         joined = w not in self.registry.views
+        if joined:  # pooled with the workers of the same model and deployment (natsched.router.learned)
+            self.costs.set_group(w, f"{hb.model}/{hb.deployment or ''}")
         if self.registry.on_heartbeat(hb, now):
             self.index.reset_worker(w, now)
             self.claims.reset(w)
@@ -219,11 +221,12 @@ class RouterCore:
             if belief is None:  # cache-blind policy: still audit what the index predicted
                 decision.expected_cached_tokens = expected
         claimed = self._claimed(req, w, now) if expected > 0 else 0  # precise <= any claim
+        host = self._host_tokens(req, w, now)  # before our own claim covers the chain
         self.index.record_route(req.hashes, w, now)
         kv = req.runtime_tokens or prompt + req.expected_output
         uncached = prompt - expected
         a = Assignment(w, kv, uncached, expected, now, claimed_cached=claimed, hashes=req.hashes,
-                       mark=self.index.mark(), prompt_tokens=prompt, host_tokens=self._host_tokens(req, w, now))
+                       mark=self.index.mark(), prompt_tokens=prompt, host_tokens=host)
         self._predict(a, self.workers[w], now, req.expected_output)
         self.registry.on_assigned(req.id, a)
         self._audit(decision, w, now)

@@ -38,9 +38,19 @@ bucket ``workers``, see ``subjects.md``). Choices:
   was learned instead of falling back to its prior on its first sample;
 - **prior** (``prior_weight`` pseudo-samples): the calibration stored by ``natsched worker
   calibrate`` when there is one, else the fixed model; a worker that reports nothing keeps it;
+- **pooled within a group**: workers of one (model, deployment) run the same engine on the same
+  hardware, so they are routed with the fit of all of them together, unless a worker's own fit
+  (drawn towards the group's by ``group_weight`` samples) predicts a reference prefill or decode
+  step more than ``group_deviation`` away from it — then it really differs (another GPU under
+  the same name, a slowed one) and its own fit is used. Fitted alone, eight identical workers
+  came out a few % apart, and the policies, which trust every difference, loaded them unevenly:
+  the first "faster" one collected the hot prefixes (load CV 0.02 -> 0.2 on the routing
+  benchmark);
 - **robust**: a sample whose relative residual exceeds ``huber_k`` robust scales is
-  down-weighted (Huber); a sample dominated by the predicted queue (not by its own prefill)
-  counts less, since the queue estimate is the noisiest part;
+  down-weighted (Huber); only a TTFT with (nearly) no predicted queue ahead teaches the prefill
+  (``max_queue_share``): the queue estimate's error grows with the load, and learning through it
+  made busy workers look faster, so they got more work (load CV 0.02 -> 0.2 on the routing
+  benchmark);
 - **refused and counted** (:attr:`CostBook.refused`): non-finite or negative times, cached >
   prompt, TTFT or TPOT beyond ``max_ttft_s`` / ``max_tpot_s``, and rates no hardware reaches
   (``max_prefill_tokens_per_s``, ``min_step_s``). They never reach the statistics;
@@ -59,6 +69,9 @@ from natsched.router.costmodel import CostModel
 from natsched.router.errors import ConfigError
 
 PREFILL, DECODE = "prefill", "decode"
+#: where a worker's own fit is compared with its group's: short and long cold prompts, a busy batch
+REFERENCE_PROMPTS = (512, 8192)
+REFERENCE_BATCH = (100_000, 32)  # KV tokens, sequences
 
 
 @dataclass
@@ -67,6 +80,10 @@ class LearnSettings:
     tau_s: float = 10.0  # decay time of old samples: a changed worker is re-learned within a minute
     min_weight: float = 100.0  # decay never takes the samples below this many samples' worth
     prior_weight: float = 2.0  # pseudo-samples of the prior (calibration, else the fixed model)
+    group_weight: float = 20.0  # samples' worth of the group's pooled fit in each member's (per coefficient)
+    group_refresh: int = 20  # the group's fit is re-solved after this many new samples in it
+    group_deviation: float = 0.25  # a member this far from the group's estimate is routed on its own fit
+    max_queue_share: float = 0.1  # a TTFT teaches the prefill only if the predicted wait was below this x it
     huber_k: float = 3.0  # residuals beyond k robust scales are down-weighted
     min_slope_share: float = 0.02  # a fitted slope stays >= this share of the prior's
     max_ttft_s: float = 3600.0  # longer reports are refused (a clock jump, not a prefill)
@@ -175,7 +192,7 @@ class Fit:
         self.at = now if self.at is None or now > self.at else self.at
 
     def solve(self, prior: Sequence[float], prior_weight: float, min_slope: Sequence[float],
-              extra: Sequence["Fit"] = ()) -> list[float]:
+              extra: Sequence["Fit"] = (), scaled: bool = True) -> list[float]:
         """Coefficients of this fit plus ``extra`` ones (other replicas'), ridged towards ``prior``.
 
         The ridge is ``prior_weight`` pseudo-samples at the prior's own relative weight, so a fit
@@ -197,7 +214,9 @@ class Fit:
         # The samples are weighted 1 / prediction^2, as if their noise were 100 %: the prior is
         # scaled by the fit's robust relative scale squared (its real noise) to stay comparable
         ref = 0.1 * max(prior)
-        noise = max([self.scale, *(f.scale for f in extra)]) ** 2  # symmetric: replicas agree exactly
+        # symmetric in the replicas, so that they agree exactly; ``scaled`` False: the pseudo-samples
+        # are as informative as real ones whatever the noise (the group's pooled fit, not a guess)
+        noise = max([self.scale, *(f.scale for f in extra)]) ** 2 if scaled else 1.0
         for i in range(k):
             p = prior[i] if prior[i] > ref else ref
             lam = (prior_weight * noise / (p * p)) if p > 0 else prior_weight
@@ -263,7 +282,7 @@ class Sample:
 
 
 class _Worker:
-    __slots__ = ("fits", "prior", "source", "cost", "others", "frozen")
+    __slots__ = ("fits", "prior", "source", "cost", "others", "frozen", "group")
 
     def __init__(self, prior: CostModel, source: str) -> None:
         self.fits = {PREFILL: Fit(4), DECODE: Fit(3)}
@@ -272,6 +291,16 @@ class _Worker:
         self.cost: CostModel | None = None  # cached solution; None: stale
         self.others: dict[str, dict[str, Fit]] = {}  # replica -> its published fits
         self.frozen = False  # half-open (natsched.router.health): its samples are not learned
+        self.group: str | None = None  # (model, deployment) key: pooled with the other members
+
+
+class _Group:
+    __slots__ = ("members", "theta", "pending")
+
+    def __init__(self) -> None:
+        self.members: set[str] = set()
+        self.theta: dict[str, list[float]] | None = None  # cached pooled fit; None: stale
+        self.pending = 0  # samples since it was solved
 
 
 class CostBook:
@@ -281,6 +310,7 @@ class CostBook:
         self.base = base or CostModel()
         self.settings = settings or LearnSettings()
         self._w: dict[str, _Worker] = {}
+        self._groups: dict[str, _Group] = {}
         self.refused: Counter[str] = Counter()  # reason -> bad reports refused
         self.accepted = 0
         # what a worker never heard of gets: the prior as the fits see it (see _solve)
@@ -326,12 +356,43 @@ class CostBook:
         st = self._state(w)
         st.prior, st.source, st.cost = prior, source, None
 
+    def set_group(self, w: str, group: str | None) -> None:
+        """Pool ``w`` with the other workers of ``group`` (its model and deployment); None: alone."""
+        st = self._state(w)
+        if st.group == group:
+            return
+        if st.group is not None:
+            self._leave(w, st.group)
+        st.group, st.cost = group, None
+        if group is not None:
+            g = self._groups.setdefault(group, _Group())
+            g.members.add(w)
+            self._invalidate(g)
+
+    def _leave(self, w: str, group: str) -> None:
+        g = self._groups.get(group)
+        if g is not None:
+            g.members.discard(w)
+            if not g.members:
+                del self._groups[group]
+            else:
+                self._invalidate(g)
+
+    def _invalidate(self, g: _Group) -> None:
+        g.theta, g.pending = None, 0
+        for m in g.members:
+            st = self._w.get(m)
+            if st is not None:
+                st.cost = None
+
     def freeze(self, w: str, frozen: bool) -> None:
         """While frozen (half-open), ``w``'s samples are counted but not learned."""
         self._state(w).frozen = frozen
 
     def forget(self, w: str) -> None:
-        self._w.pop(w, None)
+        st = self._w.pop(w, None)
+        if st is not None and st.group is not None:
+            self._leave(w, st.group)
 
     def observe(self, w: str, s: Sample, now: float) -> str | None:
         """Learn from one completion; returns None, or why it was refused (also counted)."""
@@ -345,18 +406,26 @@ class CostBook:
         st = self._state(w)
         if st.frozen:
             return None
+        cfg = self.settings
         cur = self.of(w)
         if s.ttft is not None:
             host = s.host if s.host < s.cached else s.cached
             own = cur.first_token_s(s.uncached, s.cached, host)
-            y = s.ttft - s.wait_s
-            queue_share = own / (own + s.wait_s) if own + s.wait_s > 0 else 1.0
-            self._learn(st, PREFILL, prefill_features(s.uncached, s.cached, host), max(y, 0.1 * own), own,
-                        queue_share * queue_share, now)
+            # only samples with (nearly) no queue ahead teach the prefill: under a queue, TTFT minus
+            # the *predicted* wait carries the wait's error, and that error grows with the load, so
+            # busy workers looked faster, got more work, looked faster still (a feedback loop)
+            if s.wait_s <= cfg.max_queue_share * own:
+                self._learn(st, PREFILL, prefill_features(s.uncached, s.cached, host), max(s.ttft - s.wait_s, 0.1 * own),
+                            own, 1.0, now)
         if s.tpot is not None:
             pred = cur.step_s(s.batch_kv, s.batch)
             self._learn(st, DECODE, decode_features(s.batch, s.batch_kv), s.tpot, pred, 1.0, now)
         st.cost = None
+        g = self._groups.get(st.group) if st.group is not None else None
+        if g is not None:
+            g.pending += 1
+            if g.pending >= self.settings.group_refresh:
+                self._invalidate(g)
         return None
 
     def _check(self, s: Sample) -> str | None:
@@ -452,24 +521,60 @@ class CostBook:
             st = self._w[w] = _Worker(self.base, "profile")
         return st
 
-    def _solve(self, st: _Worker) -> CostModel:
-        cfg = self.settings
+    def _prior(self, st: _Worker) -> dict[str, list[float]]:
         prior = prior_theta(st.prior)
         # a first token comes at the end of an engine step at the least: the fixed model has no
         # such overhead, its learned counterpart starts from one empty-batch step
         prior[PREFILL][0] = max(prior[PREFILL][0], st.prior.decode_step_s)
-        theta = {}
-        for which in (PREFILL, DECODE):
-            p = prior[which]
+        return prior
+
+    def _floors(self, prior: dict[str, list[float]]) -> dict[str, list[float]]:
+        cfg = self.settings
+        out = {}
+        for which, p in prior.items():
             floor = [0.0] + [v * cfg.min_slope_share for v in p[1:]]
             if which == PREFILL:
                 floor[1] = max(floor[1], 1e3 / cfg.max_prefill_tokens_per_s)
                 floor[3] = max(floor[3], 1e3 / cfg.max_prefill_tokens_per_s)
             else:
                 floor[0] = max(p[0] * cfg.min_slope_share, cfg.min_step_s)
+            out[which] = floor
+        return out
+
+    def _group_theta(self, st: _Worker) -> dict[str, list[float]] | None:
+        """The pooled fit of ``st``'s group (all members' own and shared statistics), cached."""
+        g = self._groups.get(st.group) if st.group is not None else None
+        if g is None or len(g.members) < 2:
+            return None
+        if g.theta is None:
+            prior = self._prior(st)
+            floors = self._floors(prior)
+            members = [self._w[m] for m in sorted(g.members) if m in self._w]
+            g.theta = {}
+            for which, k in ((PREFILL, 4), (DECODE, 3)):
+                fits = [f for m in members for f in (m.fits[which], *(o[which] for _, o in sorted(m.others.items())))]
+                g.theta[which] = Fit(k).solve(prior[which], self.settings.prior_weight, floors[which], fits)
+        return g.theta
+
+    def _solve(self, st: _Worker) -> CostModel:
+        cfg = self.settings
+        prior = self._prior(st)
+        floors = self._floors(prior)
+        pooled = self._group_theta(st)
+        theta = {}
+        for which in (PREFILL, DECODE):
             extra = [f[which] for _, f in sorted(st.others.items())]
-            theta[which] = st.fits[which].solve(p, cfg.prior_weight, floor, extra)
-        return to_cost(st.prior, theta)
+            if pooled is not None:  # shrink towards the group, itself fitted from the prior
+                theta[which] = st.fits[which].solve(pooled[which], cfg.group_weight, floors[which], extra, scaled=False)
+            else:
+                theta[which] = st.fits[which].solve(prior[which], cfg.prior_weight, floors[which], extra)
+        own = to_cost(st.prior, theta)
+        if pooled is None:
+            return own
+        group = to_cost(st.prior, pooled)
+        off = max(abs(own.first_token_s(t) / group.first_token_s(t) - 1.0) for t in REFERENCE_PROMPTS)
+        off = max(off, abs(own.step_s(*REFERENCE_BATCH) / group.step_s(*REFERENCE_BATCH) - 1.0))
+        return own if off > cfg.group_deviation else group
 
 
 def calibrated_prior(base: CostModel, ttft_s: float, tpot_s: float, prompt_tokens: int) -> CostModel:

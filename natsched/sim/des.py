@@ -125,10 +125,12 @@ def make_router(settings: SimSettings, block_size: int) -> RouterCore:
 
 
 class _Worker:
-    __slots__ = ("id", "engine", "core", "backoff", "state", "stepping", "hb_seq", "kv_seq", "busy_window")
+    __slots__ = ("id", "engine", "core", "backoff", "state", "stepping", "hb_seq", "kv_seq", "busy_window",
+                 "deployment")
 
-    def __init__(self, wid: WorkerId, engine: SimEngine, backoff) -> None:
+    def __init__(self, wid: WorkerId, engine: SimEngine, backoff, deployment: str | None = None) -> None:
         self.id = wid
+        self.deployment = deployment  # its engine profile: what a real worker's calibration key names
         self.engine = engine  # stats() only: the heartbeat reports what a live SimEngine would
         self.core: SimCore = engine.core  # stepped by the simulator's clock
         self.backoff = backoff
@@ -187,7 +189,7 @@ class Simulator:
                                max_num_seqs=s.max_num_seqs, max_model_len=1 << 62,  # checked here (SimSettings)
                                host_blocks=s.host_blocks, host_bandwidth=s.host_bandwidth)
             backoff = BackoffMonitor() if s.worker_backoff and BackoffMonitor is not None else None
-            self.workers[wid] = _Worker(wid, engine, backoff)
+            self.workers[wid] = _Worker(wid, engine, backoff, s.profile_of(i))
         self.t0 = s.warmup_s  # virtual time of the trace's first arrival
         self.records = [
             RequestRecord(index=r.index, arrival=self.t0 + r.arrival, prompt_tokens=max(1, r.input_length),
@@ -489,7 +491,7 @@ class Simulator:
             kv_total_blocks=st.kv_total_blocks, runtime_tokens=st.runtime_tokens,
             capacity_tokens=st.capacity_tokens, queued_prefill_tokens=st.queued_prefill_tokens,
             block_size=self.block_size, started_at=0.0, interval=self.settings.hb_interval, kv_seq=w.kv_seq,
-            inflight=list(w.core.seqs),
+            inflight=list(w.core.seqs), deployment=w.deployment,
         )
         self._send(now, self.router.on_heartbeat, hb)
 
