@@ -60,7 +60,7 @@ async def test_two_routers_converge_on_the_same_coefficients(bus, routers):
     assert a.prefill_tokens_per_s == pytest.approx(b.prefill_tokens_per_s, rel=1e-9)
     assert a.decode_step_s == pytest.approx(b.decode_step_s, rel=1e-9)
     assert a.prefill_tokens_per_s < ra.core.settings.cost.prefill_tokens_per_s / 2  # it learned "slow"
-    rec = orjson.loads((await bus.kv_get(S.BUCKET_WORKERS, S.cost_key("w1", ra.instance)))[0])
+    rec = orjson.loads((await bus.kv(S.BUCKET_WORKERS).get(S.cost_key("w1", ra.instance)))[0])
     assert rec["health"] == "healthy" and rec["samples"] > 0 and rec["estimate"]["prefill_tokens_per_s"] > 0
 
 
