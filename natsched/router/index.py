@@ -63,6 +63,20 @@ class IndexSettings:
             raise ConfigError("index: max_entries, approx_ttl_s, min_prefix_blocks, removed_log_entries must be positive")
 
 
+def _claim_chain(entries: OrderedDict, hashes: Sequence[int], w: WorkerId, claim: float,
+                 keep: float | None = None) -> None:
+    """Set ``w``'s claim on every block of a chain, leaf first: the shared root ends most recently
+    used. A claim equal to ``keep`` (a stronger one) is left as it is."""
+    for h in reversed(hashes):
+        claims = entries.get(h)
+        if claims is None:
+            entries[h] = {w: claim}
+        else:
+            entries.move_to_end(h)
+            if keep is None or claims.get(w) != keep:
+                claims[w] = claim
+
+
 class PrefixIndex:
     """Block hash -> {worker: claim}; answers "how many leading blocks does each worker hold"."""
 
@@ -125,14 +139,7 @@ class PrefixIndex:
         if ev.kind in ("snapshot", "cleared"):
             self._host_epoch[w] = self._host_epoch.get(w, 0) + 1
         if ev.kind in ("snapshot", "stored"):
-            epoch = self._host_epoch.get(w, 0)
-            for h in reversed(ev.hashes):
-                claims = host.get(h)
-                if claims is None:
-                    host[h] = {w: epoch}
-                else:
-                    host.move_to_end(h)
-                    claims[w] = epoch
+            _claim_chain(host, ev.hashes, w, self._host_epoch.get(w, 0))
             while len(host) > self.settings.max_entries:
                 host.popitem(last=False)
         elif ev.kind == "removed":
@@ -163,15 +170,7 @@ class PrefixIndex:
             log.warning("index: worker %s sent unknown cache event kind %r (ignored)", w, ev.kind)
 
     def _store(self, w: WorkerId, hashes: Sequence[int]) -> None:
-        claim = -(self._epoch.get(w, 0) + 1)
-        entries = self._entries
-        for h in reversed(hashes):  # leaf first: the shared root ends most recently used
-            claims = entries.get(h)
-            if claims is None:
-                entries[h] = {w: claim}
-            else:
-                entries.move_to_end(h)
-                claims[w] = claim
+        _claim_chain(self._entries, hashes, w, -(self._epoch.get(w, 0) + 1))
         self._trim()
 
     # ------------------------------------------------------------------ routing decisions
@@ -182,16 +181,8 @@ class PrefixIndex:
             return
         if now < 0:
             raise ConfigError("router time must be >= 0 (approximate claims are timestamps)")
-        precise = -(self._epoch.get(w, 0) + 1)
-        entries = self._entries
-        for h in reversed(hashes):
-            claims = entries.get(h)
-            if claims is None:
-                entries[h] = {w: now}
-            else:
-                entries.move_to_end(h)
-                if claims.get(w) != precise:  # a precise claim is stronger: keep it
-                    claims[w] = now
+        # a precise claim is stronger: keep it
+        _claim_chain(self._entries, hashes, w, now, keep=-(self._epoch.get(w, 0) + 1))
         self._trim()
 
     def _trim(self) -> None:

@@ -195,14 +195,13 @@ def host_core(host_blocks: int = 64, kv_blocks: int = 12) -> SimCore:
 
 
 def run_host(core: SimCore, now: float = 0.0):
-    host_stored, host_removed, finished = [], [], []
+    """Step until idle; return (finished seqs, end time, host-tier stores, host-tier evictions)."""
+    results = []
     while core.has_work():
-        r = core.step(now)
-        now += r.duration
-        host_stored += r.host_stored
-        host_removed += r.host_removed
-        finished += r.finished
-    return finished, now, host_stored, host_removed
+        results.append(core.step(now))
+        now += results[-1].duration
+    return ([s for r in results for s in r.finished], now, [h for r in results for h in r.host_stored],
+            [h for r in results for h in r.host_removed])
 
 
 def test_gpu_evictions_go_to_the_host_tier_and_come_back_cheaper_than_a_recompute():
