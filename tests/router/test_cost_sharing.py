@@ -35,6 +35,8 @@ def serve(svc: RouterService, n: int, slow: float, start: int) -> None:
     """Route ``n`` requests through ``svc`` and complete them as a worker ``slow`` x the fixed model would."""
     base = svc.core.settings.cost
     for i in range(n):
+        # the worker's heartbeat between requests: nothing queued (each finished before the next)
+        svc.core.on_heartbeat(make_heartbeat("w1", seq=start + i + 2, interval=1.0), time.time())
         req = make_request(id=f"{svc.settings.name}-{start + i}", prompt_token_ids=list(range(64 * (1 + i % 8))),
                            max_tokens=8)
         r = svc.decide(Admitted(request=req, runtime_tokens=600, admitted_at=time.time()))
