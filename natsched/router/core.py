@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 from natsched.wire.schema import CacheEvent, Completion, CompletionStatus, Heartbeat, RequestId, WorkerId
 from natsched.router.costmodel import CostModel
-from natsched.router.deps import PolicyDeps, cached_tokens
+from natsched.router.deps import PolicyDeps, build_params, cached_tokens
 from natsched.router.errors import ConfigError
 from natsched.router.feedback import ClaimTracker, FeedbackSettings
 from natsched.router.health import HealthSettings, LatencyHealth, completion_ratio
@@ -282,6 +282,18 @@ class RouterCore:
         policy = make_policy(name, self.deps, weights)
         log.info("routing policy %s -> %s (weights %s)", self.policy.name, name, dict(weights or {}))
         self.policy = policy
+
+    def set_learning(self, learn: Mapping[str, Any] | None = None, health: Mapping[str, Any] | None = None) -> None:
+        """Replace the learned cost model's and the health rule's settings (fields not named keep
+        their defaults); raises ConfigError and keeps the old ones on error. What was learned stays."""
+        new_learn = build_params(LearnSettings, learn, "learn") if learn is not None else None
+        new_health = build_params(HealthSettings, health, "health") if health is not None else None
+        if new_learn is not None:
+            self.costs.reconfigure(new_learn)
+            log.info("learned cost settings %s", dict(learn))
+        if new_health is not None:
+            self.health.settings = new_health
+            log.info("health settings %s", dict(health))
 
     def set_canary(self, name: str | None, share: float = 0.0, weights: Mapping[str, Any] | None = None) -> None:
         """Let policy ``name`` decide ``share`` (0..1) of requests; ``None`` or 0 removes it."""

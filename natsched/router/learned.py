@@ -356,6 +356,14 @@ class CostBook:
         st = self._state(w)
         st.prior, st.source, st.cost = prior, source, None
 
+    def reconfigure(self, settings: LearnSettings) -> None:
+        """New settings from now on (``natsched route set --learn``); the statistics are kept."""
+        self.settings = settings
+        for g in self._groups.values():
+            self._invalidate(g)
+        for st in self._w.values():
+            st.cost = None
+
     def set_group(self, w: str, group: str | None) -> None:
         """Pool ``w`` with the other workers of ``group`` (its model and deployment); None: alone."""
         st = self._state(w)

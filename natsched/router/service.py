@@ -108,7 +108,7 @@ class RouterService:
         log.info("router ready (policy %s)", self.core.policy.name)
 
     def apply_config(self, raw: bytes) -> bool:
-        """Apply ``{"policy", "weights", "canary", "canary_share"}`` from the config bucket.
+        """Apply ``{"policy", "weights", "canary", "canary_share", "learn", "health"}`` from the config bucket.
 
         A value that cannot be used is logged and ignored: the running policy stays.
         """
@@ -123,6 +123,8 @@ class RouterService:
                 canary = cfg["canary"]
                 self.core.set_canary(canary, float(cfg.get("canary_share", 0.0)),
                                      weights.get(canary) if canary else None)
+            if cfg.get("learn") is not None or cfg.get("health") is not None:
+                self.core.set_learning(cfg.get("learn"), cfg.get("health"))
         except (orjson.JSONDecodeError, ConfigError, TypeError, ValueError, AttributeError) as exc:
             log.error("ignoring router config %r: %s; keeping policy %s", raw[:120], exc, self.core.policy.name)
             self.metrics.config_errors.inc()

@@ -87,3 +87,15 @@ async def test_bad_completions_are_refused_counted_and_exported_as_metrics(route
     ra._count_refused()
     assert ra.metrics.cost_refused.labels("bad_ttft")._value.get() == 1
     assert ra.core.costs.of("w1") == learned
+
+
+async def test_learning_and_health_settings_change_live_and_bad_ones_are_refused(routers):
+    ra, _ = routers
+    assert ra.apply_config(orjson.dumps({"policy": "least_loaded", "learn": {"tau_s": 30.0},
+                                         "health": {"slow_factor": 3.0, "recover_factor": 2.0}}))
+    assert ra.core.costs.settings.tau_s == 30.0 and ra.core.health.settings.slow_factor == 3.0
+    for bad in ({"learn": {"tau_s": -1}}, {"learn": {"nope": 1}}, {"health": {"slow_factor": "fast"}},
+                {"health": {"recover_factor": 5.0}}):
+        assert not ra.apply_config(orjson.dumps({"policy": "least_loaded", **bad}))
+    assert ra.core.costs.settings.tau_s == 30.0 and ra.core.health.settings.slow_factor == 3.0  # kept
+    assert ra.metrics.config_errors._value.get() == 4
