@@ -13,6 +13,12 @@ For each candidate worker ``w`` (lower score wins)::
              - warm-up     (w joined less than warmup_s ago)
              - home        (optional: w owns the prefix's route key on a bounded-load hash ring)
 
+Every "seconds" above is the candidate's own: its learned cost model (``deps.costs.of(w)``,
+:mod:`natsched.router.learned`), so a slower GPU or a larger model costs what it really costs;
+``own`` includes its first-token overhead, and a prefix that continues in its *host* KV tier is
+priced at the transfer time instead of a recompute (``host_tokens`` in the terms). The audit
+terms name the estimate used (``cost_learned``, ``cost_samples``, ``cost_prefill_tps``, ...).
+
 Choices, and why (numbers: `natsched bench routing` on the Mooncake synthetic trace, 8 workers,
 ~80 % busy, and a generated chat/document trace with another sharing structure):
 
