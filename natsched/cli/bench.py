@@ -146,13 +146,18 @@ def _cmd_scale(args) -> int:
                                                     duration_s=args.duration, seed=args.seed,
                                                     kill_coordinator_at=args.duration / 2), sys.stderr)
     print(scale_table(report))
-    if args.json is not None:
+    return _write_json(args.json, report)
+
+
+def _write_json(path: Path | None, report) -> int:
+    """Write a benchmark's JSON report when ``--json`` asked for it: 0, or 1 with a message."""
+    if path is not None:
         try:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
         except OSError as exc:
-            return _fail(f"cannot write {args.json}: {exc.strerror or exc}")
-        print(f"wrote {args.json}", file=sys.stderr)
+            return _fail(f"cannot write {path}: {exc.strerror or exc}")
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -211,14 +216,7 @@ def _cmd_health(args) -> int:
     except SimError as exc:
         return _fail(str(exc))
     print(format_health(report))
-    if args.json is not None:
-        try:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
-        except OSError as exc:
-            return _fail(f"cannot write output: {exc}")
-        print(f"wrote {args.json}", file=sys.stderr)
-    return 0
+    return _write_json(args.json, report)
 
 
 def _add_pipeline_parser(bsub) -> None:
