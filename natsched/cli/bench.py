@@ -83,6 +83,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from natsched.sim.bench_admission import add_admission_parser
 
     add_admission_parser(bsub)
+    from natsched.sim.bench_scenarios import add_scenarios_parser
+
+    add_scenarios_parser(bsub)
     ss = bsub.add_parser("shared-state", help="cost of the admitters' compare-and-swap on the shared usage",
                          description="Replicas commit one-token reservations by KV compare-and-swap as fast as "
                                      "they can; prints commits/s, lost races per commit and lost updates.")
@@ -147,6 +150,10 @@ def cmd_bench(args) -> int:
         return _cmd_pipeline(args)
     if name == "shared-state":
         return _cmd_shared(args)
+    if name == "scenarios":
+        from natsched.sim.bench_scenarios import cmd_scenarios
+
+        return cmd_scenarios(args)
     if name == "admission":
         from natsched.sim.bench_admission import run_admission
 
