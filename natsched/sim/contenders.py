@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
+from natsched.admitter.offline import IdleGate, OfflineSettings
 from natsched.admitter.policy import ALLOW as A_ALLOW, DEGRADE, QUEUE as A_QUEUE, AdmissionSettings, AdmitterCore
 from natsched.admitter.quotas import Quotas, TenantQuota
 from natsched.sim.admission import ALLOW, QUEUE, REJECT, AllowAll
@@ -57,8 +58,10 @@ class NatschedGate:
     name = "natsched"
     tick_s = 0.25
 
-    def __init__(self, tenants: dict[str, tuple[float, float]] | None = None) -> None:
+    def __init__(self, tenants: dict[str, tuple[float, float]] | None = None,
+                 slo_ttft_s: dict[str, float] | None = None) -> None:
         self.tenants = tenants or {}
+        self.slo_ttft_s = dict(slo_ttft_s or {})  # the operator's promise, as the admitter is configured
         self.core: AdmitterCore | None = None
         self.dynamic = DynamicTotal(DynamicTotalSettings())
         self.degraded: set[int] = set()
@@ -67,13 +70,16 @@ class NatschedGate:
         self._parked: list[tuple[TraceRequest, Request, int]] = []  # degraded, for the offline path
         self._expired: list[tuple[TraceRequest, float | None]] = []
         self._next_dynamic = 0.0
+        self._next_offline = 0.0
 
     def bind(self, sim) -> None:
         self.sim = sim
         cap = self._capacity()
-        settings = AdmissionSettings(default_total=cap, max_prompt_tokens=1 << 20, max_output_tokens=1 << 20)
+        settings = AdmissionSettings(default_total=cap, max_prompt_tokens=1 << 20, max_output_tokens=1 << 20,
+                                     slo_ttft_s=self.slo_ttft_s)
         quotas = Quotas(total=cap, tenants={n: TenantQuota(f, w) for n, (f, w) in self.tenants.items()})
         self.core = AdmitterCore(settings, quotas)
+        self.offline = IdleGate(OfflineSettings(admission=settings))
 
     def _capacity(self) -> int:
         return sum(w.core.kv_blocks * w.core.block_size for w in self.sim.live_workers())
@@ -117,15 +123,31 @@ class NatschedGate:
             if d.decision == A_ALLOW:
                 self._held[req.id] = (req, wire, d.runtime_tokens)
                 out.append(req)
+            elif d.decision == DEGRADE:  # past its SLO: the offline path runs it later
+                self.degraded.add(req.index)
+                self._parked.append((req, wire, d.runtime_tokens))
             else:
                 self._expired.append((req, d.retry_after))
+        out += self._offline(now)
+        return out
+
+    def _offline(self, now: float) -> list[TraceRequest]:
+        """The offline runner's rule (the shipped :class:`natsched.admitter.offline.IdleGate`): parked
+        work runs, oldest first, while the usage stays under its low watermark of the total."""
+        if not self._parked or now < self._next_offline:
+            return []
+        self._next_offline = now + self.offline.settings.poll_s
         core = self.core
-        room = core.settings.degrade_watermark * core.total
-        while self._parked and not core.queued() and core.used + self._parked[0][2] <= room:
-            req, wire, cost = self._parked.pop(0)  # the offline runner: when the cluster has room
-            core.usage = core.usage.plus(wire.tenant, wire.model, cost, core.is_long(cost))
+        plan = self.offline.plan(core.usage, core.quotas, core.total, [w for _, w, _ in self._parked[:256]])
+        out = []
+        for i, cost in plan.takes:
+            req, wire, _ = self._parked[i]
             self._held[req.id] = (req, wire, cost)
             out.append(req)
+        if plan.usage is not None:
+            core.usage = plan.usage
+        taken = {i for i, _ in plan.takes}
+        self._parked = [p for i, p in enumerate(self._parked) if i not in taken]
         return out
 
     def expired(self, now: float) -> list[tuple[TraceRequest, float | None]]:
@@ -331,19 +353,19 @@ class SmgGate:
 class Contender:
     name: str
     policy: str  # routing policy (natsched.router.policies.POLICIES)
-    gate: Callable[[dict], object] | None  # tenants -> admission hook; None: no admission
+    gate: Callable[[dict, dict], object] | None  # (tenants, SLOs) -> admission hook; None: no admission
     rescue: bool = False  # re-routes a dead worker's requests itself
     doc: str = ""
 
 
 CONTENDERS: dict[str, Contender] = {c.name: c for c in (
-    Contender("natsched", "natsched", lambda t: NatschedGate(t), True, "AdmitterCore + natsched routing"),
+    Contender("natsched", "natsched", lambda t, slo: NatschedGate(t, slo), True, "AdmitterCore + natsched routing"),
     Contender("natsched-noadmit", "natsched", None, False, "natsched routing, no admission"),
     Contender("sglang", "sglang_cache_aware", None, False, "SGLang router cache_aware, no admission (default)"),
-    Contender("smg-priority", "sglang_cache_aware", lambda t: SmgGate(t), False,
+    Contender("smg-priority", "sglang_cache_aware", lambda t, slo: SmgGate(t), False,
               "SGLang model gateway priority scheduler with tenant reservations"),
-    Contender("dynamo", "dynamo_kv", lambda t: DynamoGate(), False, "Dynamo KV router + busy-threshold rejection"),
-    Contender("llm-d", "llmd_affinity", lambda t: LlmdFlowGate(), False,
+    Contender("dynamo", "dynamo_kv", lambda t, slo: DynamoGate(), False, "Dynamo KV router + busy-threshold rejection"),
+    Contender("llm-d", "llmd_affinity", lambda t, slo: LlmdFlowGate(), False,
               "llm-d default profile + flow control"),
     Contender("vllm-router", "vllm_smetric", None, False, "vllm-project/router smetric, no admission"),
     Contender("production-stack", "round_robin", None, False, "vLLM production-stack router default, no admission"),
@@ -351,5 +373,5 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in (
 )}
 
 
-def make_gate(c: Contender, tenants: dict[str, tuple[float, float]]):
-    return c.gate(tenants) if c.gate is not None else AllowAll()
+def make_gate(c: Contender, tenants: dict[str, tuple[float, float]], slo_ttft_s: dict[str, float] | None = None):
+    return c.gate(tenants, slo_ttft_s or {}) if c.gate is not None else AllowAll()

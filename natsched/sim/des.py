@@ -232,6 +232,7 @@ class SimResult:
     preemptions: int
     wall_s: float
     backoff_changes: int = 0
+    utilisation: float = 0.0  # mean over heartbeats in the arrival window of max(KV used, batch slots used)
 
     def metrics(self) -> dict:
         return summarize(self.records, self.busy_time, self.busy_window, self.window)
@@ -265,7 +266,8 @@ class Simulator:
         self.t0 = s.warmup_s  # virtual time of the trace's first arrival
         self.records = [
             RequestRecord(index=r.index, arrival=self.t0 + r.arrival, prompt_tokens=max(1, r.input_length),
-                          output_tokens=max(1, r.output_length), first_block=r.hashes[0] if r.hashes else None)
+                          output_tokens=max(1, r.output_length), first_block=r.hashes[0] if r.hashes else None,
+                          tenant=r.tenant or s.tenant, cls=r.cls or s.cls)
             for r in trace.requests
         ]
         self._route_reqs: dict[int, RouteRequest] = {}
@@ -279,6 +281,8 @@ class Simulator:
         self._steps = 0
         self._end = 0.0
         self.backoff_changes = 0  # healthy <-> backoff transitions announced by workers
+        self._util_sum = 0.0  # utilisation samples (one per heartbeat inside the arrival window)
+        self._util_n = 0
         self._active = 0  # queued events that are not periodic (arrivals, steps, retries, messages)
         self._last_active = 0.0
 
@@ -385,6 +389,7 @@ class Simulator:
             preemptions=sum(w.core.preemptions for w in self.workers.values()),
             backoff_changes=self.backoff_changes,
             wall_s=time.perf_counter() - started,
+            utilisation=self._util_sum / self._util_n if self._util_n else 0.0,
         )
 
     def _stalled(self, now: float) -> None:
@@ -644,6 +649,10 @@ class Simulator:
     def _heartbeat(self, w: _Worker, now: float) -> None:
         """WorkerAgent._heartbeat: engine stats, the backoff rule, then the message."""
         st = w.engine.stats()
+        if self._window_start <= now <= self._window_end:
+            core = w.core
+            self._util_sum += max(core.used_blocks / core.kv_blocks, len(core.running) / core.max_num_seqs)
+            self._util_n += 1
         if w.backoff is not None:
             active = w.backoff.update(st, now)
             if active != (w.state == "backoff"):
