@@ -23,7 +23,7 @@ The scenario suite (:mod:`natsched.sim.scenarios`) adds what a changing cluster 
   unequal machines serving several models;
 - ``events``: :class:`WorkerEvent` s at fixed virtual times — ``add`` a cold worker, ``kill`` one
   (its unfinished requests are lost on it), ``slow`` one to a share of its speed for a while (a
-  noisy neighbour: its profile's compute and bandwidth scaled, so every step takes longer);
+  noisy neighbour: ``SimCore.set_speed``, every step takes 1 / factor as long);
 - what happens to a killed worker's requests: with ``rescue_s`` set, the scheduler re-routes them
   itself that long after the death (natsched's admitter rescue: the reservation stays held, the
   dead worker is avoided); without it, the client sees an error and retries;
@@ -31,6 +31,11 @@ The scenario suite (:mod:`natsched.sim.scenarios`) adds what a changing cluster 
   come back after the client's backoff — ``retry_after`` when the refusal carries one, else the
   OpenAI SDK's exponential backoff (:class:`ClientRetry`) — until its retries run out. So a retry
   storm can happen: every refusal returns as more load a second or two later.
+
+Clusters need not be uniform: ``worker_profiles`` gives each worker its engine profile (in turn),
+``host_blocks`` / ``host_bandwidth`` give every engine a host KV tier (its changes are published
+as cache events with ``tier = "host"``), and ``speed_events`` change a worker's speed while the
+run goes on (``(seconds after the first arrival, worker index, speed)``; 1.0 nominal).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 # event kinds; the periodic ones (heartbeats, ticks) come last
-_ARRIVE, _STEP_END, _RETRY, _DELIVER, _WORKER_EVENT, _HEARTBEAT, _ADMIT_TICK, _ROUTER_TICK = range(8)
+_ARRIVE, _STEP_END, _RETRY, _DELIVER, _WORKER_EVENT, _SPEED, _HEARTBEAT, _ADMIT_TICK, _ROUTER_TICK = range(9)
 EVENT_KINDS = ("add", "kill", "slow")
 _PERIODIC = _HEARTBEAT  # kinds >= this recur forever; the others are "activity"
 
@@ -129,12 +134,6 @@ class ClientRetry:
         return sleep * (1.0 - self.jitter * rng.random())
 
 
-def slowed(profile: EngineProfile, factor: float) -> EngineProfile:
-    """``profile`` running at ``factor`` of its speed: every step takes 1 / factor as long."""
-    return dataclasses.replace(profile, peak_flops=profile.peak_flops * factor, bandwidth=profile.bandwidth * factor,
-                               step_overhead_s=profile.step_overhead_s / factor)
-
-
 @dataclass
 class SimSettings:
     workers: int = 8
@@ -160,6 +159,10 @@ class SimSettings:
     client_retry: ClientRetry | None = None  # None: a refusal is final
     rescue_s: float | None = None  # re-route a dead worker's requests after this long (None: the client's error)
     seed: int = 0  # the clients' retry jitter
+    worker_profiles: list[str] | None = None  # per worker, in turn (a mixed cluster); None: ``profile``
+    host_blocks: int = 0  # host-tier KV blocks per engine (0: no host tier)
+    host_bandwidth: float = 0.0  # bytes/s from the host tier into GPU memory
+    speed_events: list[tuple[float, int, float]] = field(default_factory=list)  # (t after first arrival, worker, speed)
 
     def __post_init__(self) -> None:
         if self.worker_specs is not None:
@@ -179,9 +182,21 @@ class SimSettings:
         if self.net_delay_s < 0 or self.route_retry_s <= 0 or self.no_worker_wait_s < 0 or self.router_tick_s <= 0:
             raise SimConfigError("net_delay_s and no_worker_wait_s must be >= 0, route_retry_s and router_tick_s > 0")
         try:
-            get_profile(self.profile)
+            for name in [self.profile, *(self.worker_profiles or [])]:
+                get_profile(name)
         except ValueError as exc:
             raise SimConfigError(str(exc)) from None
+        if self.worker_profiles is not None and not self.worker_profiles:
+            raise SimConfigError("worker_profiles must name at least one profile (or be left out)")
+        if self.host_blocks < 0 or (self.host_blocks and self.host_bandwidth <= 0):
+            raise SimConfigError("host_blocks must be >= 0, and host_bandwidth > 0 with a host tier")
+        for ev in self.speed_events:
+            if len(ev) != 3 or not 0 <= int(ev[1]) < self.workers or not ev[2] > 0 or ev[0] < 0:
+                raise SimConfigError(f"speed event {ev!r}: (t >= 0, worker index < workers, speed > 0)")
+
+    def profile_of(self, i: int) -> str:
+        """The engine profile of worker ``i``."""
+        return self.worker_profiles[i % len(self.worker_profiles)] if self.worker_profiles else self.profile
 
 
 def make_router(settings: SimSettings, block_size: int) -> RouterCore:
@@ -199,13 +214,12 @@ def make_router(settings: SimSettings, block_size: int) -> RouterCore:
 
 class _Worker:
     __slots__ = ("id", "engine", "core", "backoff", "state", "stepping", "hb_seq", "kv_seq", "busy_window",
-                 "model", "alive", "base_profile", "joined")
+                 "model", "alive", "joined")
 
     def __init__(self, wid: WorkerId, engine: SimEngine, backoff, model: str = "default", joined: float = 0.0) -> None:
         self.id = wid
         self.model = model
         self.alive = True
-        self.base_profile = engine.core.profile
         self.joined = joined
         self.engine = engine  # stats() only: the heartbeat reports what a live SimEngine would
         self.core: SimCore = engine.core  # stepped by the simulator's clock
@@ -233,6 +247,8 @@ class SimResult:
     wall_s: float
     backoff_changes: int = 0
     utilisation: float = 0.0  # mean over heartbeats in the arrival window of max(KV used, batch slots used)
+    predictions: dict = field(default_factory=dict)  # RouterCore.predictions (keep_predictions > 0)
+    health_changes: list = field(default_factory=list)  # (t, worker, state) of the router's health
 
     def metrics(self) -> dict:
         return summarize(self.records, self.busy_time, self.busy_window, self.window)
@@ -256,8 +272,8 @@ class Simulator:
         self.router = router or make_router(s, self.block_size)
         self.admission = admission or AllowAll()
         self.progress = progress
-        specs = s.worker_specs or tuple(WorkerSpec(self.profile, s.model, s.kv_blocks, s.max_num_seqs)
-                                        for _ in range(s.workers))
+        specs = s.worker_specs or tuple(WorkerSpec(s.profile_of(i), s.model, s.kv_blocks, s.max_num_seqs)
+                                        for i in range(s.workers))
         added = sum(1 for e in s.events if e.kind == "add")
         self._width = len(str(len(specs) + added - 1))
         self.workers: dict[WorkerId, _Worker] = {}
@@ -292,7 +308,8 @@ class Simulator:
         engine = SimEngine(spec.engine_profile(), self.block_size,
                            kv_blocks=spec.kv_blocks if spec.kv_blocks is not None else s.kv_blocks,
                            max_num_seqs=spec.max_num_seqs if spec.max_num_seqs is not None else s.max_num_seqs,
-                           max_model_len=1 << 62)  # max_model_len is checked here (SimSettings)
+                           max_model_len=1 << 62,  # max_model_len is checked here (SimSettings)
+                           host_blocks=s.host_blocks, host_bandwidth=s.host_bandwidth)
         backoff = BackoffMonitor() if s.worker_backoff and BackoffMonitor is not None else None
         w = self.workers[wid] = _Worker(wid, engine, backoff, spec.model, now)
         return w
@@ -321,7 +338,7 @@ class Simulator:
         n_workers = len(self.workers)
         for i, w in enumerate(self.workers.values()):
             # WorkerAgent.start(): a cache snapshot, then a heartbeat; then one every interval (staggered)
-            self._publish_cache(w, "snapshot", w.core.cached_hashes(), 0.0)
+            self._snapshot(w, 0.0)
             self._heartbeat(w, 0.0)
             self._push(s.hb_interval * (1.0 + i / n_workers), _HEARTBEAT, w)
         for r in self.trace.requests:
@@ -331,6 +348,9 @@ class Simulator:
         bind = getattr(self.admission, "bind", None)
         if bind is not None:
             bind(self)
+        ids = list(self.workers)
+        for t, i, speed in s.speed_events:
+            self._push(self.t0 + t, _SPEED, self.workers[ids[int(i)]], float(speed))
         tick = self.admission.tick_s
         if tick:
             self._push(tick, _ADMIT_TICK)
@@ -361,6 +381,8 @@ class Simulator:
                 self._worker_event(a, now)
             elif kind == _DELIVER:
                 a(*b, now)
+            elif kind == _SPEED:
+                a.core.set_speed(b)
             elif kind == _RETRY:
                 self._route(a, now)
             elif kind == _ROUTER_TICK:
@@ -390,6 +412,8 @@ class Simulator:
             backoff_changes=self.backoff_changes,
             wall_s=time.perf_counter() - started,
             utilisation=self._util_sum / self._util_n if self._util_n else 0.0,
+            predictions={w: list(v) for w, v in getattr(self.router, "predictions", {}).items()},
+            health_changes=list(getattr(getattr(self.router, "health", None), "transitions", ())),
         )
 
     def _stalled(self, now: float) -> None:
@@ -463,14 +487,16 @@ class Simulator:
         self._route(req, now)
 
     def _fits(self, prompt: int, output: int, model: str | None = None) -> bool:
-        """Whether one engine (of the model) can ever run it alone (vLLM and SimEngine refuse it up front)."""
+        """Whether the engines of the model can run it alone (vLLM and SimEngine refuse it up front); in a
+        mixed cluster it must fit on every one of them (the router may pick any)."""
         cores = [w.core for w in self.workers.values() if model is None or w.model == model] or [
-            next(iter(self.workers.values())).core]
+            w.core for w in self.workers.values()]
         for core in cores:
             fits = getattr(core, "fits", None)
-            if fits(prompt, output) if fits is not None else -(-(prompt + output) // self.block_size) <= core.kv_blocks:
-                return True
-        return False
+            ok = fits(prompt, output) if fits is not None else -(-(prompt + output) // self.block_size) <= core.kv_blocks
+            if not ok:
+                return False
+        return True
 
     def _route(self, req: TraceRequest, now: float) -> None:
         rr = self._route_reqs[req.index]
@@ -535,6 +561,10 @@ class Simulator:
             self._publish_cache(w, "removed", res.removed, now)
         if res.stored:
             self._publish_cache(w, "stored", res.stored, now)
+        if res.host_removed:
+            self._publish_cache(w, "removed", res.host_removed, now, "host")
+        if res.host_stored:
+            self._publish_cache(w, "stored", res.host_stored, now, "host")
         for seq in res.finished:
             self._finish(w, seq, now)
         if w.core.has_work():
@@ -578,9 +608,9 @@ class Simulator:
             if ev.kind == "kill":
                 self._kill(w, now)
             elif ev.factor == 1.0:  # the end of a slowdown
-                w.core.profile = w.base_profile
+                w.core.set_speed(1.0)
             else:
-                w.core.profile = slowed(w.base_profile, ev.factor)
+                w.core.set_speed(ev.factor)  # the engines' own speed factor (SimCore.set_speed)
                 log.info("worker %s slowed to %.0f%% at t=%.1f", w.id, 100 * ev.factor, now)
                 if ev.duration_s is not None:
                     back = dataclasses.replace(ev, at=ev.at + ev.duration_s, factor=1.0, duration_s=None)
@@ -620,15 +650,22 @@ class Simulator:
         self._refuse(req, None, "worker_lost", now, status="failed")
 
     # ------------------------------------------------------------------ reports
-    def _publish_cache(self, w: _Worker, kind: str, hashes: list[int], now: float) -> None:
+    def _publish_cache(self, w: _Worker, kind: str, hashes: list[int], now: float, tier: str | None = None) -> None:
         w.kv_seq += 1
-        ev = CacheEvent(worker=w.id, seq=w.kv_seq, kind=kind, ts=now, hashes=list(hashes), block_size=self.block_size)
+        ev = CacheEvent(worker=w.id, seq=w.kv_seq, kind=kind, ts=now, hashes=list(hashes), block_size=self.block_size,
+                        tier=tier)
         self._send(now, self._deliver_cache_event, w, ev)
+
+    def _snapshot(self, w: _Worker, now: float) -> None:
+        """A GPU snapshot, then (with a host tier) the host tier's: what the agent publishes."""
+        self._publish_cache(w, "snapshot", w.core.cached_hashes(), now)
+        if w.core.host_blocks:
+            self._publish_cache(w, "snapshot", list(w.core.host), now, "host")
 
     def _deliver_cache_event(self, w: _Worker, ev: CacheEvent, now: float) -> None:
         if not self.router.on_cache_event(ev, now):
             # the router service answers a gap with Control(snapshot); the agent then publishes one
-            self._publish_cache(w, "snapshot", w.core.cached_hashes(), now)
+            self._snapshot(w, now)
 
     def _deliver_completion(self, c: Completion, now: float) -> None:
         self.router.on_completion(c, now)

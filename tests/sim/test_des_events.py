@@ -9,7 +9,7 @@ import pytest
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.policy import RouteDecision
 from natsched.sim.admission import ALLOW, REJECT
-from natsched.sim.des import ClientRetry, SimSettings, Simulator, WorkerEvent, WorkerSpec, simulate, slowed
+from natsched.sim.des import ClientRetry, SimSettings, Simulator, WorkerEvent, WorkerSpec, simulate
 from natsched.sim.errors import SimConfigError
 from natsched.workers.profiles import H100_LLAMA8B
 from tests.factories.sim import make_trace, trace_row
@@ -121,8 +121,6 @@ def test_slow_makes_steps_longer_then_recovers():
     base = sim(one).run().records[0]
     slow = sim(one, events=(WorkerEvent(0.0, "slow", "w0", factor=0.5, duration_s=1000.0),)).run().records[0]
     assert slow.finish - slow.arrival == pytest.approx(2 * (base.finish - base.arrival), rel=0.02)
-    p = slowed(H100_LLAMA8B, 1 / 3)
-    assert p.step_seconds(0.0, 0) == pytest.approx(3 * H100_LLAMA8B.step_seconds(0.0, 0))
     later = [trace_row(0, ids=[9], n_out=1), trace_row(10_000, ids=[1], n_out=200)]  # after a 5 s slowdown
     back = sim(later, events=(WorkerEvent(0.0, "slow", "w0", factor=0.5, duration_s=5.0),)).run().records[1]
     assert back.finish - back.arrival == pytest.approx(base.finish - base.arrival, rel=1e-6)
@@ -139,7 +137,7 @@ def test_add_brings_a_cold_worker_that_takes_work():
 
 
 def test_worker_specs_give_unequal_machines_and_models():
-    specs = (WorkerSpec(H100_LLAMA8B, "a"), WorkerSpec(slowed(H100_LLAMA8B, 0.5), "b"))
+    specs = (WorkerSpec(H100_LLAMA8B, "a"), WorkerSpec("h100-27b-int4", "b"))
     rows = [trace_row(0, ids=[1], n_out=100)]
     s = sim(rows, worker_specs=specs)
     assert s.settings.workers == 2 and {w.model for w in s.workers.values()} == {"a", "b"}
