@@ -75,12 +75,9 @@ def sim_settings(sc: Scenario, policy: str, rescue: bool, events: bool = True) -
 
 
 def _busy(trace: Trace, sc: Scenario) -> float:
-    """The load's yardstick under least_loaded, no admission, no events. A trace: the mean busy share
-    of the workers (the routing benchmark's). Generated traffic: the mean utilisation (the larger of
-    KV and batch slots in use) — an engine decoding one sequence is "busy" all the time, so busy
-    says little about decode-heavy chat traffic, while full KV or slots is where queues start."""
-    res = simulate(trace, sim_settings(sc, "least_loaded", False, events=False))
-    return res.metrics()["busy"] if sc.traffic.trace is not None else res.utilisation
+    """A trace's load yardstick: the mean busy share of the workers under least_loaded, no admission,
+    no events (the routing benchmark's)."""
+    return simulate(trace, sim_settings(sc, "least_loaded", False, events=False)).metrics()["busy"]
 
 
 def _secant(target: float, measure, x0: float) -> float:
@@ -142,11 +139,37 @@ def build_loads(sc: Scenario, s: SuiteSettings) -> list[Load]:
             loads += [Load(f"busy{busy:g}" + (f"x{f:.3g}" if points > 1 else ""), base.scaled(speed * f), speed * f)
                       for f in spread]
         return loads
-    rate = t.rate_rps
-    if rate is None:
-        calm = dataclasses.replace(sc, traffic=dataclasses.replace(t, bursts=[]), events=[])
-        rate = _secant(t.target_busy[0], lambda r: _busy(generate(calm, 1.0, r), calm), session_rate_for(sc))
+    rate = t.rate_rps if t.rate_rps is not None else capacity_rate(sc, t.load)
     return [Load(f"load{f:.3g}", generate(sc, f, rate), rate * f) for f in spread]
+
+
+PROBE_S = 120.0  # the capacity probe's arrival window (at most)
+
+
+def capacity_rate(sc: Scenario, load: float) -> float:
+    """The session start rate whose requests offer ``load`` x the cluster's capacity.
+
+    Capacity is measured, not guessed: the traffic (no bursts, no events) is offered well beyond
+    what the cluster serves, under least_loaded with no admission, and the requests completed
+    per second inside the arrival window are the service rate. The start rate then scales to
+    ``load`` x that rate in offered requests per second. One run (two when the first was not
+    overloaded)."""
+    t = sc.traffic
+    calm = dataclasses.replace(sc, traffic=dataclasses.replace(t, bursts=[], duration_s=min(t.duration_s, PROBE_S)),
+                               events=[])
+    rate = 3.0 * session_rate_for(sc)
+    for _ in range(4):
+        trace = generate(calm, 1.0, rate)
+        offered = len(trace) / calm.traffic.duration_s
+        res = simulate(trace, sim_settings(calm, "least_loaded", False, events=False))
+        t0 = res.records[0].arrival - trace.requests[0].arrival if res.records else 0.0
+        end = t0 + calm.traffic.duration_s
+        served = sum(1 for r in res.records if r.status == "ok" and r.finish <= end) / calm.traffic.duration_s
+        if offered >= 1.5 * served and served > 0:
+            return rate * load * served / offered
+        rate *= 3.0
+    raise ScenarioError(sc.source, "traffic.load", f"could not overload the cluster to measure its capacity "
+                        f"(offered {offered:.2f}/s, served {served:.2f}/s)")
 
 
 # ------------------------------------------------------------------ one run

@@ -95,7 +95,7 @@ class NatschedGate:
         self._next_dynamic = now + self.dynamic.settings.interval_s
         used = sum(w.core.runtime_tokens() for w in self.sim.live_workers())
         cap = self._capacity()
-        self.core.set_total(self.dynamic.next_total(cap * 4, None, cap, used))
+        self.core.set_total(self.dynamic.next_total(cap * 4, None, cap, used, reserved=self.core.used))
 
     def admit(self, req: TraceRequest, now: float):
         wire = _request(req)

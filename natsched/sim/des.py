@@ -246,7 +246,6 @@ class SimResult:
     preemptions: int
     wall_s: float
     backoff_changes: int = 0
-    utilisation: float = 0.0  # mean over heartbeats in the arrival window of max(KV used, batch slots used)
     predictions: dict = field(default_factory=dict)  # RouterCore.predictions (keep_predictions > 0)
     health_changes: list = field(default_factory=list)  # (t, worker, state) of the router's health
 
@@ -297,8 +296,6 @@ class Simulator:
         self._steps = 0
         self._end = 0.0
         self.backoff_changes = 0  # healthy <-> backoff transitions announced by workers
-        self._util_sum = 0.0  # utilisation samples (one per heartbeat inside the arrival window)
-        self._util_n = 0
         self._active = 0  # queued events that are not periodic (arrivals, steps, retries, messages)
         self._last_active = 0.0
 
@@ -411,7 +408,6 @@ class Simulator:
             preemptions=sum(w.core.preemptions for w in self.workers.values()),
             backoff_changes=self.backoff_changes,
             wall_s=time.perf_counter() - started,
-            utilisation=self._util_sum / self._util_n if self._util_n else 0.0,
             predictions={w: list(v) for w, v in getattr(self.router, "predictions", {}).items()},
             health_changes=list(getattr(getattr(self.router, "health", None), "transitions", ())),
         )
@@ -686,10 +682,6 @@ class Simulator:
     def _heartbeat(self, w: _Worker, now: float) -> None:
         """WorkerAgent._heartbeat: engine stats, the backoff rule, then the message."""
         st = w.engine.stats()
-        if self._window_start <= now <= self._window_end:
-            core = w.core
-            self._util_sum += max(core.used_blocks / core.kv_blocks, len(core.running) / core.max_num_seqs)
-            self._util_n += 1
         if w.backoff is not None:
             active = w.backoff.update(st, now)
             if active != (w.state == "backoff"):

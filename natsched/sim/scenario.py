@@ -62,7 +62,8 @@ class Traffic:
     limit: int | None = None  # trace: keep the first N requests
     generator: str | None = None
     duration_s: float = 300.0
-    rate_rps: float | None = None  # base session-start rate (else calibrated to target_busy[0])
+    rate_rps: float | None = None  # base session-start rate (else from `load`)
+    load: float | None = None  # base offered load as a share of the cluster's capacity (measured)
     tenants: list[Tenant] = field(default_factory=list)
     zipf: float | None = None  # tenant popularity exponent, when shares are not given
     classes: dict[str, float] = field(default_factory=lambda: {"online": 1.0})
@@ -376,10 +377,12 @@ def _traffic(r: _Reader, sc: Scenario) -> Traffic:
         r.fail("generator", f"unknown generator {t.generator!r}; known: {', '.join(GENERATORS)}")
     t.duration_s = r.num("duration_s", 300.0, lo=1.0)
     t.rate_rps = r.num("rate_rps", None, lo=0.0, lo_open=True)
-    if (t.rate_rps is None) == (not t.target_busy):
-        r.fail("rate_rps", "give either rate_rps (sessions started per second) or target_busy, not both")
-    if len(t.target_busy) > 1:
-        r.fail("target_busy", "a generator takes one base busy fraction (the sweep varies the load around it)")
+    t.load = r.num("load", None, lo=0.0, lo_open=True)
+    if t.target_busy:
+        r.fail("target_busy", "is for traces; a generator takes load (a share of the cluster's capacity) or "
+                              "rate_rps")
+    if (t.rate_rps is None) == (t.load is None):
+        r.fail("rate_rps", "give either rate_rps (sessions started per second) or load (share of capacity), not both")
     t.zipf = r.num("zipf", None, lo=0.0)
     for i, tr in enumerate(r.items("tenants", required=True)):
         tn = _Reader(sc.source, tr, f"{r.at('tenants')}[{i}]")

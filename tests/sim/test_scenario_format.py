@@ -90,9 +90,13 @@ def test_missing_required_fields(path, field):
 def test_cross_field_rules():
     with pytest.raises(ScenarioError, match="needs slo.ttft_s.online"):
         parse_scenario(bad("slo", {}), "f")
-    d = bad("traffic.target_busy", 0.7)
+    with pytest.raises(ScenarioError, match="is for traces"):
+        parse_scenario(bad("traffic.target_busy", 0.7), "f")
     with pytest.raises(ScenarioError, match="either rate_rps"):
-        parse_scenario(d, "f")
+        parse_scenario(bad("traffic.load", 0.7), "f")
+    d = bad("traffic.load", 0.7)
+    del d["traffic"]["rate_rps"]
+    assert parse_scenario(d, "f").traffic.load == 0.7
     d = bad("traffic.trace", "mooncake")
     with pytest.raises(ScenarioError, match="not both"):
         parse_scenario(d, "f")
