@@ -618,7 +618,10 @@ class Simulator:
     def _kill(self, w: _Worker, now: float) -> None:
         """The worker stops: no more steps, heartbeats or reports; what it held is lost on it."""
         w.alive = False
-        lost = [self._by_seq_id.pop(sid) for sid in list(w.core.seqs) if sid in self._by_seq_id]
+        # everything it held, including sequences that finished inside the step it was running
+        # (their completions were never published)
+        mine = [sid for sid, req in self._by_seq_id.items() if self.records[req.index].worker == w.id]
+        lost = [self._by_seq_id.pop(sid) for sid in mine]
         w.core.waiting.clear()
         w.core.running.clear()
         w.core.seqs.clear()

@@ -156,3 +156,12 @@ def test_bad_events_are_refused():
         WorkerEvent(1.0, "slow", "w0", factor=2.0)
     with pytest.raises(SimConfigError, match="no live worker"):
         simulate(make_trace([trace_row(5000, ids=[1])]), SimSettings(workers=1, events=(WorkerEvent(0.0, "kill", "w7"),)))
+
+
+def test_a_request_finishing_inside_the_step_the_worker_dies_in_is_lost_not_stuck():
+    # one short request: its only decode step is in flight when the worker dies
+    rows = [trace_row(0, ids=[1], n_out=1)]
+    s = sim(rows, events=(WorkerEvent(0.0, "kill", "w0"),), rescue_s=1.0)
+    s.settings.events = (WorkerEvent(1e-4, "kill", "w0"),)
+    res = s.run()
+    assert res.records[0].status == "ok" and res.records[0].worker == "w1" and res.records[0].rescued == 1
