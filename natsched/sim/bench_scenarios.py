@@ -436,10 +436,12 @@ def _mean(xs) -> float | None:
 
 
 def paired_verdict(by, labels, metric: str, higher: bool) -> dict[str, Any]:
-    """natsched minus the best peer (best on the mean), load by load (sim/sweep.py's rule)."""
+    """natsched minus the best peer (best on the mean; natsched's own variants are not peers), load by
+    load (sim/sweep.py's rule)."""
     if OURS not in by:
         return {}
-    peers = {c: _mean(by[c][lb].get(metric) for lb in labels) for c in by if c != OURS}
+    # peers are the other projects: natsched's own variants (no admission) are shown, not judged against
+    peers = {c: _mean(by[c][lb].get(metric) for lb in labels) for c in by if not c.startswith(OURS)}
     peers = {c: v for c, v in peers.items() if v is not None}
     if not peers:
         return {}
