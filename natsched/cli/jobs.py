@@ -1,8 +1,8 @@
 """``natsched batch | jobs | audit | replay | offline | retention``: parsers and commands.
 
-``add_parsers(subparsers)`` adds them to the top-level parser; ``run(args)`` runs the one chosen
-(exit code 0, 1 for an error printed as one ``natsched: error:`` line, 2 for "not found"
-where a script may want to tell it apart). ``python -m natsched.cli.jobs ...`` runs them alone.
+``add_parsers(subparsers)`` adds them to the top-level parser, each bound to its handler (exit
+code 0, 1 for an error printed as one ``natsched: error:`` line, 2 for "not found" where a
+script may want to tell it apart). ``python -m natsched.cli.jobs ...`` runs them alone.
 Settings dataclasses are built here, once, from the flags.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import os
+import functools
 import sys
 import time
 from pathlib import Path
@@ -19,20 +19,12 @@ from typing import Any
 
 import orjson
 
-from natsched.bus.server import DEFAULT_URL
 from natsched.cli.argtypes import positive_float, positive_int
+from natsched.cli.options import connect, fail, no_server
+from natsched.cli.options import url_flag as _url
 
-ENV_URL = "NATSCHED_NATS_URL"  # as natsched.cli.app.ENV_URL (not imported: cli imports this module)
-ENV_CREDENTIALS = "NATSCHED_CREDENTIALS"  # as natsched.cli.app.ENV_CREDENTIALS
 COMMANDS = ("batch", "jobs", "audit", "replay", "offline", "retention")
 NOT_FOUND = 2
-
-
-def _url(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats-url", default=os.environ.get(ENV_URL, DEFAULT_URL),
-                   help=f"NATS server URL (default: ${ENV_URL} or {DEFAULT_URL})")
-    p.add_argument("--credentials", type=Path, default=os.environ.get(ENV_CREDENTIALS),
-                   help=f"credentials file from natsched auth init (default: ${ENV_CREDENTIALS})")
 
 
 def parse_time(text: str, now: float | None = None) -> float:
@@ -65,12 +57,10 @@ def _fmt_ts(ts: float | None) -> str:
 # ------------------------------------------------------------------ parsers
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    _batch_parser(sub)
-    _jobs_parser(sub)
-    _audit_parser(sub)
-    _replay_parser(sub)
-    _offline_parser(sub)
-    _retention_parser(sub)
+    for add, command in ((_batch_parser, _batch), (_jobs_parser, _jobs), (_audit_parser, _audit),
+                         (_replay_parser, _replay), (_offline_parser, _offline), (_retention_parser, _retention)):
+        for parser in add(sub):
+            parser.set_defaults(handler=functools.partial(run, command))
 
 
 def _batch_parser(sub) -> None:
@@ -95,6 +85,7 @@ def _batch_parser(sub) -> None:
     _url(r)
     r.add_argument("batch_id")
     r.add_argument("--out", type=Path, required=True, metavar="FILE.jsonl", help="where to write (- for stdout)")
+    return s, st, r
 
 
 def _jobs_parser(sub) -> None:
@@ -114,6 +105,7 @@ def _jobs_parser(sub) -> None:
     ls.add_argument("--status", default=None, help="comma-separated: submitted, waiting, running, completed, failed")
     ls.add_argument("--limit", type=positive_int, default=100, help="at most N rows (default 100)")
     ls.add_argument("--json", action="store_true")
+    return show, ls
 
 
 def _audit_parser(sub) -> None:
@@ -126,6 +118,7 @@ def _audit_parser(sub) -> None:
     a.add_argument("--since", type=parse_time, default=None, help="window start: now, 15m, 2h, 7d, unix s, ISO")
     a.add_argument("--until", type=parse_time, default=None, help="window end (default: now)")
     a.add_argument("--json", action="store_true")
+    return (a,)
 
 
 def _replay_parser(sub) -> None:
@@ -142,6 +135,7 @@ def _replay_parser(sub) -> None:
     r.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="the live sim workers' --time-scale (default 1)")
     r.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the comparison as JSON")
+    return (r,)
 
 
 def _offline_parser(sub) -> None:
@@ -155,6 +149,7 @@ def _offline_parser(sub) -> None:
     o.add_argument("--job-timeout", type=positive_float, default=600.0,
                    help="seconds an attempt may stay silent before it counts as failed (600)")
     o.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    return (o,)
 
 
 def _retention_parser(sub) -> None:
@@ -170,33 +165,32 @@ def _retention_parser(sub) -> None:
     st.add_argument("stream", help="REQUESTS, DECISIONS, COMPLETIONS, OFFLINE, OUTCOMES, ..., or jobs")
     st.add_argument("--max-age", default=None, help="e.g. 14d, 12h")
     st.add_argument("--max-bytes", default=None, help="e.g. 4GiB, 512MiB")
+    return show, st
 
 
 # ------------------------------------------------------------------ running
 
-def run(args: argparse.Namespace) -> int:
+def run(command, args: argparse.Namespace) -> int:
+    """Run ``command(args)``: the offline runner on the services' loop, a client command on asyncio's."""
+    from natsched.bus.errors import NoServerError
     from natsched.errors import NatschedError
-    from natsched.cli.commands import run_loop
-    from natsched.sim.errors import SimError
+    from natsched.hosting.runtime import run_loop
 
-    handler = {"batch": _batch, "jobs": _jobs, "audit": _audit, "replay": _replay, "offline": _offline,
-               "retention": _retention}[args.command]
     try:
-        runner = run_loop if args.command == "offline" else asyncio.run  # the service on uvloop, like the others
-        return runner(handler(args)) or 0
+        runner = run_loop if command is _offline else asyncio.run  # the service on uvloop, like the others
+        return runner(command(args)) or 0
     except NotFoundExit as exc:
-        return _fail(str(exc), NOT_FOUND)
-    except (NatschedError, SimError, ValueError, OSError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc), NOT_FOUND)
+    except NoServerError as exc:
+        return fail(no_server(exc.url))
+    except BrokenPipeError:
+        raise  # the reader left: natsched.cli.app exits quietly
+    except (NatschedError, ValueError, OSError) as exc:
+        return fail(str(exc))
 
 
 class NotFoundExit(Exception):
     """An id the store does not know: exit code 2."""
-
-
-def _fail(message: str, code: int = 1) -> int:
-    print(f"natsched: error: {message}", file=sys.stderr)
-    return code
 
 
 def _print_json(value: Any) -> None:
@@ -204,10 +198,7 @@ def _print_json(value: Any) -> None:
 
 
 async def _connect(args):
-    from natsched.bus.connection import Bus
-
-    return await Bus.connect(args.nats_url, name=f"natsched-{args.command}", connect_budget_s=5.0,
-                             credentials=args.credentials)
+    return await connect(args, f"natsched-{args.command}")
 
 
 # --- batch ------------------------------------------------------------------------------------
@@ -380,12 +371,12 @@ async def _audit(args) -> int:
     bus = await _connect(args)
     try:
         if args.request_id is None:
-            summary = await audit_window(bus.js, args.since, args.until, args.tenant)
+            summary = await audit_window(bus, args.since, args.until, args.tenant)
             _print_json(summary) if args.json else _print_summary(summary)
             return 0
         found = await JobStore(bus).find(args.request_id)
         try:
-            story = await audit_request(bus.js, args.request_id, args.since, args.until,
+            story = await audit_request(bus, args.request_id, args.since, args.until,
                                         found[1] if found else None)
         except AuditNotFound as exc:
             raise NotFoundExit(str(exc)) from None
@@ -462,7 +453,7 @@ async def _replay(args) -> int:
 
     bus = await _connect(args)
     try:
-        recording = await load_recording(bus.js, args.since, args.until, args.tenant)
+        recording = await load_recording(bus, args.since, args.until, args.tenant)
     finally:
         await bus.close()
     if not recording.routed:
@@ -495,12 +486,9 @@ async def _offline(args) -> int:
 
 
 async def _retention(args) -> int:
-    from natsched.bus.provision import provision_jobs, stored_settings
-
     bus = await _connect(args)
     try:
-        await bus.provision(await stored_settings(bus.js))
-        await provision_jobs(bus.js)
+        await bus.provision(jobs=True)
         if args.action == "show":
             return await _retention_show(bus, args.json)
         return await _retention_set(bus, args)
@@ -515,13 +503,12 @@ def _stream_of(target: str) -> str:
 
 
 async def _retention_show(bus, as_json: bool) -> int:
-    from natsched.audit.records import retention
-    from natsched.bus.provision import default_limits, retention_targets, stored_overrides
+    from natsched.bus.provision import default_limits, retention_targets
 
-    overrides = await stored_overrides(bus.js)
+    overrides = await bus.stored_overrides()
     rows = []
     for target in retention_targets():
-        kept = await retention(bus.js, _stream_of(target))
+        kept = await bus.stream(_stream_of(target)).retention()
         default = default_limits(target)
         rows.append({"stream": target, "max_age_s": kept.max_age_s, "max_bytes": kept.max_bytes,
                      "messages": kept.messages, "oldest": kept.first_ts, "set": target in overrides,
@@ -538,35 +525,24 @@ async def _retention_show(bus, as_json: bool) -> int:
 
 
 def retention_text(max_age_s: float, max_bytes: int) -> tuple[str, str]:
-    from natsched.audit.records import fmt_age, fmt_size
+    from natsched.cli.fmt import fmt_age, fmt_size
 
     return fmt_age(max_age_s), fmt_size(max_bytes)
 
 
 async def _retention_set(bus, args) -> int:
     from natsched.wire import subjects as S
-    from natsched.bus.provision import (JobStoreLimits, StreamLimits, default_limits, ensure_jobs_bucket, ensure_stream,
-                               job_stream_config, overrides_to_json, parse_duration, parse_size, retention_targets,
-                               stored_overrides, stored_settings, stream_config)
+    from natsched.bus.provision import StreamLimits, default_limits, parse_duration, parse_size, retention_targets
 
     target = args.stream if args.stream in retention_targets() else args.stream.upper()
     if target not in retention_targets():
         raise ValueError(f"unknown stream {args.stream!r}; known: {', '.join(retention_targets())}")
     if args.max_age is None and args.max_bytes is None:
         raise ValueError("give --max-age and/or --max-bytes")
-    overrides = await stored_overrides(bus.js)
-    old = overrides.get(target, default_limits(target))
+    old = (await bus.stored_overrides()).get(target, default_limits(target))
     new = StreamLimits(parse_duration(args.max_age) if args.max_age else old.max_age_s,
                        parse_size(args.max_bytes) if args.max_bytes else old.max_bytes)
-    overrides[target] = new
-    await bus.kv_put(S.BUCKET_CONFIG, S.KEY_RETENTION, overrides_to_json(overrides))
-    settings = await stored_settings(bus.js)
-    if target == S.BUCKET_JOBS:
-        await ensure_jobs_bucket(bus.js, JobStoreLimits(new.max_age_s, new.max_bytes), settings.replicas)
-    elif target in settings.limits:
-        await ensure_stream(bus.js, stream_config(target, settings))
-    else:
-        await ensure_stream(bus.js, job_stream_config(target, settings, new))
+    await bus.set_retention({target: new})
     was, now = retention_text(old.max_age_s, old.max_bytes), retention_text(new.max_age_s, new.max_bytes)
     print(f"{target} now keeps {now[0]} / {now[1]} (was {was[0]} / {was[1]}); stored in bucket "
           f"{S.BUCKET_CONFIG} key {S.KEY_RETENTION}")
@@ -581,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     add_parsers(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    return run(args)
+    return args.handler(args)
 
 
 if __name__ == "__main__":

@@ -30,21 +30,22 @@ from typing import Any, Callable, Iterator
 
 import orjson
 
-from natsched.wire import codec
+from natsched.wire import chat, codec
 from natsched.wire import subjects as S
-from natsched.audit.records import kv_snapshot, read_filtered
+from natsched.wire import msgids as M
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ConflictError
 from natsched.client.errors import BatchError, BatchFileError, JobStoreError, NotFound
-from natsched.wire.errors import MessageError
-from natsched.bus.provision import provision_jobs, stored_settings
-from natsched.wire.schema import BatchManifest, JobRecord, Request, RequestId, TenantId
+from natsched.wire.ids import attempt_id  # noqa: F401 (re-exported: the job model names it here too)
+from natsched.wire.errors import ChatError, MessageError
+from natsched.wire.schema import BatchManifest, JobRecord, JobStatus, Request, RequestId, TenantId
 
 log = logging.getLogger(__name__)
 
-SUBMITTED, WAITING, RUNNING, COMPLETED, FAILED = "submitted", "waiting", "running", "completed", "failed"
-JOB_STATUSES = (SUBMITTED, WAITING, RUNNING, COMPLETED, FAILED)
-FINAL = frozenset({COMPLETED, FAILED})
+SUBMITTED, WAITING, RUNNING, COMPLETED, FAILED = (JobStatus.SUBMITTED, JobStatus.WAITING, JobStatus.RUNNING,
+                                                   JobStatus.COMPLETED, JobStatus.FAILED)  # short names
+JOB_STATUSES = tuple(JobStatus)
+FINAL = frozenset(s for s in JobStatus if s.final)
 HISTORY_LIMIT = 32  # events kept per job record (the audit streams keep everything)
 
 
@@ -62,17 +63,6 @@ def request_id(batch: str, line: int) -> RequestId:
     return RequestId(f"{batch}-{line}")
 
 
-def attempt_id(job_id: str, attempt: int) -> str:
-    """The id attempt ``attempt`` (1-based) runs under: every stage dedups on the request id, so a
-    retry within the dedup window needs a fresh one."""
-    if attempt <= 1:
-        return job_id
-    suffix = f"-r{attempt}"
-    if len(job_id) + len(suffix) <= 128:
-        return job_id + suffix
-    return "j" + hashlib.sha256(job_id.encode()).hexdigest()[:40] + suffix
-
-
 # ------------------------------------------------------------------ lines (pure)
 
 class LineError(ValueError):
@@ -82,22 +72,16 @@ class LineError(ValueError):
 _SOURCES = ("prompt", "messages", "prompt_token_ids")
 
 
-def _messages_to_prompt(messages: Any) -> tuple[str | None, str]:
-    """Chat messages flattened: ``system`` ones become the system prompt, the rest ``role: text``
-    lines (no chat template is known here; the stable system prompt keeps its cache affinity)."""
-    if not isinstance(messages, list) or not messages:
-        raise LineError("'messages' must be a non-empty list of {\"role\", \"content\"} objects")
-    system, turns = [], []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise LineError(f"messages[{i}] must be an object with string 'role' and 'content'")
-        if m["role"] == "system":
-            system.append(m["content"])
-        else:
-            turns.append(f"{m['role']}: {m['content']}")
-    if not turns:
+def _render_chat(messages: Any, system_prompt: str | None) -> tuple[str | None, str]:
+    """Chat messages through the one template (:mod:`natsched.wire.chat`), so a batch line hashes
+    like the same conversation sent to the gateway; the line's ``system_prompt`` leads."""
+    try:
+        rendered = chat.render(messages, system_prompt)
+    except ChatError as exc:
+        raise LineError(str(exc)) from None
+    if all(m["role"] in ("system", "developer") for m in messages):
         raise LineError("'messages' holds only system messages: nothing to answer")
-    return ("\n".join(system) or None), "\n".join(turns)
+    return rendered
 
 
 def _int(obj: dict, name: str, minimum: int) -> int | None:
@@ -137,8 +121,7 @@ def parse_line(raw: bytes) -> dict[str, Any]:
     if given[0] == "prompt":
         fields["prompt"] = _str(obj, "prompt")
     elif given[0] == "messages":
-        system, fields["prompt"] = _messages_to_prompt(obj["messages"])
-        fields["system_prompt"] = "\n".join(p for p in (fields["system_prompt"], system) if p) or None
+        fields["system_prompt"], fields["prompt"] = _render_chat(obj["messages"], fields["system_prompt"])
     else:
         ids = obj["prompt_token_ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
@@ -232,13 +215,13 @@ class JobStore:
     def __init__(self, bus: Bus, max_attempts: int = 50) -> None:
         self.bus = bus
         self.max_attempts = max_attempts
-        self._ready = False
+        self.ready = False  # the bucket is known to exist
 
     async def ensure(self) -> None:
         """The bucket exists (a reader may be the first natsched process on a fresh server)."""
-        if not self._ready:
-            await provision_jobs(self.bus.js)
-            self._ready = True
+        if not self.ready:
+            await self.bus.provision_jobs()
+            self.ready = True
 
     async def get(self, key: str) -> tuple[JobRecord, int] | None:
         """(record, revision), or None when there is none (or it cannot be decoded: logged)."""
@@ -247,7 +230,7 @@ class JobStore:
 
     async def _read(self, key: str) -> tuple[JobRecord | None, int]:
         await self.ensure()
-        current = await self.bus.kv_get(S.BUCKET_JOBS, key)
+        current = await self.bus.kv(S.BUCKET_JOBS).get(key)
         if current is None:
             return None, 0
         try:
@@ -260,7 +243,7 @@ class JobStore:
         """Write a new record; False when one exists already (then it is left alone)."""
         await self.ensure()
         try:
-            await self.bus.kv_create(S.BUCKET_JOBS, key, record.encode())
+            await self.bus.kv(S.BUCKET_JOBS).create(key, record.encode())
             return True
         except ConflictError:
             return False
@@ -275,9 +258,9 @@ class JobStore:
                 return record
             try:
                 if rev:
-                    await self.bus.kv_update(S.BUCKET_JOBS, key, new.encode(), rev)
+                    await self.bus.kv(S.BUCKET_JOBS).update(key, new.encode(), rev)
                 else:
-                    await self.bus.kv_create(S.BUCKET_JOBS, key, new.encode())
+                    await self.bus.kv(S.BUCKET_JOBS).create(key, new.encode())
                 return new
             except ConflictError:
                 continue
@@ -288,7 +271,7 @@ class JobStore:
         default: all); a record that cannot be decoded is logged and left out."""
         await self.ensure()
         out = []
-        async for key, value in kv_snapshot(self.bus.js, S.BUCKET_JOBS, pattern or S.job_filter()):
+        async for key, value in self.bus.kv(S.BUCKET_JOBS).entries(pattern or S.job_filter()):
             try:
                 out.append((key, _decode(key, value)))
             except JobStoreError as exc:
@@ -303,7 +286,7 @@ class JobStore:
 
     async def manifest(self, batch: str) -> tuple[BatchManifest, int] | None:
         await self.ensure()
-        current = await self.bus.kv_get(S.BUCKET_JOBS, S.batch_key(batch))
+        current = await self.bus.kv(S.BUCKET_JOBS).get(S.batch_key(batch))
         if current is None:
             return None
         try:
@@ -312,7 +295,7 @@ class JobStore:
             raise JobStoreError(f"batch manifest {batch} cannot be decoded: {exc}") from None
 
     async def put_manifest(self, manifest: BatchManifest) -> None:
-        await self.bus.kv_put(S.BUCKET_JOBS, S.batch_key(manifest.id), manifest.encode())
+        await self.bus.kv(S.BUCKET_JOBS).put(S.batch_key(manifest.id), manifest.encode())
 
 
 def _decode(key: str, raw: bytes) -> JobRecord:
@@ -368,8 +351,8 @@ class BatchClient:
     async def prepare(self) -> None:
         """Every stream must exist before the first request (a producer may start before the
         services), and OUTCOMES and the jobs bucket before the first reply is sent."""
-        await self.bus.provision(await stored_settings(self.bus.js))
-        await self.store.ensure()
+        await self.bus.provision(jobs=not self.store.ready)
+        self.store.ready = True
 
     async def submit_file(self, path: str | Path, tenant: str, cls: str = S.BATCH, **kw: Any) -> SubmitReport:
         try:
@@ -415,7 +398,7 @@ class BatchClient:
         the system saw them (the stream may have aged out; records live a month)."""
         prefix = plan.id + "-"
         ids = set()
-        async for head in read_filtered(self.bus.js, S.STREAM_REQUESTS, S.request(plan.cls, plan.tenant),
+        async for head in self.bus.stream(S.STREAM_REQUESTS).filtered(S.request(plan.cls, plan.tenant),
                                         since=manifest.created - 2.0, headers_only=True):
             if head.msg_id.startswith(prefix):
                 ids.add(head.msg_id)
@@ -451,7 +434,7 @@ class BatchClient:
         """Record first (the collector may see a reply before we return), then publish."""
         now = time.time()
         await self.store.create(S.job_key(plan.tenant, plan.id, req.id), submitted_record(plan, line, req, now))
-        ack = await self.bus.jpublish(S.request(plan.cls, plan.tenant), req, msg_id=req.id,
+        ack = await self.bus.jpublish(S.request(plan.cls, plan.tenant), req, msg_id=M.request(req.id),
                                       headers={S.HDR_REPLY: req.reply or ""})
         return 0 if ack.duplicate else 1
 

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from natsched.wire.schema import CacheEvent, Completion, Heartbeat, RequestId, WorkerId
+from natsched.wire.schema import CacheEvent, Completion, CompletionStatus, Heartbeat, RequestId, WorkerId
 from natsched.router.costmodel import CostModel
 from natsched.router.deps import PolicyDeps, cached_tokens
 from natsched.router.errors import ConfigError
@@ -122,7 +122,7 @@ class RouterCore:
     def on_completion(self, c: Completion, now: float) -> None:
         """Release the request's load and score the cache claim it confirms or refutes."""
         a = self.registry.on_completion(c.request_id, c.worker, c.runtime_tokens)
-        if a is None or c.status != "ok" or (c.worker is not None and c.worker != a.worker):
+        if a is None or c.status != CompletionStatus.OK or (c.worker is not None and c.worker != a.worker):
             return  # not routed by us (another replica judges it), failed, or re-routed
         self._learn(a, c, now)
         if self._claim_failed(a, c.cached_tokens):

@@ -591,6 +591,7 @@ def add_scenarios_parser(bsub) -> None:
     sp.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
     sp.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write one PNG per scenario here")
     sp.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    sp.set_defaults(handler=cmd_scenarios)
 
 
 def cmd_scenarios(args) -> int:

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from natsched.stats import percentile  # the sim metrics name it here too
 from natsched.sim.trace import TraceRequest
 
 
@@ -57,19 +58,6 @@ class RequestRecord:
     refused_retry_after: int = 0  # ... of which carried a retry_after
     degraded: bool = False  # the admission moved it to the offline path
     rescued: int = 0  # times the scheduler re-ran it elsewhere after its worker died
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]) of ``values``; None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    if len(xs) == 1:
-        return float(xs[0])
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
 
 
 def ceiling_hit_ratio(requests: Iterable[TraceRequest], block_size: int) -> float:

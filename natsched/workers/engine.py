@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol
 
-from natsched.wire.schema import BlockHash
+from natsched.wire.ids import BlockHash
 
 #: (kind, hashes[, tier]): kind is "stored", "removed" or "cleared"; tier "gpu" (default, may be
 #: omitted) or "host" (an offload tier in host memory: cheaper than a recompute, dearer than a GPU hit)
