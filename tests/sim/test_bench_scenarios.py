@@ -173,3 +173,29 @@ def test_paired_verdict_over_loads():
 def test_contender_names():
     assert {"natsched", "natsched-noadmit", "sglang", "smg-priority", "dynamo", "llm-d", "vllm-router",
             "production-stack", "aibrix"} == set(CONTENDERS)
+
+
+def test_the_command_runs_a_file_and_refuses_a_bad_one(tmp_path, capsys):
+    import json
+
+    import orjson
+
+    from natsched.cli.app import main
+
+    good = tmp_path / "tiny.json"
+    spec = copy.deepcopy(TINY)
+    spec["contenders"] = ["natsched", "sglang"]
+    spec["sweep"] = {"points": 1}
+    good.write_text(json.dumps(spec))
+    out = tmp_path / "out.json"
+    assert main(["bench", "scenarios", str(good), "--json", str(out), "--no-progress", "--jobs", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "scenario tiny" in printed and "summary" in printed and "sglang" in printed
+    data = orjson.loads(out.read_bytes())
+    assert set(data["scenarios"]["tiny"]["mean"]) == {"natsched", "sglang"}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ncluster: {workers: [{count: 1, profile: h200}]}\n")
+    assert main(["bench", "scenarios", str(bad), "--no-progress"]) == 1
+    assert "cluster.workers[0].profile: unknown profile 'h200'" in capsys.readouterr().err
+    assert main(["bench", "scenarios", str(good), "--only", "nope", "--no-progress"]) == 1
+    assert "no scenario named nope" in capsys.readouterr().err
