@@ -608,7 +608,9 @@ class AdmitterService(Repairs):
         now = time.time()
         live = [(cap, used) for cap, used, seen in self.worker_load.values() if now - seen < 10.0]
         q = self.core.quotas
-        total = self.dynamic.next_total(q.total, q.hard_cap, sum(c for c, _ in live), sum(u for _, u in live))
+        # what every admitter has booked (the shared usage): the factor is measured from it
+        total = self.dynamic.next_total(q.total, q.hard_cap, sum(c for c, _ in live), sum(u for _, u in live),
+                                        reserved=self.shared.usage.used)
         if total != self.total:
             log.info("dynamic total %d runtime tokens (factor %.2f)", total, self.dynamic.factor)
         self.total = total

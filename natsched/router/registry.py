@@ -267,7 +267,7 @@ class WorkerRegistry:
     def eligible(self, view: WorkerView, req: RouteRequest, now: float, ignore_health: bool = False) -> bool:
         """May ``view`` take ``req`` now? Only if it serves the request's model (its own, or one
         of its ``served`` models and adapters); then Healthy: yes (half-open: batch, short or probe
-        requests); Backoff: short prompts only."""
+        requests); Backoff: short prompts only; else no."""
         if (view.model != req.model and req.model not in view.serves) or \
                 now - view.last_heartbeat > self.silence_limit(view):
             return False
