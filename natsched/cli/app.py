@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 
-from natsched.bus.server import DEFAULT_PORT, DEFAULT_URL
+from natsched.bus.server import DEFAULT_PORT, DEFAULT_SYNC, DEFAULT_URL, SYNC_CHOICES
 from natsched.cli.gateway import add_gateway_parser
 from natsched.ops.auth import add_auth_parser
 from natsched.cli.bench import add_bench_parser
@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=DEFAULT_PORT, help="embedded server port (default 4222)")
     up.add_argument("--data-dir", type=Path, default=None,
                     help="embedded server data dir (default ~/.local/share/natsched)")
+    up.add_argument("--sync", choices=SYNC_CHOICES, default=DEFAULT_SYNC,
+                    help=f"embedded server: JetStream fsyncs every write before acknowledging it (always), or "
+                         f"every 2 minutes (interval, the server's default: a power failure or OS crash can lose "
+                         f"acknowledged writes); default {DEFAULT_SYNC} (docs/reliability.md)")
     up.add_argument("--policy", default="natsched", help="routing policy (default natsched)")
     up.add_argument("--time-scale", type=float, default=1.0, help="sim engine: multiply step times (default 1)")
     up.add_argument("--model", default=None, help="model name the workers serve (requests' --model)")

@@ -39,7 +39,8 @@ def up_settings(args):
     return UpSettings(workers=args.workers, admitters=args.admitters, inline_routing=args.inline_routing,
                       credit=not args.no_credit,
                       routers=router_count(args.routers, args.inline_routing), engine=args.engine,
-                      nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, policy=args.policy,
+                      nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, sync=args.sync,
+                      policy=args.policy,
                       time_scale=args.time_scale, log_level=args.log_level, gateway_port=args.gateway,
                       gateway_keys=args.gateway_keys, auth_dir=args.auth_dir,
                       extra_worker_args=_worker_passthrough(args), metrics_port=args.metrics_port)
