@@ -102,6 +102,9 @@ class AdmitterService(Repairs):
         self.rescuer = Rescuer(bus, self.shared, s.name)
         self._started = time.monotonic()
         self._dead: dict[str, float] = {}  # worker -> when its lease expired here (until it heartbeats)
+        self._instances: dict[str, float] = {}  # worker -> started_at of its instance last heard (repair.py)
+        self._takeovers: dict[str, int] = {}  # restarted worker -> predecessor_seq, to rescue (repair.py)
+        self._takeover_wake = asyncio.Event()
         self.dynamic = DynamicTotal(s.dynamic)
         self.metrics = metrics or AdmitterMetrics()
         self.held: dict[str, Held] = {}

@@ -85,12 +85,14 @@ class WorkerAgent:
         self.finished = RecentIds(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)  # completed here: never run again
         self._redelivered: set[str] = set()  # running from a WORK message delivered before (to us or our predecessor)
         self._progress: dict[str, tuple[Delivery, float]] = {}  # running: its message, when the server last heard
+        self.predecessor_seq = 0  # set at start: see _predecessor_seq
 
     async def start(self) -> None:
         await self.engine.start()
         self.engine.set_cache_listener(self._on_cache_change)
         await self._load_calibration()
         await self.bus.subscribe(S.control(self.id), self._on_control)
+        self.predecessor_seq = await self._predecessor_seq()
         spec = ConsumerSpec(
             stream=S.STREAM_WORK,
             durable=S.worker_consumer(self.id),
@@ -110,6 +112,22 @@ class WorkerAgent:
 
             start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
         log.info("worker %s ready (model %s, concurrency %d)", self.id, self.settings.model, self.settings.concurrency)
+
+    async def _predecessor_seq(self) -> int:
+        """Where this id's durable consumer stands before this instance pulls anything: what it
+        delivered up to and has not acked is a predecessor's unfinished work (work-queue retention
+        deletes what is acked). A restart inside the lease renews the lease, so nothing else would
+        rescue that work before its ack wait; the heartbeats say so, and the admitters rescue it."""
+        try:
+            acked, delivered = await self.bus.consumer_progress(S.STREAM_WORK, S.worker_consumer(self.id))
+        except Exception as exc:  # no consumer yet (a first start), or the server is slow: nothing to hand over
+            log.debug("worker %s: no predecessor consumer state (%s)", self.id, exc)
+            return 0
+        if delivered <= acked:
+            return 0
+        log.warning("worker %s restarted: its predecessor left work delivered up to WORK sequence %d un-acked "
+                    "(acked up to %d); the admitters rescue it", self.id, delivered, acked)
+        return delivered
 
     async def stop(self) -> None:
         """Leave: cancel what still runs, say so (last heartbeat, cache cleared), stop the engine."""
@@ -312,7 +330,7 @@ class WorkerAgent:
             capacity_tokens=self.capacity_tokens or st.capacity_tokens,
             queued_prefill_tokens=st.queued_prefill_tokens, block_size=self.engine.block_size,
             started_at=self.started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
-            inflight=list(self.inflight),
+            inflight=list(self.inflight), predecessor_seq=self.predecessor_seq,
         )
         await self.bus.publish(S.heartbeat(self.id), hb)
         m = self.metrics
