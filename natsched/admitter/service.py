@@ -105,6 +105,7 @@ class AdmitterService(Repairs):
         self._instances: dict[str, float] = {}  # worker -> started_at of its instance last heard (repair.py)
         self._takeovers: dict[str, int] = {}  # restarted worker -> predecessor_seq, to rescue (repair.py)
         self._takeover_wake = asyncio.Event()
+        self._recheck_upto: float = 0  # after a server change: REQUESTS sequences to check (_maybe_seen)
         self.dynamic = DynamicTotal(s.dynamic)
         self.metrics = metrics or AdmitterMetrics()
         self.held: dict[str, Held] = {}
@@ -125,6 +126,7 @@ class AdmitterService(Repairs):
                                   max_ack_pending=s.max_held, batch=s.fetch_batch)
 
     async def start(self) -> None:
+        self.bus.on_server_change(self._server_changed)
         await self.bus.provision()
         await self.shared.start()
         quotas_ready = asyncio.Event()
@@ -193,7 +195,7 @@ class AdmitterService(Repairs):
             held = self.held.get(request.id)
             if held is not None:  # our own held message, redelivered: keep holding the newest
                 held.delivery = d
-            elif d.num_delivered > 1 and await self._seen_before(request, d):
+            elif self._maybe_seen(d) and await self._seen_before(request, d):
                 continue
             elif request.id not in seen:
                 seen.add(request.id)
@@ -281,10 +283,30 @@ class AdmitterService(Repairs):
             self._keeper_wake.set()
         return {rid: self.credit.epoch for rid in paid}
 
+    def _maybe_seen(self, d: Delivery) -> bool:
+        """Whether this delivery may have been decided before: a redelivery, or, after the server
+        changed, any request stored before that (a restarted server can have lost the consumer
+        acks it had not written yet, and then delivers decided requests as if new)."""
+        return d.num_delivered > 1 or (self._recheck_upto > 0 and d.stream_seq <= self._recheck_upto)
+
+    def _server_changed(self) -> None:
+        """From the reconnect: check every delivery at once, then only up to what was stored."""
+        self._recheck_upto = float("inf")
+        log.warning("admitter %s: the server changed; requests stored before now are checked against their "
+                    "reservations and release markers before they are decided", self.settings.name)
+        self.bus.spawn(self._bound_recheck(), "recheck-bound")
+
+    async def _bound_recheck(self) -> None:
+        try:
+            self._recheck_upto = await self.bus.stream_last_seq(S.STREAM_REQUESTS)
+        except Exception as exc:  # the bound stays infinite: slower (one read per request), never wrong
+            log.warning("admitter %s: could not read the request log's last sequence: %s", self.settings.name, exc)
+
     async def _seen_before(self, request: Request, d: Delivery) -> bool:
         """A redelivered request that was decided before (its ack was lost): settled here, True.
 
-        Only a redelivery can have been decided: the first copy of a request reaches one replica.
+        Only a redelivery can have been decided (the first copy of a request reaches one replica),
+        or, after a server restart, a copy whose ack the server lost (:meth:`_maybe_seen`).
         """
         res = await self.shared.lookup(request.id)
         if res is not None:  # allowed before: hand it off again
@@ -322,14 +344,21 @@ class AdmitterService(Repairs):
         from this replica's credit, with the epoch of the block (their records carry it).
         """
         now = time.time()
-        reservations, handoffs, routed = [], [], {}
+        reservations = []
         for request, dec, d, queue_wait, latency_ms in entries:
             await self._record(request, dec, queue_wait, latency_ms)
-            rid = request.id
             if dec.decision == ALLOW:
-                res = Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now, self.settings.name,
-                                  credit=(paid or {}).get(rid, ""))
-                reservations.append((res, self.shared.outgoing(res)))
+                reservations.append(Reservation(request.id, request.tenant, request.model, dec.runtime_tokens, now,
+                                                self.settings.name, credit=(paid or {}).get(request.id, "")))
+        sent = time.perf_counter()
+        # the reservation records are stored before any hand-off (the completion that deletes one is
+        # a service or two further away), and each is a create: a request id reserved already
+        # (published again under another msg id) is refused here, never reserved or run twice
+        refused = await self._reserve(reservations)
+        handoffs, routed = [], {}
+        for request, dec, d, queue_wait, _ in entries:
+            rid = request.id
+            if dec.decision == ALLOW and rid not in refused:
                 admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                     admitter=self.settings.name, queue_wait=queue_wait)
                 r = self.router.decide(admitted) if self.router is not None else None
@@ -342,16 +371,13 @@ class AdmitterService(Repairs):
                 handoffs.append((S.offline(request.tenant), request, f"{rid}:offline", None))
             elif dec.decision == QUEUE:
                 self.held[rid] = Held(d, request, now)
-        # the reservation records go out first on this connection, so the server stores them
-        # before the hand-offs; the completion that deletes one is a service or two further away
-        outgoing = [out for _, out in reservations] + handoffs
-        sent = time.perf_counter()
-        acks = await self.bus.jpublish_batch(outgoing)
-        if outgoing:
+        await self.bus.jpublish_batch(handoffs)
+        if reservations or handoffs:
             self.metrics.handoff.observe(time.perf_counter() - sent)
-        for (res, _), ack in zip(reservations, acks):
-            self.shared.recorded(res, ack.seq)
         for request, dec, d, queue_wait, _ in entries:
+            if request.id in refused:
+                await self._refuse_duplicate(request, d)
+                continue
             await self._tell_producer(request, dec)
             if request.id in routed:  # its WORK message is stored: "assigned" follows "admitted"
                 await self.router.assigned(routed[request.id])
@@ -361,6 +387,33 @@ class AdmitterService(Repairs):
             log.info("request %s %s tenant=%s class=%s tokens=%d%s%s", request.id, dec.decision, request.tenant,
                      request.cls, dec.runtime_tokens, f" reason={dec.reason}" if dec.reason else "",
                      f" waited={queue_wait:.3f}s" if queue_wait else "")
+
+    async def _reserve(self, reservations: list[Reservation]) -> set[str]:
+        """Store the records (creates); the ids refused because their key exists are returned, and
+        what their allow had committed to the usage (or spent of the credit) is given back."""
+        acks = await self.bus.jpublish_batch([self.shared.outgoing(res) for res in reservations])
+        refused = []
+        for res, ack in zip(reservations, acks):
+            if ack is None:
+                refused.append(res)
+            else:
+                self.shared.recorded(res, ack.seq)
+        if refused:
+            pairs = await self._refund([(None, res) for res in refused])
+            if pairs:
+                await self._release_taken(pairs)
+        return {res.request_id for res in refused}
+
+    async def _refuse_duplicate(self, request: Request, d: Delivery) -> None:
+        """A request id that is reserved already, or was released a moment ago: one run per id."""
+        self.metrics.decisions.labels(request.tenant, request.cls, "reject", "duplicate").inc()
+        log.warning("request %s refused: its id is reserved already or just finished (published again under "
+                    "another msg id?)", request.id)
+        if request.reply:
+            await self.bus.publish(request.reply, Reply(
+                request_id=request.id, kind="error", status="rejected", reason="duplicate",
+                message="a request with this id is running or has just finished; use a new id"))
+        await d.ack()
 
     async def _record(self, request: Request, dec: AdmissionDecision, queue_wait: float, latency_ms: float) -> None:
         record = Decision(

@@ -34,7 +34,7 @@ from nats.js.errors import (
 
 from natsched.wire import subjects as S
 from natsched.bus.acks import AckInbox
-from natsched.bus.errors import ConflictError, ConnectError
+from natsched.bus.errors import BusError, ConflictError, ConnectError
 from natsched.wire.errors import MessageError
 from natsched.bus.provision import ProvisionSettings, provision, stored_settings
 from natsched.bus.puller import Puller
@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 JS_NO_MESSAGE_FOUND = 10057  # JetStream's err_code for a message sequence that is not stored
+JS_WRONG_LAST_SEQUENCE = 10071  # ... for a conditional publish whose subject moved on
+HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+#: headers that make a publish on a KV key's subject a create: refused when the key has a value,
+#: or a delete marker (a released reservation's lives MARKER_TTL_S): one record per request id
+CREATE_ONLY = {HDR_EXPECTED_LAST_SUBJECT_SEQ: "0"}
 _RETRYABLE = (NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError, asyncio.TimeoutError)
 #: "nobody took the request" (no stream leader, e.g. during an election): a compare-and-swap may be
 #: sent again without risk; after a timeout it may have been applied, and the caller must re-read
@@ -222,6 +227,29 @@ class Bus:
         self.lost_publishes = 0
         self._acks: AckInbox | None = None
         self._acks_lock = asyncio.Lock()
+        self.server_id = self._server_id()
+        self.server_changes = 0  # reconnects that found another server process (a restart, or another node)
+        self._on_server_change: list[Callable[[], None]] = []
+
+    def _server_id(self) -> str:
+        return str((getattr(self.nc, "_server_info", None) or {}).get("server_id", ""))
+
+    def on_server_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (synchronously, from the reconnect) whenever a reconnect finds another
+        server than before: a nats-server restarted (each start draws a new id) or another cluster
+        node. What that server acknowledged but had not yet written may be gone (docs/reliability.md)."""
+        self._on_server_change.append(callback)
+
+    def _reconnected(self) -> None:
+        new = self._server_id()
+        if new == self.server_id:
+            return
+        log.warning("%s reconnected to another server process (%s -> %s)", self.name, self.server_id[:8] or "?",
+                    new[:8] or "?")
+        self.server_id = new
+        self.server_changes += 1
+        for callback in self._on_server_change:
+            callback()
 
     @classmethod
     async def connect(
@@ -244,6 +272,11 @@ class Bus:
             options = {**creds.options(), **options}
         servers = server_urls(url)
         deadline = time.monotonic() + connect_budget_s
+        made: list[Bus] = []  # the Bus once built: the reconnect callback reports to it
+
+        async def reconnected() -> None:
+            if made:
+                made[0]._reconnected()
         last: Exception | None = None
         while time.monotonic() < deadline:
             try:
@@ -258,13 +291,15 @@ class Bus:
                         max_reconnect_attempts=1,
                         reconnect_time_wait=0.2,
                         error_cb=_log_error,
+                        reconnected_cb=reconnected,
                         **options,
                     ),
                     remaining,
                 )
                 nc.options["allow_reconnect"] = True  # once connected, reconnect forever
                 nc.options["max_reconnect_attempts"] = -1
-                return cls(nc, name, publish_budget_s)
+                made.append(cls(nc, name, publish_budget_s))
+                return made[0]
             except (NoServersError, OSError, NatsTimeout, asyncio.TimeoutError) as exc:
                 last = exc
                 await asyncio.sleep(0.2)
@@ -351,14 +386,16 @@ class Bus:
             ack.duplicate = False
         return ack
 
-    async def jpublish_batch(self, items: list[Outgoing]) -> list[api.PubAck]:
+    async def jpublish_batch(self, items: list[Outgoing]) -> list[api.PubAck | None]:
         """Publish several messages (in this order on the connection) and wait once for every ack.
 
         The same guarantee as :meth:`jpublish` for each, at a fraction of its cost: one reply
         future per message on a shared inbox instead of a request with its own timer, and one
         wait for the batch. A message whose ack is an error or does not come within
         ``BATCH_ACK_WAIT_S`` is published again through :meth:`jpublish` (with its msg id, a
-        copy the server did store is deduplicated); what still fails raises, as there.
+        copy the server did store is deduplicated); what still fails raises, as there. A
+        create-only message (:data:`CREATE_ONLY`: a KV put made a create) whose subject holds a
+        message gets None instead: the key exists, or was deleted a moment ago.
         """
         inbox = await self._ack_inbox()
         futures = []
@@ -371,9 +408,16 @@ class Bus:
         for (subject, msg, msg_id, headers), f in zip(items, futures):
             if f.done() and not f.cancelled() and f.exception() is None:
                 acks.append(f.result())
+            elif f.done() and not f.cancelled() and _refused_condition(f.exception(), headers):
+                acks.append(None)  # a create-only write (expected last subject sequence 0) found the key
             else:
                 inbox.forget(f)
-                acks.append(await self.jpublish(subject, msg, msg_id=msg_id, headers=headers))
+                try:
+                    acks.append(await self.jpublish(subject, msg, msg_id=msg_id, headers=headers))
+                except APIError as exc:
+                    if not _refused_condition(exc, headers):
+                        raise
+                    acks.append(None)
         return acks
 
     async def _ack_inbox(self) -> AckInbox:
@@ -612,7 +656,7 @@ class Bus:
                 return
             headers = {"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": f"{int(marker_ttl_s)}s"}
             if last:
-                headers["Nats-Expected-Last-Subject-Sequence"] = str(last)
+                headers[HDR_EXPECTED_LAST_SUBJECT_SEQ] = str(last)
             subject = S.kv_subject(bucket, key)
             try:  # first on the shared ack inbox: one of these per completion, no request timer each
                 await (await (await self._ack_inbox()).publish(subject, b"", headers))
@@ -750,6 +794,19 @@ class Bus:
         task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
         self._tasks.append(task)
         return task
+
+
+def _refused_condition(exc: BaseException | None, headers: dict[str, str] | None) -> bool:
+    """A create-only publish (:data:`CREATE_ONLY`) refused because its subject holds a message; any
+    other refused condition is an error, raised."""
+    return (isinstance(exc, APIError) and exc.err_code == JS_WRONG_LAST_SEQUENCE
+            and (headers or {}).get(HDR_EXPECTED_LAST_SUBJECT_SEQ) == "0")
+
+
+def transport_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is the bus failing (a server away, a timeout, a closed connection), not the
+    caller's own code: services report those as ``bus_unavailable``, never as their own error."""
+    return isinstance(exc, (NatsError, BusError, asyncio.TimeoutError, ConnectionError))
 
 
 async def _log_error(exc: Exception) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from natsched.wire import subjects as S
 from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
-from natsched.bus.connection import Bus, ConsumerSpec, Delivery
+from natsched.bus.connection import Bus, ConsumerSpec, Delivery, transport_failure
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
 from natsched.workers.backoff import BackoffMonitor, BackoffSettings
@@ -86,6 +86,7 @@ class WorkerAgent:
         self._redelivered: set[str] = set()  # running from a WORK message delivered before (to us or our predecessor)
         self._progress: dict[str, tuple[Delivery, float]] = {}  # running: its message, when the server last heard
         self.predecessor_seq = 0  # set at start: see _predecessor_seq
+        self._reported: set[str] = set()  # running, and its completion is stored already
 
     async def start(self) -> None:
         await self.engine.start()
@@ -188,14 +189,20 @@ class WorkerAgent:
             asyncio.current_task().uncancel()  # our own cancel: the request ends, reported
             await self._finish(a, _CANCELLED, started, None, received=received)
             await d.ack()
-        except Exception as exc:  # engine failure: recorded as an outcome, never dropped
-            log.exception("request %s failed on %s", req.id, self.id)
-            await self._finish(a, EngineOutput(0, finished=True, finish_reason="error", error=f"engine_error: {exc}"),
+        except Exception as exc:  # engine or bus failure: recorded as an outcome, never dropped
+            if req.id in self._reported:  # its outcome is out; only the ack failed: a copy finds it finished
+                log.warning("request %s: ack failed after its outcome was stored (%s)", req.id, exc)
+                return
+            # the bus failing (a server restarting) is not the engine's fault, and says so
+            reason = "bus_unavailable" if transport_failure(exc) else "engine_error"
+            log.exception("request %s failed on %s (%s)", req.id, self.id, reason)
+            await self._finish(a, EngineOutput(0, finished=True, finish_reason="error", error=f"{reason}: {exc}"),
                                started, None, received=received)
             await d.ack()
         finally:
             self._progress.pop(req.id, None)
             self._redelivered.discard(req.id)
+            self._reported.discard(req.id)
             if d.settled:  # its outcome is published and it was acked: a copy must not run it again
                 self.finished.add(req.id)
             self.inflight.pop(req.id, None)
@@ -244,7 +251,8 @@ class WorkerAgent:
             cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot,
             e2e=now - (req.created or started), expected_cached_tokens=a.expected_cached_tokens, ts=now,
         )
-        ack = await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
+        ack = await self._publish_completion(completion)
+        self._reported.add(req.id)
         answered = False
         if ack.duplicate:
             # another run's completion is stored: that one is counted. Its worker answered too. If
@@ -272,6 +280,23 @@ class WorkerAgent:
             await self.bus.publish(req.reply, reply)
         log.info("request %s %s on %s: %d prompt (%d cached), %d out", req.id, completion.status, self.id,
                  out.prompt_tokens, out.cached_tokens, out.output_tokens)
+
+    async def _publish_completion(self, c: Completion):
+        """Publish a completion until it is stored: a server away (restarting) for longer than the
+        publish budget must not turn a request that ran into an error, nor leave its reservation
+        held. The request stays in flight meanwhile (heartbeats list it; a copy redelivered after
+        the ack wait finds it running here)."""
+        delay = 0.2
+        while True:
+            try:
+                return await self.bus.jpublish(S.completion(c.tenant), c, msg_id=f"{c.request_id}:done")
+            except Exception as exc:
+                if not transport_failure(exc) or self.bus.closing:
+                    raise
+                log.warning("completion of %s not stored yet (%s: %s); retrying", c.request_id,
+                            type(exc).__name__, exc)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
 
     def _observe(self, c: Completion) -> None:
         m = self.metrics
