@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ServerError
-from natsched.bus.provision import provision_jobs
+from natsched.bus.provision import fit_stored_limits, provision_jobs
 from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SYNC, EmbeddedServer, die_with_parent
 from natsched.ops.auth import AuthDir, AuthError
 from natsched.hosting.runtime import READY_PREFIX
@@ -31,11 +32,14 @@ from natsched.hosting.runtime import READY_PREFIX
 log = logging.getLogger(__name__)
 
 
-async def _provision(url: str, credentials: Path | None = None) -> None:
+async def _provision(url: str, credentials: Path | None = None, data_dir: Path | None = None) -> None:
     """Every stream and bucket, the offline runner's included: under auth only the admin may
-    create them (the services' roles may read stream info, not change it)."""
+    create them (the services' roles may read stream info, not change it). ``data_dir``: the
+    embedded server's, whose disk the limits are sized to (or refused with one line)."""
     bus = await Bus.connect(url, name="natsched-up", credentials=credentials)
     try:
+        if data_dir is not None:
+            await fit_stored_limits(bus.js, shutil.disk_usage(data_dir).free)
         await bus.provision()
         await provision_jobs(bus.js)
     finally:
@@ -242,7 +246,8 @@ class Supervisor:
             say(f"ready: nats-server {url} (pid {self.server.proc.pid}, JetStream, data {self.server.data_dir}, "
                 f"sync {self.s.sync}" + (f", auth {self.auth.config})" if self.auth else ")"), flush=True)
         admin = self.auth.creds("admin") if self.auth else None
-        asyncio.run(_provision(url, admin))  # once, before the components race to create streams
+        # once, before the components race to create streams
+        asyncio.run(_provision(url, admin, self.server.data_dir if self.server is not None else None))
         self.children = self.plan(url)
         for child in self.children:
             self._spawn(child)
