@@ -138,7 +138,7 @@ class Rescuer:
         if not found:
             return report
         await _overlapped(self._mark(s) for s in found)
-        done = await self._completed_unprocessed(await self._completions_caught_up())
+        done = await self._completed_unprocessed(await self.completions_caught_up())
         await _overlapped(self._rescue_one(s, report, done) for s in found)
         return report
 
@@ -164,7 +164,7 @@ class Rescuer:
     async def _mark(self, s: Stranded) -> None:
         await self.shared.mark_moved(s.assignment.request.id, s.worker)
 
-    async def _completions_caught_up(self) -> tuple[int, int]:
+    async def completions_caught_up(self) -> tuple[int, int]:
         """Wait (bounded) until the admitters have processed every completion stored so far;
         returns (ack floor, newest completion) as last seen.
 

@@ -106,6 +106,7 @@ class AdmitterService(Repairs):
         self._takeovers: dict[str, int] = {}  # restarted worker -> predecessor_seq, to rescue (repair.py)
         self._takeover_wake = asyncio.Event()
         self._recheck_upto: float = 0  # after a server change: REQUESTS sequences to check (_maybe_seen)
+        self._settling: asyncio.Future | None = None  # after a server change: completions catching up
         self.dynamic = DynamicTotal(s.dynamic)
         self.metrics = metrics or AdmitterMetrics()
         self.held: dict[str, Held] = {}
@@ -292,9 +293,20 @@ class AdmitterService(Repairs):
     def _server_changed(self) -> None:
         """From the reconnect: check every delivery at once, then only up to what was stored."""
         self._recheck_upto = float("inf")
+        self._settling = None  # a new wait for the completions stored by now
         log.warning("admitter %s: the server changed; requests stored before now are checked against their "
                     "reservations and release markers before they are decided", self.settings.name)
         self.bus.spawn(self._bound_recheck(), "recheck-bound")
+
+    async def _completions_settled(self) -> None:
+        """Once per server change (shared by every delivery that asks): until the completions
+        stored so far are processed (bounded, as a rescue waits for them)."""
+        if self._settling is None:
+            self._settling = asyncio.ensure_future(self.rescuer.completions_caught_up())
+        try:
+            await asyncio.shield(self._settling)
+        except Exception as exc:  # the wait is a courtesy: on failure, decide as before
+            log.warning("admitter %s: completions not caught up after the server change: %s", self.settings.name, exc)
 
     async def _bound_recheck(self) -> None:
         try:
@@ -309,6 +321,12 @@ class AdmitterService(Repairs):
         or, after a server restart, a copy whose ack the server lost (:meth:`_maybe_seen`).
         """
         res = await self.shared.lookup(request.id)
+        if res is not None and self._recheck_upto:
+            # after a server change its hand-off may have run and completed already, and JetStream's
+            # dedup no longer knows the consumed hand-off (it is rebuilt from what is stored): first
+            # let the completions stored so far release what they finished
+            await self._completions_settled()
+            res = await self.shared.lookup(request.id)
         if res is not None:  # allowed before: hand it off again
             await self._hand_off_again(request, d, res)
             return True

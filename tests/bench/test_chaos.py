@@ -209,13 +209,14 @@ def test_a_short_chaos_run_accounts_for_every_request(tmp_path):
 
 
 def test_a_short_recovery_run_loses_duplicates_leaks_and_readmits_nothing(tmp_path):
-    """A worker restarted inside its lease, then the only nats-server SIGKILLed and restarted on
-    its data dir (fsync before ack): every request accounted for, nothing run twice or re-admitted."""
+    """A worker restarted inside its lease, then (seed 1: 5 s later) the only nats-server SIGKILLed
+    and restarted on its data dir (fsync before ack): every request accounted for, nothing run
+    twice or re-admitted."""
     out = tmp_path / "chaos.json"
     data = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "natsched", "--log-level", "warning", "chaos", "--scenario", "recovery",
-         "--requests", "150", "--rate", "30", "--seed", "3", "--finish-timeout", "45", "--down", "3",
+         "--requests", "300", "--rate", "30", "--seed", "1", "--finish-timeout", "45", "--down", "3",
          "--data-dir", str(data), "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -225,7 +226,7 @@ def test_a_short_recovery_run_loses_duplicates_leaks_and_readmits_nothing(tmp_pa
     assert [k["kind"] for k in report["kills"]] == ["worker", "server"]
     assert all("error" not in k for k in report["kills"])
     assert "inside_lease" in report["kills"][0]
-    assert report["completed"] + report["rejected"] + report["lost"] == 150
+    assert report["completed"] + report["rejected"] + report["lost"] == 300
     detail = json.dumps({k: report[k] for k in ("detail", "kills", "readmitted_ids")})
     assert (report["lost"], report["duplicated"], report["readmitted_after_completion"]) == (0, 0, 0), detail
     assert report["leaked_runtime_tokens"] == 0, detail
