@@ -37,11 +37,13 @@ from natsched.admitter.quotas import Quotas
 from natsched.admitter.shared import Reservation, SharedState
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.client.batch import COMPLETED, FAILED, FINAL, RUNNING, SUBMITTED, WAITING, JobStore, attempt_id, note
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.wire.errors import MessageError
 from natsched.bus.provision import provision_jobs, stored_settings
-from natsched.wire.schema import Admitted, DeadLetter, Decision, Heartbeat, JobRecord, Reply, Request
+from natsched.wire.schema import (Admitted, DeadLetter, Decision, Heartbeat, JobRecord, Reply, ReplyKind, ReplyStatus,
+                                  Request)
 
 log = logging.getLogger(__name__)
 
@@ -182,14 +184,14 @@ def on_reply(record: JobRecord | None, reply: Reply, job: tuple[str, str, str], 
     current = record.attempt_id or record.id
     if reply.request_id not in {attempt_id(record.id, n) for n in range(1, record.attempts + 1)} | {record.id}:
         return None, None  # not one of this job's attempts: someone else's reply on our subject
-    if reply.kind == "result":
+    if reply.kind == ReplyKind.RESULT:
         return _completed(record, reply, now), None  # any attempt's result: the first one stands
-    if reply.kind == "status":
+    if reply.kind == ReplyKind.STATUS:
         return _status(record, reply, now), None
     if reply.kind != "error" or reply.request_id != current:
         return None, None  # a token chunk, or an error of an attempt already given up on
     reason = reply.reason or "error"
-    if reply.status == "rejected" and reply.retry_after is not None and reason not in PERMANENT:
+    if reply.status == ReplyStatus.REJECTED and reply.retry_after is not None and reason not in PERMANENT:
         record.status, record.enqueued, record.reason = WAITING, record.enqueued + 1, reason
         note(record, "requeue", now, reason=reason)
         return record, "requeue"
@@ -208,16 +210,16 @@ def _completed(record: JobRecord, reply: Reply, now: float) -> JobRecord:
 
 
 def _status(record: JobRecord, reply: Reply, now: float) -> JobRecord | None:
-    if reply.status == "degraded" and record.status == SUBMITTED:
+    if reply.status == ReplyStatus.DEGRADED and record.status == SUBMITTED:
         record.status, record.enqueued = WAITING, record.enqueued + 1
         note(record, "degraded", now)
         return record
-    if reply.status == "admitted" and record.status in (SUBMITTED, WAITING) and record.attempts == 0:
+    if reply.status == ReplyStatus.ADMITTED and record.status in (SUBMITTED, WAITING) and record.attempts == 0:
         record.status, record.path, record.attempts, record.attempt_id = RUNNING, "online", 1, record.id
         record.started = now
         note(record, "admitted", now)
         return record
-    if reply.status == "assigned" and record.status == RUNNING and reply.request_id == record.attempt_id:
+    if reply.status == ReplyStatus.ASSIGNED and record.status == RUNNING and reply.request_id == record.attempt_id:
         record.worker = reply.worker
         note(record, "assigned", now, worker=reply.worker)
         return record
@@ -417,7 +419,7 @@ class OfflineRunner:
         admitted = Admitted(request=run, runtime_tokens=cost, admitted_at=now, admitter=self.settings.name,
                             queue_wait=max(0.0, now - h.since))
         await asyncio.gather(
-            self.bus.jpublish(S.admitted(req.cls, req.tenant), admitted, msg_id=f"{aid}:adm"),
+            self.bus.jpublish(S.admitted(req.cls, req.tenant), admitted, msg_id=M.admitted(aid)),
             self._decide(run, "allow", None, cost, {**budget, "attempt": record.attempts}, admitted.queue_wait))
         await h.delivery.ack()
         self.running[key] = (aid, now)
@@ -502,7 +504,7 @@ class OfflineRunner:
     async def _enqueue(self, record: JobRecord, why: str) -> None:
         assert record.request is not None
         req = dataclasses.replace(record.request, reply=S.outcome(record.tenant, record.batch, record.id))
-        await self.bus.jpublish(S.offline(record.tenant), req, msg_id=f"{record.id}:offline{record.enqueued}")
+        await self.bus.jpublish(S.offline(record.tenant), req, msg_id=M.offline(record.id, record.enqueued))
         await self._decide(dataclasses.replace(req, id=record.attempt_id or req.id), why, record.reason, None,
                            {"attempt": record.attempts, "enqueued": record.enqueued})
         log.info("job %s back on the OFFLINE queue (%s: %s)", record.id, why, record.reason)
@@ -511,8 +513,8 @@ class OfflineRunner:
         data = record.request.encode() if record.request is not None else b""
         dead = DeadLetter(subject=S.offline(record.tenant), reason=record.reason or "failed",
                           error=record.message or record.reason or "failed", ts=time.time(), data=data,
-                          headers={S.HDR_MSG_ID: record.id}, by=self.settings.name)
-        await self.bus.jpublish(S.deadletter("offline"), dead, msg_id=f"{record.id}:dead")
+                          headers={S.HDR_MSG_ID: M.request(record.id)}, by=self.settings.name)
+        await self.bus.jpublish(S.deadletter("offline"), dead, msg_id=M.dead(record.id))
         if record.request is not None:
             run = dataclasses.replace(record.request, id=record.attempt_id or record.id)
             await self._decide(run, "fail", record.reason, None, {"attempt": record.attempts,
@@ -523,8 +525,9 @@ class OfflineRunner:
         record = Decision(request_id=req.id, tenant=req.tenant, cls=req.cls, stage=S.STAGE_OFFLINE, decision=what,
                           ts=time.time(), reason=reason, runtime_tokens=cost, budget=budget,
                           queue_wait=queue_wait, by=self.settings.name)
-        suffix = "offline" if what == "allow" else f"offline-{what}{budget['attempt']}-{budget['enqueued']}"
-        await self.bus.jpublish(S.decision(S.STAGE_OFFLINE, req.tenant), record, msg_id=f"{req.id}:{suffix}")
+        msg_id = (M.offline_decision(req.id) if what == "allow"  # an allow's budget holds no attempt count
+                  else M.offline_decision(req.id, what, budget["attempt"], budget["enqueued"]))
+        await self.bus.jpublish(S.decision(S.STAGE_OFFLINE, req.tenant), record, msg_id=msg_id)
 
     # --- lost attempts --------------------------------------------------------------------
     async def _sweep_loop(self) -> None:

@@ -57,7 +57,7 @@ from natsched.admitter.quotas import Quotas
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
 from natsched.wire.blocks import estimate_prompt_tokens
-from natsched.wire.schema import Completion, Request, RequestId
+from natsched.wire.schema import Completion, CompletionStatus, Request, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -356,7 +356,7 @@ class AdmitterCore:
         tokens = max(0, completion.runtime_tokens)
         self.usage = self.usage.minus(completion.tenant, completion.model, tokens, self.is_long(tokens))
         self.releases.add(now, tokens)
-        if completion.status == "ok":
+        if completion.status == CompletionStatus.OK:
             self.outputs.observe(completion.tenant, completion.model, completion.output_tokens)
         return tokens
 

@@ -40,9 +40,10 @@ from typing import Awaitable, Callable, Iterable
 
 from natsched.admitter.shared import SharedState
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.bus.connection import Bus
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
+from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, ReplyKind, ReplyStatus, WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class Rescuer:
         else:
             adm = readmission(a, worker, self.name)
             await self.bus.jpublish(S.admitted(a.request.cls, a.request.tenant), adm,
-                                    msg_id=f"{rid}:adm:{adm.attempt}")
+                                    msg_id=M.admitted(rid, adm.attempt))
             await self._tell(a, worker, adm.attempt)
             report.rescued[rid] = worker
             log.warning("request %s rescued from dead worker %s (attempt %d)", rid, worker, adm.attempt)
@@ -227,6 +228,7 @@ class Rescuer:
         record = Decision(request_id=req.id, tenant=req.tenant, cls=req.cls, stage="admission", decision="rescue",
                           ts=time.time(), reason=f"worker {worker} died", worker=worker,
                           runtime_tokens=a.runtime_tokens, by=self.name)
-        await self.bus.jpublish_nowait(S.decision("admission", req.tenant), record, msg_id=f"{req.id}:rescue:{attempt}")
+        await self.bus.jpublish_nowait(S.decision("admission", req.tenant), record, msg_id=M.rescue(req.id, attempt))
         if req.reply:
-            await self.bus.publish(req.reply, Reply(request_id=req.id, kind="status", status="rerouted", worker=worker))
+            await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.STATUS,
+                                                    status=ReplyStatus.REROUTED, worker=worker))

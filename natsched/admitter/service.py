@@ -31,11 +31,12 @@ from natsched.admitter.rescue import Rescuer
 from natsched.admitter.shared import Reservation, SharedState
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.bus.aio import wait_event
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.errors import NatschedError
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Admitted, Completion, Decision, Reply, Request
+from natsched.wire.schema import Admitted, Completion, Decision, Reply, ReplyKind, ReplyStatus, Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -345,7 +346,7 @@ class AdmitterService(Repairs):
     async def _hand_off_again(self, request: Request, d: Delivery, res: Reservation) -> None:
         """Re-publish an allowed request (the same msg id: deduplicated if it did go out) and ack."""
         admitted = Admitted(request=request, runtime_tokens=res.tokens, admitted_at=res.ts, admitter=res.by)
-        await self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=f"{request.id}:adm")
+        await self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=M.admitted(request.id))
         await d.ack()
         log.info("request %s redelivered after its allow; handed off again", request.id)
 
@@ -384,9 +385,9 @@ class AdmitterService(Repairs):
                     routed[rid] = r
                     handoffs.append(r.outgoing)
                 else:
-                    handoffs.append((S.admitted(request.cls, request.tenant), admitted, f"{rid}:adm", None))
+                    handoffs.append((S.admitted(request.cls, request.tenant), admitted, M.admitted(rid), None))
             elif dec.decision == DEGRADE:
-                handoffs.append((S.offline(request.tenant), request, f"{rid}:offline", None))
+                handoffs.append((S.offline(request.tenant), request, M.offline(rid), None))
             elif dec.decision == QUEUE:
                 self.held[rid] = Held(d, request, now)
         await self.bus.jpublish_batch(handoffs)
@@ -429,7 +430,7 @@ class AdmitterService(Repairs):
                     "another msg id?)", request.id)
         if request.reply:
             await self.bus.publish(request.reply, Reply(
-                request_id=request.id, kind="error", status="rejected", reason="duplicate",
+                request_id=request.id, kind=ReplyKind.ERROR, status=ReplyStatus.REJECTED, reason="duplicate",
                 message="a request with this id is running or has just finished; use a new id"))
         await d.ack()
 
@@ -441,22 +442,22 @@ class AdmitterService(Repairs):
             by=self.settings.name, latency_ms=latency_ms,
         )
         # a queued request is decided twice (queue, then allow/reject): one record each
-        suffix = "queue" if dec.decision == QUEUE else "admission"
-        await self.bus.jpublish_nowait(S.decision("admission", request.tenant), record, msg_id=f"{request.id}:{suffix}")
+        await self.bus.jpublish_nowait(S.decision("admission", request.tenant), record,
+                                       msg_id=M.admission(request.id, queued=dec.decision == QUEUE))
 
     async def _tell_producer(self, request: Request, dec: AdmissionDecision) -> None:
         if not request.reply:
             return
         rid = request.id
         if dec.decision == ALLOW:
-            reply = Reply(request_id=rid, kind="status", status="admitted")
+            reply = Reply(request_id=rid, kind=ReplyKind.STATUS, status=ReplyStatus.ADMITTED)
         elif dec.decision == QUEUE:
-            reply = Reply(request_id=rid, kind="status", status="queued", est_wait=dec.est_wait)
+            reply = Reply(request_id=rid, kind=ReplyKind.STATUS, status=ReplyStatus.QUEUED, est_wait=dec.est_wait)
         elif dec.decision == DEGRADE:
-            reply = Reply(request_id=rid, kind="status", status="degraded", job_id=rid)
+            reply = Reply(request_id=rid, kind=ReplyKind.STATUS, status=ReplyStatus.DEGRADED, job_id=rid)
         else:
-            reply = Reply(request_id=rid, kind="error", status="rejected", reason=dec.reason, message=dec.message,
-                          retry_after=dec.retry_after)
+            reply = Reply(request_id=rid, kind=ReplyKind.ERROR, status=ReplyStatus.REJECTED, reason=dec.reason,
+                          message=dec.message, retry_after=dec.retry_after)
         await self.bus.publish(request.reply, reply)
 
     # --- the queue ----------------------------------------------------------------------

@@ -33,9 +33,10 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.errors import NatschedError
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Completion, Decision, JobRecord, Request
+from natsched.wire.schema import Completion, CompletionStatus, Decision, JobRecord, Request
 from natsched.bus.snapshot import KV_DELETE, KV_OPERATION, KV_PURGE
 
 log = logging.getLogger(__name__)
@@ -187,8 +188,7 @@ def _raw_ts(raw: Any) -> float:
 
 def matches(msg_id: str, ids: Iterable[str]) -> bool:
     """A record of one of ``ids``: its ``Nats-Msg-Id`` is the id or ``<id>:<stage>``."""
-    head = msg_id.split(":", 1)[0]
-    return head in ids
+    return M.request_of(msg_id) in ids
 
 
 async def find_records(js: Any, stream: str, ids: set[str], since: float | None, until: float | None = None,
@@ -277,8 +277,8 @@ async def kv_snapshot(js: Any, bucket: str, pattern: str = ">", timeout: float =
     name, so its filter is not in the create subject and no permission can confine it; this way a
     tenant's batch role reads ``job.<tenant>.*.*`` and nothing else (``natsched.ops.auth``).
     """
-    prefix = f"$KV.{bucket}."
-    async for msg in read_filtered(js, f"KV_{bucket}", prefix + pattern, last_per_subject=True, timeout=timeout):
+    prefix = S.kv_subject(bucket, "")
+    async for msg in read_filtered(js, S.kv_stream(bucket), prefix + pattern, last_per_subject=True, timeout=timeout):
         if msg.headers.get(KV_OPERATION) not in (KV_DELETE, KV_PURGE):
             yield msg.subject[len(prefix):], msg.data
 
@@ -350,10 +350,10 @@ def _prompt_tokens(request: Request) -> int:
 
 
 def _outcome(final: Completion | None, admission: list[Decision], job: JobRecord | None) -> str:
-    if job is not None and job.status in ("completed", "failed"):
+    if job is not None and job.status.final:
         return job.status + (f" ({job.reason})" if job.reason else "")
     if final is not None:
-        return "completed" if final.status == "ok" else f"failed ({final.reason})"
+        return "completed" if final.status == CompletionStatus.OK else f"failed ({final.reason})"
     if admission and admission[-1].decision == "reject":
         return f"rejected ({admission[-1].reason})"
     if job is not None:
@@ -379,10 +379,10 @@ def summarize(requests: int, decisions: list[Decision], completions: list[Comple
         key = f"{d.stage}.{d.decision}"
         reasons = by_decision.setdefault(key, {})
         reasons[d.reason or "-"] = reasons.get(d.reason or "-", 0) + 1
-    ok = [c for c in completions if c.status == "ok"]
+    ok = [c for c in completions if c.status == CompletionStatus.OK]
     failed: dict[str, int] = {}
     for c in completions:
-        if c.status != "ok":
+        if c.status != CompletionStatus.OK:
             failed[c.reason or "error"] = failed.get(c.reason or "error", 0) + 1
     prompt = sum(c.prompt_tokens for c in ok)
     waits = [d.queue_wait for d in decisions if d.stage == "admission" and d.queue_wait]

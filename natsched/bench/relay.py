@@ -21,6 +21,7 @@ import sys
 import time
 
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Assignment, Request
@@ -52,7 +53,7 @@ class Relay:
             now = time.time()
             a = Assignment(request=request, worker=next(self._next), runtime_tokens=0, admitted_at=now,
                            routed_at=now, policy="relay")
-            out.append((S.work(a.worker), a, f"{request.id}:work", None))
+            out.append((S.work(a.worker), a, M.work(request.id), None))
             relayed.append(d)
         await self.bus.jpublish_batch(out)
         await asyncio.gather(*(d.ack() for d in relayed))

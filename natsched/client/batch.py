@@ -30,21 +30,23 @@ from typing import Any, Callable, Iterator
 
 import orjson
 
-from natsched.wire import codec
+from natsched.wire import chat, codec
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.audit.records import kv_snapshot, read_filtered
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ConflictError
 from natsched.client.errors import BatchError, BatchFileError, JobStoreError, NotFound
-from natsched.wire.errors import MessageError
+from natsched.wire.errors import ChatError, MessageError
 from natsched.bus.provision import provision_jobs, stored_settings
-from natsched.wire.schema import BatchManifest, JobRecord, Request, RequestId, TenantId
+from natsched.wire.schema import BatchManifest, JobRecord, JobStatus, Request, RequestId, TenantId
 
 log = logging.getLogger(__name__)
 
-SUBMITTED, WAITING, RUNNING, COMPLETED, FAILED = "submitted", "waiting", "running", "completed", "failed"
-JOB_STATUSES = (SUBMITTED, WAITING, RUNNING, COMPLETED, FAILED)
-FINAL = frozenset({COMPLETED, FAILED})
+SUBMITTED, WAITING, RUNNING, COMPLETED, FAILED = (JobStatus.SUBMITTED, JobStatus.WAITING, JobStatus.RUNNING,
+                                                   JobStatus.COMPLETED, JobStatus.FAILED)  # short names
+JOB_STATUSES = tuple(JobStatus)
+FINAL = frozenset(s for s in JobStatus if s.final)
 HISTORY_LIMIT = 32  # events kept per job record (the audit streams keep everything)
 
 
@@ -82,22 +84,16 @@ class LineError(ValueError):
 _SOURCES = ("prompt", "messages", "prompt_token_ids")
 
 
-def _messages_to_prompt(messages: Any) -> tuple[str | None, str]:
-    """Chat messages flattened: ``system`` ones become the system prompt, the rest ``role: text``
-    lines (no chat template is known here; the stable system prompt keeps its cache affinity)."""
-    if not isinstance(messages, list) or not messages:
-        raise LineError("'messages' must be a non-empty list of {\"role\", \"content\"} objects")
-    system, turns = [], []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise LineError(f"messages[{i}] must be an object with string 'role' and 'content'")
-        if m["role"] == "system":
-            system.append(m["content"])
-        else:
-            turns.append(f"{m['role']}: {m['content']}")
-    if not turns:
+def _render_chat(messages: Any, system_prompt: str | None) -> tuple[str | None, str]:
+    """Chat messages through the one template (:mod:`natsched.wire.chat`), so a batch line hashes
+    like the same conversation sent to the gateway; the line's ``system_prompt`` leads."""
+    try:
+        rendered = chat.render(messages, system_prompt)
+    except ChatError as exc:
+        raise LineError(str(exc)) from None
+    if all(m["role"] in ("system", "developer") for m in messages):
         raise LineError("'messages' holds only system messages: nothing to answer")
-    return ("\n".join(system) or None), "\n".join(turns)
+    return rendered
 
 
 def _int(obj: dict, name: str, minimum: int) -> int | None:
@@ -137,8 +133,7 @@ def parse_line(raw: bytes) -> dict[str, Any]:
     if given[0] == "prompt":
         fields["prompt"] = _str(obj, "prompt")
     elif given[0] == "messages":
-        system, fields["prompt"] = _messages_to_prompt(obj["messages"])
-        fields["system_prompt"] = "\n".join(p for p in (fields["system_prompt"], system) if p) or None
+        fields["system_prompt"], fields["prompt"] = _render_chat(obj["messages"], fields["system_prompt"])
     else:
         ids = obj["prompt_token_ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
@@ -451,7 +446,7 @@ class BatchClient:
         """Record first (the collector may see a reply before we return), then publish."""
         now = time.time()
         await self.store.create(S.job_key(plan.tenant, plan.id, req.id), submitted_record(plan, line, req, now))
-        ack = await self.bus.jpublish(S.request(plan.cls, plan.tenant), req, msg_id=req.id,
+        ack = await self.bus.jpublish(S.request(plan.cls, plan.tenant), req, msg_id=M.request(req.id),
                                       headers={S.HDR_REPLY: req.reply or ""})
         return 0 if ack.duplicate else 1
 

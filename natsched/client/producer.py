@@ -8,6 +8,7 @@ stage it was waiting for.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 import uuid
@@ -16,11 +17,13 @@ from typing import Any, AsyncIterator
 
 from nats.errors import TimeoutError as NatsTimeout
 
+from natsched.wire import chat
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.bus.connection import Bus
 from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed, RequestTimeout
 from natsched.wire.errors import DecodeError, SchemaError
-from natsched.wire.schema import Control, Reply, Request, RequestId, TenantId, WorkerId
+from natsched.wire.schema import Control, Reply, ReplyKind, ReplyStatus, Request, RequestId, TenantId, WorkerId
 from natsched.bus.server import DEFAULT_URL
 
 log = logging.getLogger(__name__)
@@ -30,9 +33,22 @@ def new_request_id() -> RequestId:
     return RequestId(uuid.uuid4().hex)
 
 
-def make_request(tenant: str, prompt: str | None = None, *, cls: str = S.ONLINE, **fields: Any) -> Request:
-    """A request with a fresh id and creation time; keyword fields as in :class:`Request`."""
+def make_request(tenant: str, prompt: str | None = None, *, cls: str = S.ONLINE, messages: list | None = None,
+                 **fields: Any) -> Request:
+    """A request with a fresh id and creation time; keyword fields as in :class:`Request`.
+
+    ``messages`` (OpenAI-style chat messages, instead of ``prompt``) are rendered by the one chat
+    template (:mod:`natsched.wire.chat`), with ``system_prompt`` as a leading system message: the
+    same conversation sent through the gateway or a batch file is the same text, so it hashes to
+    the same prefix blocks and shares their KV cache. With ``prompt``, ``system_prompt`` and
+    ``prompt`` are raw text (as ``/v1/completions``). Malformed messages raise
+    :class:`~natsched.wire.errors.ChatError` (a ``ValueError``).
+    """
     fields.setdefault("id", new_request_id())
+    if messages is not None:
+        if prompt is not None:
+            raise ValueError("give a prompt or messages, not both")
+        fields["system_prompt"], prompt = chat.render(messages, fields.get("system_prompt"))
     return Request(tenant=TenantId(tenant), cls=cls, prompt=prompt, created=time.time(), **fields)
 
 
@@ -45,12 +61,19 @@ class Chunk:
     index: int
 
 
+class ResultStatus(enum.StrEnum):
+    """How a request ended for its producer (:attr:`Result.status`)."""
+
+    COMPLETED = "completed"  # it ran: ``text`` is its output
+    DEGRADED = "degraded"  # handed to the offline path: ``job_id`` names the job
+
+
 @dataclass
 class Result:
     """The final outcome of a request that ran (or was handed to the offline path)."""
 
     request_id: str
-    status: str  # "completed" | "degraded"
+    status: ResultStatus
     text: str = ""
     worker: str | None = None
     finish_reason: str | None = None
@@ -61,7 +84,7 @@ class Result:
     tpot: float | None = None
     e2e: float = 0.0
     job_id: str | None = None
-    statuses: list[str] = field(default_factory=list)  # queued / admitted / assigned, in order
+    statuses: list[ReplyStatus] = field(default_factory=list)  # queued / admitted / assigned, in order
 
 
 @dataclass
@@ -153,7 +176,7 @@ class Client:
             ack = await self.bus.jpublish(
                 S.request(request.cls, request.tenant),
                 request,
-                msg_id=request.id,
+                msg_id=M.request(request.id),
                 headers={S.HDR_REPLY: reply_to},
                 budget_s=self.timeouts.publish,
             )
@@ -187,9 +210,9 @@ class Client:
                 reply = Reply.decode(msg.data)
             except (DecodeError, SchemaError):
                 continue  # not ours to interpret; a stray message on the reply subject
-            if reply.kind == "status" and reply.status == "rerouted":
+            if reply.kind == ReplyKind.STATUS and reply.status == ReplyStatus.REROUTED:
                 _rerouted(request, reply, progress, texts)
-                statuses.append("rerouted")
+                statuses.append(ReplyStatus.REROUTED)
                 continue
             if reply.worker and reply.worker in progress.abandoned:
                 continue  # a worker declared dead that was only slow: its re-run elsewhere counts
@@ -197,25 +220,26 @@ class Client:
                 progress.final = True
             if reply.worker:  # "assigned" names it; so does every token (which may overtake "assigned")
                 progress.worker = reply.worker
-            if reply.kind == "status":
-                statuses.append(reply.status or "")
-                if reply.status == "degraded":
-                    yield Result(request.id, "degraded", job_id=reply.job_id, statuses=statuses,
+            if reply.kind == ReplyKind.STATUS:
+                if reply.status is not None:
+                    statuses.append(reply.status)
+                if reply.status == ReplyStatus.DEGRADED:
+                    yield Result(request.id, ResultStatus.DEGRADED, job_id=reply.job_id, statuses=statuses,
                                  e2e=time.monotonic() - started)
                     return
-                if reply.status == "queued":
+                if reply.status == ReplyStatus.QUEUED:
                     wait, stage = self.timeouts.queued, "dequeue from the admission queue"
                 else:
                     wait, stage = self.timeouts.idle, "progress from the router or worker"
-            elif reply.kind == "token":
+            elif reply.kind == ReplyKind.TOKEN:
                 texts.append(reply.text or "")
                 yield Chunk(reply.text or "", reply.token_ids, reply.index or 0)
-            elif reply.kind == "error":
+            elif reply.kind == ReplyKind.ERROR:
                 _raise_error(request.id, reply)
-            elif reply.kind == "result":
+            elif reply.kind == ReplyKind.RESULT:
                 yield Result(
                     request_id=request.id,
-                    status="completed",
+                    status=ResultStatus.COMPLETED,
                     text=reply.text if reply.text is not None else "".join(texts),
                     worker=reply.worker,
                     finish_reason=reply.finish_reason,
@@ -251,6 +275,6 @@ def _raise_error(request_id: str, reply: Reply) -> None:
     message = f"request {request_id} {reply.status or 'failed'}: {reason}" + (
         f": {reply.message}" if reply.message else ""
     )
-    if reply.status == "rejected" or reply.retry_after is not None:
+    if reply.status == ReplyStatus.REJECTED or reply.retry_after is not None:
         raise Rejected(message, request_id, reason, reply.retry_after)
     raise RequestFailed(message, request_id, reason)

@@ -1,7 +1,7 @@
 """OpenAI request bodies in, response bodies and stream chunks out. Pure: no I/O.
 
 Accepted and used: ``model``, ``prompt`` (a string, a one-string array, or token ids),
-``messages`` (see :mod:`natsched.gateway.chat`), ``max_tokens`` / ``max_completion_tokens``,
+``messages`` (rendered by :mod:`natsched.wire.chat`, the template every path shares), ``max_tokens`` / ``max_completion_tokens``,
 ``stream``, ``stream_options.include_usage``, ``n`` (1 only). Refused with a 400 naming the
 field: multiple prompts, ``n`` > 1, ``echo``, ``logprobs``, ``best_of`` > 1, tools. Sampling
 fields (``temperature``, ``top_p``, ``stop``, ``seed``, penalties, ``user``) are accepted and
@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from natsched.gateway import chat
 from natsched.gateway.errors import BadRequest
+from natsched.wire import chat
+from natsched.wire.errors import ChatError
 
 CHAT, COMPLETION = "chat", "completion"
 MAX_MODEL_NAME = 256
@@ -51,7 +52,10 @@ def parse(kind: str, body: Any, default_max_tokens: int, max_tokens_limit: int) 
         inf.include_usage = _bool(options, "include_usage", "stream_options.include_usage")
     _refuse_unsupported(body)
     if kind == CHAT:
-        inf.system_prompt, inf.prompt = chat.render(body.get("messages"))
+        try:
+            inf.system_prompt, inf.prompt = chat.render(body.get("messages"))
+        except ChatError as exc:
+            raise BadRequest(str(exc), code=exc.code, param=exc.param) from None
     else:
         inf.prompt, inf.prompt_token_ids = _prompt(body.get("prompt"))
     return inf

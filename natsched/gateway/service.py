@@ -1,6 +1,6 @@
 """The gateway's request path: key -> tenant, body -> Request, bus outcome -> HTTP answer.
 
-Thin on purpose: parsing and templates are pure (:mod:`natsched.gateway.protocol`, :mod:`natsched.gateway.chat`),
+Thin on purpose: parsing and templates are pure (:mod:`natsched.gateway.protocol`, :mod:`natsched.wire.chat`),
 admission is the admitter's and routing the router's. What is decided here is only how long
 to wait and what each outcome means in HTTP:
 
@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator
 
 import orjson
 
-from natsched.client.producer import Chunk, Client, Result
+from natsched.client.producer import Chunk, Client, Result, ResultStatus
 from natsched.errors import NatschedError
 from natsched.client.errors import DuplicateRequest, Rejected, RequestError, RequestFailed, RequestTimeout
 from natsched.wire.schema import Request, RequestId, TenantId
@@ -156,7 +156,7 @@ class Gateway:
         return self._final(call, result)
 
     def _final(self, call: Call, result: Result) -> tuple[int, dict[str, Any]]:
-        if result.status == "degraded":
+        if result.status == ResultStatus.DEGRADED:
             return 202, {"id": call.request.id, "object": "natsched.job", "status": "degraded",
                          "job_id": result.job_id, "created": call.created, "model": call.inference.model}
         self._observe(call, result)
@@ -211,7 +211,7 @@ class Gateway:
                     yield _data(P.chunk(inf, rid, created, item.text, first=not sent_first))
                     sent_first = True
                 else:
-                    if item.status == "degraded":
+                    if item.status == ResultStatus.DEGRADED:
                         yield _data({"error": {"message": f"degraded to the offline path: job {item.job_id}",
                                                "type": "natsched_degraded", "param": None, "code": "degraded"}})
                         return

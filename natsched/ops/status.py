@@ -35,7 +35,7 @@ from natsched.wire import subjects as S
 from natsched.audit.records import kv_snapshot
 from natsched.bus.connection import Bus
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Completion, Decision, Heartbeat
+from natsched.wire.schema import Completion, CompletionStatus, Decision, Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class StatusState:
             self.rejections.append((d.ts, d.reason or "unknown"))
 
     def on_completion(self, c: Completion) -> None:
-        if c.worker and c.status == "ok":
+        if c.worker and c.status == CompletionStatus.OK:
             self.served.setdefault(c.worker, deque()).append((c.ts, c.prompt_tokens, c.cached_tokens))
 
     def prune(self, now: float) -> None:

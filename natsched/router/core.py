@@ -20,7 +20,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from natsched.wire.schema import CacheEvent, Completion, Heartbeat, RequestId, WorkerId
+from natsched.wire.schema import CacheEvent, Completion, CompletionStatus, Heartbeat, RequestId, WorkerId
 from natsched.router.costmodel import CostModel
 from natsched.router.deps import PolicyDeps, cached_tokens
 from natsched.router.errors import ConfigError
@@ -107,7 +107,7 @@ class RouterCore:
     def on_completion(self, c: Completion, now: float) -> None:
         """Release the request's load and score the cache claim it confirms or refutes."""
         a = self.registry.on_completion(c.request_id, c.worker, c.runtime_tokens)
-        if a is None or c.status != "ok" or (c.worker is not None and c.worker != a.worker):
+        if a is None or c.status != CompletionStatus.OK or (c.worker is not None and c.worker != a.worker):
             return  # not routed by us (another replica judges it), failed, or re-routed
         if self._claim_failed(a, c.cached_tokens):
             w = a.worker

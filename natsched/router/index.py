@@ -36,7 +36,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from natsched.wire.schema import BlockHash, CacheEvent, WorkerId
+from natsched.wire.schema import CacheEvent, WorkerId
+from natsched.wire.ids import BlockHash
 from natsched.router.errors import ConfigError
 
 log = logging.getLogger(__name__)

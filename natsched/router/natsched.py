@@ -72,7 +72,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from natsched.wire.schema import BlockHash, WorkerId
+from natsched.wire.schema import WorkerId
+from natsched.wire.ids import BlockHash
 from natsched.router.deps import PolicyDeps, cached_tokens
 from natsched.router.errors import ConfigError
 from natsched.router.hashring import HashRing

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
-from natsched.wire.schema import BlockHash, Request, RequestId, TenantId, WorkerId
+from natsched.wire.schema import Request, RequestId, TenantId, WorkerId
+from natsched.wire.ids import BlockHash
 
 
 @dataclass

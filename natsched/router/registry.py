@@ -23,7 +23,8 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-from natsched.wire.schema import BlockHash, Heartbeat, RequestId, WorkerId
+from natsched.wire.schema import Heartbeat, RequestId, WorkerId
+from natsched.wire.ids import BlockHash
 from natsched.router.backlog import advance, queued_prefill_s
 from natsched.router.costmodel import CostModel
 from natsched.router.errors import ConfigError

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 import orjson
 
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Admitted, Assignment, CacheEvent, Completion, Control, Decision, Heartbeat, Reply
+from natsched.wire.schema import (Admitted, Assignment, CacheEvent, Completion, CompletionStatus, Control, Decision,
+                                  Heartbeat, Reply, ReplyKind, ReplyStatus)
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.errors import ConfigError
 from natsched.router.metrics import RouterMetrics
@@ -166,7 +168,7 @@ class RouterService:
     def observe_completion(self, c: Completion) -> None:
         """Release the load of a finished request and score the cache claim it confirms or refutes."""
         self.core.on_completion(c, time.time())
-        if c.worker and c.status == "ok":
+        if c.worker and c.status == CompletionStatus.OK:
             self.metrics.cached_tokens.labels(c.worker, "actual").inc(c.cached_tokens)
             self.metrics.cached_tokens.labels(c.worker, "expected").inc(c.expected_cached_tokens or 0)
 
@@ -211,7 +213,7 @@ class RouterService:
             # one id per request and attempt: a router that crashes after this publish and re-routes
             # on redelivery is deduplicated by the server instead of running the request twice; a
             # rescue (its worker died) is a new attempt, which must not be deduplicated away
-            msg_id = f"{req.id}:work" + (f":{adm.attempt}" if adm.attempt else "")
+            msg_id = M.work(req.id, adm.attempt)
             r.outgoing = (S.work(decision.worker), r.assignment, msg_id, None)
         return r
 
@@ -231,8 +233,8 @@ class RouterService:
         req = adm.request
         await self._record(adm, decision, "assign", r.latency_ms)
         if req.reply:
-            await self.bus.publish(req.reply, Reply(request_id=req.id, kind="status", status="assigned",
-                                                    worker=decision.worker))
+            await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.STATUS,
+                                                    status=ReplyStatus.ASSIGNED, worker=decision.worker))
         if r.delivery is not None:
             await r.delivery.ack()
         m = self.metrics
@@ -261,14 +263,15 @@ class RouterService:
     async def _fail(self, adm: Admitted, decision: RouteDecision, reason: str, message: str) -> None:
         """Close an admitted request that cannot run: its completion releases the reservation."""
         req = adm.request
-        completion = Completion(request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model, status="error",
-                                runtime_tokens=adm.runtime_tokens, reason=reason, ts=time.time())
-        await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=f"{req.id}:done")
+        completion = Completion(request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model,
+                                status=CompletionStatus.ERROR, runtime_tokens=adm.runtime_tokens, reason=reason,
+                                ts=time.time())
+        await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=M.completion(req.id))
         await self._record(adm, decision, "fail", 0.0, reason)
         self.metrics.decisions.labels(decision.policy or "", "fail", reason).inc()
         if req.reply:
-            await self.bus.publish(req.reply, Reply(request_id=req.id, kind="error", status="failed", reason=reason,
-                                                    message=message))
+            await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.ERROR, status=ReplyStatus.FAILED,
+                                                    reason=reason, message=message))
         log.warning("request %s failed in routing: %s", req.id, message)
 
     async def _record(self, adm: Admitted, decision: RouteDecision, what: str, latency_ms: float,
@@ -280,4 +283,4 @@ class RouterService:
                           scores={str(k): decision.terms.get(k, v) for k, v in decision.scores.items()},
                           expected_cached_tokens=decision.expected_cached_tokens, by=self.settings.name,
                           latency_ms=latency_ms, runtime_tokens=adm.runtime_tokens)
-        await self.bus.jpublish_nowait(S.decision("routing", req.tenant), record, msg_id=f"{req.id}:routing")
+        await self.bus.jpublish_nowait(S.decision("routing", req.tenant), record, msg_id=M.routing(req.id))

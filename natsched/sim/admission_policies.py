@@ -28,7 +28,7 @@ from typing import Protocol
 from natsched.admitter.policy import ALLOW, QUEUE, REJECT, AdmissionSettings, AdmitterCore
 from natsched.admitter.quotas import Quotas, TenantQuota
 from natsched.wire import subjects as S
-from natsched.wire.schema import Completion, Request, RequestId, TenantId
+from natsched.wire.schema import Completion, CompletionStatus, Request, RequestId, TenantId
 from natsched.sim.admission_workload import AdmissionWorkload, SimRequest
 
 Outcome = tuple[str, str | None]
@@ -90,9 +90,9 @@ class NatschedAdmission:
         return [(self._requests.pop(r.id)[0], d.decision, d.reason) for r, d in picks]
 
     def finish(self, req: SimRequest, now: float) -> None:
-        self.core.release(Completion(request_id=RequestId(req.id), tenant=TenantId(req.tenant), status="ok",
-                                     runtime_tokens=req.cost, cls=S.ONLINE, prompt_tokens=req.prompt_tokens,
-                                     output_tokens=req.output_tokens, ts=now), now)
+        self.core.release(Completion(request_id=RequestId(req.id), tenant=TenantId(req.tenant),
+                                     status=CompletionStatus.OK, runtime_tokens=req.cost, cls=S.ONLINE,
+                                     prompt_tokens=req.prompt_tokens, output_tokens=req.output_tokens, ts=now), now)
 
     def queued(self) -> int:
         return self.core.queued()

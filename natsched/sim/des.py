@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from natsched.wire.schema import CacheEvent, Completion, Heartbeat, RequestId, TenantId, WorkerId
+from natsched.wire.schema import CacheEvent, Completion, CompletionStatus, Heartbeat, RequestId, TenantId, WorkerId
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.policy import RouteRequest
 from natsched.sim.admission import ALLOW, QUEUE, REJECT, AdmissionHook, AllowAll, runtime_tokens
@@ -330,7 +330,7 @@ class Simulator:
                 self.admission.on_finish(req, False, now)
                 self._reject(rec, "no_worker", now)
                 self._send(now, self._deliver_completion, Completion(
-                    request_id=rr.id, tenant=rr.tenant, cls=rr.cls, model=rr.model, status="error",
+                    request_id=rr.id, tenant=rr.tenant, cls=rr.cls, model=rr.model, status=CompletionStatus.ERROR,
                     runtime_tokens=rr.runtime_tokens, reason="no_worker", ts=now))
             return
         rec.worker = decision.worker
@@ -396,7 +396,7 @@ class Simulator:
         ttft = first - started if first is not None else None
         tpot = (now - first) / (seq.generated - 1) if first is not None and seq.generated > 1 else None
         self._send(now, self._deliver_completion, Completion(
-            request_id=rr.id, tenant=rr.tenant, cls=rr.cls, model=rr.model, status="ok",
+            request_id=rr.id, tenant=rr.tenant, cls=rr.cls, model=rr.model, status=CompletionStatus.OK,
             runtime_tokens=rr.runtime_tokens, worker=w.id, finish_reason="length", prompt_tokens=seq.prompt_tokens,
             cached_tokens=seq.cached_tokens, output_tokens=seq.generated, ttft=ttft, tpot=tpot, e2e=now - rec.arrival,
             expected_cached_tokens=rec.expected_cached_tokens, ts=now))

@@ -30,7 +30,7 @@ from typing import Any
 from natsched.wire import subjects as S
 from natsched.audit.records import Retention, decode_all, percentile, read_window, retention
 from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
-from natsched.wire.schema import Completion, Decision, Request
+from natsched.wire.schema import Completion, CompletionStatus, Decision, Request
 from natsched.sim.des import SimResult, SimSettings, simulate
 from natsched.sim.errors import SimError
 from natsched.sim.trace import Trace, TraceRequest
@@ -139,7 +139,7 @@ def build_trace(recording: Recording, block_size: int = 32) -> Trace:
     reqs = []
     for i, r in enumerate(recording.routed):
         c = r.completion
-        out = c.output_tokens if c is not None and c.status == "ok" and c.output_tokens else \
+        out = c.output_tokens if c is not None and c.status == CompletionStatus.OK and c.output_tokens else \
             (r.request.expected_output_tokens or r.request.max_tokens)
         reqs.append(TraceRequest(index=i, line=i + 1, base_arrival=r.arrival - t0, arrival=r.arrival - t0,
                                  input_length=estimate_prompt_tokens(r.request), output_length=max(1, out),
@@ -148,7 +148,7 @@ def build_trace(recording: Recording, block_size: int = 32) -> Trace:
 
 
 def recorded_metrics(recording: Recording) -> dict[str, Any]:
-    ok = [r for r in recording.routed if r.completion is not None and r.completion.status == "ok"]
+    ok = [r for r in recording.routed if r.completion is not None and r.completion.status == CompletionStatus.OK]
     ttft = [r.completion.ttft for r in ok if r.completion.ttft is not None]
     latency = [r.completion.ts - r.arrival for r in ok]
     prompt = sum(r.completion.prompt_tokens for r in ok)

@@ -20,7 +20,8 @@ import sys
 from array import array
 from typing import Sequence
 
-from natsched.wire.schema import BlockHash, Request
+from natsched.wire.ids import BlockHash
+from natsched.wire.schema import Request
 
 SEED = b"natsched/prefix/v1"
 CHARS_PER_TOKEN = 4  # text-length estimate of tokens when no tokenizer is at hand

@@ -4,207 +4,40 @@ Rules (the wire contract in ``subjects.md`` mirrors them):
 - each message carries ``v`` (schema version); readers accept any version and
   **ignore unknown fields**, so a newer producer never breaks an older consumer;
 - ``to_wire()`` omits ``None`` so optional fields cost nothing;
-- ``from_wire()`` checks presence and type of each field and raises
-  :class:`~natsched.bus.errors.SchemaError` naming the field, so handlers can answer precisely.
+- ``from_wire()`` checks presence and type of each field (:mod:`natsched.wire.validate`) and raises
+  :class:`~natsched.wire.errors.SchemaError` naming the field, so handlers can answer precisely.
 
 Pure module: no nats import, no I/O.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
-import types
-import typing
+import enum
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NewType, TypeVar
+from typing import Any
 
-from natsched.wire import codec
 from natsched.wire.errors import SchemaError
 
-RequestId = NewType("RequestId", str)
-WorkerId = NewType("WorkerId", str)
-TenantId = NewType("TenantId", str)
-BlockHash = NewType("BlockHash", int)
+# the ids live in natsched.wire.ids; imported here too, beside the messages that carry them
+from natsched.wire.ids import (
+    TOKEN,
+    RequestId,
+    TenantId,
+    WorkerId,
+    is_token,
+)
+from natsched.wire.subjects import reply_allowed
+from natsched.wire.validate import (  # the engine: Schema is the messages' base
+    Schema,
+    wire,
+)
 
 SCHEMA_VERSION = 1
 
-#: Ids end up inside subjects (``resp.<id>``, ``work.<worker>``, ``req.<class>.<tenant>``),
-#: so they must be single subject tokens: no dots, wildcards or spaces.
-ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-
-T = TypeVar("T", bound="Schema")
-
-
-def wire(name: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
-    """A field whose wire key differs from its Python name (``class`` is a keyword)."""
-    if default is dataclasses.MISSING and "default_factory" not in kw:
-        return field(metadata={"wire": name}, **kw)
-    return field(default=default, metadata={"wire": name}, **kw)
-
-
-@dataclass(frozen=True)
-class _Spec:
-    name: str
-    key: str
-    required: bool
-    check: Any  # callable(value, path) -> value
-    exact: frozenset = frozenset()  # value types taken as they are, without calling ``check``
-    nested: bool = False  # a Schema or a list of them: ``to_wire`` converts it
-
-
-def _scalar_check(types_: tuple[type, ...], label: str):
-    def check(value: Any, path: str) -> Any:
-        if isinstance(value, bool) and bool not in types_:
-            raise SchemaError(f"field '{path}' must be {label}, got bool", path)
-        if not isinstance(value, types_):
-            raise SchemaError(f"field '{path}' must be {label}, got {type(value).__name__}", path)
-        return value
-
-    return check
-
-
-def _unwrap(tp: Any) -> Any:
-    """The annotation a field's values are checked against: ``X | None`` and ``NewType`` of X are X."""
-    while True:
-        if typing.get_origin(tp) in (typing.Union, types.UnionType):
-            inner = [a for a in typing.get_args(tp) if a is not type(None)]
-            if len(inner) != 1:
-                return tp  # a real union: any value goes (decoders of such fields check themselves)
-            tp = inner[0]
-        elif getattr(tp, "__supertype__", None) is not None:  # NewType
-            tp = tp.__supertype__
-        else:
-            return tp
-
-
-def _checker(tp: Any):
-    """Build a validator for one annotation (Optional, list, dict, nested Schema, scalars)."""
-    tp = _unwrap(tp)
-    origin = typing.get_origin(tp)
-    if origin is list:
-        (item,) = typing.get_args(tp) or (Any,)
-        item_check = _checker(item)
-
-        def check_list(value: Any, path: str) -> Any:
-            if not isinstance(value, (list, tuple)):
-                raise SchemaError(f"field '{path}' must be a list, got {type(value).__name__}", path)
-            if item in (int, str, float):  # fast path for token-id lists
-                wanted = (int, float) if item is float else (item,)
-                if not all(isinstance(x, wanted) and not isinstance(x, bool) for x in value):
-                    raise SchemaError(f"field '{path}' must be a list of {item.__name__}", path)
-                return list(value)
-            return [item_check(x, f"{path}[{i}]") for i, x in enumerate(value)]
-
-        return check_list
-    if origin is dict:
-        return _scalar_check((dict,), "a map")
-    if isinstance(tp, type) and issubclass(tp, Schema):
-        return lambda v, p: tp.from_wire(v, path=p)
-    if tp is float:
-        return _scalar_check((int, float), "a number")
-    if tp in (int, str, bool):
-        return _scalar_check((tp,), {int: "an integer", str: "a string", bool: "a boolean"}[tp])
-    if tp is bytes:
-        return _scalar_check((bytes,), "bytes")
-    return lambda v, p: v
-
-
-def _exact_types(tp: Any) -> frozenset:
-    """The value types a field of annotation ``tp`` accepts with no conversion and no further
-    check (``type(v) in ...``: a bool is never taken for an int). Decoding takes these as they
-    are, which is most fields of most messages; anything else goes through the field's checker,
-    which converts or raises naming the field. Empty where every value needs the checker."""
-    tp = _unwrap(tp)
-    if tp is float:
-        return frozenset((int, float))
-    if tp in (int, str, bool, bytes):
-        return frozenset((tp,))
-    if typing.get_origin(tp) is dict:
-        return frozenset((dict,))
-    return frozenset()
-
-
-def _is_nested(tp: Any) -> bool:
-    """Could a value of this annotation hold a Schema (itself, in a list, or in a union)?"""
-    if isinstance(tp, type) and issubclass(tp, Schema):
-        return True
-    return any(_is_nested(a) for a in typing.get_args(tp))
-
-
-class Schema:
-    """Base of every wire message: versioned, tolerant of unknown fields, strict on known ones."""
-
-    _specs: ClassVar[tuple[_Spec, ...]]
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        cls._specs = ()  # filled lazily: type hints need the whole module defined
-
-    @classmethod
-    def _compile(cls) -> tuple[_Spec, ...]:
-        if not cls.__dict__.get("_specs"):
-            hints = typing.get_type_hints(cls)
-            specs = []
-            for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-                required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                tp = hints[f.name]
-                specs.append(_Spec(f.name, f.metadata.get("wire", f.name), required, _checker(tp),
-                                   _exact_types(tp), _is_nested(tp)))
-            cls._specs = tuple(specs)
-        return cls._specs
-
-    @classmethod
-    def from_wire(cls: type[T], data: Any, path: str = "") -> T:
-        """Build from a decoded map; unknown keys are ignored, missing/mistyped ones raise."""
-        if not isinstance(data, dict):
-            raise SchemaError(f"{path or cls.__name__} must be a map, got {type(data).__name__}", path or None)
-        kwargs = {}
-        get = data.get
-        for spec in cls._specs or cls._compile():
-            value = get(spec.key)
-            if value is None:
-                if spec.required:
-                    where = f"{path}.{spec.key}" if path else spec.key
-                    raise SchemaError(f"missing required field '{where}' in {cls.__name__}", where)
-                continue
-            if type(value) in spec.exact:  # the common case: a scalar of the declared type
-                kwargs[spec.name] = value
-            else:
-                kwargs[spec.name] = spec.check(value, f"{path}.{spec.key}" if path else spec.key)
-        obj = cls(**kwargs)
-        obj.__post_init_check__()
-        return obj
-
-    def __post_init_check__(self) -> None:
-        """Cross-field checks after decoding; subclasses raise SchemaError."""
-
-    def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        cls = type(self)
-        for spec in cls._specs or cls._compile():
-            value = getattr(self, spec.name)
-            if value is None:
-                continue
-            if spec.nested:
-                if isinstance(value, Schema):
-                    value = value.to_wire()
-                elif isinstance(value, list) and value and isinstance(value[0], Schema):
-                    value = [v.to_wire() for v in value]
-            out[spec.key] = value
-        return out
-
-    def encode(self) -> bytes:
-        return codec.encode(self.to_wire())
-
-    @classmethod
-    def decode(cls: type[T], data: bytes, max_bytes: int = codec.MAX_MESSAGE_BYTES) -> T:
-        return cls.from_wire(codec.decode(data, max_bytes))
-
 
 def _check_id(value: str, name: str) -> None:
-    if not ID_PATTERN.match(value):
-        raise SchemaError(f"field '{name}' must match {ID_PATTERN.pattern} (it is used in subjects)", name)
+    if not is_token(value):
+        raise SchemaError(f"field '{name}' must match {TOKEN} (it is used in subjects)", name)
 
 
 def _check_counts(obj: Any, names: tuple[str, ...]) -> None:
@@ -245,12 +78,9 @@ class Request(Schema):
         _check_id(self.tenant, "tenant")
         if self.prompt is None and self.prompt_token_ids is None:
             raise SchemaError("missing required field 'prompt' (or 'prompt_token_ids')", "prompt")
-        if self.reply is not None:
-            from natsched.wire.subjects import reply_allowed  # (subjects imports this module)
-
-            if not reply_allowed(self.reply, self.tenant):
-                raise SchemaError(f"field 'reply' must be one of the tenant's reply subjects "
-                                  f"(resp.<tenant>.<id>), got {self.reply[:80]!r}", "reply")
+        if self.reply is not None and not reply_allowed(self.reply, self.tenant):
+            raise SchemaError(f"field 'reply' must be one of the tenant's reply subjects "
+                              f"(resp.<tenant>.<id>), got {self.reply[:80]!r}", "reply")
 
 
 @dataclass
@@ -314,17 +144,38 @@ class Assignment(Schema):
         _check_counts(self, ("runtime_tokens", "expected_cached_tokens", "attempt"))
 
 
+class ReplyKind(enum.StrEnum):
+    """What one :class:`Reply` is: news (``status``), output (``token``) or the end."""
+
+    STATUS = "status"  # with ``status``: queued / admitted / assigned / rerouted / degraded
+    TOKEN = "token"  # a chunk of output
+    RESULT = "result"  # final, success
+    ERROR = "error"  # final, failure (``status`` rejected or failed, ``reason`` says why)
+
+
+class ReplyStatus(enum.StrEnum):
+    """Where a request is, as its producer hears it (``Reply.status``), in the order it goes."""
+
+    QUEUED = "queued"  # the admitter holds it (``est_wait``)
+    ADMITTED = "admitted"
+    ASSIGNED = "assigned"  # a worker has it (``worker``)
+    REROUTED = "rerouted"  # its worker died; re-admitted to run elsewhere
+    DEGRADED = "degraded"  # final: moved to the offline path (``job_id``)
+    REJECTED = "rejected"  # an error: refused by admission (``retry_after`` may say when to retry)
+    FAILED = "failed"  # an error: it ran, or was routed, and failed
+
+
 @dataclass
 class Reply(Schema):
     """What the producer receives on its reply subject.
 
-    ``kind``: ``status`` (queued/admitted/assigned, with ``est_wait``), ``token``
-    (a chunk of output), ``result`` (final, success) or ``error`` (final, failure).
+    ``kind``: a :class:`ReplyKind`; ``status``: a :class:`ReplyStatus` (an unknown value of
+    either does not decode: :class:`~natsched.wire.errors.SchemaError`).
     """
 
     request_id: RequestId
-    kind: str
-    status: str | None = None
+    kind: ReplyKind
+    status: ReplyStatus | None = None
     text: str | None = None
     token_ids: list[int] | None = None
     index: int | None = None
@@ -350,7 +201,14 @@ class Reply(Schema):
 
     @property
     def final(self) -> bool:
-        return self.kind in ("result", "error")
+        return self.kind in (ReplyKind.RESULT, ReplyKind.ERROR)
+
+
+class CompletionStatus(enum.StrEnum):
+    """How an admitted request ended, for the admitter and the router (``Completion.status``)."""
+
+    OK = "ok"
+    ERROR = "error"  # ``reason`` says why
 
 
 @dataclass
@@ -359,7 +217,7 @@ class Completion(Schema):
 
     request_id: RequestId
     tenant: TenantId
-    status: str  # "ok" | "error"
+    status: CompletionStatus
     runtime_tokens: int
     cls: str = wire("class", "")
     model: str = "default"
@@ -477,6 +335,20 @@ class DeadLetter(Schema):
     v: int = SCHEMA_VERSION
 
 
+class JobStatus(enum.StrEnum):
+    """Where a job is (``JobRecord.status``); see :class:`JobRecord`."""
+
+    SUBMITTED = "submitted"  # published by a batch producer, nothing heard yet
+    WAITING = "waiting"  # on the OFFLINE queue
+    RUNNING = "running"
+    COMPLETED = "completed"  # final: ``output`` set
+    FAILED = "failed"  # final: ``reason`` set, dead-lettered
+
+    @property
+    def final(self) -> bool:
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED)
+
+
 @dataclass
 class JobRecord(Schema):
     """A batch line or a degraded/offline request in bucket ``jobs`` (``job.<tenant>.<batch>.<id>``).
@@ -491,7 +363,7 @@ class JobRecord(Schema):
 
     id: RequestId
     tenant: TenantId
-    status: str
+    status: JobStatus
     batch: str = "-"
     line: int | None = None
     request: Request | None = None

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import re
 
-from natsched.wire.schema import RequestId, TenantId, WorkerId
+from natsched.wire.ids import TOKEN as _T
+from natsched.wire.ids import RequestId, TenantId, WorkerId, is_token, token
 
 # --- request classes (priority subjects) -------------------------------------------------
 ONLINE = "online"
@@ -82,17 +83,8 @@ KEY_ROUTER_CONFIG = "router"
 HDR_MSG_ID = "Nats-Msg-Id"  # JetStream dedup: the request id
 HDR_REPLY = "Natsched-Reply"  # reply subject, readable even when the body is not
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-_T = r"[A-Za-z0-9_-]{1,128}"
 #: the reply subjects a request may name (``reply_allowed``); groups 1 and 2 capture the tenant
 _REPLY = re.compile(rf"resp\.(?:{_T}|({_T})\.{_T})|outcome\.({_T})\.{_T}\.{_T}|bench\.resp\.{_T}")
-
-
-def token(value: str, what: str = "token") -> str:
-    """Check that ``value`` is one subject token (no dots, wildcards or spaces)."""
-    if not _TOKEN.match(value):
-        raise ValueError(f"{what} {value!r} is not a valid subject token ([A-Za-z0-9_-], 1-128 chars)")
-    return value
 
 
 def request(cls: str, tenant: TenantId) -> str:
@@ -113,7 +105,7 @@ def work(worker: WorkerId) -> str:
 def work_owner(subject: str) -> WorkerId | None:
     """The worker whose input ``subject`` is (``work.<worker>``), or None for any other subject."""
     prefix, _, worker = subject.partition(".")
-    return WorkerId(worker) if prefix == "work" and _TOKEN.match(worker) else None
+    return WorkerId(worker) if prefix == "work" and is_token(worker) else None
 
 
 def reply(request_id: RequestId) -> str:
@@ -188,9 +180,20 @@ def tenant_quota_key(tenant: TenantId) -> str:
     return f"tenant.{token(tenant, 'tenant')}"
 
 
+#: NATS KV's own naming: bucket ``B`` is stream ``KV_B``, its key ``K`` is stored on ``$KV.B.K``
+KV_STREAM_PREFIX = "KV_"
+KV_SUBJECT_PREFIX = "$KV"
+
+
 def kv_subject(bucket: str, key: str) -> str:
-    """The subject a KV bucket stores ``key`` on (a put is a JetStream publish there)."""
-    return f"$KV.{bucket}.{key}"
+    """The subject a KV bucket stores ``key`` on (a put is a JetStream publish there); ``key``
+    may be a filter (``>``, ``job.A.*.*``)."""
+    return f"{KV_SUBJECT_PREFIX}.{bucket}.{key}"
+
+
+def kv_stream(bucket: str) -> str:
+    """The stream that holds a KV bucket: ``KV_<bucket>``."""
+    return KV_STREAM_PREFIX + bucket
 
 
 def reservation_key(request_id: RequestId) -> str:
@@ -267,7 +270,7 @@ def outcome(tenant: TenantId, batch: str, job_id: RequestId) -> str:
 def parse_outcome_subject(subject: str) -> tuple[str, str, str] | None:
     """``outcome.<tenant>.<batch>.<job_id>`` -> (tenant, batch, job id), or None if it is not one."""
     parts = subject.split(".")
-    if len(parts) != 4 or parts[0] != "outcome" or not all(_TOKEN.match(p) for p in parts[1:]):
+    if len(parts) != 4 or parts[0] != "outcome" or not all(is_token(p) for p in parts[1:]):
         return None
     return parts[1], parts[2], parts[3]
 

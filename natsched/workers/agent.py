@@ -27,10 +27,12 @@ import time
 from dataclasses import dataclass, field
 
 from natsched.wire import subjects as S
+from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery, transport_failure
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
+from natsched.wire.schema import (Assignment, CacheEvent, Completion, CompletionStatus, Control, Heartbeat, Reply,
+                                  ReplyKind, ReplyStatus, WorkerId)
 from natsched.workers.backoff import BackoffMonitor, BackoffSettings
 from natsched.workers.calibrate import load_calibration
 from natsched.workers.engine import Engine, EngineOutput, EngineRequest, EngineStats
@@ -228,7 +230,7 @@ class WorkerAgent:
                 first_at = time.time()
             texts.append(out.text)
             if req.stream and req.reply and (out.text or out.token_ids) and not out.error:
-                await self.bus.publish(req.reply, Reply(request_id=req.id, kind="token", text=out.text,
+                await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.TOKEN, text=out.text,
                                                         token_ids=out.token_ids, index=out.index,
                                                         worker=self.id))  # where to cancel, even before "assigned"
             if out.finished:
@@ -245,7 +247,8 @@ class WorkerAgent:
         ttft = (first_at - started) if first_at else None
         tpot = ((now - first_at) / (out.output_tokens - 1)) if first_at and out.output_tokens > 1 else None
         completion = Completion(
-            request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model, status="ok" if ok else "error",
+            request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model,
+            status=CompletionStatus.OK if ok else CompletionStatus.ERROR,
             runtime_tokens=a.runtime_tokens, worker=self.id, finish_reason=out.finish_reason,
             reason=None if ok else out.error.split(":")[0], prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot,
@@ -269,14 +272,14 @@ class WorkerAgent:
             # where the time before the engine went: the scheduler's stamps and this worker's receipt
             stamps = dict(admitted_at=a.admitted_at, routed_at=a.routed_at, received_at=received)
             if ok:
-                reply = Reply(request_id=req.id, kind="result", text=None if req.stream else text,
+                reply = Reply(request_id=req.id, kind=ReplyKind.RESULT, text=None if req.stream else text,
                               worker=self.id, finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
                               cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot,
                               **stamps)
             else:
                 reason, _, message = (out.error or "").partition(": ")
-                reply = Reply(request_id=req.id, kind="error", status="failed", reason=reason or "engine_error",
-                              message=message or out.error, worker=self.id, **stamps)
+                reply = Reply(request_id=req.id, kind=ReplyKind.ERROR, status=ReplyStatus.FAILED,
+                              reason=reason or "engine_error", message=message or out.error, worker=self.id, **stamps)
             await self.bus.publish(req.reply, reply)
         log.info("request %s %s on %s: %d prompt (%d cached), %d out", req.id, completion.status, self.id,
                  out.prompt_tokens, out.cached_tokens, out.output_tokens)
@@ -289,7 +292,7 @@ class WorkerAgent:
         delay = 0.2
         while True:
             try:
-                return await self.bus.jpublish(S.completion(c.tenant), c, msg_id=f"{c.request_id}:done")
+                return await self.bus.jpublish(S.completion(c.tenant), c, msg_id=M.completion(c.request_id))
             except Exception as exc:
                 if not transport_failure(exc) or self.bus.closing:
                     raise
@@ -301,7 +304,7 @@ class WorkerAgent:
     def _observe(self, c: Completion) -> None:
         m = self.metrics
         m.requests.labels(c.status, c.reason or "").inc()
-        if c.status != "ok":
+        if c.status != CompletionStatus.OK:
             return
         m.prompt_tokens.inc(c.prompt_tokens)
         m.cached_tokens.inc(c.cached_tokens)

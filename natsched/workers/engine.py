@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol
 
-from natsched.wire.schema import BlockHash
+from natsched.wire.ids import BlockHash
 
 #: (kind, hashes): kind is "stored", "removed" or "cleared"
 CacheListener = Callable[[str, list[BlockHash]], None]

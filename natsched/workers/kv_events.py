@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
 from natsched.wire.blocks import root_hash, token_block_hashes
-from natsched.wire.schema import BlockHash
+from natsched.wire.ids import BlockHash
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from natsched.wire.schema import BlockHash
+from natsched.wire.ids import BlockHash
 from natsched.workers.engine import CacheListener, EngineOutput, EngineRequest, EngineStats
 
 

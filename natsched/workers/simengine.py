@@ -12,7 +12,7 @@ import logging
 import time
 from typing import AsyncIterator
 
-from natsched.wire.schema import BlockHash
+from natsched.wire.ids import BlockHash
 from natsched.workers.engine import CacheListener, EngineOutput, EngineRequest, EngineStats
 from natsched.workers.profiles import EngineProfile, H100_LLAMA8B
 from natsched.workers.simcore import SimCore

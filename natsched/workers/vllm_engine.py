@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from natsched.wire.blocks import root_hash, token_block_hashes
-from natsched.wire.schema import BlockHash
+from natsched.wire.ids import BlockHash
 from natsched.workers.engine import CacheListener, EngineOutput, EngineRequest, EngineStats
 from natsched.workers.errors import EngineStartError, EngineUnavailable
 from natsched.workers.kv_events import KvEventSubscriber, KvTranslator

@@ -21,7 +21,7 @@ from natsched.client.producer import make_request
 from natsched.bus.connection import Bus
 from natsched.bus.server import free_port
 from natsched.wire.schema import Decision
-from natsched.ops.auth import admitter_role, router_role, scheduler_role
+from natsched.wire.roles import admitter_role, router_role, scheduler_role
 from natsched.cli.app import build_parser
 from natsched.cli.commands import up_settings
 from natsched.hosting.supervisor import Supervisor

@@ -5,7 +5,7 @@ import pytest
 
 from natsched.wire import subjects as S
 from natsched.client.batch import LineError, attempt_id, batch_id, parse_line, plan_batch, request_id, span_lines, to_spans
-from natsched.wire.schema import ID_PATTERN
+from natsched.wire.ids import ID_PATTERN
 
 
 def jsonl(*rows) -> bytes:
@@ -18,17 +18,24 @@ def test_prompt_line_keeps_its_fields():
     assert fields == {"prompt": "hi", "max_tokens": 7, "model": "m", "system_prompt": "sys"}
 
 
-def test_messages_are_flattened_with_system_as_the_stable_prefix():
+def test_messages_are_rendered_by_the_chat_template_with_system_as_the_stable_prefix():
     fields = parse_line(orjson.dumps({"messages": [{"role": "system", "content": "be brief"},
                                                    {"role": "user", "content": "why?"}]}))
-    assert fields["system_prompt"] == "be brief" and fields["prompt"] == "user: why?"
+    assert fields["system_prompt"] == "<|system|>\nbe brief\n"
+    assert fields["prompt"] == "<|user|>\nwhy?\n<|assistant|>\n"
+
+
+def test_a_lines_system_prompt_leads_its_messages():
+    fields = parse_line(orjson.dumps({"system_prompt": "kb v1", "messages": [{"role": "system", "content": "b"},
+                                                                              {"role": "user", "content": "q"}]}))
+    assert fields["system_prompt"] == "<|system|>\nkb v1\n<|system|>\nb\n"
 
 
 def test_openai_batch_body_is_read():
     line = {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
             "body": {"messages": [{"role": "user", "content": "q"}], "max_completion_tokens": 9}}
     fields = parse_line(orjson.dumps(line))
-    assert fields["prompt"] == "user: q" and fields["max_tokens"] == 9
+    assert fields["prompt"] == "<|user|>\nq\n<|assistant|>\n" and fields["max_tokens"] == 9
 
 
 def test_token_ids_line():
@@ -47,6 +54,9 @@ def test_token_ids_line():
     (orjson.dumps({"prompt_token_ids": []}), "non-empty"),
     (orjson.dumps({"messages": [{"role": "user"}]}), "messages[0]"),
     (orjson.dumps({"messages": [{"role": "system", "content": "only"}]}), "only system"),
+    (orjson.dumps({"messages": [{"role": "tool", "content": "42"}]}), "not supported"),
+    (orjson.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), "only text parts"),
+    (orjson.dumps({"system_prompt": "s", "messages": []}), "non-empty"),
     (b'{"prompt": "' + b"x" * (1024 * 1024 + 10) + b'"}', "exceeds"),
 ])
 def test_malformed_lines_say_why(raw, why):

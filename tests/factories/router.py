@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from natsched.wire.schema import BlockHash, CacheEvent, Completion, Heartbeat, RequestId, TenantId, WorkerId
+from natsched.wire.schema import CacheEvent, Completion, Heartbeat, RequestId, TenantId, WorkerId
+from natsched.wire.ids import BlockHash
 from natsched.router.hashring import mix64
 from natsched.router.policy import RouteRequest, WorkerView
 

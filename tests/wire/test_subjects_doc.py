@@ -66,3 +66,30 @@ def test_tokens_reject_subject_syntax():
     for bad in ("a.b", "*", ">", "", "sp ace", "x" * 129):
         with pytest.raises(ValueError):
             S.request("online", bad)
+
+
+def _section(title: str) -> str:
+    for section in re.split(r"^## ", DOC, flags=re.M)[1:]:
+        head, _, body = section.partition("\n")
+        if head.startswith(title):
+            return body
+    raise AssertionError(f"subjects.md has no section {title!r}")
+
+
+def test_every_message_id_suffix_is_documented():
+    from natsched.wire import msgids as M
+
+    body = _section("Message ids")
+    documented = set(re.findall(r"`<id>:([a-z]+)", body))
+    assert documented == {k.value for k in M.Kind if k is not M.Kind.REQUEST}
+    for built in (M.admitted("ID", 2), M.work("ID", 2), M.rescue("ID", 2), M.offline_decision("ID", "retry", 1, 2)):
+        assert M.parse(built) is not None  # the documented shapes are what the builders write
+
+
+def test_every_status_value_is_documented():
+    from natsched.wire.schema import CompletionStatus, JobStatus, ReplyKind, ReplyStatus
+
+    body = _section("Status values")
+    for enum_cls in (ReplyKind, ReplyStatus, CompletionStatus, JobStatus):
+        row = next(line for line in body.splitlines() if f"(`{enum_cls.__name__}`)" in line)
+        assert set(re.findall(r"`([a-z]+)`", row.split("|")[2])) == {m.value for m in enum_cls}, enum_cls

@@ -1,0 +1,54 @@
+"""The role permission model (natsched.wire.roles), as data: no server needed (tests/ops runs them on one)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from natsched.wire import roles as R
+from natsched.wire import subjects as S
+
+
+def test_render_fills_the_given_placeholders_and_opens_the_rest():
+    assert R.render("decision.<stage>.<tenant>", stage="admission") == "decision.admission.*"
+    assert R.subject("tenant_reply", tenant="A") == "resp.A.*"
+    with pytest.raises(ValueError):
+        R.render("req.<class>.<tenant>", tenant="a.b")
+
+
+def test_a_producer_may_publish_its_own_tenants_requests_only():
+    role = R.producer_role("A")
+    assert role.user == "producer-A" and role.publish == [S.requests_of("A")]
+    allowed = role.permissions()
+    assert allowed["subscribe"]["allow"] == ["_INBOX.producer-A.>", S.replies_of("A")]
+
+
+def test_a_workers_consumer_is_pinned_to_its_own_work_subject():
+    pub = R.worker_role("w1").publish
+    assert R._js("CONSUMER", "CREATE", S.STREAM_WORK, S.worker_consumer("w1"), S.work("w1")) in pub
+    assert not any(p.startswith("$JS.API.CONSUMER.CREATE.WORK.") and p.endswith((".>", ".*")) for p in pub)
+    assert S.ADMITTED_ALL not in pub and not any(p.startswith("decision.") for p in pub)
+
+
+def test_the_scheduler_is_exactly_the_admitter_and_the_router_together():
+    adm, rtr, both = R.admitter_role(), R.router_role(), R.scheduler_role()
+    assert set(both.publish) == set(adm.publish) | set(rtr.publish)
+    assert set(both.subscribe) == set(adm.subscribe) | set(rtr.subscribe)
+
+
+def test_roles_lists_each_user_once_and_refuses_bad_names():
+    users = [r.user for r in R.roles(["A", "B"], ["w1"])]
+    assert len(users) == len(set(users)) and {"admin", "gateway", "batch-A", "producer-B", "worker-w1"} <= set(users)
+    with pytest.raises(ValueError):
+        R.gateway_role([])
+    with pytest.raises(ValueError):
+        R.worker_role("w.1")
+
+
+def test_the_wire_package_imports_no_nats():
+    code = ("import sys, pkgutil, importlib, natsched.wire as w\n"
+            "for m in pkgutil.iter_modules(w.__path__): importlib.import_module('natsched.wire.' + m.name)\n"
+            "bad = sorted(n for n in sys.modules if n == 'nats' or n.startswith(('nats.', 'natsched.bus')))\n"
+            "assert not bad, bad")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
