@@ -89,6 +89,7 @@ class WorkerAgent:
         self._progress: dict[str, tuple[Delivery, float]] = {}  # running: its message, when the server last heard
         self.predecessor_seq = 0  # set at start: see _predecessor_seq
         self._reported: set[str] = set()  # running, and its completion is stored already
+        self.completion_retries = 0  # completions that outlived a publish budget, waiting for the bus
 
     async def start(self) -> None:
         await self.engine.start()
@@ -296,6 +297,7 @@ class WorkerAgent:
             except Exception as exc:
                 if not transport_failure(exc) or self.bus.closing:
                     raise
+                self.completion_retries += 1
                 log.warning("completion of %s not stored yet (%s: %s); retrying", c.request_id,
                             type(exc).__name__, exc)
                 await asyncio.sleep(delay)

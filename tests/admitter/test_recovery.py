@@ -139,3 +139,30 @@ async def test_a_sigkilled_server_restarted_on_its_data_dir_keeps_every_release(
     finally:
         await observer.close()
         await stack.close()
+
+
+async def test_a_request_running_through_a_server_restart_completes_and_is_not_an_engine_error(own_server):
+    """The server dies while a worker generates and stays away past the worker's publish budget:
+    the worker keeps its completion until the server is back, so the request completes (one ok
+    completion), never ``engine_error``, and its reservation is released."""
+    stack = await start_stack(own_server.url, workers=1, time_scale=1.0, timeouts=Timeouts(admission=30, idle=30))
+    observer = None
+    try:
+        req = make_request("a long answer " * 8, max_tokens=200)  # a few seconds on the sim engine
+        run = asyncio.create_task(stack.client.submit(req))
+        assert await until(lambda: any(req.id in lease.inflight for lease in stack.admitter.leases.workers.values()))
+        worker = stack.workers[0]
+        worker.bus.publish_budget_s = 0.5  # the outage outlasts the publish budget
+        own_server.kill()
+        assert await until(lambda: worker.completion_retries > 0)  # it finished, and its completion waits
+        own_server.start()
+        result = await run
+        assert result.status == "completed"
+        observer = await Bus.connect(own_server.url, name="observer")
+        done = [Completion.decode(d) for _, d in await observer.stream_messages(S.STREAM_COMPLETIONS)]
+        assert [(c.request_id, c.status) for c in done] == [(req.id, "ok")]
+        assert await until(lambda: stack.admitter.shared.usage.used == 0)
+    finally:
+        if observer is not None:
+            await observer.close()
+        await stack.close()
