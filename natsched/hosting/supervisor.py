@@ -24,7 +24,6 @@ from pathlib import Path
 
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ServerError
-from natsched.bus.provision import fit_stored_limits, provision_jobs
 from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SYNC, EmbeddedServer, die_with_parent
 from natsched.ops.auth import AuthDir, AuthError
 from natsched.hosting.runtime import READY_PREFIX
@@ -39,9 +38,8 @@ async def _provision(url: str, credentials: Path | None = None, data_dir: Path |
     bus = await Bus.connect(url, name="natsched-up", credentials=credentials)
     try:
         if data_dir is not None:
-            await fit_stored_limits(bus.js, shutil.disk_usage(data_dir).free)
-        await bus.provision()
-        await provision_jobs(bus.js)
+            await bus.fit_to_disk(shutil.disk_usage(data_dir).free)
+        await bus.provision(jobs=True)
     finally:
         await bus.close()
 

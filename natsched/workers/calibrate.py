@@ -227,12 +227,12 @@ async def calibrate(engine: Engine, settings: CalibrationSettings) -> Calibratio
 
 async def store_calibration(bus: Any, cal: Calibration) -> int:
     """Put the calibration in bucket ``workers``; returns the KV revision."""
-    return await bus.kv_put(S.BUCKET_WORKERS, S.calibration_key(cal.model, cal.deployment), cal.to_json())
+    return await bus.kv(S.BUCKET_WORKERS).put(S.calibration_key(cal.model, cal.deployment), cal.to_json())
 
 
 async def load_calibration(bus: Any, model: str, deployment: str) -> Calibration | None:
     """The stored calibration for (model, deployment), or None (absent or unreadable, logged)."""
-    entry = await bus.kv_get(S.BUCKET_WORKERS, S.calibration_key(model, deployment))
+    entry = await bus.kv(S.BUCKET_WORKERS).get(S.calibration_key(model, deployment))
     if entry is None:
         return None
     try:

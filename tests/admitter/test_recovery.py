@@ -89,7 +89,7 @@ async def test_two_replicas_given_one_id_twice_reserve_it_once(bus, nats_url):
                                             headers={S.HDR_REPLY: r.reply}) for r in reqs))
         assert await until(lambda: all(any(x.reason == "duplicate" for x in rs) for rs in replies))
         assert all(sum(x.status == "admitted" for x in rs) == 1 for rs in replies)
-        usage = Usage.from_json((await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))[0])
+        usage = Usage.from_json((await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
         assert usage.used == 20 * 30  # one reservation each
         assert len(await bus.stream_messages(S.STREAM_ADMITTED)) == 20
     finally:
@@ -124,9 +124,9 @@ async def test_a_sigkilled_server_restarted_on_its_data_dir_keeps_every_release(
         own_server.kill()
         own_server.start()  # the same port and data dir
         assert await until(lambda: stack.admitter.bus.server_changes == 1, timeout=30)
-        usage = await observer.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
+        usage = await observer.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE)
         assert usage is not None and Usage.from_json(usage[0]).used == 0
-        assert [k for k in await observer.kv_keys(S.BUCKET_INFLIGHT) if k.startswith("res.")] == []
+        assert [k for k in await observer.kv(S.BUCKET_INFLIGHT).keys() if k.startswith("res.")] == []
         after = [make_request(f"after {i}", max_tokens=4) for i in range(10)]
         results = await asyncio.gather(*(stack.client.submit(r) for r in after))
         assert [r.status for r in results] == ["completed"] * 10

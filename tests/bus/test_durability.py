@@ -12,8 +12,7 @@ import pytest
 
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ProvisionError, ServerError
-from natsched.bus.provision import (GiB, MIN_TOTAL_BYTES, default_limits, fit_stored_limits, fit_to_disk,
-                                    provision_jobs, retention_targets, stored_overrides, total_reserved)
+from natsched.bus.provision import GiB, MIN_TOTAL_BYTES, default_limits, fit_to_disk, retention_targets, total_reserved
 from natsched.bus.server import DEFAULT_SYNC, SYNC_ALWAYS, SYNC_INTERVAL, EmbeddedServer, free_port
 
 
@@ -89,11 +88,10 @@ async def test_a_server_without_room_is_a_clear_provision_error(small_server):
 async def test_limits_fitted_to_the_disk_are_stored_and_every_provisioning_uses_them(small_server):
     bus = await Bus.connect(small_server.url)
     try:
-        fitted = await fit_stored_limits(bus.js, free_bytes=int(2.4 * GiB))  # 0.9 GiB for natsched
-        assert fitted and await stored_overrides(bus.js) == fitted
-        await bus.provision()  # a service's own provisioning: the stored limits, not the defaults
-        await provision_jobs(bus.js)
-        assert await fit_stored_limits(bus.js, free_bytes=int(2.4 * GiB)) == {}  # fits now: nothing rewritten
+        fitted = await bus.fit_to_disk(int(2.4 * GiB))  # 0.9 GiB for natsched
+        assert fitted and await bus.stored_overrides() == fitted
+        await bus.provision(jobs=True)  # a service's own provisioning: the stored limits, not the defaults
+        assert await bus.fit_to_disk(int(2.4 * GiB)) == {}  # fits now: nothing rewritten
     finally:
         await bus.close()
 

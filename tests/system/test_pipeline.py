@@ -55,7 +55,7 @@ async def test_repeated_prefix_is_served_from_cache(bus, nats_url):
 
 
 async def test_over_budget_online_request_queues_then_runs(stack, bus):
-    await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
+    await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
     assert await wait_for(lambda: stack.admitter.total == 300)
     big = make_request("t1", prompt_token_ids=list(range(100)), max_tokens=50)  # 250 runtime tokens
     first = asyncio.create_task(stack.client.submit(big))
@@ -69,8 +69,8 @@ async def test_over_budget_online_request_queues_then_runs(stack, bus):
 
 
 async def test_quota_exhausted_is_rejected_with_retry_after_when_the_class_does_not_queue(stack, bus):
-    await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
-    await bus.kv_put(S.BUCKET_QUOTAS, "class.online.queue", orjson.dumps(0))
+    await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
+    await bus.kv(S.BUCKET_QUOTAS).put("class.online.queue", orjson.dumps(0))
     assert await wait_for(lambda: stack.admitter.total == 300 and stack.admitter.core.quotas.queue_limit("online") == 0)
     slow = asyncio.create_task(stack.client.submit(make_request("t1", prompt_token_ids=list(range(100)),
                                                                 max_tokens=50)))
@@ -82,9 +82,9 @@ async def test_quota_exhausted_is_rejected_with_retry_after_when_the_class_does_
 
 
 async def test_corrupted_quota_value_keeps_last_good_total(stack, bus):
-    await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(5000))
+    await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(5000))
     assert await wait_for(lambda: stack.admitter.total == 5000)
-    await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, b"{not json")
+    await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, b"{not json")
     await asyncio.sleep(0.3)
     assert stack.admitter.total == 5000
 
@@ -117,8 +117,8 @@ async def test_malformed_bytes_get_error_reply_dead_letter_and_service_keeps_ser
     assert [(d.subject, d.reason, d.data) for d in dead] == [("req.online.t1", "malformed", b"\xc1\xff not msgpack")]
     # the term goes out before the reply, but the server applies acks on its own time: wait for it
     async def settled():
-        info = await bus.js.consumer_info(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER)
-        return info.num_ack_pending == 0 and info.num_redelivered == 0  # terminated, not redelivered
+        info = await bus.stream(S.STREAM_REQUESTS).consumer(S.CONSUMER_ADMITTER)
+        return info.ack_pending == 0 and info.redelivered == 0  # terminated, not redelivered
     assert await wait_for(settled)
     result = await stack.client.submit(make_request("t1", "still serving", max_tokens=2))
     assert result.status == "completed"
@@ -177,12 +177,12 @@ async def test_no_worker_fails_cleanly_and_releases(bus, nats_url):
 
 
 async def test_routing_policy_switches_live_and_bad_config_is_ignored(stack, bus):
-    await bus.kv_put(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG,
+    await bus.kv(S.BUCKET_CONFIG).put(S.KEY_ROUTER_CONFIG,
                      orjson.dumps({"policy": "round_robin", "canary": "least_loaded", "canary_share": 0.5}))
     assert await wait_for(lambda: stack.router.core.policy.name == "round_robin", 2.0)
     assert stack.router.core.canary.name == "least_loaded"
-    await bus.kv_put(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG, orjson.dumps({"policy": "no_such_policy"}))
-    await bus.kv_put(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG, b"[broken")
+    await bus.kv(S.BUCKET_CONFIG).put(S.KEY_ROUTER_CONFIG, orjson.dumps({"policy": "no_such_policy"}))
+    await bus.kv(S.BUCKET_CONFIG).put(S.KEY_ROUTER_CONFIG, b"[broken")
     await asyncio.sleep(0.3)
     assert stack.router.core.policy.name == "round_robin"
     results = await asyncio.gather(*(stack.client.submit(make_request("t1", f"x{i}", max_tokens=2)) for i in range(20)))

@@ -91,7 +91,7 @@ async def test_stored_calibration_becomes_the_workers_capacity(bus):
     await store_calibration(bus, cal)
     assert (await load_calibration(bus, "m1", "dep-a")).capacity_tokens == 12345
     assert await load_calibration(bus, "m1", "other") is None
-    await bus.kv_put(S.BUCKET_WORKERS, calibration_key("m1", "broken"), b"{not json")
+    await bus.kv(S.BUCKET_WORKERS).put(calibration_key("m1", "broken"), b"{not json")
     assert await load_calibration(bus, "m1", "broken") is None
 
     from tests.workers.test_agent_states import ScriptedEngine, collect, wait_for
