@@ -108,6 +108,7 @@ class AdmitterService(Repairs):
         self._takeover_wake = asyncio.Event()
         self._recheck_upto: float = 0  # after a server change: REQUESTS sequences to check (_maybe_seen)
         self._settling: asyncio.Future | None = None  # after a server change: completions catching up
+        self.refused_duplicates = 0  # copies of a reserved (or just released) request id refused
         self.dynamic = DynamicTotal(s.dynamic)
         self.metrics = metrics or AdmitterMetrics()
         self.held: dict[str, Held] = {}
@@ -188,6 +189,7 @@ class AdmitterService(Repairs):
         """
         items: list[tuple[Delivery, Request]] = []
         seen: set[str] = set()
+        self.bus.check_server()  # a batch from a restarted server is checked like a redelivery
         for d in batch:
             try:
                 request = Request.decode(d.data)
@@ -365,7 +367,6 @@ class AdmitterService(Repairs):
         now = time.time()
         reservations = []
         for request, dec, d, queue_wait, latency_ms in entries:
-            await self._record(request, dec, queue_wait, latency_ms)
             if dec.decision == ALLOW:
                 reservations.append(Reservation(request.id, request.tenant, request.model, dec.runtime_tokens, now,
                                                 self.settings.name, credit=(paid or {}).get(request.id, "")))
@@ -375,8 +376,10 @@ class AdmitterService(Repairs):
         # (published again under another msg id) is refused here, never reserved or run twice
         refused = await self._reserve(reservations)
         handoffs, routed = [], {}
-        for request, dec, d, queue_wait, _ in entries:
+        for request, dec, d, queue_wait, latency_ms in entries:
             rid = request.id
+            if rid not in refused:
+                await self._record(request, dec, queue_wait, latency_ms)
             if dec.decision == ALLOW and rid not in refused:
                 admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                     admitter=self.settings.name, queue_wait=queue_wait)
@@ -424,14 +427,15 @@ class AdmitterService(Repairs):
         return {res.request_id for res in refused}
 
     async def _refuse_duplicate(self, request: Request, d: Delivery) -> None:
-        """A request id that is reserved already, or was released a moment ago: one run per id."""
+        """A request id that is reserved already, or was released a moment ago: one run per id.
+
+        Nothing is said on its reply subject: that is the reserved request's too (a copy that came
+        back after a server restart, or was published again under another msg id), and its
+        producer is waiting for that request's outcome, which follows as usual."""
+        self.refused_duplicates += 1
         self.metrics.decisions.labels(request.tenant, request.cls, "reject", "duplicate").inc()
-        log.warning("request %s refused: its id is reserved already or just finished (published again under "
-                    "another msg id?)", request.id)
-        if request.reply:
-            await self.bus.publish(request.reply, Reply(
-                request_id=request.id, kind=ReplyKind.ERROR, status=ReplyStatus.REJECTED, reason="duplicate",
-                message="a request with this id is running or has just finished; use a new id"))
+        log.warning("request %s: a copy refused, its id is reserved already or just finished (a redelivery, or "
+                    "published again under another msg id)", request.id)
         await d.ack()
 
     async def _record(self, request: Request, dec: AdmissionDecision, queue_wait: float, latency_ms: float) -> None:

@@ -267,6 +267,11 @@ class Bus:
     def _server_id(self) -> str:
         return str((getattr(self.nc, "_server_info", None) or {}).get("server_id", ""))
 
+    def check_server(self) -> None:
+        """Notice a server change now, if the reconnect callback has not run yet: nats-py delivers
+        messages of the new connection before it calls the callback, so a consumer asks first."""
+        self._reconnected()
+
     def on_server_change(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` (synchronously, from the reconnect) whenever a reconnect finds another
         server than before: a nats-server restarted (each start draws a new id) or another cluster

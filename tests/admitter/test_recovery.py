@@ -15,7 +15,7 @@ from natsched.bus.server import SYNC_ALWAYS, EmbeddedServer, free_port
 from natsched.client.producer import Timeouts
 from natsched.wire import subjects as S
 from natsched.wire.schema import Completion, Decision, Reply
-from tests.admitter.test_service import publish, request, set_quotas, start_admitter, stop
+from tests.admitter.test_service import decisions, publish, request, set_quotas, start_admitter, stop
 from tests.factories.core import make_completion, make_request
 from tests.factories.core import wait_for as until
 from tests.factories.stack import start_stack
@@ -33,7 +33,8 @@ async def replies_to(bus: Bus, subject: str) -> list[Reply]:
 
 async def test_one_request_id_under_two_msg_ids_is_reserved_once(bus, nats_url):
     """The first copy is admitted; the second (another Nats-Msg-Id, so JetStream stores both) is
-    refused as a duplicate: the usage holds one reservation, not two until the drift repair."""
+    refused as a duplicate: the usage holds one reservation, not two until the drift repair, and
+    the producer hears only the first copy's news."""
     adm = await start_admitter(nats_url)
     try:
         req = request(tokens=100)  # 300 runtime tokens
@@ -44,10 +45,12 @@ async def test_one_request_id_under_two_msg_ids_is_reserved_once(bus, nats_url):
         again = copy.deepcopy(req)
         await bus.jpublish(S.request(again.cls, again.tenant), again, msg_id=f"{again.id}-other",
                            headers={S.HDR_REPLY: again.reply})
-        assert await until(lambda: any(r.reason == "duplicate" for r in got))
+        assert await until(lambda: adm.refused_duplicates == 1)
         assert adm.shared.usage.used == 300  # reserved once
         assert set(await adm.shared.snapshot()) == {req.id}
-        assert [r.status for r in got if r.kind == "status"] == ["admitted"]
+        assert [r.status for r in got] == ["admitted"]  # nothing about the refused copy
+        allows = [d for d in await decisions(bus) if d.request_id == req.id]
+        assert [d.decision for d in allows] == ["allow"]  # one decision record
         admitted = [d for _, d in await bus.stream_messages(S.STREAM_ADMITTED)]
         assert len(admitted) == 1  # handed off once
     finally:
@@ -68,8 +71,9 @@ async def test_a_finished_request_id_published_again_is_not_readmitted(bus, nats
         assert await until(lambda: adm.shared.usage.used == 0)
         await bus.jpublish(S.request(req.cls, req.tenant), copy.deepcopy(req), msg_id=f"{req.id}-again",
                            headers={S.HDR_REPLY: req.reply})
-        assert await until(lambda: any(r.reason == "duplicate" for r in got))
+        assert await until(lambda: adm.refused_duplicates == 1)
         assert adm.shared.usage.used == 0 and await adm.shared.snapshot() == {}
+        assert not [r for r in got if r.kind == "error"]  # the producer keeps its one outcome
     finally:
         await stop(adm)
 
@@ -87,8 +91,8 @@ async def test_two_replicas_given_one_id_twice_reserve_it_once(bus, nats_url):
         await asyncio.gather(*(publish(bus, r) for r in reqs))
         await asyncio.gather(*(bus.jpublish(S.request(r.cls, r.tenant), copy.deepcopy(r), msg_id=f"{r.id}-2",
                                             headers={S.HDR_REPLY: r.reply}) for r in reqs))
-        assert await until(lambda: all(any(x.reason == "duplicate" for x in rs) for rs in replies))
-        assert all(sum(x.status == "admitted" for x in rs) == 1 for rs in replies)
+        assert await until(lambda: sum(a.refused_duplicates for a in replicas) == 20)
+        assert all([x.status for x in rs] == ["admitted"] for rs in replies)
         usage = Usage.from_json((await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
         assert usage.used == 20 * 30  # one reservation each
         assert len(await bus.stream_messages(S.STREAM_ADMITTED)) == 20
