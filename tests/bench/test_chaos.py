@@ -232,3 +232,9 @@ def test_a_short_recovery_run_loses_duplicates_leaks_and_readmits_nothing(tmp_pa
     assert report["leaked_runtime_tokens"] == 0, detail
     assert "targets: (scenario recovery)" in proc.stdout
     assert _open_in(data) == []
+
+
+def test_the_chaos_help_names_every_scenario():
+    out = subprocess.run([sys.executable, "-m", "natsched", "chaos", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert all(name in " ".join(out.stdout.split()) for name in SCENARIOS)
