@@ -158,13 +158,16 @@ async def test_a_request_running_through_a_server_restart_completes_and_is_not_a
         worker = stack.workers[0]
         worker.bus.publish_budget_s = 0.5  # the outage outlasts the publish budget
         own_server.kill()
-        assert await until(lambda: worker.completion_retries > 0)  # it finished, and its completion waits
+        # it finished, its completion waits; and the outage outlasts the lease (3 heartbeats of 0.2 s)
+        assert await until(lambda: worker.completion_retries >= 3)
         own_server.start()
         result = await run
         assert result.status == "completed"
         observer = await Bus.connect(own_server.url, name="observer")
         done = [Completion.decode(d) for _, d in await observer.stream_messages(S.STREAM_COMPLETIONS)]
         assert [(c.request_id, c.status) for c in done] == [(req.id, "ok")]
+        records = [Decision.decode(d) for _, d in await observer.stream_messages(S.STREAM_DECISIONS)]
+        assert [x for x in records if x.decision == "rescue"] == []  # no lease judged while nothing was heard
         assert await until(lambda: stack.admitter.shared.usage.used == 0)
     finally:
         if observer is not None:
