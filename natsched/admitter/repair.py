@@ -57,6 +57,7 @@ class Repairs:
     _dead: dict[str, float]
     _instances: dict[str, float]  # worker -> the started_at of the instance last heard
     _takeovers: dict[str, int]  # restarted worker -> its predecessor_seq, waiting for the lease loop
+    _taken_over: dict[str, int]  # worker -> the predecessor_seq last taken over (once per bound)
     _takeover_wake: asyncio.Event
     _started: float
     _lock: asyncio.Lock
@@ -81,15 +82,16 @@ class Repairs:
         self.worker_load[hb.worker] = (hb.capacity_tokens, hb.runtime_tokens, now)
 
     def _note_instance(self, hb: Heartbeat) -> None:
-        """A worker instance seen for the first time that took over un-acked work (its
-        ``predecessor_seq``): that work is rescued at the next lease tick, once per instance."""
-        if self._instances.get(hb.worker) == hb.started_at:
-            return
+        """A worker instance that took over un-acked work (its ``predecessor_seq``): that work is
+        rescued at the next lease tick, once per bound (``started_at`` also moves when a fronted
+        engine server's cache begins anew, without a new worker process: that rescues nothing)."""
         before = self._instances.get(hb.worker)
-        self._instances[hb.worker] = hb.started_at
-        if before is not None:
-            log.warning("worker %s restarted (started_at %.3f -> %.3f)", hb.worker, before, hb.started_at)
-        if hb.predecessor_seq:
+        if before != hb.started_at:
+            self._instances[hb.worker] = hb.started_at
+            if before is not None:
+                log.warning("worker %s restarted (started_at %.3f -> %.3f)", hb.worker, before, hb.started_at)
+        if hb.predecessor_seq and self._taken_over.get(hb.worker) != hb.predecessor_seq:
+            self._taken_over[hb.worker] = hb.predecessor_seq
             self._takeovers[hb.worker] = hb.predecessor_seq
             self._takeover_wake.set()
 

@@ -105,6 +105,7 @@ class AdmitterService(Repairs):
         self._dead: dict[str, float] = {}  # worker -> when its lease expired here (until it heartbeats)
         self._instances: dict[str, float] = {}  # worker -> started_at of its instance last heard (repair.py)
         self._takeovers: dict[str, int] = {}  # restarted worker -> predecessor_seq, to rescue (repair.py)
+        self._taken_over: dict[str, int] = {}  # worker -> the predecessor_seq last taken over (repair.py)
         self._takeover_wake = asyncio.Event()
         self._recheck_upto: float = 0  # after a server change: REQUESTS sequences to check (_maybe_seen)
         self._settling: asyncio.Future | None = None  # after a server change: completions catching up
