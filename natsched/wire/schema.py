@@ -282,10 +282,14 @@ class Heartbeat(Schema):
     inflight: list[str] = field(default_factory=list)
     served: list[ServedModel] = field(default_factory=list)  # every model and adapter it serves (besides ``model``)
     deployment: str | None = None  # the calibration key part: routers read its measured speed as a prior
+    #: the WORK stream sequence up to which this worker id's durable consumer had delivered when
+    #: this instance started: what ``work.<worker>`` still stores at or below it is a
+    #: predecessor's unfinished work (the admitters rescue it at once); 0: none
+    predecessor_seq: int = 0
     v: int = SCHEMA_VERSION
 
     _COUNTS = ("seq", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "runtime_tokens",
-               "capacity_tokens", "queued_prefill_tokens", "kv_seq")
+               "capacity_tokens", "queued_prefill_tokens", "kv_seq", "predecessor_seq")
 
     def __post_init_check__(self) -> None:
         _check_id(self.worker, "worker")
