@@ -160,6 +160,9 @@ class Credentials:
     tls_ca: str | None = None  # CA that signed the server's certificate
     tls_cert: str | None = None  # client certificate (servers that verify clients)
     tls_key: str | None = None
+    #: the JetStream API prefix of a role outside the services' account (its account imports
+    #: the services' API under this name: ``natsched.wire.roles.IMPORTED_JS_API``)
+    js_prefix: str | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "Credentials":
@@ -239,9 +242,11 @@ class Bus:
         ``credentials`` (or a path to a credentials file) authenticates; other ``options``
         go to ``nats.connect`` as they are.
         """
+        js_prefix = None
         if credentials is not None:
             creds = credentials if isinstance(credentials, Credentials) else Credentials.load(credentials)
             options = {**creds.options(), **options}
+            js_prefix = creds.js_prefix
         servers = server_urls(url)
         deadline = time.monotonic() + connect_budget_s
         last: Exception | None = None
@@ -264,7 +269,10 @@ class Bus:
                 )
                 nc.options["allow_reconnect"] = True  # once connected, reconnect forever
                 nc.options["max_reconnect_attempts"] = -1
-                return cls(nc, name, publish_budget_s)
+                bus = cls(nc, name, publish_budget_s)
+                if js_prefix:
+                    bus.js = nc.jetstream(prefix=js_prefix)
+                return bus
             except (NoServersError, OSError, NatsTimeout, asyncio.TimeoutError) as exc:
                 last = exc
                 await asyncio.sleep(0.2)

@@ -3,8 +3,12 @@
 Why the server and not our code: a permission in the server's config is checked before any
 natsched process sees the message, so a compromised producer or worker cannot spoof a tenant,
 read another tenant's results or edit quotas, whatever code it runs. The generated config has
-one account (``NATSCHED``, JetStream enabled: every role shares the streams) and one user per
-role, each with allow-lists for publish and subscribe (anything not listed is refused). The
+the services' account (``NATSCHED``, JetStream enabled: the services share the streams), one
+account per tenant (``TENANT_<t>``: its producer and batch producer) and one for the gateway
+(``GATEWAY``), which reach the services only through what ``NATSCHED`` exports to them: a reply
+subject or header they choose is mapped back into their own account by the server, so it cannot
+name the scheduler's KV or streams. One user per role, each with allow-lists for publish and
+subscribe (anything not listed is refused). The
 roles, their allow-lists and why each may do what it may are pure data in :mod:`natsched.wire.roles`;
 this module writes them as a server config and credentials files.
 
@@ -37,11 +41,11 @@ from pathlib import Path
 
 import orjson
 
-from natsched.wire.roles import Role, roles
+from natsched.wire.roles import SERVICES_ACCOUNT, Role, local_subject, roles
 
 log = logging.getLogger(__name__)
 
-ACCOUNT = "NATSCHED"
+ACCOUNT = SERVICES_ACCOUNT  # (the name older callers import)
 CONFIG_NAME = "nats-auth.conf"
 CREDS_DIR = "creds"
 TLS_DIR = "tls"
@@ -129,9 +133,28 @@ class AuthDir:
 
 
 def server_config(users: list[tuple[Role, str]], tls: dict | None) -> dict:
-    config: dict = {"accounts": {ACCOUNT: {"jetstream": "enabled", "users": [
-        {"user": role.user, "password": password, "permissions": role.permissions()} for role, password in users
-    ]}}}
+    """The server config: the services' account (JetStream) with the services' users, and one
+    account per tenant (its producer and batch producer) and one for the gateway, each
+    reaching the services only through what the services' account exports to it
+    (:meth:`natsched.wire.roles.Role.imports`)."""
+    accounts: dict[str, dict] = {SERVICES_ACCOUNT: {"jetstream": "enabled", "users": []}}
+    exports: dict[tuple[str, str], list[str]] = {}  # (kind, subject) -> importing accounts
+    for role, password in users:
+        account = accounts.setdefault(role.account, {"users": [], "imports": []})
+        account["users"].append({"user": role.user, "password": password, "permissions": role.permissions()})
+        services, streams = role.imports()
+        for kind, subjects in (("service", services), ("stream", streams)):
+            for subj in subjects:
+                importers = exports.setdefault((kind, subj), [])
+                if role.account not in importers:
+                    importers.append(role.account)
+                    entry: dict = {kind: {"account": SERVICES_ACCOUNT, "subject": subj}}
+                    if local_subject(subj) != subj:
+                        entry["to"] = local_subject(subj)
+                    account["imports"].append(entry)
+    accounts[SERVICES_ACCOUNT]["exports"] = [{kind: subj, "accounts": importers}
+                                             for (kind, subj), importers in exports.items()]
+    config: dict = {"accounts": accounts}
     if tls:
         config["tls"] = tls
     return config
@@ -170,6 +193,8 @@ def init(settings: AuthSettings) -> AuthFiles:
         record = {"user": role.user, "password": password, "inbox_prefix": role.inbox, "role": role.kind}
         if role.tenants:
             record["tenants"] = role.tenants
+        if role.js_prefix:
+            record["js_prefix"] = role.js_prefix
         if ca is not None:
             record["tls_ca"] = os.path.relpath(ca, out / CREDS_DIR)
         path = out / CREDS_DIR / f"{role.user}.json"
