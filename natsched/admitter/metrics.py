@@ -39,5 +39,8 @@ class AdmitterMetrics:
                                      "Allows paid from this replica's credit (no shared write)", registry=r)
         self.credit_unspent = Gauge("natsched_admission_credit_unspent_runtime_tokens",
                                     "Runtime tokens this replica holds in credit, unspent", registry=r)
+        self.refused_values = Counter("natsched_admission_refused_kv_values",
+                                      "Values of bucket inflight refused as not written by an admitter "
+                                      "(a usage or a reservation record; the usage is rebuilt)", registry=r)
         self.bad_quota_entries = Counter("natsched_admission_bad_quota_entries", "Corrupted quota entries ignored",
                                          registry=r)

@@ -97,6 +97,9 @@ class AdmitterService(Repairs):
         self.settings = s = settings or AdmitterServiceSettings()
         self.core = AdmitterCore(s.admission)
         self.shared = SharedState(bus, s.name)
+        self.shared.is_long = self.core.is_long
+        self.shared.pending = lambda: [res for _, res in (*self._releasing, *self._committing)]
+        self._refused_seen = 0
         self.credit = Credit(s.name, s.credit)  # blocks reserved ahead: allows without a write
         self._keeper_wake = asyncio.Event()
         self.leases = LeaseTracker(s.lease_missed)
@@ -108,8 +111,10 @@ class AdmitterService(Repairs):
         self.held: dict[str, Held] = {}
         self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
         self.quota_entries: dict[str, bytes] = {}
+        self._quota_errors: set[str] = set()
         self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
         self._releasing: list[tuple[Completion | None, Reservation]] = []  # waiting for the next commit
+        self._committing: list[tuple[Completion | None, Reservation]] = []  # in the commit running now
         self._wake = asyncio.Event()
         self.router = router  # inline routing (see InlineRouter), or None: ADMITTED to the routers
         self._suspect: object = None  # drift seen on the previous reconciliation
@@ -160,9 +165,11 @@ class AdmitterService(Repairs):
 
     def apply_quotas(self) -> None:
         quotas, errors = Quotas.from_kv(self.quota_entries, previous=self.core.quotas)
-        for err in errors:
-            self.metrics.bad_quota_entries.inc()
-            log.error("quota entry ignored, last good value kept: %s", err)
+        for err in errors:  # counted and logged once each: every quota change re-reads them all
+            if err not in self._quota_errors:
+                self._quota_errors.add(err)
+                self.metrics.bad_quota_entries.inc()
+                log.error("quota entry refused, last good value kept until natsched quota set rewrites it: %s", err)
         try:
             self.core.set_quotas(quotas)
         except QuotaError as exc:
@@ -556,6 +563,7 @@ class AdmitterService(Repairs):
         waiting for the lock: ``change`` sees the usage without them, like ``change_usage``'s
         function; they are put back for the next commit if this one fails."""
         releasing, self._releasing = self._releasing, []
+        self._committing = releasing
 
         def attempt(usage: Usage) -> tuple[Usage | None, T]:
             base = self._minus(usage, releasing)
@@ -567,6 +575,8 @@ class AdmitterService(Repairs):
         except BaseException:
             self._releasing[:0] = releasing
             raise
+        finally:
+            self._committing = []
         if releasing:
             self._released(releasing)
         return result
@@ -617,6 +627,9 @@ class AdmitterService(Repairs):
         return total
 
     def _refresh_gauges(self) -> None:
+        if self.shared.refused > self._refused_seen:
+            self.metrics.refused_values.inc(self.shared.refused - self._refused_seen)
+            self._refused_seen = self.shared.refused
         if self.shared.conflicts > self._conflicts_seen:
             self.metrics.cas_conflicts.inc(self.shared.conflicts - self._conflicts_seen)
             self._conflicts_seen = self.shared.conflicts

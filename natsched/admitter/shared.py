@@ -72,9 +72,26 @@ class Reservation:
 
     @classmethod
     def from_json(cls, request_id: str, raw: bytes, revision: int) -> "Reservation":
-        d = orjson.loads(raw)
-        return cls(request_id, str(d["tenant"]), str(d.get("model", "default")), int(d["tokens"]), float(d["ts"]),
-                   str(d.get("by", "")), revision, str(d.get("moved_from", "")), str(d.get("credit", "")))
+        """Decode strictly (:class:`UsageError` for anything an admitter did not write): a record
+        with a field missing is not read as a reservation of 0 tokens of model "default"."""
+        try:
+            d = orjson.loads(raw)
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise UsageError(f"reservation {request_id} is not JSON: {exc}") from None
+        if not isinstance(d, dict) or set(d) - RECORD_FIELDS or not RECORD_REQUIRED <= set(d):
+            raise UsageError(f"reservation {request_id} is not one an admitter wrote: {bytes(raw[:80])!r}")
+        tokens, ts = d["tokens"], d["ts"]
+        if (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
+                or isinstance(ts, bool) or not isinstance(ts, (int, float))
+                or not all(isinstance(d.get(k, ""), str) for k in RECORD_FIELDS - {"tokens", "ts"})):
+            raise UsageError(f"reservation {request_id} has a field of the wrong type: {bytes(raw[:80])!r}")
+        return cls(request_id, d["tenant"], d["model"], tokens, float(ts), d["by"], revision,
+                   d.get("moved_from", ""), d.get("credit", ""))
+
+
+#: the fields of a reservation record (:meth:`Reservation.to_json`), and those always written
+RECORD_FIELDS = frozenset({"tenant", "model", "tokens", "ts", "by", "moved_from", "credit"})
+RECORD_REQUIRED = frozenset({"tenant", "model", "tokens", "ts", "by"})
 
 
 class SharedState:
@@ -98,6 +115,16 @@ class SharedState:
         self.conflicts = 0
         #: revision of a ``usage`` value that cannot be decoded, until a write replaces it (0: none)
         self.corrupted = 0
+        #: values of the bucket refused as not written by an admitter (a usage revision counts
+        #: once), and how many times the usage was rebuilt from the records because of one
+        self.refused = 0
+        self.rebuilt = 0
+        #: set by the service: whether a reservation of n tokens is a long one (the rebuild
+        #: counts ``long`` like the reconciliation), and the reservations taken (deleted) whose
+        #: release is not yet in the usage (a rebuild counts them: their commit subtracts them)
+        self.is_long: Callable[[int], bool] = lambda tokens: False
+        self.pending: Callable[[], list[Reservation]] = lambda: []
+        self._bad_records: dict[str, int] = {}  # key -> revision refused (logged once)
         self.ready = asyncio.Event()
 
     async def start(self) -> None:
@@ -129,8 +156,9 @@ class SharedState:
             usage = Usage() if value is None else Usage.from_json(value)
         except UsageError as exc:
             if self.corrupted != rev:
-                log.error("shared usage at revision %d cannot be decoded (%s): deciding on the last good "
-                          "value until it is overwritten", rev, exc)
+                self.refused += 1
+                log.error("shared usage at revision %d refused (%s): it is rebuilt from the reservation "
+                          "records before the next decision is committed", rev, exc)
             self.corrupted, self.revision = rev, rev
             return
         self.usage, self.revision, self.corrupted = usage, rev, 0
@@ -150,6 +178,8 @@ class SharedState:
         value after every lost race, so the caller's decision always matches what was written.
         """
         for attempt in range(self.max_attempts):
+            if self.corrupted:  # never decide on a value that is not what the admitters wrote
+                await self.rebuild()
             new, result = fn(self.usage)
             if new is None:
                 return result
@@ -168,6 +198,24 @@ class SharedState:
                 self.usage, self.revision, self.corrupted = new, rev, 0
             return result
         raise AdmitterError(f"usage update lost {self.max_attempts} races in a row")
+
+    async def rebuild(self) -> None:
+        """Replace a refused usage with what the reservation records imply (every record, plus
+        the releases taken but not yet committed: their commit subtracts them), keeping the last
+        good value's credit entries. Lost to a newer write: that one is read instead."""
+        records = await self.snapshot()
+        for res in self.pending():
+            records.setdefault(res.request_id, res)
+        expected = self.drift(records, self.is_long, Usage(credits=self.usage.credits))
+        try:
+            rev = await self.bus.kv_update(S.BUCKET_INFLIGHT, USAGE, expected.to_json(), self.corrupted)
+        except ConflictError:
+            await self.refresh()
+            return
+        self.usage, self.revision, self.corrupted = expected, rev, 0
+        self.rebuilt += 1
+        log.warning("shared usage rebuilt from %d reservation records: %d runtime tokens in flight",
+                    len(records), expected.used)
 
     async def record(self, res: Reservation) -> None:
         self.recorded(res, await self.bus.kv_put(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id), res.to_json()))
@@ -205,8 +253,11 @@ class SharedState:
             rid = key[len(RES_PREFIX):]
             try:
                 records[rid] = Reservation.from_json(rid, value, rev)
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                log.error("ignoring corrupted reservation %s: %s", key, exc)
+            except UsageError as exc:
+                if self._bad_records.get(key) != rev:  # logged and counted once per value
+                    self._bad_records[key] = rev
+                    self.refused += 1
+                    log.error("reservation record refused: %s", exc)
         for rid in [rid for rid in self.reservations if rid not in records]:
             if self.reservations[rid].ts < started - SNAPSHOT_MARGIN_S:  # (one written meanwhile is kept)
                 del self.reservations[rid]
@@ -264,7 +315,15 @@ class SharedState:
         if current is None:
             self.reservations.pop(request_id, None)
             return None
-        return Reservation.from_json(request_id, current[0], current[1])
+        try:
+            return Reservation.from_json(request_id, current[0], current[1])
+        except UsageError as exc:  # not a reservation: nothing to release (the reconciliation,
+            key = S.reservation_key(request_id)  # which skips it too, repairs the aggregate)
+            if self._bad_records.get(key) != current[1]:
+                self._bad_records[key] = current[1]
+                self.refused += 1
+                log.error("reservation record refused: %s", exc)
+            return None
 
     @staticmethod
     def drift(records: dict[str, Reservation], is_long: Callable[[int], bool], usage: Usage | None = None) -> Usage:

@@ -394,10 +394,10 @@ async def test_the_reconciliation_loop_ends_once_the_connection_is_closed_for_go
         await stop(adm)
 
 
-async def test_an_undecodable_usage_is_overwritten_by_the_next_commit_not_fatal(bus, nats_url, caplog):
-    """Garbage in the shared ``usage`` key (a bad manual edit, a buggy tool): the admitter keeps
-    deciding on the last good value and its next commit replaces the garbage. Before, every
-    commit lost its race to it, re-read it, failed to decode it, and nothing was admitted again."""
+async def test_an_undecodable_usage_is_rebuilt_from_the_records_by_the_next_commit_not_fatal(bus, nats_url, caplog):
+    """Garbage in the shared ``usage`` key (a bad manual edit, a buggy tool): refused, counted,
+    logged once, and the next commit first rebuilds it from the reservation records. Before,
+    every commit lost its race to it, re-read it, failed to decode it, and nothing was admitted."""
     adm = await start_admitter(nats_url)
     try:
         first, second = request(), request()
@@ -405,13 +405,40 @@ async def test_an_undecodable_usage_is_overwritten_by_the_next_commit_not_fatal(
         assert await until(lambda: adm.shared.usage.used == 300)
         await bus.kv_put(S.BUCKET_INFLIGHT, S.KEY_USAGE, b"{not a usage")
         assert await until(lambda: adm.shared.corrupted > 0)
-        assert "cannot be decoded" in caplog.text
-        assert adm.shared.usage.used == 300  # the last good value, still decided on
+        assert caplog.text.count("refused") == 1 and adm.shared.refused == 1
+        assert adm.shared.usage.used == 300  # the last good value, never decided on: rebuilt first
         sub = await bus.inbox(S.reply(second.id))
         await publish(bus, second)
         assert Reply.decode((await sub.next_msg(timeout=5)).data).status == "admitted"
         stored = Usage.from_json((await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))[0])
-        assert stored.used == 600 and adm.shared.corrupted == 0
+        assert stored.used == 600 and adm.shared.corrupted == 0 and adm.shared.rebuilt == 1
+        adm._refresh_gauges()
+        assert adm.metrics.registry.get_sample_value("natsched_admission_refused_kv_values_total") == 1
+    finally:
+        await stop(adm)
+
+
+async def test_a_publish_ack_in_the_usage_key_is_never_read_as_zero(bus, nats_url):
+    """The reply-to attack's write (``{"stream": ..., "seq": ...}``, a publish ack) on the usage
+    key of a *starting* admitter, which has no last good value: it rebuilds from the records, so
+    a second request that would fit only an empty cluster is not admitted (it was, 25 times over)."""
+    await set_quotas(bus, cluster__total=500, class__online__queue=0)
+    adm = await start_admitter(nats_url)
+    first = request()
+    await publish(bus, first)
+    assert await until(lambda: adm.shared.usage.used == 300)
+    await stop(adm)
+    await bus.kv_put(S.BUCKET_INFLIGHT, S.KEY_USAGE, orjson.dumps({"stream": S.STREAM_REQUESTS, "seq": 7}))
+    adm = await start_admitter(nats_url)
+    try:
+        assert adm.shared.corrupted and adm.shared.usage.used == 0  # nothing good read yet
+        second = request()
+        sub = await bus.inbox(S.reply(second.id))
+        await publish(bus, second)
+        reply = Reply.decode((await sub.next_msg(timeout=5)).data)
+        assert (reply.status, reply.reason) == ("rejected", "quota_exhausted")
+        stored = Usage.from_json((await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))[0])
+        assert stored.used == 300 and stored.tenants == {"t1": 300}
     finally:
         await stop(adm)
 
