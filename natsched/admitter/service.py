@@ -30,6 +30,7 @@ from natsched.admitter.repair import Repairs
 from natsched.admitter.rescue import Rescuer
 from natsched.admitter.shared import Reservation, SharedState
 from natsched.admitter.usage import Usage
+from natsched.wire import fence
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.bus.aio import wait_event
@@ -510,12 +511,18 @@ class AdmitterService(Repairs):
         completions = []
         for d in batch:
             try:
-                completions.append(Completion.decode(d.data))
+                c = Completion.decode(d.data)
             except MessageError as exc:
                 await self.bus.settle_failed(d, self._completions_spec, "admitter", exc)
-        taken = await asyncio.gather(*(self.shared.take(c.request_id) for c in completions))
+                continue
+            if self._fenced_off(c, d.subject) is None:
+                completions.append(c)
+        stale = self.shared.stale
+        taken = await asyncio.gather(*(self.shared.take(c.request_id, c.attempt) for c in completions))
+        if self.shared.stale > stale:
+            self.metrics.refused_completions.labels(fence.STALE).inc(self.shared.stale - stale)
         pairs = [(c, res) for c, res in zip(completions, taken) if res is not None]
-        for c in completions:
+        for c in completions:  # (the fenced ones only: a forged one must not end a lease either)
             self.leases.forget(c.request_id)
             if self.router is not None:
                 self.router.observe_completion(c)
@@ -524,6 +531,17 @@ class AdmitterService(Repairs):
         if pairs:
             await self._release_taken(pairs)
         await asyncio.gather(*(d.ack() for d in batch if not d.settled))
+
+    def _fenced_off(self, c: Completion, subject: str) -> str | None:
+        """Why a completion may not release anything (:mod:`natsched.wire.fence`), counted and
+        logged; None when it comes from the worker its attempt was assigned to. A refused one
+        is acked and kept in COMPLETIONS (the audit checks the same fence): it frees nothing."""
+        problem = fence.problem(self.bus.fence_key, c, subject)
+        if problem is not None:
+            self.metrics.refused_completions.labels(problem).inc()
+            log.warning("completion of request %s on %s refused (%s): it releases nothing", c.request_id, subject,
+                        problem)
+        return problem
 
     async def _refund(self, pairs: list[tuple[Completion | None, Reservation]]):
         """Requests paid from this replica's live credit go back into it, without a write; the

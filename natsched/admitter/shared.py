@@ -61,11 +61,14 @@ class Reservation:
     revision: int = 0
     moved_from: str = ""  # the dead worker it was rescued from (its tokens stay reserved)
     credit: str = ""  # the epoch of ``by``'s credit block it was paid from ("": reserved on its own)
+    attempt: int = 0  # the attempt whose completion may release it (a rescue moves it on: fencing)
 
     def to_json(self) -> bytes:
         record = {"tenant": self.tenant, "model": self.model, "tokens": self.tokens, "ts": self.ts, "by": self.by}
         if self.moved_from:
             record["moved_from"] = self.moved_from
+        if self.attempt:
+            record["attempt"] = self.attempt
         if self.credit:
             record["credit"] = self.credit
         return orjson.dumps(record)
@@ -80,17 +83,20 @@ class Reservation:
             raise UsageError(f"reservation {request_id} is not JSON: {exc}") from None
         if not isinstance(d, dict) or set(d) - RECORD_FIELDS or not RECORD_REQUIRED <= set(d):
             raise UsageError(f"reservation {request_id} is not one an admitter wrote: {bytes(raw[:80])!r}")
-        tokens, ts = d["tokens"], d["ts"]
-        if (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
-                or isinstance(ts, bool) or not isinstance(ts, (int, float))
-                or not all(isinstance(d.get(k, ""), str) for k in RECORD_FIELDS - {"tokens", "ts"})):
+        tokens, ts, attempt = d["tokens"], d["ts"], d.get("attempt", 0)
+        if (not _is_count(tokens) or not _is_count(attempt) or isinstance(ts, bool) or not isinstance(ts, (int, float))
+                or not all(isinstance(d.get(k, ""), str) for k in RECORD_FIELDS - {"tokens", "ts", "attempt"})):
             raise UsageError(f"reservation {request_id} has a field of the wrong type: {bytes(raw[:80])!r}")
         return cls(request_id, d["tenant"], d["model"], tokens, float(ts), d["by"], revision,
-                   d.get("moved_from", ""), d.get("credit", ""))
+                   d.get("moved_from", ""), d.get("credit", ""), attempt)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 #: the fields of a reservation record (:meth:`Reservation.to_json`), and those always written
-RECORD_FIELDS = frozenset({"tenant", "model", "tokens", "ts", "by", "moved_from", "credit"})
+RECORD_FIELDS = frozenset({"tenant", "model", "tokens", "ts", "by", "moved_from", "credit", "attempt"})
 RECORD_REQUIRED = frozenset({"tenant", "model", "tokens", "ts", "by"})
 
 
@@ -119,6 +125,7 @@ class SharedState:
         #: once), and how many times the usage was rebuilt from the records because of one
         self.refused = 0
         self.rebuilt = 0
+        self.stale = 0  # completions of an attempt since rescued, refused by take()
         #: set by the service: whether a reservation of n tokens is a long one (the rebuild
         #: counts ``long`` like the reconciliation), and the reservations taken (deleted) whose
         #: release is not yet in the usage (a rebuild counts them: their commit subtracts them)
@@ -263,19 +270,32 @@ class SharedState:
                 del self.reservations[rid]
         return records
 
-    async def take(self, request_id: str) -> Reservation | None:
+    async def take(self, request_id: str, attempt: int | None = None) -> Reservation | None:
         """Delete a reservation once: the caller that wins frees its tokens, everyone else gets None.
+
+        ``attempt``: only a completion of the reservation's current attempt may free it; one of
+        an attempt since rescued (its old worker was only paused) is stale: counted in
+        ``stale``, None, and the reservation stays for the attempt that runs now.
 
         A record rewritten since the mirror saw it (a rescue marked it moved) is still the same
         reservation: the delete is retried once against the revision read back.
         """
         key = S.reservation_key(request_id)
         res = self.reservations.get(request_id)
-        for attempt in range(TAKE_ATTEMPTS):
+        fresh = False
+        for attempt_no in range(TAKE_ATTEMPTS):
             if res is None or not res.revision:  # not mirrored yet: read it (one more round trip)
-                res = await self._read(request_id)
+                res, fresh = await self._read(request_id), True
                 if res is None:
                     return None  # gone: someone else freed it
+            if attempt is not None and res.attempt != attempt:
+                if not fresh:  # remembered before a rescue moved it on: look again
+                    res = None
+                    continue
+                self.stale += 1
+                log.warning("completion of request %s attempt %d refused: the reservation is attempt %d's",
+                            request_id, attempt, res.attempt)
+                return None
             try:
                 await self.bus.kv_delete(S.BUCKET_INFLIGHT, key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
             except ConflictError:
@@ -283,13 +303,13 @@ class SharedState:
                 # until it is gone or ours; giving up would leave it reserved (and its request
                 # looking unfinished to a rescue)
                 res = None
-                await asyncio.sleep(min(0.2, 0.005 * 2 ** attempt))
+                await asyncio.sleep(min(0.2, 0.005 * 2 ** attempt_no))
                 continue
             self.reservations.pop(request_id, None)
             return res
         raise AdmitterError(f"reservation {request_id}: still changing after {TAKE_ATTEMPTS} attempts to free it")
 
-    async def mark_moved(self, request_id: str, worker: str) -> Reservation | None:
+    async def mark_moved(self, request_id: str, worker: str, attempt: int = 0) -> Reservation | None:
         """Note on its record that a reservation's request was rescued from dead ``worker``.
 
         Returns the marked record, or None when it no longer exists: the request's completion
@@ -298,9 +318,9 @@ class SharedState:
         """
         for _ in range(self.max_attempts):
             res = await self._read(request_id)
-            if res is None or res.moved_from == worker:
+            if res is None or (res.moved_from == worker and res.attempt >= attempt):
                 return res
-            res.moved_from = worker
+            res.moved_from, res.attempt = worker, max(res.attempt, attempt)
             try:
                 res.revision = await self.bus.kv_update(S.BUCKET_INFLIGHT, S.reservation_key(request_id),
                                                         res.to_json(), res.revision)

@@ -32,6 +32,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import NotFoundError
 
+from natsched.wire import fence
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.errors import NatschedError
@@ -418,10 +419,25 @@ def decode_all(records: Iterable[Stored], schema: type) -> list:
     return out
 
 
+def decode_completions(records: Iterable[Stored], fence_key: str | None) -> list[Completion]:
+    """The completions a worker published for an attempt assigned to it (:mod:`natsched.wire.fence`):
+    a forged or stale one is stored too (the server cannot tell), but it is no part of a
+    request's story, exactly as it released nothing."""
+    out = []
+    for r in records:
+        for c in decode_all([r], Completion):
+            if fence.fenced(fence_key, c, r.subject):
+                out.append(c)
+            else:
+                log.warning("audit: %s seq %d is not from the worker its attempt was assigned to; left out",
+                            r.subject, r.seq)
+    return out
+
+
 # ------------------------------------------------------------------ the two questions
 
 async def audit_request(js: Any, request_id: str, since: float | None = None, until: float | None = None,
-                        job: JobRecord | None = None) -> dict[str, Any]:
+                        job: JobRecord | None = None, fence_key: str | None = None) -> dict[str, Any]:
     """One request's timeline from REQUESTS, DECISIONS and COMPLETIONS (and its job record, whose
     attempts run under their own ids). Raises :class:`AuditNotFound` when nothing names it."""
     S.token(request_id, "request id")
@@ -437,8 +453,8 @@ async def audit_request(js: Any, request_id: str, since: float | None = None, un
     t0 = found[0].ts - 1.0 if found else start
     decisions = decode_all(await find_records(js, S.STREAM_DECISIONS, ids, t0, until,
                                               S.decisions_of(tenant) if tenant else None), Decision)
-    completions = decode_all(await find_records(js, S.STREAM_COMPLETIONS, ids, t0, until,
-                                                S.completion(tenant) if tenant else None), Completion)
+    completions = decode_completions(await find_records(js, S.STREAM_COMPLETIONS, ids, t0, until,
+                                                        S.completions_of(tenant) if tenant else None), fence_key)
     if not found and not decisions and not completions and job is None:
         kept = await retention(js, S.STREAM_REQUESTS)
         oldest = f"; the oldest stored request is from {_when(kept.first_ts)}" if kept.first_ts else ""
@@ -456,8 +472,8 @@ def job_attempt_ids(job: JobRecord | None) -> list[str]:
     return [attempt_id(job.id, n) for n in range(1, max(1, job.attempts) + 1)]
 
 
-async def audit_window(js: Any, since: float, until: float | None = None, tenant: str | None = None
-                       ) -> dict[str, Any]:
+async def audit_window(js: Any, since: float, until: float | None = None, tenant: str | None = None,
+                       fence_key: str | None = None) -> dict[str, Any]:
     """A window of one tenant (or all): counts, percentiles and the hit ratio; never raises for an
     empty window (every count is 0), and notes when part of it has aged out."""
     if until is not None and until < since:
@@ -468,8 +484,9 @@ async def audit_window(js: Any, since: float, until: float | None = None, tenant
         requests += 1
     decisions = decode_all([m async for m in read_window(js, S.STREAM_DECISIONS, since, until,
                                                          S.decisions_of(tenant) if tenant else None)], Decision)
-    completions = decode_all([m async for m in read_window(js, S.STREAM_COMPLETIONS, since, until,
-                                                           S.completion(tenant) if tenant else None)], Completion)
+    completions = decode_completions([m async for m in read_window(js, S.STREAM_COMPLETIONS, since, until,
+                                                                   S.completions_of(tenant) if tenant else None)],
+                                     fence_key)
     out = {"tenant": tenant, "since": since, "until": until, **summarize(requests, decisions, completions)}
     kept = await retention(js, S.STREAM_REQUESTS)
     if kept.lost_some and kept.first_ts is not None and since < kept.first_ts - 1.0:

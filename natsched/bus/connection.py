@@ -163,6 +163,9 @@ class Credentials:
     #: the JetStream API prefix of a role outside the services' account (its account imports
     #: the services' API under this name: ``natsched.wire.roles.IMPORTED_JS_API``)
     js_prefix: str | None = None
+    #: the key that signs and checks assignments' fencing tokens (``natsched.wire.fence``): only
+    #: the scheduler's services (admitter, router, admin) are given it
+    fence_key: str | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "Credentials":
@@ -223,6 +226,7 @@ class Bus:
         self._kv: dict[str, Any] = {}
         self.closing = False  # loops check it: nats-py's fetch can swallow a cancellation
         self.lost_publishes = 0
+        self.fence_key: str | None = None  # natsched.wire.fence (None: the public default)
         self._acks: AckInbox | None = None
         self._acks_lock = asyncio.Lock()
 
@@ -242,11 +246,11 @@ class Bus:
         ``credentials`` (or a path to a credentials file) authenticates; other ``options``
         go to ``nats.connect`` as they are.
         """
-        js_prefix = None
+        js_prefix = fence_key = None
         if credentials is not None:
             creds = credentials if isinstance(credentials, Credentials) else Credentials.load(credentials)
             options = {**creds.options(), **options}
-            js_prefix = creds.js_prefix
+            js_prefix, fence_key = creds.js_prefix, creds.fence_key
         servers = server_urls(url)
         deadline = time.monotonic() + connect_budget_s
         last: Exception | None = None
@@ -270,6 +274,7 @@ class Bus:
                 nc.options["allow_reconnect"] = True  # once connected, reconnect forever
                 nc.options["max_reconnect_attempts"] = -1
                 bus = cls(nc, name, publish_budget_s)
+                bus.fence_key = fence_key
                 if js_prefix:
                     bus.js = nc.jetstream(prefix=js_prefix)
                 return bus

@@ -380,13 +380,13 @@ async def _audit(args) -> int:
     bus = await _connect(args)
     try:
         if args.request_id is None:
-            summary = await audit_window(bus.js, args.since, args.until, args.tenant)
+            summary = await audit_window(bus.js, args.since, args.until, args.tenant, fence_key=bus.fence_key)
             _print_json(summary) if args.json else _print_summary(summary)
             return 0
         found = await JobStore(bus).find(args.request_id)
         try:
             story = await audit_request(bus.js, args.request_id, args.since, args.until,
-                                        found[1] if found else None)
+                                        found[1] if found else None, fence_key=bus.fence_key)
         except AuditNotFound as exc:
             raise NotFoundExit(str(exc)) from None
         _print_json(story) if args.json else _print_story(story)

@@ -84,7 +84,7 @@ async def load_recording(js: Any, since: float, until: float | None = None, tena
         js, S.STREAM_DECISIONS, since, horizon, S.decision("routing", tenant) if tenant else None)], Decision)
         if d.stage == "routing"]
     completions = decode_all([m async for m in read_window(
-        js, S.STREAM_COMPLETIONS, since, horizon, S.completion(tenant) if tenant else None)], Completion)
+        js, S.STREAM_COMPLETIONS, since, horizon, S.completions_of(tenant) if tenant else None)], Completion)
     return Recording(since, until, len(stored), match(requests, routing, completions))
 
 

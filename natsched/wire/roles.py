@@ -55,6 +55,9 @@ SERVICES_ACCOUNT = "NATSCHED"
 GATEWAY_ACCOUNT = "GATEWAY"
 #: kinds of role that run outside the services' account (see :func:`tenant_account`)
 OUTSIDE_KINDS = frozenset({"producer", "batch", "gateway"})
+#: kinds of role given the key that signs assignments (routers) and checks completions
+#: (admitters, the audit): never a worker, producer or gateway
+FENCE_KINDS = frozenset({"admin", "admitter", "router", "scheduler"})
 #: where an outside account sees the services' JetStream API: every account already answers
 #: ``$JS.API.>`` itself (with "JetStream not enabled"), so an import under the same name would
 #: race it; the client names this prefix instead (its credentials file carries it)
@@ -214,6 +217,11 @@ class Role:
         return SERVICES_ACCOUNT
 
     @property
+    def fenced(self) -> bool:
+        """Whether the role holds the fence key (signs or checks assignments: natsched.wire.fence)."""
+        return self.kind in FENCE_KINDS
+
+    @property
     def outside(self) -> bool:
         return self.account != SERVICES_ACCOUNT
 
@@ -270,7 +278,8 @@ def admitter_role() -> Role:
 
 def router_role() -> Role:
     pub = _service_base() + [
-        S.WORK_ALL, S.COMPLETIONS_ALL, subject("decision", stage="routing"), subject("control"),
+        S.WORK_ALL, subject("completion", worker=S.ROUTER_SOURCE), subject("decision", stage="routing"),
+        subject("control"),
         S.deadletter("router"),
         *consumer_permissions(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL),
         *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG),
@@ -287,9 +296,14 @@ def scheduler_role() -> Role:
 
 
 def worker_role(worker: str) -> Role:
+    """A worker: completions on its own ``done.*.<worker>`` only, so that the server vouches for
+    the worker a completion names (the admitter checks it against the assignment's fence:
+    :mod:`natsched.wire.fence`)."""
     S.token(worker, "worker id")
+    if worker == S.ROUTER_SOURCE:
+        raise ValueError(f"worker id {worker!r} is reserved: the router's own completions use it")
     pub = _service_base() + [
-        S.COMPLETIONS_ALL, S.heartbeat(worker), S.cache_events(worker), S.deadletter("worker"),
+        subject("completion", worker=worker), S.heartbeat(worker), S.cache_events(worker), S.deadletter("worker"),
         *consumer_permissions(S.STREAM_WORK, S.worker_consumer(worker), S.work(worker)),
         *kv_read_permissions(S.BUCKET_WORKERS),
     ]

@@ -137,6 +137,7 @@ class Assignment(Schema):
     expected_cached_tokens: int = 0
     attempt: int = 0  # copied from Admitted: a rescue re-admits it with the next one
     avoid: list[str] = field(default_factory=list)
+    fence: str = ""  # natsched.wire.fence.sign(request, worker, attempt): the worker's proof in its completion
     v: int = SCHEMA_VERSION
 
     def __post_init_check__(self) -> None:
@@ -213,7 +214,9 @@ class CompletionStatus(enum.StrEnum):
 
 @dataclass
 class Completion(Schema):
-    """One per admitted request, on ``done.<tenant>``: releases its reservation, feeds learning."""
+    """One per admitted request and attempt, on ``done.<tenant>.<worker>``: releases its reservation
+    (only with the ``fence`` of the assignment's worker and the reservation's current ``attempt``:
+    :mod:`natsched.wire.fence`), feeds learning."""
 
     request_id: RequestId
     tenant: TenantId
@@ -232,13 +235,15 @@ class Completion(Schema):
     e2e: float | None = None
     expected_cached_tokens: int | None = None
     ts: float = 0.0
+    attempt: int = 0  # the assignment's: a completion of an attempt since rescued is stale
+    fence: str = ""  # copied from the Assignment
     v: int = SCHEMA_VERSION
 
     def __post_init_check__(self) -> None:
         _check_id(self.request_id, "request_id")
         _check_id(self.tenant, "tenant")
         _check_counts(self, ("runtime_tokens", "prompt_tokens", "cached_tokens", "output_tokens",
-                             "expected_cached_tokens"))
+                             "expected_cached_tokens", "attempt"))
 
 
 @dataclass

@@ -136,6 +136,14 @@ class WorkerAgent:
         received = time.time()  # the moment the scheduler's hand-off ends (Reply.received_at)
         assignment = Assignment.decode(d.data)  # MessageError -> dead letter (by the Bus)
         rid = assignment.request.id
+        if assignment.worker != self.id:  # its fence names another worker: its completion could not count
+            self.metrics.misrouted.inc()
+            log.error("request %s: assignment names worker %s, not %s; refused, not run", rid, assignment.worker,
+                      self.id)
+            await self.bus.dead_letter_raw(d.subject, d.data, "worker", "misrouted",
+                                           f"assignment for {assignment.worker} delivered to {self.id}")
+            await d.ack()
+            return
         if rid in self.inflight:
             return  # a redelivery of something we are running: its task acks it
         if rid in self.finished:  # finished here, its ack was lost: ack the copy, run nothing
@@ -228,8 +236,10 @@ class WorkerAgent:
             reason=None if ok else out.error.split(":")[0], prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot,
             e2e=now - (req.created or started), expected_cached_tokens=a.expected_cached_tokens, ts=now,
+            attempt=a.attempt, fence=a.fence,  # the assignment's proof: the admitter checks it
         )
-        ack = await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=M.completion(req.id))
+        ack = await self.bus.jpublish(S.completion(req.tenant, self.id), completion,
+                                      msg_id=M.completion(req.id, a.fence))
         answered = False
         if ack.duplicate:
             # another run's completion is stored: that one is counted. Its worker answered too. If

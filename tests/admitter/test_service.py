@@ -79,7 +79,7 @@ async def test_reservations_survive_an_admitter_restart(bus, nats_url):
     try:
         assert second.shared.usage.used == 900 and set(await second.shared.snapshot()) == {r.id for r in reqs}
         assert not second.shared.reservations  # it remembers what it wrote; these it reads when needed
-        await bus.jpublish(S.completion("t1"), make_completion(reqs[0].id, runtime_tokens=300), msg_id="c1")
+        await bus.jpublish(S.completion("t1", "w1"), make_completion(reqs[0].id, runtime_tokens=300), msg_id="c1")
         assert await until(lambda: second.shared.usage.used == 600)
     finally:
         await stop(second)
@@ -110,7 +110,7 @@ async def test_a_duplicate_completion_releases_once(bus, nats_url):
         await publish(bus, r)
         assert await until(lambda: adm.shared.usage.used == 300)
         for i in range(3):  # distinct msg ids: the stream stores all three
-            await bus.jpublish(S.completion("t1"), make_completion(r.id, runtime_tokens=300), msg_id=f"dup{i}")
+            await bus.jpublish(S.completion("t1", "w1"), make_completion(r.id, runtime_tokens=300), msg_id=f"dup{i}")
         assert await until(lambda: adm.shared.usage.used == 0)
         await asyncio.sleep(0.3)
         assert adm.shared.usage.used == 0 and adm.shared.usage.tenants.get("t1", 0) == 0
@@ -133,7 +133,7 @@ async def test_queued_request_is_held_then_admitted_when_tokens_free(bus, nats_u
         await asyncio.sleep(1.5)  # longer than keepalive: the held message is kept alive, not redelivered
         info = await bus.js.consumer_info(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER)
         assert info.num_ack_pending == 1 and info.num_redelivered == 0
-        await bus.jpublish(S.completion("t1"), make_completion(first.id, runtime_tokens=300), msg_id="c-first")
+        await bus.jpublish(S.completion("t1", "w1"), make_completion(first.id, runtime_tokens=300), msg_id="c-first")
         admitted = Reply.decode((await sub.next_msg(timeout=5)).data)
         assert admitted.status == "admitted"
         adm_msgs = [Admitted.decode(d) for _, d in await bus.stream_messages(S.STREAM_ADMITTED)]
@@ -154,7 +154,7 @@ async def test_a_crashed_replicas_queue_is_picked_up_by_another(bus, nats_url):
     b = await start_admitter(nats_url, "adm-b", ack_wait_s=2.0)
     try:
         assert await until(lambda: second.id in b.held, timeout=10)  # redelivered after ack_wait
-        await bus.jpublish(S.completion("t1"), make_completion(first.id, runtime_tokens=300), msg_id="c-1")
+        await bus.jpublish(S.completion("t1", "w1"), make_completion(first.id, runtime_tokens=300), msg_id="c-1")
         assert await until(lambda: b.shared.reservations.get(second.id) is not None)  # b wrote it
         assert (await b.shared.lookup(second.id)).by == "adm-b"
     finally:

@@ -400,7 +400,7 @@ def test_completions_subject(fresh, data):
     rid = new_id()
     base = valid_messages(rid=rid)["Completion"].to_wire()
     payload = data.draw(payloads(base))
-    ack = env.run(env.bus.jpublish(S.completion("fz"), payload, msg_id=f"{rid}:done"))
+    ack = env.run(env.bus.jpublish(S.completion("fz", "w1"), payload, msg_id=f"{rid}:done"))
     # the admitters' consumer (release) acked or terminated it
     done = env.wait_async(lambda: _consumers_done(env.bus, ack.seq))
     assert done, f"completion {payload[:200]!r} still pending (redelivered: a handler raised?)"
@@ -408,7 +408,7 @@ def test_completions_subject(fresh, data):
     before = _router_feedback(env, SENTINEL)
     sentinel = Completion(request_id=new_id(), tenant="fz", status="ok", runtime_tokens=1, worker=SENTINEL,
                           cached_tokens=7)
-    env.run(env.bus.jpublish(S.completion("fz"), sentinel, msg_id=f"{sentinel.request_id}:done"))
+    env.run(env.bus.jpublish(S.completion("fz", "w1"), sentinel, msg_id=f"{sentinel.request_id}:done"))
     assert env.wait(lambda: _router_feedback(env, SENTINEL) == before + 7), f"completion {payload[:200]!r} " \
         "stopped the router's completion handler"
     dead = env.observer.dead.get(f"{rid}:done", [])
@@ -585,7 +585,7 @@ def test_a_completion_whose_request_id_is_not_a_token_is_dead_lettered_once(fres
     env = fresh
     rid = new_id()
     wire = valid_messages(rid=rid)["Completion"].to_wire() | {"request_id": "\x96©"}
-    ack = env.run(env.bus.jpublish(S.completion("fz"), pack(wire), msg_id=f"{rid}:done"))
+    ack = env.run(env.bus.jpublish(S.completion("fz", "w1"), pack(wire), msg_id=f"{rid}:done"))
     assert env.wait_async(lambda: _consumers_done(env.bus, ack.seq))
     # by the admitters' consumer; the routers only watch completions and skip it
     assert [d.reason for d in env.observer.dead.get(f"{rid}:done", [])] == ["invalid"]
