@@ -143,7 +143,7 @@ class SharedState:
         await asyncio.wait_for(self.ready.wait(), 10)
 
     async def _mirror(self) -> None:
-        async for key, value, rev in self.bus.kv_watch(S.BUCKET_INFLIGHT, USAGE, ready=self.ready):
+        async for key, value, rev in self.bus.kv(S.BUCKET_INFLIGHT).watch(USAGE, ready=self.ready):
             try:
                 self._apply(key, value, rev)
             except (AdmitterError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:  # UsageError too
@@ -172,7 +172,7 @@ class SharedState:
 
     async def refresh(self) -> None:
         """Read ``usage`` now (after a lost race the mirror may not have caught up yet)."""
-        current = await self.bus.kv_get(S.BUCKET_INFLIGHT, USAGE)
+        current = await self.bus.kv(S.BUCKET_INFLIGHT).get(USAGE)
         if current is None:
             self.usage, self.revision, self.corrupted = Usage(), 0, 0
         else:
@@ -192,9 +192,9 @@ class SharedState:
                 return result
             try:
                 if self.revision == 0:
-                    rev = await self.bus.kv_create(S.BUCKET_INFLIGHT, USAGE, new.to_json())
+                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).create(USAGE, new.to_json())
                 else:
-                    rev = await self.bus.kv_update(S.BUCKET_INFLIGHT, USAGE, new.to_json(), self.revision)
+                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(USAGE, new.to_json(), self.revision)
             except ConflictError:
                 self.conflicts += 1
                 # jittered backoff: replicas that keep colliding spread out instead of livelocking
@@ -215,7 +215,7 @@ class SharedState:
             records.setdefault(res.request_id, res)
         expected = self.drift(records, self.is_long, Usage(credits=self.usage.credits))
         try:
-            rev = await self.bus.kv_update(S.BUCKET_INFLIGHT, USAGE, expected.to_json(), self.corrupted)
+            rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(USAGE, expected.to_json(), self.corrupted)
         except ConflictError:
             await self.refresh()
             return
@@ -225,7 +225,7 @@ class SharedState:
                     len(records), expected.used)
 
     async def record(self, res: Reservation) -> None:
-        self.recorded(res, await self.bus.kv_put(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id), res.to_json()))
+        self.recorded(res, await self.bus.kv(S.BUCKET_INFLIGHT).put(S.reservation_key(res.request_id), res.to_json()))
 
     def outgoing(self, res: Reservation) -> tuple[str, bytes, None, None]:
         """The record as a message for :meth:`natsched.bus.connection.Bus.jpublish_batch` (a KV put is a
@@ -254,7 +254,7 @@ class SharedState:
         completion handled by another replica): it is forgotten here, so the memory stays bounded.
         """
         started = time.time()
-        raw = await self.bus.kv_snapshot(S.BUCKET_INFLIGHT, RES_PREFIX + ">")
+        raw = await self.bus.kv(S.BUCKET_INFLIGHT).snapshot(RES_PREFIX + ">")
         records = {}
         for key, (value, rev) in raw.items():
             rid = key[len(RES_PREFIX):]
@@ -297,7 +297,7 @@ class SharedState:
                             request_id, attempt, res.attempt)
                 return None
             try:
-                await self.bus.kv_delete(S.BUCKET_INFLIGHT, key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
+                await self.bus.kv(S.BUCKET_INFLIGHT).delete(key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
             except ConflictError:
                 # rewritten, or a read answered by a cluster follower that is behind: read again
                 # until it is gone or ours; giving up would leave it reserved (and its request
@@ -322,7 +322,7 @@ class SharedState:
                 return res
             res.moved_from, res.attempt = worker, max(res.attempt, attempt)
             try:
-                res.revision = await self.bus.kv_update(S.BUCKET_INFLIGHT, S.reservation_key(request_id),
+                res.revision = await self.bus.kv(S.BUCKET_INFLIGHT).update(S.reservation_key(request_id),
                                                         res.to_json(), res.revision)
             except ConflictError:
                 continue
@@ -331,7 +331,7 @@ class SharedState:
         raise AdmitterError(f"reservation {request_id}: lost {self.max_attempts} races marking it moved")
 
     async def _read(self, request_id: str) -> Reservation | None:
-        current = await self.bus.kv_get(S.BUCKET_INFLIGHT, S.reservation_key(request_id))
+        current = await self.bus.kv(S.BUCKET_INFLIGHT).get(S.reservation_key(request_id))
         if current is None:
             self.reservations.pop(request_id, None)
             return None

@@ -32,23 +32,23 @@ GOOD_QUOTA = b'{"cap":7,"floor":0.0,"weight":1.0}'
 async def _stored(admin: Bus, stream: str, count: int) -> None:
     """Wait (bounded, on the stream's state) until ``stream`` holds ``count`` messages."""
     for _ in range(500):
-        if (await admin.js.stream_info(stream)).state.messages >= count:
+        if (await admin.stream(stream).info()).messages >= count:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"{stream} never held {count} messages")
 
 
 async def _seed(admin: Bus) -> tuple[int, int]:
-    await admin.kv_put(S.BUCKET_INFLIGHT, S.KEY_USAGE, GOOD_USAGE)
-    await admin.kv_put(S.BUCKET_QUOTAS, S.tenant_quota_key("B"), GOOD_QUOTA)
-    usage = await admin.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
-    quota = await admin.kv_get(S.BUCKET_QUOTAS, S.tenant_quota_key("B"))
+    await admin.kv(S.BUCKET_INFLIGHT).put(S.KEY_USAGE, GOOD_USAGE)
+    await admin.kv(S.BUCKET_QUOTAS).put(S.tenant_quota_key("B"), GOOD_QUOTA)
+    usage = await admin.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE)
+    quota = await admin.kv(S.BUCKET_QUOTAS).get(S.tenant_quota_key("B"))
     return usage[1], quota[1]
 
 
 async def _unchanged(admin: Bus, usage_rev: int, quota_rev: int) -> None:
-    assert await admin.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE) == (GOOD_USAGE, usage_rev)
-    assert await admin.kv_get(S.BUCKET_QUOTAS, S.tenant_quota_key("B")) == (GOOD_QUOTA, quota_rev)
+    assert await admin.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE) == (GOOD_USAGE, usage_rev)
+    assert await admin.kv(S.BUCKET_QUOTAS).get(S.tenant_quota_key("B")) == (GOOD_QUOTA, quota_rev)
 
 
 async def _raw(url: str, creds) -> nats.NATS:
@@ -65,7 +65,7 @@ async def test_a_publish_ack_cannot_be_written_into_the_schedulers_kv(provisione
     key: the requests are stored (the server sent its acks), and neither key moved."""
     server, files, admin = provisioned
     usage_rev, quota_rev = await _seed(admin)
-    before = (await admin.js.stream_info(S.STREAM_REQUESTS)).state.messages
+    before = (await admin.stream(S.STREAM_REQUESTS).info()).messages
     nc = await _raw(server.url, files.creds(user))
     try:
         targets = [USAGE_KEY] * 4 + [QUOTA_B]
@@ -76,7 +76,6 @@ async def test_a_publish_ack_cannot_be_written_into_the_schedulers_kv(provisione
         await _stored(admin, S.STREAM_REQUESTS, before + len(targets))
         # the acks went back to the publisher's own account; give them a round trip more
         await nc.flush()
-        await admin.nc.flush()
     finally:
         await nc.close()
     await _unchanged(admin, usage_rev, quota_rev)
@@ -112,14 +111,14 @@ async def test_a_batch_producers_consumer_cannot_deliver_into_the_schedulers_kv(
 
 
 async def _pushed_or_gone(admin: Bus, name: str) -> None:
-    from nats.js.errors import NotFoundError
+    from natsched.bus.errors import StreamNotFound
 
     for _ in range(1000):
         try:
-            info = await admin.js.consumer_info(S.STREAM_REQUESTS, name)
-        except NotFoundError:
+            info = await admin.stream(S.STREAM_REQUESTS).consumer(name)
+        except StreamNotFound:
             return
-        if info.delivered.stream_seq and not info.num_pending:
+        if info.delivered_stream_seq and not info.pending:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"consumer {name} neither delivered nor went away")
