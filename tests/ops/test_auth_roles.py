@@ -176,7 +176,7 @@ async def test_gateway_cannot_publish_as_a_tenant_it_does_not_serve_or_edit_quot
                     "$JS.API.STREAM.UPDATE.KV_quotas", "$JS.API.STREAM.PURGE.KV_quotas",
                     "$JS.API.STREAM.DELETE.KV_quotas", "$KV.config." + S.KEY_ROUTER_CONFIG,
                     "$KV.inflight." + S.KEY_USAGE,  # reads the usage for /status, never changes it
-                    S.admitted(S.ONLINE, "A"), S.work("w1"), S.completion("A"), S.decision("admission", "A"),
+                    S.admitted(S.ONLINE, "A"), S.work("w1"), S.completion("A", "w1"), S.decision("admission", "A"),
                     # no consumer on, or message read from, the streams that hold prompts and replies
                     "$JS.API.CONSUMER.CREATE.REQUESTS", "$JS.API.STREAM.MSG.GET.REQUESTS",
                     "$JS.API.STREAM.MSG.GET.KV_jobs", "$JS.API.CONSUMER.CREATE.OUTCOMES"):
@@ -233,7 +233,7 @@ async def test_offline_runner_role_cannot_publish_admission_decisions(probe):
                     S.deadletter("offline"), "$KV.inflight." + S.KEY_USAGE, "$KV.inflight." + S.reservation_key("j1")):
         assert not await runner.publish(allowed), f"the offline runner may publish to {allowed}"
     for subject in (S.decision("admission", "A"), S.decision("routing", "A"), S.request(S.ONLINE, "A"),
-                    S.work("w1"), S.completion("A"), S.control("w1"), S.deadletter("admitter"),
+                    S.work("w1"), S.completion("A", "w1"), S.control("w1"), S.deadletter("admitter"),
                     "$KV.quotas." + S.KEY_CLUSTER_TOTAL, "$KV.quotas." + S.KEY_DYNAMIC_TOTAL,
                     "$KV.config." + S.KEY_ROUTER_CONFIG, f"$KV.jobs.{S.batch_key('b1')}",  # manifests are producers'
                     # the admitter's and the router's consumers are not its own
