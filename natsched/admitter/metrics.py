@@ -46,5 +46,7 @@ class AdmitterMetrics:
                                            "Completions that released nothing: not from the worker the request's "
                                            "attempt was assigned to (wrong_source, bad_fence) or of an attempt "
                                            "since rescued (stale)", ["reason"], registry=r)
+        self.grown = Counter("natsched_admission_grown_runtime_tokens",
+                             "Runtime tokens added to reservations their requests ran past", registry=r)
         self.bad_quota_entries = Counter("natsched_admission_bad_quota_entries", "Corrupted quota entries ignored",
                                          registry=r)

@@ -74,6 +74,11 @@ class Repairs:
         self.leases.on_heartbeat(hb.worker, now, hb.interval, hb.inflight)
         self._dead.pop(hb.worker, None)
         self.worker_load[hb.worker] = (hb.capacity_tokens, hb.runtime_tokens, now)
+        for rid, held in hb.over.items():  # ran past its reservation: grow it (service.grow)
+            if self.leases.holder.get(rid) == hb.worker:  # only the worker running it may say so
+                self._grow_wanted[rid] = max(held, self._grow_wanted.get(rid, 0))
+        if hb.over:
+            self._grow_wake.set()
 
     async def _lease_loop(self) -> None:
         """Judge leases every ``LEASE_TICK_S``; reclaim beside the loop, one reclaim at a time.

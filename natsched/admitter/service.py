@@ -24,7 +24,8 @@ from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
 from natsched.admitter.errors import AdmitterError, QuotaError
 from natsched.admitter.leases import LeaseTracker
 from natsched.admitter.metrics import AdmitterMetrics
-from natsched.admitter.policy import ALLOW, DEGRADE, QUEUE, AdmissionDecision, AdmissionSettings, AdmitterCore
+from natsched.admitter.policy import (ALLOW, DEGRADE, QUEUE, AdmissionDecision, AdmissionSettings, AdmitterCore,
+                                      runtime_tokens)
 from natsched.admitter.quotas import Quotas
 from natsched.admitter.repair import Repairs
 from natsched.admitter.rescue import Rescuer
@@ -116,6 +117,8 @@ class AdmitterService(Repairs):
         self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
         self._releasing: list[tuple[Completion | None, Reservation]] = []  # waiting for the next commit
         self._committing: list[tuple[Completion | None, Reservation]] = []  # in the commit running now
+        self._grow_wanted: dict[str, int] = {}  # request -> runtime tokens its worker says it holds
+        self._grow_wake = asyncio.Event()
         self._wake = asyncio.Event()
         self.router = router  # inline routing (see InlineRouter), or None: ADMITTED to the routers
         self._suspect: object = None  # drift seen on the previous reconciliation
@@ -143,7 +146,7 @@ class AdmitterService(Repairs):
         await self.bus.consume_batches(self._completions_spec, self._on_completions, source="admitter")
         await self.bus.consume_batches(self._spec, self._on_requests, source="admitter")
         for loop in (self._dequeue_loop, self._keepalive_loop, self._lease_loop, self._reconcile_loop,
-                     self._dynamic_loop, self._keeper_loop):
+                     self._dynamic_loop, self._keeper_loop, self._grow_loop):
             self.bus.spawn(loop(), loop.__name__)
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -334,7 +337,7 @@ class AdmitterService(Repairs):
             rid = request.id
             if dec.decision == ALLOW:
                 res = Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now, self.settings.name,
-                                  credit=(paid or {}).get(rid, ""))
+                                  credit=(paid or {}).get(rid, ""), ceiling=runtime_tokens(request))
                 reservations.append((res, self.shared.outgoing(res)))
                 admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                     admitter=self.settings.name, queue_wait=queue_wait)
@@ -626,6 +629,47 @@ class AdmitterService(Repairs):
         if completion is None:
             log.info("request %s: %s", request_id, why)
         return res.tokens
+
+    # --- reservations that grow (a request running past its price) --------------------------
+    async def _grow_loop(self) -> None:
+        while True:
+            await self._grow_wake.wait()
+            self._grow_wake.clear()
+            wanted, self._grow_wanted = self._grow_wanted, {}
+            for rid, held in wanted.items():
+                try:
+                    await self.grow(rid, held)
+                except (AdmitterError, NatschedError) as exc:  # the next heartbeat asks again
+                    log.warning("reservation of %s not grown: %s", rid, exc)
+
+    async def grow(self, request_id: str, held: int) -> int:
+        """Grow a reservation its request has run past: runtime tokens include the generated
+        ones, and a request priced below what it ends up holding (a learned estimate, a
+        producer asking for more room later) must not hold more than the usage says. Returns
+        the runtime tokens added (0: nothing to do, or another replica did it).
+
+        The record is rewritten first by compare-and-swap (so of the replicas that hear the
+        same heartbeat, one grows it), then the usage in the next commit; a crash between the
+        two is drift the reconciliation repairs, as for an allow. It grows by at least a
+        quarter each time (a heartbeat per token would be a write per token), never past its
+        ceiling (prefill + ``max_tokens``: what pricing at ``max_tokens`` would have reserved).
+        Credit-paid records are not grown (they are short by construction)."""
+        res = self.shared.reservations.get(request_id) or await self.shared.lookup(request_id)
+        if res is None or res.credit or held <= res.tokens or res.tokens >= res.ceiling:
+            return 0
+        tokens = min(res.ceiling, max(held, res.tokens + max(1, res.tokens // 4)))
+        grown = await self.shared.regrow(res, tokens)
+        if grown is None:
+            return 0
+        old_long, new_long = self.core.is_long(res.tokens), self.core.is_long(tokens)
+        async with self._lock:
+            await self._commit(lambda u: (u.minus(res.tenant, res.model, res.tokens, old_long)
+                                          .plus(res.tenant, res.model, tokens, new_long), None))
+            self.core.usage = self.shared.usage
+        self.metrics.grown.inc(tokens - res.tokens)
+        log.info("request %s grew its reservation %d -> %d runtime tokens (its worker holds %d)", request_id,
+                 res.tokens, tokens, held)
+        return tokens - res.tokens
 
     async def _dynamic_loop(self) -> None:
         while True:

@@ -62,6 +62,7 @@ class Reservation:
     moved_from: str = ""  # the dead worker it was rescued from (its tokens stay reserved)
     credit: str = ""  # the epoch of ``by``'s credit block it was paid from ("": reserved on its own)
     attempt: int = 0  # the attempt whose completion may release it (a rescue moves it on: fencing)
+    ceiling: int = 0  # what it may grow to (prefill + max_tokens of KV); 0: it is at its ceiling
 
     def to_json(self) -> bytes:
         record = {"tenant": self.tenant, "model": self.model, "tokens": self.tokens, "ts": self.ts, "by": self.by}
@@ -69,6 +70,8 @@ class Reservation:
             record["moved_from"] = self.moved_from
         if self.attempt:
             record["attempt"] = self.attempt
+        if self.ceiling > self.tokens:
+            record["ceiling"] = self.ceiling
         if self.credit:
             record["credit"] = self.credit
         return orjson.dumps(record)
@@ -83,12 +86,13 @@ class Reservation:
             raise UsageError(f"reservation {request_id} is not JSON: {exc}") from None
         if not isinstance(d, dict) or set(d) - RECORD_FIELDS or not RECORD_REQUIRED <= set(d):
             raise UsageError(f"reservation {request_id} is not one an admitter wrote: {bytes(raw[:80])!r}")
-        tokens, ts, attempt = d["tokens"], d["ts"], d.get("attempt", 0)
-        if (not _is_count(tokens) or not _is_count(attempt) or isinstance(ts, bool) or not isinstance(ts, (int, float))
-                or not all(isinstance(d.get(k, ""), str) for k in RECORD_FIELDS - {"tokens", "ts", "attempt"})):
+        tokens, ts, attempt, ceiling = d["tokens"], d["ts"], d.get("attempt", 0), d.get("ceiling", 0)
+        counts = {"tokens", "ts", "attempt", "ceiling"}
+        if (not all(map(_is_count, (tokens, attempt, ceiling))) or isinstance(ts, bool) or not isinstance(ts, (int, float))
+                or not all(isinstance(d.get(k, ""), str) for k in RECORD_FIELDS - counts)):
             raise UsageError(f"reservation {request_id} has a field of the wrong type: {bytes(raw[:80])!r}")
         return cls(request_id, d["tenant"], d["model"], tokens, float(ts), d["by"], revision,
-                   d.get("moved_from", ""), d.get("credit", ""), attempt)
+                   d.get("moved_from", ""), d.get("credit", ""), attempt, ceiling)
 
 
 def _is_count(value) -> bool:
@@ -96,7 +100,7 @@ def _is_count(value) -> bool:
 
 
 #: the fields of a reservation record (:meth:`Reservation.to_json`), and those always written
-RECORD_FIELDS = frozenset({"tenant", "model", "tokens", "ts", "by", "moved_from", "credit", "attempt"})
+RECORD_FIELDS = frozenset({"tenant", "model", "tokens", "ts", "by", "moved_from", "credit", "attempt", "ceiling"})
 RECORD_REQUIRED = frozenset({"tenant", "model", "tokens", "ts", "by"})
 
 
@@ -308,6 +312,21 @@ class SharedState:
             self.reservations.pop(request_id, None)
             return res
         raise AdmitterError(f"reservation {request_id}: still changing after {TAKE_ATTEMPTS} attempts to free it")
+
+    async def regrow(self, res: Reservation, tokens: int) -> Reservation | None:
+        """Rewrite ``res`` (as read, at its revision) to hold ``tokens``: the grown record, or
+        None when it changed meanwhile (another replica grew it, a rescue marked it, it was
+        released): the caller adds to the usage only what its own write grew."""
+        grown = Reservation(res.request_id, res.tenant, res.model, tokens, res.ts, res.by, 0, res.moved_from,
+                            res.credit, res.attempt, res.ceiling)
+        try:
+            grown.revision = await self.bus.kv(S.BUCKET_INFLIGHT).update(S.reservation_key(res.request_id),
+                                                                         grown.to_json(), res.revision)
+        except ConflictError:
+            return None
+        if self.remember:
+            self.reservations[res.request_id] = grown
+        return grown
 
     async def mark_moved(self, request_id: str, worker: str, attempt: int = 0) -> Reservation | None:
         """Note on its record that a reservation's request was rescued from dead ``worker``.

@@ -267,6 +267,9 @@ class Heartbeat(Schema):
     interval: float = 1.0
     kv_seq: int = 0  # last cache-event sequence number published
     inflight: list[str] = field(default_factory=list)
+    #: request id -> runtime tokens it holds now (2 x prompt + generated), for the requests that
+    #: ran past what their assignment reserved: the admitters grow those reservations
+    over: dict[str, int] = field(default_factory=dict)
     v: int = SCHEMA_VERSION
 
     _COUNTS = ("seq", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "runtime_tokens",
@@ -275,6 +278,10 @@ class Heartbeat(Schema):
     def __post_init_check__(self) -> None:
         _check_id(self.worker, "worker")
         _check_counts(self, self._COUNTS)  # a negative load would make a worker look better than idle
+        for rid, tokens in self.over.items():
+            _check_id(rid, "over")
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+                raise SchemaError(f"field 'over' must map request ids to counts >= 0, got {tokens!r}", "over")
         if self.block_size <= 0 or self.interval <= 0:
             raise SchemaError("fields 'block_size' and 'interval' must be > 0", "block_size")
 

@@ -87,6 +87,7 @@ class WorkerAgent:
         self.finished = RecentIds(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)  # completed here: never run again
         self._redelivered: set[str] = set()  # running from a WORK message delivered before (to us or our predecessor)
         self._progress: dict[str, tuple[Delivery, float]] = {}  # running: its message, when the server last heard
+        self._over: dict[str, int] = {}  # running past its reservation: runtime tokens held now (heartbeats)
 
     async def start(self) -> None:
         await self.engine.start()
@@ -187,6 +188,7 @@ class WorkerAgent:
             await d.ack()
         finally:
             self._progress.pop(req.id, None)
+            self._over.pop(req.id, None)
             self._redelivered.discard(req.id)
             if d.settled:  # its outcome is published and it was acked: a copy must not run it again
                 self.finished.add(req.id)
@@ -211,6 +213,12 @@ class WorkerAgent:
         async for out in self.engine.generate(engine_req):
             if first_at is None and not out.error:
                 first_at = time.time()
+            # runtime tokens as the admitter counts them (prefill + KV held), generated ones included:
+            # past the reservation, the next heartbeat asks the admitters to grow it
+            # (engines give totals on the last output only: before it, the index counts the steps)
+            held = 2 * (out.prompt_tokens or engine_req.prompt_tokens) + max(out.output_tokens, out.index + 1)
+            if held > a.runtime_tokens:
+                self._over[req.id] = held
             texts.append(out.text)
             if req.stream and req.reply and (out.text or out.token_ids) and not out.error:
                 await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.TOKEN, text=out.text,
@@ -325,7 +333,7 @@ class WorkerAgent:
             capacity_tokens=self.capacity_tokens or st.capacity_tokens,
             queued_prefill_tokens=st.queued_prefill_tokens, block_size=self.engine.block_size,
             started_at=self.started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
-            inflight=list(self.inflight),
+            inflight=list(self.inflight), over=dict(self._over),
         )
         await self.bus.publish(S.heartbeat(self.id), hb)
         m = self.metrics

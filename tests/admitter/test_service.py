@@ -457,3 +457,35 @@ async def test_reconciliation_rebuilds_an_undecodable_usage_from_the_records_at_
         assert stored.used == 300 and stored.tenants == {"t1": 300} and adm.shared.corrupted == 0
     finally:
         await stop(adm)
+
+
+async def test_a_request_running_past_its_price_grows_its_reservation_and_new_work_sees_it(bus, nats_url):
+    """Priced at the learned output (10 tokens) but generating far more: its worker's heartbeat
+    says it holds 450 runtime tokens; the reservation and the tenant's usage grow to that, so
+    a request that fitted beside the old price is refused beside the new one. A worker that
+    does not run the request cannot grow it; the completion releases the grown amount."""
+    from natsched.admitter.policy import AdmissionSettings
+    from tests.factories.core import make_heartbeat
+
+    await set_quotas(bus, cluster__total=1000, class__online__queue=0)
+    adm = await start_admitter(nats_url, admission=AdmissionSettings(calibrated_output=True, ewma_min_samples=1,
+                                                                     calibrated_margin=0.0))
+    try:
+        adm.core.outputs.observe("t1", "default", 10)
+        long_one = make_request(tenant="t1", prompt_token_ids=list(range(100)), max_tokens=400)
+        await publish(bus, long_one)
+        assert await until(lambda: adm.shared.usage.used == 210)  # 2 x 100 prompt + the learned 10
+        await bus.publish(S.heartbeat("w2"), make_heartbeat("w2", inflight=[], over={long_one.id: 5000}))
+        await bus.publish(S.heartbeat("w1"), make_heartbeat("w1", inflight=[long_one.id], over={long_one.id: 450}))
+        assert await until(lambda: adm.shared.usage.used == 450)
+        assert (await adm.shared.lookup(long_one.id)).tokens == 450  # w2's claim grew nothing
+        other = make_request(tenant="t2", prompt_token_ids=list(range(100)), max_tokens=400)  # no estimate: 600
+        sub = await bus.inbox(S.reply(other.id))
+        await publish(bus, other)
+        verdict = Reply.decode((await sub.next_msg(timeout=5)).data)
+        assert (verdict.status, verdict.reason) == ("rejected", "quota_exhausted")  # 450 + 600 > 1000 (210 + 600 fit)
+        await bus.jpublish(S.completion("t1", "w1"), make_completion(long_one.id, runtime_tokens=450), msg_id="g1")
+        assert await until(lambda: adm.shared.usage.used == 0)
+        assert adm.metrics.registry.get_sample_value("natsched_admission_grown_runtime_tokens_total") == 240
+    finally:
+        await stop(adm)

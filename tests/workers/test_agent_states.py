@@ -32,6 +32,7 @@ class ScriptedEngine:
         self.listener = None
         self.stopped = False
         self.seen: list[str] = []  # ids of the requests it was asked to generate
+        self.pause_after: int | None = None  # clear the gate once this step's output is out
 
     async def start(self) -> None: ...
 
@@ -60,6 +61,8 @@ class ScriptedEngine:
             last = i == self.steps - 1
             yield EngineOutput(i, text=f" t{i}", token_ids=[i], finished=last, finish_reason="length" if last else None,
                                prompt_tokens=request.prompt_tokens, output_tokens=i + 1)
+            if i == self.pause_after:
+                self.gate.clear()
 
 
 async def collect(bus, subject: str, cls):
@@ -333,5 +336,28 @@ async def test_an_assignment_naming_another_worker_does_not_run_here(bus):
         assert await wait_for(lambda: dead and dead[0].reason == "misrouted")
         assert [c.request_id for c in dones] == [ours.id] and "stray-1" not in engine.seen
         assert agent.metrics.registry.get_sample_value("natsched_worker_misrouted_assignments_total") == 1
+    finally:
+        await agent.stop()
+
+
+async def test_a_request_running_past_its_reservation_is_reported_in_the_heartbeat(bus):
+    """Runtime tokens include the generated ones: once 2 x prompt + generated passes what the
+    assignment reserved, every heartbeat names the request and what it holds, until it ends."""
+    engine = ScriptedEngine(steps=3)
+    engine.pause_after = 0  # held after its first step until the test saw the report
+    agent = WorkerAgent(bus, engine, settings("wover"))
+    hbs = await collect(bus, S.heartbeat(WorkerId("wover")), Heartbeat)
+    await agent.start()
+    try:
+        req = make_request(id="over-1", prompt_token_ids=list(range(10)))
+        a = Assignment(request=req, worker=WorkerId("wover"), runtime_tokens=20, admitted_at=time.time(),
+                       routed_at=time.time())
+        await bus.jpublish(S.work(WorkerId("wover")), a, msg_id=f"{req.id}:work")
+        # one step: 2 x 10 + 1 > 20
+        assert await wait_for(lambda: any(hb.over.get("over-1", 0) == 21 for hb in hbs))
+        engine.gate.set()
+        assert await wait_for(lambda: not agent.inflight)
+        seq = hbs[-1].seq
+        assert await wait_for(lambda: hbs[-1].seq > seq and not hbs[-1].over)
     finally:
         await agent.stop()
