@@ -108,6 +108,12 @@ class AdmitterService(Repairs):
         self.rescuer = Rescuer(bus, self.shared, s.name)
         self._started = time.monotonic()
         self._dead: dict[str, float] = {}  # worker -> when its lease expired here (until it heartbeats)
+        self._instances: dict[str, float] = {}  # worker -> started_at of its instance last heard (repair.py)
+        self._takeovers: dict[str, int] = {}  # restarted worker -> predecessor_seq, to rescue (repair.py)
+        self._takeover_wake = asyncio.Event()
+        self._recheck_upto: float = 0  # after a server change: REQUESTS sequences to check (_maybe_seen)
+        self._settling: asyncio.Future | None = None  # after a server change: completions catching up
+        self.refused_duplicates = 0  # copies of a reserved (or just released) request id refused
         self.dynamic = DynamicTotal(s.dynamic)
         self.metrics = metrics or AdmitterMetrics()
         self.held: dict[str, Held] = {}
@@ -132,6 +138,7 @@ class AdmitterService(Repairs):
                                   max_ack_pending=s.max_held, batch=s.fetch_batch)
 
     async def start(self) -> None:
+        self.bus.on_server_change(self._server_changed)
         await self.bus.provision()
         await self.shared.start()
         quotas_ready = asyncio.Event()
@@ -193,6 +200,7 @@ class AdmitterService(Repairs):
         """
         items: list[tuple[Delivery, Request]] = []
         seen: set[str] = set()
+        self.bus.check_server()  # a batch from a restarted server is checked like a redelivery
         for d in batch:
             try:
                 request = Request.decode(d.data)
@@ -202,7 +210,7 @@ class AdmitterService(Repairs):
             held = self.held.get(request.id)
             if held is not None:  # our own held message, redelivered: keep holding the newest
                 held.delivery = d
-            elif d.num_delivered > 1 and await self._seen_before(request, d):
+            elif self._maybe_seen(d) and await self._seen_before(request, d):
                 continue
             elif request.id not in seen:
                 seen.add(request.id)
@@ -290,12 +298,49 @@ class AdmitterService(Repairs):
             self._keeper_wake.set()
         return {rid: self.credit.epoch for rid in paid}
 
+    def _maybe_seen(self, d: Delivery) -> bool:
+        """Whether this delivery may have been decided before: a redelivery, or, after the server
+        changed, any request stored before that (a restarted server can have lost the consumer
+        acks it had not written yet, and then delivers decided requests as if new)."""
+        return d.num_delivered > 1 or (self._recheck_upto > 0 and d.stream_seq <= self._recheck_upto)
+
+    def _server_changed(self) -> None:
+        """From the reconnect: check every delivery at once, then only up to what was stored."""
+        self._recheck_upto = float("inf")
+        self._settling = None  # a new wait for the completions stored by now
+        log.warning("admitter %s: the server changed; requests stored before now are checked against their "
+                    "reservations and release markers before they are decided", self.settings.name)
+        self.bus.spawn(self._bound_recheck(), "recheck-bound")
+
+    async def _completions_settled(self) -> None:
+        """Once per server change (shared by every delivery that asks): until the completions
+        stored so far are processed (bounded, as a rescue waits for them)."""
+        if self._settling is None:
+            self._settling = asyncio.ensure_future(self.rescuer.completions_caught_up())
+        try:
+            await asyncio.shield(self._settling)
+        except Exception as exc:  # the wait is a courtesy: on failure, decide as before
+            log.warning("admitter %s: completions not caught up after the server change: %s", self.settings.name, exc)
+
+    async def _bound_recheck(self) -> None:
+        try:
+            self._recheck_upto = await self.bus.stream_last_seq(S.STREAM_REQUESTS)
+        except Exception as exc:  # the bound stays infinite: slower (one read per request), never wrong
+            log.warning("admitter %s: could not read the request log's last sequence: %s", self.settings.name, exc)
+
     async def _seen_before(self, request: Request, d: Delivery) -> bool:
         """A redelivered request that was decided before (its ack was lost): settled here, True.
 
-        Only a redelivery can have been decided: the first copy of a request reaches one replica.
+        Only a redelivery can have been decided (the first copy of a request reaches one replica),
+        or, after a server restart, a copy whose ack the server lost (:meth:`_maybe_seen`).
         """
         res = await self.shared.lookup(request.id)
+        if res is not None and self._recheck_upto:
+            # after a server change its hand-off may have run and completed already, and JetStream's
+            # dedup no longer knows the consumed hand-off (it is rebuilt from what is stored): first
+            # let the completions stored so far release what they finished
+            await self._completions_settled()
+            res = await self.shared.lookup(request.id)
         if res is not None:  # allowed before: hand it off again
             await self._hand_off_again(request, d, res)
             return True
@@ -331,14 +376,23 @@ class AdmitterService(Repairs):
         from this replica's credit, with the epoch of the block (their records carry it).
         """
         now = time.time()
-        reservations, handoffs, routed = [], [], {}
+        reservations = []
         for request, dec, d, queue_wait, latency_ms in entries:
-            await self._record(request, dec, queue_wait, latency_ms)
-            rid = request.id
             if dec.decision == ALLOW:
-                res = Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now, self.settings.name,
-                                  credit=(paid or {}).get(rid, ""), ceiling=runtime_tokens(request))
-                reservations.append((res, self.shared.outgoing(res)))
+                reservations.append(Reservation(request.id, request.tenant, request.model, dec.runtime_tokens, now,
+                                                self.settings.name, credit=(paid or {}).get(request.id, ""),
+                                                ceiling=runtime_tokens(request)))
+        sent = time.perf_counter()
+        # the reservation records are stored before any hand-off (the completion that deletes one is
+        # a service or two further away), and each is a create: a request id reserved already
+        # (published again under another msg id) is refused here, never reserved or run twice
+        refused = await self._reserve(reservations)
+        handoffs, routed = [], {}
+        for request, dec, d, queue_wait, latency_ms in entries:
+            rid = request.id
+            if rid not in refused:
+                await self._record(request, dec, queue_wait, latency_ms)
+            if dec.decision == ALLOW and rid not in refused:
                 admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                     admitter=self.settings.name, queue_wait=queue_wait)
                 r = self.router.decide(admitted) if self.router is not None else None
@@ -351,16 +405,13 @@ class AdmitterService(Repairs):
                 handoffs.append((S.offline(request.tenant), request, M.offline(rid), None))
             elif dec.decision == QUEUE:
                 self.held[rid] = Held(d, request, now)
-        # the reservation records go out first on this connection, so the server stores them
-        # before the hand-offs; the completion that deletes one is a service or two further away
-        outgoing = [out for _, out in reservations] + handoffs
-        sent = time.perf_counter()
-        acks = await self.bus.jpublish_batch(outgoing)
-        if outgoing:
+        await self.bus.jpublish_batch(handoffs)
+        if reservations or handoffs:
             self.metrics.handoff.observe(time.perf_counter() - sent)
-        for (res, _), ack in zip(reservations, acks):
-            self.shared.recorded(res, ack.seq)
         for request, dec, d, queue_wait, _ in entries:
+            if request.id in refused:
+                await self._refuse_duplicate(request, d)
+                continue
             await self._tell_producer(request, dec)
             if request.id in routed:  # its WORK message is stored: "assigned" follows "admitted"
                 await self.router.assigned(routed[request.id])
@@ -370,6 +421,34 @@ class AdmitterService(Repairs):
             log.info("request %s %s tenant=%s class=%s tokens=%d%s%s", request.id, dec.decision, request.tenant,
                      request.cls, dec.runtime_tokens, f" reason={dec.reason}" if dec.reason else "",
                      f" waited={queue_wait:.3f}s" if queue_wait else "")
+
+    async def _reserve(self, reservations: list[Reservation]) -> set[str]:
+        """Store the records (creates); the ids refused because their key exists are returned, and
+        what their allow had committed to the usage (or spent of the credit) is given back."""
+        acks = await self.bus.jpublish_batch([self.shared.outgoing(res) for res in reservations])
+        refused = []
+        for res, ack in zip(reservations, acks):
+            if ack is None:
+                refused.append(res)
+            else:
+                self.shared.recorded(res, ack.seq)
+        if refused:
+            pairs = await self._refund([(None, res) for res in refused])
+            if pairs:
+                await self._release_taken(pairs)
+        return {res.request_id for res in refused}
+
+    async def _refuse_duplicate(self, request: Request, d: Delivery) -> None:
+        """A request id that is reserved already, or was released a moment ago: one run per id.
+
+        Nothing is said on its reply subject: that is the reserved request's too (a copy that came
+        back after a server restart, or was published again under another msg id), and its
+        producer is waiting for that request's outcome, which follows as usual."""
+        self.refused_duplicates += 1
+        self.metrics.decisions.labels(request.tenant, request.cls, "reject", "duplicate").inc()
+        log.warning("request %s: a copy refused, its id is reserved already or just finished (a redelivery, or "
+                    "published again under another msg id)", request.id)
+        await d.ack()
 
     async def _record(self, request: Request, dec: AdmissionDecision, queue_wait: float, latency_ms: float) -> None:
         record = Decision(

@@ -33,7 +33,7 @@ import orjson
 from natsched.admitter.errors import AdmitterError, UsageError
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
-from natsched.bus.connection import Bus
+from natsched.bus.connection import CREATE_ONLY, Bus
 from natsched.bus.errors import ConflictError
 
 log = logging.getLogger(__name__)
@@ -233,8 +233,10 @@ class SharedState:
 
     def outgoing(self, res: Reservation) -> tuple[str, bytes, None, None]:
         """The record as a message for :meth:`natsched.bus.connection.Bus.jpublish_batch` (a KV put is a
-        publish on the key's subject); :meth:`recorded` takes its ack's sequence = revision."""
-        return S.kv_subject(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id)), res.to_json(), None, None
+        publish on the key's subject); :meth:`recorded` takes its ack's sequence = revision. A
+        create: a request id already reserved (published again under another msg id, or still
+        marked released) gets a None ack, and is not reserved twice."""
+        return S.kv_subject(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id)), res.to_json(), None, CREATE_ONLY
 
     def recorded(self, res: Reservation, revision: int) -> None:
         res.revision = revision

@@ -37,7 +37,18 @@ after the last kill), lets the shared state settle (bounded) and reports:
 - ``leaked_runtime_tokens`` — after settling, ``used`` of the shared aggregate (key ``usage``
   of ``inflight``, decoded as the admitters do) with every request finished; it should be 0.
 
-The workers' restart comes after the lease window: a worker back under the same id before its
+- ``readmitted_after_completion`` — request ids admitted (``admitted.>``) or assigned
+  (``work.>``) again after an ``ok`` completion of theirs was seen; it should be 0.
+
+``--scenario NAME`` picks what goes wrong (:data:`SCENARIOS`): ``kills`` is the one-of-each run
+described here; ``worker-restart`` restarts a worker at once, inside its lease (its predecessor's
+work must be rescued from the new instance's first heartbeat, not after the ack wait);
+``server-restart`` SIGKILLs the only nats-server of a one-node system and starts it again on its
+data dir (``--sync`` says whether it fsyncs before acking); ``recovery`` does both. A scenario is
+a kill schedule plus *actors*, coroutines run beside the load that add their own report section
+and targets: hostile publishers and disconnecting clients join there.
+
+In ``kills``, the workers' restart comes after the lease window: a worker back under the same id before its
 lease expired renews it, and its old reservations would then wait for their redelivery. A
 restarted service that exits during start-up (e.g. its provisioning timed out while the cluster
 recovers) is started again, as ``natsched up`` does; ``kills[].start_attempts`` says how often.
@@ -56,9 +67,9 @@ import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import orjson
 
@@ -67,9 +78,10 @@ from natsched.wire import subjects as S
 from natsched.client.producer import Client, Timeouts, make_request
 from natsched.bus.connection import Bus
 from natsched.bus.errors import BusError
+from natsched.bus.server import DEFAULT_SYNC, SYNC_CHOICES
 from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed, RequestTimeout
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Assignment, Completion, Heartbeat, Reply
+from natsched.wire.schema import Admitted, Assignment, Completion, Heartbeat, Reply
 from natsched.hosting.cluster import ClusterSettings, LocalCluster
 from natsched.hosting.supervisor import Child, Supervisor, UpSettings
 from natsched.stats import nearest_rank
@@ -77,6 +89,7 @@ from natsched.stats import nearest_rank
 log = logging.getLogger(__name__)
 
 KINDS = ("worker", "admitter", "router", "node")
+SERVER = "server"  # the only nats-server of a one-node scenario, SIGKILLed and restarted on its data dir
 COMPLETED, REJECTED, LOST = "completed", "rejected", "lost"
 HELD_AT_KILL, ROUTED_WHILE_DOWN = "held_at_kill", "routed_while_down"
 # the producer's outcome of one request (prefixes; rejected/failed carry ":<reason>")
@@ -111,6 +124,8 @@ class ChaosSettings:
     ready_timeout_s: float = 60.0
     data_dir: Path | None = None  # None: a temporary dir, deleted afterwards
     child_log_level: str = "warning"
+    scenario: str = "kills"  # what goes wrong (SCENARIOS); "kills" is the classic one-of-each
+    sync: str = DEFAULT_SYNC  # the nodes' JetStream sync_interval (natsched.bus.server.SYNC_CHOICES)
 
     @property
     def send_s(self) -> float:
@@ -157,6 +172,73 @@ def kill_schedule(seed: int, send_s: float, down_s: float, names: dict[str, list
     return kills
 
 
+def _moments(seed: int, send_s: float, n: int, window: tuple[float, float]) -> tuple[random.Random, list[float]]:
+    """``n`` seeded moments, each in its own slot of the window (as :func:`kill_schedule`)."""
+    rng = random.Random(seed)
+    lo, hi = window[0] * send_s, window[1] * send_s
+    slot = (hi - lo) / max(1, n)
+    return rng, [round(lo + slot * (i + rng.random()), 3) for i in range(n)]
+
+
+def _worker_restart(s: "ChaosSettings", rng: random.Random, at: float) -> Kill:
+    """A worker SIGKILLed and started again at once: back (a process start, ~1-2 s) before its
+    lease (3 heartbeats) expires, the case that used to strand its work for the ack wait."""
+    return Kill("worker", rng.choice(target_names(s)["worker"]), at, at)
+
+
+def _server_restart(s: "ChaosSettings", at: float) -> Kill:
+    """The only nats-server SIGKILLed and started again on its data dir after ``down_s``."""
+    return Kill(SERVER, SERVER, at, round(at + s.down_s, 3))
+
+
+def _kills_classic(s: "ChaosSettings") -> list[Kill]:
+    return kill_schedule(s.seed, s.send_s, s.down_s, target_names(s), s.kill_window)
+
+
+def _kills_worker_restart(s: "ChaosSettings") -> list[Kill]:
+    rng, (at,) = _moments(s.seed, s.send_s, 1, s.kill_window)
+    return [_worker_restart(s, rng, at)]
+
+
+def _kills_server_restart(s: "ChaosSettings") -> list[Kill]:
+    _, (at,) = _moments(s.seed, s.send_s, 1, s.kill_window)
+    return [_server_restart(s, at)]
+
+
+def _kills_recovery(s: "ChaosSettings") -> list[Kill]:
+    rng, (first, second) = _moments(s.seed, s.send_s, 2, s.kill_window)
+    return [_worker_restart(s, rng, first), _server_restart(s, second)]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What goes wrong in one ``natsched chaos --scenario NAME`` run.
+
+    ``nodes``: the JetStream cluster's size (1: the server itself can be killed, kind ``server``).
+    ``kills``: the schedule, from the settings. ``actors``: coroutines run beside the load, each
+    ``actor(run, t0) -> dict`` whose result lands in the report under ``actors.<name>`` (and whose
+    ``targets`` entry, a dict of name -> bool, joins ``targets_met``): the place for hostile
+    publishers and disconnecting clients.
+    """
+
+    name: str
+    help: str
+    nodes: int
+    kills: Callable[["ChaosSettings"], list[Kill]]
+    actors: tuple[tuple[str, Callable[["ChaosRun", float], Awaitable[dict[str, Any]]]], ...] = ()
+
+
+SCENARIOS: dict[str, Scenario] = {sc.name: sc for sc in (
+    Scenario("kills", "one worker, admitter, router and NATS node of a 3-node cluster each SIGKILLed and restarted "
+                      "after --down seconds (past the lease)", 3, _kills_classic),
+    Scenario("worker-restart", "a worker SIGKILLed and restarted at once, inside its lease", 3,
+             _kills_worker_restart),
+    Scenario("server-restart", "the only nats-server SIGKILLed and restarted on its data dir", 1,
+             _kills_server_restart),
+    Scenario("recovery", "worker-restart, then server-restart, in one run on one nats-server", 1, _kills_recovery),
+)}
+
+
 @dataclass
 class Facts:
     """What a run observed; :func:`compute_report` turns it into the numbers."""
@@ -169,6 +251,11 @@ class Facts:
     leaked_runtime_tokens: int | None = None  # None: the usage could not be read
     heartbeat_s: float = 1.0
     lease_missed: int = 3
+    readmitted: list[str] = field(default_factory=list)  # admitted or assigned again after an ok completion
+    reclaim_expected: bool = True  # a worker was killed: its reclaim is a target (a scenario may kill none)
+    #: the reclaim's target when not the lease window: a worker restarted inside its lease is
+    #: rescued from its new instance's first heartbeat, so within its time down plus one lease
+    reclaim_window_s: float | None = None
 
 
 def classify(producer: str | None, completions: list[tuple[str, str | None]], finals: Sequence[str] = ()) -> str:
@@ -207,13 +294,16 @@ def compute_report(f: Facts) -> dict[str, Any]:
     counts = Counter(classes.values())
     dups = duplicated_ids(f)
     reclaim = max_reclaim(f.reclaims)
-    window = f.lease_missed * f.heartbeat_s
+    window = f.reclaim_window_s if f.reclaim_window_s is not None else f.lease_missed * f.heartbeat_s
     met = {"lost": counts[LOST] == 0, "duplicated": not dups, "leaked_runtime_tokens": f.leaked_runtime_tokens == 0,
-           "max_lease_reclaim_s": reclaim is not None and reclaim <= window}
+           "readmitted_after_completion": not f.readmitted}
+    if f.reclaim_expected:  # a worker was killed: its reservations must be reclaimed (or rescued) in time
+        met["max_lease_reclaim_s"] = reclaim is not None and reclaim <= window
     met["all"] = all(met.values())
     return {
         "requests": len(f.requests), "completed": counts[COMPLETED], "rejected": counts[REJECTED],
         "lost": counts[LOST], "duplicated": len(dups), "max_lease_reclaim_s": reclaim,
+        "readmitted_after_completion": len(f.readmitted), "readmitted_ids": sorted(f.readmitted)[:20],
         "duplicated_completions": sum(1 for r in f.requests if len(f.completions.get(r, [])) > 1),
         "duplicated_replies": sum(1 for r in f.requests if len(f.final_replies.get(r, [])) > 1),
         "leaked_runtime_tokens": f.leaked_runtime_tokens, "targets_met": met,
@@ -249,12 +339,14 @@ def _detail(f: Facts, ids: list[str]) -> dict[str, dict[str, Any]]:
 
 def format_report(report: dict[str, Any]) -> str:
     """A table, the kills and the targets, for the terminal."""
-    cols = ["requests", "completed", "rejected", "lost", "duplicated", "max_lease_reclaim_s", "leaked_runtime_tokens"]
+    cols = ["requests", "completed", "rejected", "lost", "duplicated", "readmitted_after_completion",
+            "max_lease_reclaim_s", "leaked_runtime_tokens"]
     cells = [_cell(report.get(c)) for c in cols]
     widths = [max(len(c), len(v)) for c, v in zip(cols, cells)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths)), "  ".join(v.rjust(w) for v, w in zip(cells, widths))]
     for k in report.get("kills", []):
         lines.append(f"  killed {k['kind']} {k['name']} at {k.get('killed_at_s')}s, back at {k.get('ready_at_s')}s"
+                     + (" (inside its lease)" if k.get("inside_lease") else "")
                      + (f" ({k['error']})" if k.get("error") else ""))
     for worker, d in report.get("reclaim_detail", {}).items():
         held, routed = d[HELD_AT_KILL], d[ROUTED_WHILE_DOWN]
@@ -264,12 +356,13 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("e2e_p50_s") is not None:
         lines.append(f"  producer e2e of completed requests: p50 {report['e2e_p50_s']}s, p99 {report['e2e_p99_s']}s, "
                      f"max {report['e2e_max_s']}s")
-    want = {"lost": "0", "duplicated": "0", "leaked_runtime_tokens": "0",
+    want = {"lost": "0", "duplicated": "0", "leaked_runtime_tokens": "0", "readmitted_after_completion": "0",
             "max_lease_reclaim_s": f"<= {report.get('lease_window_s')}"}
-    lines.append("targets:")
+    lines.append(f"targets: (scenario {report.get('scenario', 'kills')})")
     for name, ok in report["targets_met"].items():
         if name != "all":
-            lines.append(f"  [{'ok' if ok else 'MISSED'}] {name}: want {want[name]}, got {_cell(report.get(name))}")
+            lines.append(f"  [{'ok' if ok else 'MISSED'}] {name}: want {want.get(name, 'ok')}, "
+                         f"got {_cell(report.get(name))}")
     return "\n".join(lines)
 
 
@@ -285,7 +378,8 @@ class ChaosRun:
     """Starts the system, drives it, kills and restarts its parts, collects the :class:`Facts`."""
 
     def __init__(self, settings: ChaosSettings) -> None:
-        self.s = settings
+        self.scenario = SCENARIOS[settings.scenario]
+        self.s = settings = replace(settings, nodes=self.scenario.nodes)
         self.run_id = uuid.uuid4().hex[:8]
         self.cluster: LocalCluster | None = None
         self.sup: Supervisor | None = None
@@ -306,6 +400,9 @@ class ChaosRun:
         self.phases: dict[str, float] = {}  # seconds after the first send when each phase ended
         self.t0 = 0.0
         self._gave_up = False
+        self.completed_ok: set[str] = set()  # an ok completion was seen for it
+        self.readmitted: set[str] = set()  # admitted or assigned again after that
+        self.actor_reports: dict[str, dict[str, Any]] = {}
 
     def run(self) -> dict[str, Any]:
         """The whole run; everything started is stopped, whatever happens."""
@@ -328,7 +425,7 @@ class ChaosRun:
     def _start(self, root: Path) -> None:
         s = self.s
         self.cluster = LocalCluster(ClusterSettings(nodes=s.nodes, base_port=None, data_dir=root / "cluster",
-                                                    ready_timeout_s=s.ready_timeout_s))
+                                                    ready_timeout_s=s.ready_timeout_s, sync=s.sync))
         self.cluster.start()  # provisions: 3 replicas on 3 nodes
         self.sup = Supervisor(UpSettings(
             workers=s.workers, admitters=s.admitters, routers=s.routers, inline_routing=s.inline_routing,
@@ -349,9 +446,10 @@ class ChaosRun:
         try:
             await self._observe(observer)
             await self._wait_for_workers()
-            kills = kill_schedule(s.seed, s.send_s, s.down_s, target_names(s), s.kill_window)
+            kills = self.scenario.kills(s)
             self.t0 = t0 = time.monotonic()
             chaos = [asyncio.create_task(self._kill_and_restart(k, t0, observer)) for k in kills]
+            chaos += [asyncio.create_task(self._act(name, actor, t0)) for name, actor in self.scenario.actors]
             tasks = await self._send(client, t0)
             self._phase("sent")
             await self._finish(tasks, producer)
@@ -365,7 +463,9 @@ class ChaosRun:
             leaked, leftover = await self._settle(observer)
             self._phase("settled")
             facts = Facts(self.ids, self.producer, dict(self.final_replies), await self._completions(observer),
-                          reclaims, leaked, s.heartbeat_s, s.lease_missed)
+                          reclaims, leaked, s.heartbeat_s, s.lease_missed, sorted(self.readmitted),
+                          reclaim_expected=any(k.kind == "worker" for k in kills),
+                          reclaim_window_s=self._restart_window())
             self._phase("read_back")
             return self._report(facts, leftover)
         finally:
@@ -373,6 +473,22 @@ class ChaosRun:
                 task.cancel()
             await producer.close()
             await observer.close()
+
+    def _restart_window(self) -> float | None:
+        """With a worker restarted inside its lease: its time down plus one lease (see Facts)."""
+        lease = self.s.lease_missed * self.s.heartbeat_s
+        downs = [e["ready_at_s"] - e["killed_at_s"] for e in self.events
+                 if e["kind"] == "worker" and e.get("inside_lease") and "ready_at_s" in e]
+        return round(max(downs) + lease, 2) if downs else None
+
+    async def _act(self, name: str, actor: Callable[["ChaosRun", float], Awaitable[dict[str, Any]]],
+                   t0: float) -> None:
+        """One scenario actor beside the load; what it reports (or how it failed) is kept."""
+        try:
+            self.actor_reports[name] = await actor(self, t0)
+        except Exception as exc:  # reported, never hidden
+            log.exception("chaos actor %s failed", name)
+            self.actor_reports[name] = {"error": f"{type(exc).__name__}: {exc}", "targets": {name: False}}
 
     # --- watching ---------------------------------------------------------------------
     async def _observe(self, bus: Bus) -> None:
@@ -383,6 +499,7 @@ class ChaosRun:
             except MessageError:
                 return
             self.assigned[a.request.id] = a.worker
+            self._again(a.request.id)
             if a.worker in self.down:
                 self.routed_to_dead[a.worker] += 1
                 self.reclaim_watch.setdefault(a.worker, {}).setdefault(a.request.id, ROUTED_WHILE_DOWN)
@@ -399,6 +516,20 @@ class ChaosRun:
                 self.final_replies[rid].append(" ".join(str(x) for x in (reply.kind, reply.status, reply.reason,
                                                                          reply.worker) if x))
 
+        async def on_admitted(subject: str, data: bytes, headers: dict) -> None:
+            try:
+                self._again(Admitted.decode(data).request.id)
+            except MessageError:
+                return
+
+        async def on_completion(subject: str, data: bytes, headers: dict) -> None:
+            try:
+                c = Completion.decode(data)
+            except MessageError:
+                return
+            if c.status == "ok":
+                self.completed_ok.add(c.request_id)
+
         async def on_heartbeat(subject: str, data: bytes, headers: dict) -> None:
             try:
                 self.seen_workers.add(Heartbeat.decode(data).worker)
@@ -408,7 +539,14 @@ class ChaosRun:
         await bus.subscribe(S.WORK_ALL, on_work)
         await bus.subscribe("resp.>", on_reply)
         await bus.subscribe(S.HEARTBEATS_ALL, on_heartbeat)
+        await bus.subscribe(S.ADMITTED_ALL, on_admitted)
+        await bus.subscribe(S.COMPLETIONS_ALL, on_completion)
         await bus.flush()
+
+    def _again(self, rid: str) -> None:
+        """An admission or assignment of ``rid``: after its ok completion, a re-admission."""
+        if rid in self.completed_ok:
+            self.readmitted.add(rid)
 
     async def _wait_for_workers(self) -> None:
         """Until every worker's heartbeat was seen (the routers see them too), at most 15 s."""
@@ -492,6 +630,8 @@ class ChaosRun:
             log.error("restarting %s %s failed: %s", kill.kind, kill.name, exc)
         self.down.pop(kill.name, None)
         event["ready_at_s"] = round(time.monotonic() - t0, 2)
+        if kill.kind == "worker":  # its first heartbeat goes out before its READY line
+            event["inside_lease"] = time.time() - killed_at < self.s.lease_missed * self.s.heartbeat_s
 
     def _child(self, kill: Kill) -> Child:
         name = f"worker {kill.name}" if kill.kind == "worker" else kill.name
@@ -501,6 +641,9 @@ class ChaosRun:
         """SIGKILL: no goodbye, no last heartbeat, no flushed state."""
         if kill.kind == "node":
             self.cluster.node(kill.name).kill()
+            return
+        if kill.kind == SERVER:
+            self.cluster.servers[0].kill()
             return
         proc = self._child(kill).proc
         if proc is not None and proc.poll() is None:
@@ -515,6 +658,9 @@ class ChaosRun:
         would, and the attempts are reported."""
         if kill.kind == "node":
             self.cluster.node(kill.name).start()  # same data dir: it rejoins and catches up
+            return
+        if kill.kind == SERVER:
+            self.cluster.servers[0].start()  # same port and data dir: JetStream recovers from it
             return
         child = self._child(kill)
         deadline = time.monotonic() + self.s.ready_timeout_s
@@ -647,7 +793,11 @@ class ChaosRun:
     def _report(self, facts: Facts, leftover: int) -> dict[str, Any]:
         s = self.s
         report = compute_report(facts)
+        for name, actor in self.actor_reports.items():
+            report["targets_met"].update(actor.get("targets", {}))
+        report["targets_met"]["all"] = all(v for k, v in report["targets_met"].items() if k != "all")
         report.update({
+            "scenario": self.scenario.name, "sync": s.sync, "actors": self.actor_reports,
             "leftover_reservations": leftover,
             "routed_to_dead_worker": dict(self.routed_to_dead), "reclaim_detail": self.reclaim_detail,
             "kills": self.events, "phases_s": self.phases,

@@ -28,10 +28,11 @@ from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, Servi
 
 from natsched.wire import subjects as S
 from natsched.bus.acks import AckInbox
-from natsched.bus.errors import BusTimeout, ConnectError, NoServerError
+from natsched.bus.errors import BusError, BusTimeout, ConnectError, NoServerError
 from natsched.wire.errors import MessageError
-from natsched.bus.provision import (ProvisionSettings, StreamLimits, apply_retention, cluster_nodes, overrides_to_json,
-                                    provision, provision_jobs, stored_overrides, stored_settings)
+from natsched.bus.provision import (ProvisionSettings, StreamLimits, apply_retention, cluster_nodes,
+                                    fit_stored_limits, overrides_to_json, provision, provision_jobs,
+                                    stored_overrides, stored_settings)
 from natsched.bus.puller import Puller
 from natsched.wire.schema import DeadLetter, Reply, Schema
 from natsched.bus.kv import KV
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 JS_NO_MESSAGE_FOUND = 10057  # JetStream's err_code for a message sequence that is not stored
+JS_WRONG_LAST_SEQUENCE = 10071  # ... for a conditional publish whose subject moved on
+HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+#: headers that make a publish on a KV key's subject a create: refused when the key has a value,
+#: or a delete marker (a released reservation's lives MARKER_TTL_S): one record per request id
+CREATE_ONLY = {HDR_EXPECTED_LAST_SUBJECT_SEQ: "0"}
 _RETRYABLE = (NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError, asyncio.TimeoutError)
 #: "nobody took the request" (no stream leader, e.g. during an election): a compare-and-swap may be
 #: sent again without risk; after a timeout it may have been applied, and the caller must re-read
@@ -261,6 +267,34 @@ class Bus:
         self.fence_key: str | None = None  # natsched.wire.fence (None: the public default)
         self._acks: AckInbox | None = None
         self._acks_lock = asyncio.Lock()
+        self.server_id = self._server_id()
+        self.server_changes = 0  # reconnects that found another server process (a restart, or another node)
+        self._on_server_change: list[Callable[[], None]] = []
+
+    def _server_id(self) -> str:
+        return str((getattr(self.nc, "_server_info", None) or {}).get("server_id", ""))
+
+    def check_server(self) -> None:
+        """Notice a server change now, if the reconnect callback has not run yet: nats-py delivers
+        messages of the new connection before it calls the callback, so a consumer asks first."""
+        self._reconnected()
+
+    def on_server_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (synchronously, from the reconnect) whenever a reconnect finds another
+        server than before: a nats-server restarted (each start draws a new id) or another cluster
+        node. What that server acknowledged but had not yet written may be gone (docs/reliability.md)."""
+        self._on_server_change.append(callback)
+
+    def _reconnected(self) -> None:
+        new = self._server_id()
+        if new == self.server_id:
+            return
+        log.warning("%s reconnected to another server process (%s -> %s)", self.name, self.server_id[:8] or "?",
+                    new[:8] or "?")
+        self.server_id = new
+        self.server_changes += 1
+        for callback in self._on_server_change:
+            callback()
 
     @classmethod
     async def connect(
@@ -285,6 +319,11 @@ class Bus:
             js_prefix, fence_key = creds.js_prefix, creds.fence_key
         servers = server_urls(url)
         deadline = time.monotonic() + connect_budget_s
+        made: list[Bus] = []  # the Bus once built: the reconnect callback reports to it
+
+        async def reconnected() -> None:
+            if made:
+                made[0]._reconnected()
         last: Exception | None = None
         while time.monotonic() < deadline:
             try:
@@ -299,6 +338,7 @@ class Bus:
                         max_reconnect_attempts=1,
                         reconnect_time_wait=0.2,
                         error_cb=_log_first_connect,  # our loop retries: the last error is raised
+                        reconnected_cb=reconnected,
                         **options,
                     ),
                     remaining,
@@ -310,7 +350,8 @@ class Bus:
                 bus.fence_key = fence_key
                 if js_prefix:
                     bus.js = nc.jetstream(prefix=js_prefix)
-                return bus
+                made.append(bus)
+                return made[0]
             except (NoServersError, OSError, NatsTimeout, asyncio.TimeoutError) as exc:
                 last = exc
                 await asyncio.sleep(0.2)
@@ -342,6 +383,11 @@ class Bus:
         """Create or update OUTCOMES and bucket ``jobs`` (idempotent; a batch reader may be the
         first natsched process on a fresh server)."""
         await provision_jobs(self.js)
+
+    async def fit_to_disk(self, free_bytes: int) -> dict[str, StreamLimits]:
+        """Size every stream's limits to a disk with ``free_bytes`` free, stored as retention
+        overrides (:func:`natsched.bus.provision.fit_stored_limits`); ProvisionError when too small."""
+        return await fit_stored_limits(self.js, free_bytes)
 
     async def stored_overrides(self) -> dict[str, StreamLimits]:
         """What ``natsched retention set`` stored (:func:`natsched.bus.provision.stored_overrides`)."""
@@ -449,14 +495,16 @@ class Bus:
             ack.duplicate = False
         return ack
 
-    async def jpublish_batch(self, items: list[Outgoing]) -> list[api.PubAck]:
+    async def jpublish_batch(self, items: list[Outgoing]) -> list[api.PubAck | None]:
         """Publish several messages (in this order on the connection) and wait once for every ack.
 
         The same guarantee as :meth:`jpublish` for each, at a fraction of its cost: one reply
         future per message on a shared inbox instead of a request with its own timer, and one
         wait for the batch. A message whose ack is an error or does not come within
         ``BATCH_ACK_WAIT_S`` is published again through :meth:`jpublish` (with its msg id, a
-        copy the server did store is deduplicated); what still fails raises, as there.
+        copy the server did store is deduplicated); what still fails raises, as there. A
+        create-only message (:data:`CREATE_ONLY`: a KV put made a create) whose subject holds a
+        message gets None instead: the key exists, or was deleted a moment ago.
         """
         inbox = await self._ack_inbox()
         futures = []
@@ -469,9 +517,16 @@ class Bus:
         for (subject, msg, msg_id, headers), f in zip(items, futures):
             if f.done() and not f.cancelled() and f.exception() is None:
                 acks.append(f.result())
+            elif f.done() and not f.cancelled() and _refused_condition(f.exception(), headers):
+                acks.append(None)  # a create-only write (expected last subject sequence 0) found the key
             else:
                 inbox.forget(f)
-                acks.append(await self.jpublish(subject, msg, msg_id=msg_id, headers=headers))
+                try:
+                    acks.append(await self.jpublish(subject, msg, msg_id=msg_id, headers=headers))
+                except APIError as exc:
+                    if not _refused_condition(exc, headers):
+                        raise
+                    acks.append(None)
         return acks
 
     async def _ack_inbox(self) -> AckInbox:
@@ -798,6 +853,19 @@ class Bus:
         task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
         self._tasks.append(task)
         return task
+
+
+def _refused_condition(exc: BaseException | None, headers: dict[str, str] | None) -> bool:
+    """A create-only publish (:data:`CREATE_ONLY`) refused because its subject holds a message; any
+    other refused condition is an error, raised."""
+    return (isinstance(exc, APIError) and exc.err_code == JS_WRONG_LAST_SEQUENCE
+            and (headers or {}).get(HDR_EXPECTED_LAST_SUBJECT_SEQ) == "0")
+
+
+def transport_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is the bus failing (a server away, a timeout, a closed connection), not the
+    caller's own code: services report those as ``bus_unavailable``, never as their own error."""
+    return isinstance(exc, (NatsError, BusError, asyncio.TimeoutError, ConnectionError))
 
 
 async def _log_error(exc: Exception) -> None:

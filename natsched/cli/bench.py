@@ -24,6 +24,7 @@ import orjson
 from natsched.cli.argtypes import fraction, non_negative_int, positive_float, positive_int
 from natsched.cli.options import fail as _fail
 from natsched.workers.profiles import DEFAULT_PROFILE, PROFILES
+from natsched.bus.server import DEFAULT_SYNC, SYNC_CHOICES
 
 DEFAULT_RATE = 1000.0  # bench pipeline, requests per second
 DEFAULT_DURATION_S = 10.0
@@ -133,6 +134,9 @@ def _add_pipeline_parser(bsub) -> None:
                     help="admitters without credit (natsched admitter --no-credit): every allow committed to the "
                          "shared usage before its request goes out, for comparison")
     pp.add_argument("--workers", type=positive_int, default=2, help="null-engine workers (default 2)")
+    pp.add_argument("--sync", choices=SYNC_CHOICES, default=DEFAULT_SYNC,
+                    help=f"the embedded server's JetStream sync_interval, as natsched up --sync (default "
+                         f"{DEFAULT_SYNC}): run both to see what fsync-before-ack costs")
     mode = pp.add_mutually_exclusive_group()
     mode.add_argument("--find-max", action="store_true",
                       help="ramp the rate (250, 500, 1000, 1500, ...), halve the gap to the first rate that "
@@ -273,6 +277,7 @@ def _cmd_pipeline(args) -> int:
         return _fail(str(exc))
     base = PipelineRun(args.rate or DEFAULT_RATE, duration, args.admitters, routers, args.workers,
                        inline_routing=args.inline_routing, floor=args.floor, credit=not args.no_credit,
+                       sync=args.sync,
                        sample_every_s=args.sample_every,
                        audit_max_bytes=args.audit_max_mib * 2**20 if args.audit_max_mib else None)
     try:

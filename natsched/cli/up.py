@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from natsched.bus.server import DEFAULT_PORT
+from natsched.bus.server import DEFAULT_PORT, DEFAULT_SYNC, SYNC_CHOICES
 from natsched.cli.options import ENV_URL, connect, fail, run, url_flag
 
 
@@ -42,6 +42,10 @@ def _up_parser(sub) -> None:
     up.add_argument("--port", type=int, default=DEFAULT_PORT, help="embedded server port (default 4222)")
     up.add_argument("--data-dir", type=Path, default=None,
                     help="embedded server data dir (default ~/.local/share/natsched)")
+    up.add_argument("--sync", choices=SYNC_CHOICES, default=DEFAULT_SYNC,
+                    help=f"embedded server: JetStream fsyncs every write before acknowledging it (always), or "
+                         f"every 2 minutes (interval, the server's default: a power failure or OS crash can lose "
+                         f"acknowledged writes); default {DEFAULT_SYNC} (docs/reliability.md)")
     up.add_argument("--policy", default="natsched", help="routing policy (default natsched)")
     up.add_argument("--time-scale", type=float, default=1.0, help="sim engine: multiply step times (default 1)")
     up.add_argument("--model", default=None, help="model name the workers serve (requests' --model)")
@@ -158,7 +162,8 @@ def up_settings(args):
     return UpSettings(workers=args.workers, admitters=args.admitters, inline_routing=args.inline_routing,
                       credit=not args.no_credit,
                       routers=router_count(args.routers, args.inline_routing), engine=args.engine,
-                      nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, policy=args.policy,
+                      nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, sync=args.sync,
+                      policy=args.policy,
                       time_scale=args.time_scale, log_level=args.log_level, gateway_port=args.gateway,
                       gateway_keys=args.gateway_keys, auth_dir=args.auth_dir,
                       extra_worker_args=_worker_passthrough(args), metrics_port=args.metrics_port)

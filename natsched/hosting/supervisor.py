@@ -3,12 +3,17 @@
 Children run in their own session (Ctrl-C reaches only the supervisor, which stops them in
 order) and carry PR_SET_PDEATHSIG, so even a supervisor killed with SIGKILL leaves no orphans.
 The nats-server's data dir survives a stop; the next ``up`` finds its streams and quotas.
+
+Everything it started is supervised, the embedded nats-server included: a server that dies is
+started again on the same port and data dir (JetStream recovers its streams from it; the
+services reconnect on their own), a child that dies is started again with the same command.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,18 +24,21 @@ from pathlib import Path
 
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ServerError
-from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, EmbeddedServer, die_with_parent
+from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SYNC, EmbeddedServer, die_with_parent
 from natsched.ops.auth import AuthDir, AuthError
 from natsched.hosting.runtime import READY_PREFIX
 
 log = logging.getLogger(__name__)
 
 
-async def _provision(url: str, credentials: Path | None = None) -> None:
+async def _provision(url: str, credentials: Path | None = None, data_dir: Path | None = None) -> None:
     """Every stream and bucket, the offline runner's included: under auth only the admin may
-    create them (the services' roles may read stream info, not change it)."""
+    create them (the services' roles may read stream info, not change it). ``data_dir``: the
+    embedded server's, whose disk the limits are sized to (or refused with one line)."""
     bus = await Bus.connect(url, name="natsched-up", credentials=credentials)
     try:
+        if data_dir is not None:
+            await bus.fit_to_disk(shutil.disk_usage(data_dir).free)
         await bus.provision(jobs=True)
     finally:
         await bus.close()
@@ -58,6 +66,7 @@ class UpSettings:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     data_dir: Path | None = None
+    sync: str = DEFAULT_SYNC  # the embedded server's JetStream sync_interval (natsched.bus.server.SYNC_CHOICES)
     policy: str = "natsched"
     time_scale: float = 1.0
     log_level: str = "info"
@@ -99,6 +108,7 @@ class Supervisor:
         self.auth: AuthDir | None = None
         self._open_tenant: str | None = None  # an open gateway's tenant under auth
         self.metrics_ports: dict[str, int] = {}  # child name -> its Prometheus port (metrics_port set)
+        self.server_restarts = 0  # how often the embedded server was started again after it died
 
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "natsched", "--log-level", self.s.log_level, *args]
@@ -228,12 +238,14 @@ class Supervisor:
         self._open_auth()
         if url is None:
             self.server = EmbeddedServer(self.s.port, self.s.data_dir, self.s.host,
-                                         config_file=self.auth.config if self.auth else None).start()
+                                         config_file=self.auth.config if self.auth else None, sync=self.s.sync,
+                                         log_file=self._server_log()).start()
             url = self.server.url
-            say(f"ready: nats-server {url} (JetStream, data {self.server.data_dir}"
-                + (f", auth {self.auth.config})" if self.auth else ")"), flush=True)
+            say(f"ready: nats-server {url} (pid {self.server.proc.pid}, JetStream, data {self.server.data_dir}, "
+                f"sync {self.s.sync}" + (f", auth {self.auth.config})" if self.auth else ")"), flush=True)
         admin = self.auth.creds("admin") if self.auth else None
-        asyncio.run(_provision(url, admin))  # once, before the components race to create streams
+        # once, before the components race to create streams
+        asyncio.run(_provision(url, admin, self.server.data_dir if self.server is not None else None))
         self.children = self.plan(url)
         for child in self.children:
             self._spawn(child)
@@ -290,12 +302,37 @@ class Supervisor:
         finally:
             self.stop()
 
+    def _server_log(self) -> Path | None:
+        if self.s.log_dir is None:
+            return None
+        self.s.log_dir.mkdir(parents=True, exist_ok=True)
+        return self.s.log_dir / "nats-server.log"
+
     def _restart_dead(self) -> None:
+        """The server first (the children need it), then every child that exited."""
+        if self.server is not None and not self.server.alive() and not self._stop.is_set():
+            self.restart_server()
         for child in self.children:
             if child.proc is not None and child.proc.poll() is not None and not self._stop.is_set():
                 print(f"{child.name} exited with code {child.proc.returncode}; restarting", flush=True)
                 time.sleep(1.0)
                 self._spawn(child)
+
+    def restart_server(self) -> bool:
+        """Start the embedded server again on its port and data dir; False when it failed (the
+        next watch tries again: its port may still be held for a moment)."""
+        code = self.server.proc.returncode if self.server.proc is not None else None
+        print(f"nats-server exited with code {code}; restarting it on {self.server.data_dir}", flush=True)
+        log.warning("nats-server exited with code %s; restarting it on %s", code, self.server.data_dir)
+        try:
+            self.server.start()
+        except ServerError as exc:
+            print(f"nats-server did not start again: {exc}; retrying", flush=True)
+            return False
+        self.server_restarts += 1
+        print(f"ready: nats-server {self.server.url} (pid {self.server.proc.pid}, restart {self.server_restarts})",
+              flush=True)
+        return True
 
     def stop(self, timeout: float = 10.0, quiet: bool = False) -> None:
         """Workers first, then router and admitter, then the server: nothing is left running."""

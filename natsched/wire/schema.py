@@ -267,13 +267,17 @@ class Heartbeat(Schema):
     interval: float = 1.0
     kv_seq: int = 0  # last cache-event sequence number published
     inflight: list[str] = field(default_factory=list)
+    #: the WORK stream sequence up to which this worker id's durable consumer had delivered when
+    #: this instance started: what ``work.<worker>`` still stores at or below it is a
+    #: predecessor's unfinished work (the admitters rescue it at once); 0: none
+    predecessor_seq: int = 0
     #: request id -> runtime tokens it holds now (2 x prompt + generated), for the requests that
     #: ran past what their assignment reserved: the admitters grow those reservations
     over: dict[str, int] = field(default_factory=dict)
     v: int = SCHEMA_VERSION
 
     _COUNTS = ("seq", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "runtime_tokens",
-               "capacity_tokens", "queued_prefill_tokens", "kv_seq")
+               "capacity_tokens", "queued_prefill_tokens", "kv_seq", "predecessor_seq")
 
     def __post_init_check__(self) -> None:
         _check_id(self.worker, "worker")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
-from natsched.bus.connection import Bus, ConsumerSpec, Delivery
+from natsched.bus.connection import Bus, ConsumerSpec, Delivery, transport_failure
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import (Assignment, CacheEvent, Completion, CompletionStatus, Control, Heartbeat, Reply,
                                   ReplyKind, ReplyStatus, WorkerId)
@@ -87,6 +87,9 @@ class WorkerAgent:
         self.finished = RecentIds(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)  # completed here: never run again
         self._redelivered: set[str] = set()  # running from a WORK message delivered before (to us or our predecessor)
         self._progress: dict[str, tuple[Delivery, float]] = {}  # running: its message, when the server last heard
+        self.predecessor_seq = 0  # set at start: see _predecessor_seq
+        self._reported: set[str] = set()  # running, and its completion is stored already
+        self.completion_retries = 0  # completions that outlived a publish budget, waiting for the bus
         self._over: dict[str, int] = {}  # running past its reservation: runtime tokens held now (heartbeats)
 
     async def start(self) -> None:
@@ -94,6 +97,7 @@ class WorkerAgent:
         self.engine.set_cache_listener(self._on_cache_change)
         await self._load_calibration()
         await self.bus.subscribe(S.control(self.id), self._on_control)
+        self.predecessor_seq = await self._predecessor_seq()
         spec = ConsumerSpec(
             stream=S.STREAM_WORK,
             durable=S.worker_consumer(self.id),
@@ -113,6 +117,22 @@ class WorkerAgent:
 
             start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
         log.info("worker %s ready (model %s, concurrency %d)", self.id, self.settings.model, self.settings.concurrency)
+
+    async def _predecessor_seq(self) -> int:
+        """Where this id's durable consumer stands before this instance pulls anything: what it
+        delivered up to and has not acked is a predecessor's unfinished work (work-queue retention
+        deletes what is acked). A restart inside the lease renews the lease, so nothing else would
+        rescue that work before its ack wait; the heartbeats say so, and the admitters rescue it."""
+        try:
+            acked, delivered = await self.bus.consumer_progress(S.STREAM_WORK, S.worker_consumer(self.id))
+        except Exception as exc:  # no consumer yet (a first start), or the server is slow: nothing to hand over
+            log.debug("worker %s: no predecessor consumer state (%s)", self.id, exc)
+            return 0
+        if delivered <= acked:
+            return 0
+        log.warning("worker %s restarted: its predecessor left work delivered up to WORK sequence %d un-acked "
+                    "(acked up to %d); the admitters rescue it", self.id, delivered, acked)
+        return delivered
 
     async def stop(self) -> None:
         """Leave: cancel what still runs, say so (last heartbeat, cache cleared), stop the engine."""
@@ -181,15 +201,21 @@ class WorkerAgent:
             asyncio.current_task().uncancel()  # our own cancel: the request ends, reported
             await self._finish(a, _CANCELLED, started, None, received=received)
             await d.ack()
-        except Exception as exc:  # engine failure: recorded as an outcome, never dropped
-            log.exception("request %s failed on %s", req.id, self.id)
-            await self._finish(a, EngineOutput(0, finished=True, finish_reason="error", error=f"engine_error: {exc}"),
+        except Exception as exc:  # engine or bus failure: recorded as an outcome, never dropped
+            if req.id in self._reported:  # its outcome is out; only the ack failed: a copy finds it finished
+                log.warning("request %s: ack failed after its outcome was stored (%s)", req.id, exc)
+                return
+            # the bus failing (a server restarting) is not the engine's fault, and says so
+            reason = "bus_unavailable" if transport_failure(exc) else "engine_error"
+            log.exception("request %s failed on %s (%s)", req.id, self.id, reason)
+            await self._finish(a, EngineOutput(0, finished=True, finish_reason="error", error=f"{reason}: {exc}"),
                                started, None, received=received)
             await d.ack()
         finally:
             self._progress.pop(req.id, None)
             self._over.pop(req.id, None)
             self._redelivered.discard(req.id)
+            self._reported.discard(req.id)
             if d.settled:  # its outcome is published and it was acked: a copy must not run it again
                 self.finished.add(req.id)
             self.inflight.pop(req.id, None)
@@ -246,8 +272,8 @@ class WorkerAgent:
             e2e=now - (req.created or started), expected_cached_tokens=a.expected_cached_tokens, ts=now,
             attempt=a.attempt, fence=a.fence,  # the assignment's proof: the admitter checks it
         )
-        ack = await self.bus.jpublish(S.completion(req.tenant, self.id), completion,
-                                      msg_id=M.completion(req.id, a.fence))
+        ack = await self._publish_completion(completion)
+        self._reported.add(req.id)
         answered = False
         if ack.duplicate:
             # another run's completion is stored: that one is counted. Its worker answered too. If
@@ -275,6 +301,26 @@ class WorkerAgent:
             await self.bus.publish(req.reply, reply)
         log.info("request %s %s on %s: %d prompt (%d cached), %d out", req.id, completion.status, self.id,
                  out.prompt_tokens, out.cached_tokens, out.output_tokens)
+
+    async def _publish_completion(self, c: Completion):
+        """Publish a completion until it is stored: a server away (restarting) for longer than the
+        publish budget must not turn a request that ran into an error, nor leave its reservation
+        held. The request stays in flight meanwhile (heartbeats list it; a copy redelivered after
+        the ack wait finds it running here)."""
+        delay = 0.2
+        while True:
+            try:
+                # on its own subject, the assignment's fence in its msg id (natsched.wire.fence)
+                return await self.bus.jpublish(S.completion(c.tenant, c.worker or self.id), c,
+                                               msg_id=M.completion(c.request_id, c.fence))
+            except Exception as exc:
+                if not transport_failure(exc) or self.bus.closing:
+                    raise
+                self.completion_retries += 1
+                log.warning("completion of %s not stored yet (%s: %s); retrying", c.request_id,
+                            type(exc).__name__, exc)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
 
     def _observe(self, c: Completion) -> None:
         m = self.metrics
@@ -333,7 +379,7 @@ class WorkerAgent:
             capacity_tokens=self.capacity_tokens or st.capacity_tokens,
             queued_prefill_tokens=st.queued_prefill_tokens, block_size=self.engine.block_size,
             started_at=self.started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
-            inflight=list(self.inflight), over=dict(self._over),
+            inflight=list(self.inflight), predecessor_seq=self.predecessor_seq, over=dict(self._over),
         )
         await self.bus.publish(S.heartbeat(self.id), hb)
         m = self.metrics
