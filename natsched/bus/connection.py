@@ -456,10 +456,13 @@ class Bus:
             await self.nc.close()
 
     # --- publishing ---------------------------------------------------------------------
-    async def publish(self, subject: str, msg: Schema | bytes, headers: dict[str, str] | None = None) -> None:
-        """Core NATS publish (at most once): replies, heartbeats, cache events."""
+    async def publish(self, subject: str, msg: Schema | bytes, headers: dict[str, str] | None = None,
+                      reply: str = "") -> None:
+        """Core NATS publish (at most once): replies, heartbeats, cache events. ``reply``: the NATS
+        reply subject (natsched's own traffic names none; ``natsched chaos --scenario hostile``
+        does, as an attacker would)."""
         data = msg if isinstance(msg, bytes) else msg.encode()
-        await self.nc.publish(subject, data, headers=headers)
+        await self.nc.publish(subject, data, reply=reply, headers=headers)
 
     async def jpublish(
         self,
