@@ -428,15 +428,27 @@ class AdmitterService(Repairs):
         acks = await self.bus.jpublish_batch([self.shared.outgoing(res) for res in reservations])
         refused = []
         for res, ack in zip(reservations, acks):
-            if ack is None:
+            if ack is None and not await self._ours_already(res):
                 refused.append(res)
-            else:
+            elif ack is not None:
                 self.shared.recorded(res, ack.seq)
         if refused:
             pairs = await self._refund([(None, res) for res in refused])
             if pairs:
                 await self._release_taken(pairs)
         return {res.request_id for res in refused}
+
+    async def _ours_already(self, res: Reservation) -> bool:
+        """A create refused because the key holds *this* record: its first publish was stored and
+        only the ack was lost (a stalled server), so the retry met it. It is ours, recorded; a
+        second copy of the request, decided apart, has another time or admitter and is refused.
+        (The server checks the expected sequence before the msg id: a msg id cannot tell them apart.)"""
+        stored = await self.shared.lookup(res.request_id)
+        if stored is None or (stored.by, stored.ts, stored.tokens) != (res.by, res.ts, res.tokens):
+            return False
+        self.shared.recorded(res, stored.revision)
+        log.info("request %s: its reservation was stored before a lost ack; kept", res.request_id)
+        return True
 
     async def _refuse_duplicate(self, request: Request, d: Delivery) -> None:
         """A request id that is reserved already, or was released a moment ago: one run per id.

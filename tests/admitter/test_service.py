@@ -489,3 +489,21 @@ async def test_a_request_running_past_its_price_grows_its_reservation_and_new_wo
         assert adm.metrics.registry.get_sample_value("natsched_admission_grown_runtime_tokens_total") == 240
     finally:
         await stop(adm)
+
+
+async def test_a_reservation_stored_before_its_ack_was_lost_is_kept_not_refused(bus, nats_url):
+    """A stalled server stores the record's create and loses its ack; the batch publish retries
+    and the create is refused (the key exists). It is this decision's own record: kept (the
+    request was refused as its own duplicate and its reservation leaked, under load in the
+    hostile chaos run). A second copy of the request, decided apart, is still refused."""
+    from natsched.admitter.shared import Reservation
+
+    adm = await start_admitter(nats_url)
+    try:
+        res = Reservation("lost-ack-1", "t1", "default", 100, time.time(), adm.settings.name)
+        await bus.kv(S.BUCKET_INFLIGHT).create(S.reservation_key(res.request_id), res.to_json())  # stored, ack lost
+        assert await adm._reserve([res]) == set() and res.revision > 0
+        other = Reservation("lost-ack-1", "t1", "default", 100, res.ts + 1.0, "adm-b")
+        assert await adm._reserve([other]) == {"lost-ack-1"}
+    finally:
+        await stop(adm)
