@@ -80,6 +80,9 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
     rt.set_defaults(handler=_cmd_routing)
     _add_pipeline_parser(bsub)
     add_admission_parser(bsub)
+    from natsched.bench.server import add_server_bench_parser
+
+    add_server_bench_parser(bsub)
     ss = bsub.add_parser("shared-state", help="cost of the admitters' compare-and-swap on the shared usage",
                          description="Replicas commit one-token reservations by KV compare-and-swap as fast as "
                                      "they can; prints commits/s, lost races per commit and lost updates.")
