@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from natsched.admitter.service import AdmitterService
+from natsched.wire import fence
 from natsched.wire import subjects as S
 from natsched.client.producer import Client, Timeouts, make_request
 from natsched.bus.connection import Bus
@@ -406,9 +407,10 @@ def test_completions_subject(fresh, data):
     assert done, f"completion {payload[:200]!r} still pending (redelivered: a handler raised?)"
     # the router's watch (feedback) still reads the next one
     before = _router_feedback(env, SENTINEL)
-    sentinel = Completion(request_id=new_id(), tenant="fz", status="ok", runtime_tokens=1, worker=SENTINEL,
-                          cached_tokens=7)
-    env.run(env.bus.jpublish(S.completion("fz", "w1"), sentinel, msg_id=f"{sentinel.request_id}:done"))
+    sid = new_id()  # fenced as its worker's own (a router without auth init signs with the default key)
+    sentinel = Completion(request_id=sid, tenant="fz", status="ok", runtime_tokens=1, worker=SENTINEL,
+                          cached_tokens=7, fence=fence.sign(None, sid, SENTINEL, 0))
+    env.run(env.bus.jpublish(S.completion("fz", SENTINEL), sentinel, msg_id=f"{sid}:done"))
     assert env.wait(lambda: _router_feedback(env, SENTINEL) == before + 7), f"completion {payload[:200]!r} " \
         "stopped the router's completion handler"
     dead = env.observer.dead.get(f"{rid}:done", [])
