@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 #: a worker is stale after this many missed heartbeat intervals (the admitter's lease default)
 STALE_AFTER_INTERVALS = 3.0
+#: the gateway refuses a model at once (503) only when its workers have been silent this long at
+#: least: a late heartbeat or two (a loaded host, a GC pause) is the router's to wait out, not a
+#: reason to fail a request that a worker would serve a moment later
+REFUSE_AFTER_S = 2.0
 
 
 @dataclass
@@ -152,7 +156,8 @@ class StatusState:
         """Every model (and LoRA adapter) a live worker serves -> whether a healthy worker serves it now."""
         out: dict[str, bool] = {}
         for hb, seen in self.heartbeats.values():
-            ok = now - seen <= STALE_AFTER_INTERVALS * max(hb.interval, 0.1) and hb.state == "healthy"
+            window = max(STALE_AFTER_INTERVALS * max(hb.interval, 0.1), REFUSE_AFTER_S)
+            ok = now - seen <= window and hb.state == "healthy"
             for name in {hb.model, *(m.id for m in hb.served)}:
                 out[name] = out.get(name, False) or ok
         return out
