@@ -135,11 +135,13 @@ class AdmissionDecision:
 
 
 def runtime_tokens(request: Request) -> int:
-    """Prefill still owed (the whole prompt: the admitter cannot know the cache) + KV held,
-    with the producer's expected output (else ``max_tokens``); see :meth:`AdmitterCore.cost`."""
+    """Prefill still owed (the whole prompt: the admitter cannot know the cache) + KV held for
+    ``max_tokens`` of output: what a request costs to a pricer with no estimate of its own (the
+    offline runner). A producer's ``expected_output_tokens`` cannot lower it (it once did: a
+    declared 1 with ``max_tokens`` 8000 put 10 requests under a cap that fits 2); see
+    :meth:`AdmitterCore.cost`."""
     prompt = estimate_prompt_tokens(request)
-    output = request.expected_output_tokens or request.max_tokens
-    return prompt + prompt + max(0, output)
+    return prompt + prompt + max(0, request.max_tokens)
 
 
 def validate(request: Request, settings: AdmissionSettings, subject_class: str | None = None,
@@ -200,16 +202,28 @@ class AdmitterCore:
         return self.usage.used
 
     # ------------------------------------------------------------------ cost
-    def expected_output(self, request: Request) -> int:
-        """The producer's expectation, else the learned one (when calibrated), else max_tokens."""
-        if request.expected_output_tokens:
-            return request.expected_output_tokens
+    def own_output_estimate(self, request: Request) -> int:
+        """What the admitter itself expects the request to generate: the output length learned
+        from this (tenant, model)'s completions, with its margin (when calibrated and enough
+        were seen), else ``max_tokens``."""
         if self.settings.calibrated_output:
             est = self.outputs.expected_output(request.tenant, request.model, request.max_tokens,
                                                self.settings.calibrated_margin)
             if est is not None:
                 return est
         return request.max_tokens
+
+    def expected_output(self, request: Request) -> int:
+        """The output tokens a request is priced at: the admitter's own estimate, raised (never
+        lowered) by the producer's ``expected_output_tokens``, and never above ``max_tokens``.
+
+        The producer's number is a claim from the party that pays: it may ask for more room
+        (a tenant that knows its request is long), never for less than the admitter would
+        give it anyway. A request that generates past its price grows its reservation
+        (the workers report progress: :meth:`natsched.admitter.service.AdmitterService.grow`)."""
+        own = self.own_output_estimate(request)
+        declared = request.expected_output_tokens or 0
+        return max(own, min(declared, request.max_tokens))
 
     def cost(self, request: Request) -> int:
         prompt = estimate_prompt_tokens(request)

@@ -80,6 +80,11 @@ class Repairs:
         self.leases.on_heartbeat(hb.worker, now, hb.interval, hb.inflight)
         self._dead.pop(hb.worker, None)
         self.worker_load[hb.worker] = (hb.capacity_tokens, hb.runtime_tokens, now)
+        for rid, held in hb.over.items():  # ran past its reservation: grow it (service.grow)
+            if self.leases.holder.get(rid) == hb.worker:  # only the worker running it may say so
+                self._grow_wanted[rid] = max(held, self._grow_wanted.get(rid, 0))
+        if hb.over:
+            self._grow_wake.set()
 
     def _note_instance(self, hb: Heartbeat) -> None:
         """A worker instance that took over un-acked work (its ``predecessor_seq``): that work is

@@ -41,6 +41,7 @@ from typing import Awaitable, Callable, Iterable
 from natsched.admitter.shared import SharedState
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
+from natsched.wire.fence import fenced
 from natsched.bus.connection import Bus
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, ReplyKind, ReplyStatus, WorkerId
@@ -163,6 +164,8 @@ class Rescuer:
         return out
 
     async def _mark(self, s: Stranded) -> None:
+        # (the attempt moves on only in _rescue_one, once it is known not to have finished: a
+        # completion of this attempt still being processed must be able to release it)
         await self.shared.mark_moved(s.assignment.request.id, s.worker)
 
     async def completions_caught_up(self) -> tuple[int, int]:
@@ -203,16 +206,18 @@ class Rescuer:
             log.warning("rescue: %d completions not processed; reading only the newest %d", last - acked,
                         self.max_scan)
         ids = set()
-        for _subject, data in await self.bus.messages_between(S.STREAM_COMPLETIONS, first, last):
+        for subject, data in await self.bus.messages_between(S.STREAM_COMPLETIONS, first, last):
             try:
-                ids.add(Completion.decode(data).request_id)
+                c = Completion.decode(data)
             except MessageError:
                 continue  # the admitters' consumer dead-letters it
+            if fenced(self.bus.fence_key, c, subject):  # a forged one finishes nothing
+                ids.add(c.request_id)
         return ids
 
     async def _rescue_one(self, s: Stranded, report: RescueReport, done: set[str]) -> None:
         a, worker, rid = s.assignment, s.worker, s.assignment.request.id
-        if rid in done or await self.shared.mark_moved(rid, worker) is None:
+        if rid in done or await self.shared.mark_moved(rid, worker, a.attempt + 1) is None:
             report.finished.append(rid)  # completed (or released) already: nothing to run again
         else:
             adm = readmission(a, worker, self.name)

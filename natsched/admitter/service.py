@@ -24,12 +24,14 @@ from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
 from natsched.admitter.errors import AdmitterError, QuotaError
 from natsched.admitter.leases import LeaseTracker
 from natsched.admitter.metrics import AdmitterMetrics
-from natsched.admitter.policy import ALLOW, DEGRADE, QUEUE, AdmissionDecision, AdmissionSettings, AdmitterCore
+from natsched.admitter.policy import (ALLOW, DEGRADE, QUEUE, AdmissionDecision, AdmissionSettings, AdmitterCore,
+                                      runtime_tokens)
 from natsched.admitter.quotas import Quotas
 from natsched.admitter.repair import Repairs
 from natsched.admitter.rescue import Rescuer
 from natsched.admitter.shared import Reservation, SharedState
 from natsched.admitter.usage import Usage
+from natsched.wire import fence
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.bus.aio import wait_event
@@ -97,6 +99,9 @@ class AdmitterService(Repairs):
         self.settings = s = settings or AdmitterServiceSettings()
         self.core = AdmitterCore(s.admission)
         self.shared = SharedState(bus, s.name)
+        self.shared.is_long = self.core.is_long
+        self.shared.pending = lambda: [res for _, res in (*self._releasing, *self._committing)]
+        self._refused_seen = 0
         self.credit = Credit(s.name, s.credit)  # blocks reserved ahead: allows without a write
         self._keeper_wake = asyncio.Event()
         self.leases = LeaseTracker(s.lease_missed)
@@ -115,8 +120,12 @@ class AdmitterService(Repairs):
         self.held: dict[str, Held] = {}
         self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
         self.quota_entries: dict[str, bytes] = {}
+        self._quota_errors: set[str] = set()
         self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
         self._releasing: list[tuple[Completion | None, Reservation]] = []  # waiting for the next commit
+        self._committing: list[tuple[Completion | None, Reservation]] = []  # in the commit running now
+        self._grow_wanted: dict[str, int] = {}  # request -> runtime tokens its worker says it holds
+        self._grow_wake = asyncio.Event()
         self._wake = asyncio.Event()
         self.router = router  # inline routing (see InlineRouter), or None: ADMITTED to the routers
         self._suspect: object = None  # drift seen on the previous reconciliation
@@ -145,7 +154,7 @@ class AdmitterService(Repairs):
         await self.bus.consume_batches(self._completions_spec, self._on_completions, source="admitter")
         await self.bus.consume_batches(self._spec, self._on_requests, source="admitter")
         for loop in (self._dequeue_loop, self._keepalive_loop, self._lease_loop, self._reconcile_loop,
-                     self._dynamic_loop, self._keeper_loop):
+                     self._dynamic_loop, self._keeper_loop, self._grow_loop):
             self.bus.spawn(loop(), loop.__name__)
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -168,9 +177,11 @@ class AdmitterService(Repairs):
 
     def apply_quotas(self) -> None:
         quotas, errors = Quotas.from_kv(self.quota_entries, previous=self.core.quotas)
-        for err in errors:
-            self.metrics.bad_quota_entries.inc()
-            log.error("quota entry ignored, last good value kept: %s", err)
+        for err in errors:  # counted and logged once each: every quota change re-reads them all
+            if err not in self._quota_errors:
+                self._quota_errors.add(err)
+                self.metrics.bad_quota_entries.inc()
+                log.error("quota entry refused, last good value kept until natsched quota set rewrites it: %s", err)
         try:
             self.core.set_quotas(quotas)
         except QuotaError as exc:
@@ -370,7 +381,8 @@ class AdmitterService(Repairs):
         for request, dec, d, queue_wait, latency_ms in entries:
             if dec.decision == ALLOW:
                 reservations.append(Reservation(request.id, request.tenant, request.model, dec.runtime_tokens, now,
-                                                self.settings.name, credit=(paid or {}).get(request.id, "")))
+                                                self.settings.name, credit=(paid or {}).get(request.id, ""),
+                                                ceiling=runtime_tokens(request)))
         sent = time.perf_counter()
         # the reservation records are stored before any hand-off (the completion that deletes one is
         # a service or two further away), and each is a create: a request id reserved already
@@ -417,15 +429,27 @@ class AdmitterService(Repairs):
         acks = await self.bus.jpublish_batch([self.shared.outgoing(res) for res in reservations])
         refused = []
         for res, ack in zip(reservations, acks):
-            if ack is None:
+            if ack is None and not await self._ours_already(res):
                 refused.append(res)
-            else:
+            elif ack is not None:
                 self.shared.recorded(res, ack.seq)
         if refused:
             pairs = await self._refund([(None, res) for res in refused])
             if pairs:
                 await self._release_taken(pairs)
         return {res.request_id for res in refused}
+
+    async def _ours_already(self, res: Reservation) -> bool:
+        """A create refused because the key holds *this* record: its first publish was stored and
+        only the ack was lost (a stalled server), so the retry met it. It is ours, recorded; a
+        second copy of the request, decided apart, has another time or admitter and is refused.
+        (The server checks the expected sequence before the msg id: a msg id cannot tell them apart.)"""
+        stored = await self.shared.lookup(res.request_id)
+        if stored is None or (stored.by, stored.ts, stored.tokens) != (res.by, res.ts, res.tokens):
+            return False
+        self.shared.recorded(res, stored.revision)
+        log.info("request %s: its reservation was stored before a lost ack; kept", res.request_id)
+        return True
 
     async def _refuse_duplicate(self, request: Request, d: Delivery) -> None:
         """A request id that is reserved already, or was released a moment ago: one run per id.
@@ -582,12 +606,18 @@ class AdmitterService(Repairs):
         completions = []
         for d in batch:
             try:
-                completions.append(Completion.decode(d.data))
+                c = Completion.decode(d.data)
             except MessageError as exc:
                 await self.bus.settle_failed(d, self._completions_spec, "admitter", exc)
-        taken = await asyncio.gather(*(self.shared.take(c.request_id) for c in completions))
+                continue
+            if self._fenced_off(c, d.subject) is None:
+                completions.append(c)
+        stale = self.shared.stale
+        taken = await asyncio.gather(*(self.shared.take(c.request_id, c.attempt) for c in completions))
+        if self.shared.stale > stale:
+            self.metrics.refused_completions.labels(fence.STALE).inc(self.shared.stale - stale)
         pairs = [(c, res) for c, res in zip(completions, taken) if res is not None]
-        for c in completions:
+        for c in completions:  # (the fenced ones only: a forged one must not end a lease either)
             self.leases.forget(c.request_id)
             if self.router is not None:
                 self.router.observe_completion(c)
@@ -596,6 +626,17 @@ class AdmitterService(Repairs):
         if pairs:
             await self._release_taken(pairs)
         await asyncio.gather(*(d.ack() for d in batch if not d.settled))
+
+    def _fenced_off(self, c: Completion, subject: str) -> str | None:
+        """Why a completion may not release anything (:mod:`natsched.wire.fence`), counted and
+        logged; None when it comes from the worker its attempt was assigned to. A refused one
+        is acked and kept in COMPLETIONS (the audit checks the same fence): it frees nothing."""
+        problem = fence.problem(self.bus.fence_key, c, subject)
+        if problem is not None:
+            self.metrics.refused_completions.labels(problem).inc()
+            log.warning("completion of request %s on %s refused (%s): it releases nothing", c.request_id, subject,
+                        problem)
+        return problem
 
     async def _refund(self, pairs: list[tuple[Completion | None, Reservation]]):
         """Requests paid from this replica's live credit go back into it, without a write; the
@@ -635,6 +676,7 @@ class AdmitterService(Repairs):
         waiting for the lock: ``change`` sees the usage without them, like ``change_usage``'s
         function; they are put back for the next commit if this one fails."""
         releasing, self._releasing = self._releasing, []
+        self._committing = releasing
 
         def attempt(usage: Usage) -> tuple[Usage | None, T]:
             base = self._minus(usage, releasing)
@@ -646,6 +688,8 @@ class AdmitterService(Repairs):
         except BaseException:
             self._releasing[:0] = releasing
             raise
+        finally:
+            self._committing = []
         if releasing:
             self._released(releasing)
         return result
@@ -678,6 +722,47 @@ class AdmitterService(Repairs):
             log.info("request %s: %s", request_id, why)
         return res.tokens
 
+    # --- reservations that grow (a request running past its price) --------------------------
+    async def _grow_loop(self) -> None:
+        while True:
+            await self._grow_wake.wait()
+            self._grow_wake.clear()
+            wanted, self._grow_wanted = self._grow_wanted, {}
+            for rid, held in wanted.items():
+                try:
+                    await self.grow(rid, held)
+                except (AdmitterError, NatschedError) as exc:  # the next heartbeat asks again
+                    log.warning("reservation of %s not grown: %s", rid, exc)
+
+    async def grow(self, request_id: str, held: int) -> int:
+        """Grow a reservation its request has run past: runtime tokens include the generated
+        ones, and a request priced below what it ends up holding (a learned estimate, a
+        producer asking for more room later) must not hold more than the usage says. Returns
+        the runtime tokens added (0: nothing to do, or another replica did it).
+
+        The record is rewritten first by compare-and-swap (so of the replicas that hear the
+        same heartbeat, one grows it), then the usage in the next commit; a crash between the
+        two is drift the reconciliation repairs, as for an allow. It grows by at least a
+        quarter each time (a heartbeat per token would be a write per token), never past its
+        ceiling (prefill + ``max_tokens``: what pricing at ``max_tokens`` would have reserved).
+        Credit-paid records are not grown (they are short by construction)."""
+        res = self.shared.reservations.get(request_id) or await self.shared.lookup(request_id)
+        if res is None or res.credit or held <= res.tokens or res.tokens >= res.ceiling:
+            return 0
+        tokens = min(res.ceiling, max(held, res.tokens + max(1, res.tokens // 4)))
+        grown = await self.shared.regrow(res, tokens)
+        if grown is None:
+            return 0
+        old_long, new_long = self.core.is_long(res.tokens), self.core.is_long(tokens)
+        async with self._lock:
+            await self._commit(lambda u: (u.minus(res.tenant, res.model, res.tokens, old_long)
+                                          .plus(res.tenant, res.model, tokens, new_long), None))
+            self.core.usage = self.shared.usage
+        self.metrics.grown.inc(tokens - res.tokens)
+        log.info("request %s grew its reservation %d -> %d runtime tokens (its worker holds %d)", request_id,
+                 res.tokens, tokens, held)
+        return tokens - res.tokens
+
     async def _dynamic_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.dynamic.interval_s)
@@ -698,6 +783,9 @@ class AdmitterService(Repairs):
         return total
 
     def _refresh_gauges(self) -> None:
+        if self.shared.refused > self._refused_seen:
+            self.metrics.refused_values.inc(self.shared.refused - self._refused_seen)
+            self._refused_seen = self.shared.refused
         if self.shared.conflicts > self._conflicts_seen:
             self.metrics.cas_conflicts.inc(self.shared.conflicts - self._conflicts_seen)
             self._conflicts_seen = self.shared.conflicts

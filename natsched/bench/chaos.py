@@ -78,12 +78,15 @@ from natsched.wire import subjects as S
 from natsched.client.producer import Client, Timeouts, make_request
 from natsched.bus.connection import Bus
 from natsched.bus.errors import BusError
-from natsched.bus.server import DEFAULT_SYNC, SYNC_CHOICES
+from natsched.bus.server import DEFAULT_SYNC
 from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed, RequestTimeout
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Admitted, Assignment, Completion, Heartbeat, Reply
 from natsched.hosting.cluster import ClusterSettings, LocalCluster
 from natsched.hosting.supervisor import Child, Supervisor, UpSettings
+from natsched.bench import hostile
+from natsched.wire import fence
+from natsched.ops.auth import AuthDir, AuthSettings, init
 from natsched.stats import nearest_rank
 
 log = logging.getLogger(__name__)
@@ -226,6 +229,11 @@ class Scenario:
     nodes: int
     kills: Callable[["ChaosSettings"], list[Kill]]
     actors: tuple[tuple[str, Callable[["ChaosRun", float], Awaitable[dict[str, Any]]]], ...] = ()
+    #: run under ``natsched auth init``'s accounts and permissions (the honest load and the
+    #: observer connect as the admin; hostile actors with the roles they attack with)
+    auth: bool = False
+    #: before the load, with the observer's (admin) connection: quotas the scenario needs
+    prepare: Callable[["ChaosRun", Bus], Awaitable[None]] | None = None
 
 
 SCENARIOS: dict[str, Scenario] = {sc.name: sc for sc in (
@@ -236,6 +244,10 @@ SCENARIOS: dict[str, Scenario] = {sc.name: sc for sc in (
     Scenario("server-restart", "the only nats-server SIGKILLed and restarted on its data dir", 1,
              _kills_server_restart),
     Scenario("recovery", "worker-restart, then server-restart, in one run on one nats-server", 1, _kills_recovery),
+    Scenario("hostile", "under auth init's accounts: a tenant's producer and a worker's credentials attack for the "
+                        "whole run (reply-to injection, declared costs, dedup collisions, forged completions); "
+                        "reports over-admission", 1, lambda s: [], actors=(("hostile", hostile.hostile),),
+             auth=True, prepare=hostile.prepare),
 )}
 
 
@@ -356,13 +368,20 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("e2e_p50_s") is not None:
         lines.append(f"  producer e2e of completed requests: p50 {report['e2e_p50_s']}s, p99 {report['e2e_p99_s']}s, "
                      f"max {report['e2e_max_s']}s")
+    hostile_report = report.get("actors", {}).get("hostile")
+    if hostile_report and "error" not in hostile_report:
+        lines.append(f"  hostile publishers: sent {hostile_report['sent']}; over-admission "
+                     f"{hostile_report['over_admission']} (max held / total {hostile_report['total']}), max reserved "
+                     f"{hostile_report['max_reserved_ratio']} of it; values no admitter wrote "
+                     f"{hostile_report['foreign_values'] or 0}")
     want = {"lost": "0", "duplicated": "0", "leaked_runtime_tokens": "0", "readmitted_after_completion": "0",
-            "max_lease_reclaim_s": f"<= {report.get('lease_window_s')}"}
+            "max_lease_reclaim_s": f"<= {report.get('lease_window_s')}", "over_admission": "<= 1.0",
+            "max_reserved_ratio": "<= 1.0", "foreign_values": "none", "attacks_ran": "every attack sent"}
     lines.append(f"targets: (scenario {report.get('scenario', 'kills')})")
     for name, ok in report["targets_met"].items():
         if name != "all":
-            lines.append(f"  [{'ok' if ok else 'MISSED'}] {name}: want {want.get(name, 'ok')}, "
-                         f"got {_cell(report.get(name))}")
+            got = report.get(name, (hostile_report or {}).get(name))
+            lines.append(f"  [{'ok' if ok else 'MISSED'}] {name}: want {want.get(name, 'ok')}, got {_cell(got)}")
     return "\n".join(lines)
 
 
@@ -403,6 +422,8 @@ class ChaosRun:
         self.completed_ok: set[str] = set()  # an ok completion was seen for it
         self.readmitted: set[str] = set()  # admitted or assigned again after that
         self.actor_reports: dict[str, dict[str, Any]] = {}
+        self.auth: AuthDir | None = None  # the scenario runs under auth init's config (Scenario.auth)
+        self.forged_stored = 0  # completion records no assigned worker published (see _completions)
 
     def run(self) -> dict[str, Any]:
         """The whole run; everything started is stopped, whatever happens."""
@@ -424,21 +445,29 @@ class ChaosRun:
 
     def _start(self, root: Path) -> None:
         s = self.s
+        secured: dict[str, Any] = {}
+        if self.scenario.auth:
+            workers = [f"w{i + 1}" for i in range(s.workers)]  # as natsched up names them
+            init(AuthSettings(out=root / "auth", tenants=[*s.tenants, hostile.HOSTILE_TENANT], workers=workers))
+            self.auth = AuthDir.open(root / "auth")
+            secured = {"config_file": self.auth.config, "credentials": self.auth.creds("admin")}
         self.cluster = LocalCluster(ClusterSettings(nodes=s.nodes, base_port=None, data_dir=root / "cluster",
-                                                    ready_timeout_s=s.ready_timeout_s, sync=s.sync))
+                                                    ready_timeout_s=s.ready_timeout_s, sync=s.sync, **secured))
         self.cluster.start()  # provisions: 3 replicas on 3 nodes
         self.sup = Supervisor(UpSettings(
             workers=s.workers, admitters=s.admitters, routers=s.routers, inline_routing=s.inline_routing,
             engine="sim", nats_url=self.cluster.url,
             time_scale=s.time_scale, log_level=s.child_log_level, ready_timeout_s=s.ready_timeout_s, offline=False,
-            log_dir=root / "logs", extra_worker_args=["--heartbeat", str(s.heartbeat_s)]))
+            log_dir=root / "logs", extra_worker_args=["--heartbeat", str(s.heartbeat_s)],
+            auth_dir=self.auth.root if self.auth else None))
         self.sup.start(quiet=True)
 
     async def _drive(self) -> dict[str, Any]:
         s = self.s
-        observer = await Bus.connect(self.cluster.url, name="chaos-observer", connect_budget_s=30)
+        creds = self.auth.creds("admin") if self.auth else None
+        observer = await Bus.connect(self.cluster.url, name="chaos-observer", connect_budget_s=30, credentials=creds)
         producer = await Bus.connect(self.cluster.url, name="chaos-producer", connect_budget_s=30,
-                                     publish_budget_s=30)
+                                     publish_budget_s=30, credentials=creds)
         t = s.finish_timeout_s
         client = Client(producer, Timeouts(publish=30.0, admission=t, queued=t, idle=t))
         tasks: list[asyncio.Task] = []
@@ -446,6 +475,8 @@ class ChaosRun:
         try:
             await self._observe(observer)
             await self._wait_for_workers()
+            if self.scenario.prepare is not None:
+                await self.scenario.prepare(self, observer)
             kills = self.scenario.kills(s)
             self.t0 = t0 = time.monotonic()
             chaos = [asyncio.create_task(self._kill_and_restart(k, t0, observer)) for k in kills]
@@ -454,11 +485,14 @@ class ChaosRun:
             self._phase("sent")
             await self._finish(tasks, producer)
             self._phase("outcomes")
-            await asyncio.wait(chaos, timeout=max(k.restart_s for k in kills) + 2 * s.ready_timeout_s)
+            if chaos:
+                await asyncio.wait(chaos, timeout=max((k.restart_s for k in kills), default=s.send_s)
+                                   + 2 * s.ready_timeout_s)
             self._phase("restarts")
             reclaims = await self._reclaims()
             self._phase("reclaims")
-            await asyncio.sleep(max(0.0, t0 + max(k.at_s for k in kills) + s.redelivery_s - time.monotonic()))
+            if kills:
+                await asyncio.sleep(max(0.0, t0 + max(k.at_s for k in kills) + s.redelivery_s - time.monotonic()))
             self._phase("redeliveries")
             leaked, leftover = await self._settle(observer)
             self._phase("settled")
@@ -527,7 +561,7 @@ class ChaosRun:
                 c = Completion.decode(data)
             except MessageError:
                 return
-            if c.status == "ok":
+            if c.status == "ok" and fence.fenced(bus.fence_key, c, subject):  # (a forged one finished nothing)
                 self.completed_ok.add(c.request_id)
 
         async def on_heartbeat(subject: str, data: bytes, headers: dict) -> None:
@@ -570,6 +604,8 @@ class ChaosRun:
 
     async def _submit(self, client: Client, i: int) -> None:
         rid = f"chaos-{self.run_id}-{i:06d}"
+        if self.scenario.auth:  # random, as clients' ids are: predictable ids can be taken (bench.hostile)
+            rid += "-" + uuid.uuid4().hex[:8]
         tenant = self.s.tenants[i % len(self.s.tenants)]
         self.ids.append(rid)
         request = make_request(tenant, f"request {i}: summarise the incident report in two lines. " * 3,
@@ -776,14 +812,19 @@ class ChaosRun:
         return used, left
 
     async def _completions(self, bus: Bus) -> dict[str, list[tuple[str, str | None]]]:
+        """Each request's completion records, as the admitters count them: one its own worker's
+        attempt published (:mod:`natsched.wire.fence`); forged ones (the ``hostile`` scenario's)
+        are stored too, counted apart in ``forged_completions_stored``, and are no run."""
         ours = set(self.ids)
         out: dict[str, list[tuple[str, str | None]]] = defaultdict(list)
-        for _, data in await bus.stream_messages(S.STREAM_COMPLETIONS):
+        for subject, data in await bus.stream_messages(S.STREAM_COMPLETIONS):
             try:
                 c = Completion.decode(data)
             except MessageError:
                 continue
-            if c.request_id in ours:
+            if not fence.fenced(bus.fence_key, c, subject):
+                self.forged_stored += 1
+            elif c.request_id in ours:
                 out[c.request_id].append((c.status, c.reason))
         return dict(out)
 
@@ -798,7 +839,7 @@ class ChaosRun:
         report["targets_met"]["all"] = all(v for k, v in report["targets_met"].items() if k != "all")
         report.update({
             "scenario": self.scenario.name, "sync": s.sync, "actors": self.actor_reports,
-            "leftover_reservations": leftover,
+            "leftover_reservations": leftover, "forged_completions_stored": self.forged_stored,
             "routed_to_dead_worker": dict(self.routed_to_dead), "reclaim_detail": self.reclaim_detail,
             "kills": self.events, "phases_s": self.phases,
             "seed": s.seed, "rate": s.rate, "heartbeat_s": s.heartbeat_s, "down_s": s.down_s,

@@ -162,6 +162,12 @@ class Credentials:
     tls_ca: str | None = None  # CA that signed the server's certificate
     tls_cert: str | None = None  # client certificate (servers that verify clients)
     tls_key: str | None = None
+    #: the JetStream API prefix of a role outside the services' account (its account imports
+    #: the services' API under this name: ``natsched.wire.roles.IMPORTED_JS_API``)
+    js_prefix: str | None = None
+    #: the key that signs and checks assignments' fencing tokens (``natsched.wire.fence``): only
+    #: the scheduler's services (admitter, router, admin) are given it
+    fence_key: str | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "Credentials":
@@ -258,6 +264,7 @@ class Bus:
         self._kv: dict[str, Any] = {}
         self.closing = False  # loops check it: nats-py's fetch can swallow a cancellation
         self.lost_publishes = 0
+        self.fence_key: str | None = None  # natsched.wire.fence (None: the public default)
         self._acks: AckInbox | None = None
         self._acks_lock = asyncio.Lock()
         self.server_id = self._server_id()
@@ -305,9 +312,11 @@ class Bus:
         ``credentials`` (or a path to a credentials file) authenticates; other ``options``
         go to ``nats.connect`` as they are.
         """
+        js_prefix = fence_key = None
         if credentials is not None:
             creds = credentials if isinstance(credentials, Credentials) else Credentials.load(credentials)
             options = {**creds.options(), **options}
+            js_prefix, fence_key = creds.js_prefix, creds.fence_key
         servers = server_urls(url)
         deadline = time.monotonic() + connect_budget_s
         made: list[Bus] = []  # the Bus once built: the reconnect callback reports to it
@@ -337,7 +346,11 @@ class Bus:
                 nc.options["allow_reconnect"] = True  # once connected, reconnect forever
                 nc.options["max_reconnect_attempts"] = -1
                 nc._error_cb = _log_error  # nats-py keeps the callback here: a lost connection is news
-                made.append(cls(nc, name, publish_budget_s))
+                bus = cls(nc, name, publish_budget_s)
+                bus.fence_key = fence_key
+                if js_prefix:
+                    bus.js = nc.jetstream(prefix=js_prefix)
+                made.append(bus)
                 return made[0]
             except (NoServersError, OSError, NatsTimeout, asyncio.TimeoutError) as exc:
                 last = exc
@@ -443,10 +456,13 @@ class Bus:
             await self.nc.close()
 
     # --- publishing ---------------------------------------------------------------------
-    async def publish(self, subject: str, msg: Schema | bytes, headers: dict[str, str] | None = None) -> None:
-        """Core NATS publish (at most once): replies, heartbeats, cache events."""
+    async def publish(self, subject: str, msg: Schema | bytes, headers: dict[str, str] | None = None,
+                      reply: str = "") -> None:
+        """Core NATS publish (at most once): replies, heartbeats, cache events. ``reply``: the NATS
+        reply subject (natsched's own traffic names none; ``natsched chaos --scenario hostile``
+        does, as an attacker would)."""
         data = msg if isinstance(msg, bytes) else msg.encode()
-        await self.nc.publish(subject, data, headers=headers)
+        await self.nc.publish(subject, data, reply=reply, headers=headers)
 
     async def jpublish(
         self,

@@ -35,7 +35,9 @@ def add_parsers(sub) -> None:
                          "cluster each SIGKILLed, restarted after --down s); worker-restart (a worker SIGKILLed "
                          "and restarted at once, inside its lease); server-restart (the only nats-server "
                          "SIGKILLed, restarted on its data dir after --down s); recovery (worker-restart, then "
-                         "server-restart)")
+                         "server-restart); hostile (under auth init's accounts, a tenant's producer and a worker's "
+                         "credentials attack the whole run: reply-to injection, declared costs, dedup collisions, "
+                         "forged completions; reports over-admission)")
     ch.add_argument("--down", type=positive_float, default=6.0, metavar="S",
                     help="seconds a killed process (or server) stays down before its restart (default 6)")
     ch.add_argument("--sync", choices=("always", "interval"), default="always",

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from natsched.wire import subjects as S
+from natsched.wire import fence
 from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
@@ -271,6 +272,10 @@ class RouterService:
         except MessageError as exc:  # the admitters' durable consumer dead-letters it
             log.warning("ignoring an undecodable completion on %s: %s", subject, exc)
             return
+        if not fence.fenced(self.bus.fence_key, c, subject):  # a forged one frees no load, teaches nothing
+            log.warning("ignoring completion of %s on %s: not from the worker it was assigned to", c.request_id,
+                        subject)
+            return
         self.observe_completion(c)
 
     def observe_completion(self, c: Completion) -> None:
@@ -317,7 +322,8 @@ class RouterService:
             r.assignment = Assignment(request=req, worker=decision.worker, runtime_tokens=adm.runtime_tokens,
                                       admitted_at=adm.admitted_at, routed_at=time.time(), policy=decision.policy,
                                       expected_cached_tokens=decision.expected_cached_tokens, attempt=adm.attempt,
-                                      avoid=adm.avoid)
+                                      avoid=adm.avoid,
+                                      fence=fence.sign(self.bus.fence_key, req.id, decision.worker, adm.attempt))
             # one id per request and attempt: a router that crashes after this publish and re-routes
             # on redelivery is deduplicated by the server instead of running the request twice; a
             # rescue (its worker died) is a new attempt, which must not be deduplicated away
@@ -371,10 +377,12 @@ class RouterService:
     async def _fail(self, adm: Admitted, decision: RouteDecision, reason: str, message: str) -> None:
         """Close an admitted request that cannot run: its completion releases the reservation."""
         req = adm.request
+        token = fence.sign(self.bus.fence_key, req.id, S.ROUTER_SOURCE, adm.attempt)
         completion = Completion(request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model,
                                 status=CompletionStatus.ERROR, runtime_tokens=adm.runtime_tokens, reason=reason,
-                                ts=time.time())
-        await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=M.completion(req.id))
+                                ts=time.time(), worker=S.ROUTER_SOURCE, attempt=adm.attempt, fence=token)
+        await self.bus.jpublish(S.completion(req.tenant, S.ROUTER_SOURCE), completion,
+                                msg_id=M.completion(req.id, token))
         await self._record(adm, decision, "fail", 0.0, reason)
         self.metrics.decisions.labels(decision.policy or "", "fail", reason).inc()
         if req.reply:

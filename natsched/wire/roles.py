@@ -48,6 +48,41 @@ JS_ACK = "$JS.ACK"
 JS_FC = "$JS.FC"  # flow-control replies of push consumers (KV watches)
 INBOX_ROOT = "_INBOX"
 
+# --- accounts: who shares a namespace with the scheduler's streams and buckets ---------------
+#: the services' account: JetStream, every stream and bucket, admin, admitter, router, workers
+SERVICES_ACCOUNT = "NATSCHED"
+#: the HTTP gateway's own account
+GATEWAY_ACCOUNT = "GATEWAY"
+#: kinds of role that run outside the services' account (see :func:`tenant_account`)
+OUTSIDE_KINDS = frozenset({"producer", "batch", "gateway"})
+#: kinds of role given the key that signs assignments (routers) and checks completions
+#: (admitters, the audit): never a worker, producer or gateway
+FENCE_KINDS = frozenset({"admin", "admitter", "router", "scheduler"})
+#: where an outside account sees the services' JetStream API: every account already answers
+#: ``$JS.API.>`` itself (with "JetStream not enabled"), so an import under the same name would
+#: race it; the client names this prefix instead (its credentials file carries it)
+IMPORTED_JS_API = "JS.NATSCHED.API"
+
+
+def local_subject(subject: str) -> str:
+    """What an outside role publishes for ``subject`` of the services' account: the JetStream
+    API under :data:`IMPORTED_JS_API`, anything else under its own name."""
+    return IMPORTED_JS_API + subject[len(JS_API):] if subject.startswith(JS_API + ".") else subject
+
+
+def tenant_account(tenant: str) -> str:
+    """A tenant's own account (its producer and batch producer): ``TENANT_<tenant>``.
+
+    Why an account and not only permissions: a permission limits the subjects a connection
+    names, but a JetStream publish also names a *reply* subject, and the server writes its
+    publish ack there with its own rights. In the services' account a reply-to of
+    ``$KV.inflight.usage`` made the server overwrite the admitters' usage. In an account of its
+    own, a tenant reaches the services only through the imports it is given (its ``req.*.<t>``
+    subjects, its JetStream reads), and the server maps every reply back into the tenant's
+    account: nothing it names can land in the services' namespace.
+    """
+    return f"TENANT_{S.token(tenant, 'tenant')}"
+
 
 # --- subjects -------------------------------------------------------------------------------
 def render(pattern: str, **values: str) -> str:
@@ -171,8 +206,43 @@ class Role:
     def inbox(self) -> str:
         return inbox_prefix(self.user)
 
+    @property
+    def account(self) -> str:
+        """The account the user lives in: producers and batch producers in their tenant's,
+        the gateway in its own, everything else in the services' (:func:`tenant_account`)."""
+        if self.kind == "gateway":
+            return GATEWAY_ACCOUNT
+        if self.kind in OUTSIDE_KINDS:
+            return tenant_account(self.tenants[0])
+        return SERVICES_ACCOUNT
+
+    @property
+    def fenced(self) -> bool:
+        """Whether the role holds the fence key (signs or checks assignments: natsched.wire.fence)."""
+        return self.kind in FENCE_KINDS
+
+    @property
+    def outside(self) -> bool:
+        return self.account != SERVICES_ACCOUNT
+
+    @property
+    def js_prefix(self) -> str | None:
+        """The JetStream API prefix the role's client uses (None: the default ``$JS.API``)."""
+        return IMPORTED_JS_API if self.outside else None
+
+    def imports(self) -> tuple[list[str], list[str]]:
+        """(services, streams) an outside role imports from the services' account: every
+        subject it may publish is a service import (the server maps its reply back into the
+        role's account; :func:`local_subject` is its name there), every subject it may
+        receive a stream import, with its own inbox (push consumers deliver there). Nothing
+        for a role inside the services' account."""
+        if not self.outside:
+            return [], []
+        return _unique(self.publish), _unique([*self.subscribe, f"{self.inbox}.>"])
+
     def permissions(self) -> dict:
-        return {"publish": {"allow": _unique(self.publish)},
+        publish = [local_subject(p) for p in self.publish] if self.outside else self.publish
+        return {"publish": {"allow": _unique(publish)},
                 "subscribe": {"allow": _unique([f"{self.inbox}.>", *self.subscribe])}}
 
 
@@ -208,7 +278,8 @@ def admitter_role() -> Role:
 
 def router_role() -> Role:
     pub = _service_base() + [
-        S.WORK_ALL, S.COMPLETIONS_ALL, subject("decision", stage="routing"), subject("control"),
+        S.WORK_ALL, subject("completion", worker=S.ROUTER_SOURCE), subject("decision", stage="routing"),
+        subject("control"),
         S.deadletter("router"),
         *consumer_permissions(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL),
         *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG),
@@ -227,9 +298,14 @@ def scheduler_role() -> Role:
 
 
 def worker_role(worker: str) -> Role:
+    """A worker: completions on its own ``done.*.<worker>`` only, so that the server vouches for
+    the worker a completion names (the admitter checks it against the assignment's fence:
+    :mod:`natsched.wire.fence`)."""
     S.token(worker, "worker id")
+    if worker == S.ROUTER_SOURCE:
+        raise ValueError(f"worker id {worker!r} is reserved: the router's own completions use it")
     pub = _service_base() + [
-        S.COMPLETIONS_ALL, S.heartbeat(worker), S.cache_events(worker), S.deadletter("worker"),
+        subject("completion", worker=worker), S.heartbeat(worker), S.cache_events(worker), S.deadletter("worker"),
         *consumer_permissions(S.STREAM_WORK, S.worker_consumer(worker), S.work(worker)),
         *kv_read_permissions(S.BUCKET_WORKERS),
     ]

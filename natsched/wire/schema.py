@@ -137,6 +137,7 @@ class Assignment(Schema):
     expected_cached_tokens: int = 0
     attempt: int = 0  # copied from Admitted: a rescue re-admits it with the next one
     avoid: list[str] = field(default_factory=list)
+    fence: str = ""  # natsched.wire.fence.sign(request, worker, attempt): the worker's proof in its completion
     v: int = SCHEMA_VERSION
 
     def __post_init_check__(self) -> None:
@@ -213,7 +214,9 @@ class CompletionStatus(enum.StrEnum):
 
 @dataclass
 class Completion(Schema):
-    """One per admitted request, on ``done.<tenant>``: releases its reservation, feeds learning."""
+    """One per admitted request and attempt, on ``done.<tenant>.<worker>``: releases its reservation
+    (only with the ``fence`` of the assignment's worker and the reservation's current ``attempt``:
+    :mod:`natsched.wire.fence`), feeds learning."""
 
     request_id: RequestId
     tenant: TenantId
@@ -232,13 +235,15 @@ class Completion(Schema):
     e2e: float | None = None
     expected_cached_tokens: int | None = None
     ts: float = 0.0
+    attempt: int = 0  # the assignment's: a completion of an attempt since rescued is stale
+    fence: str = ""  # copied from the Assignment
     v: int = SCHEMA_VERSION
 
     def __post_init_check__(self) -> None:
         _check_id(self.request_id, "request_id")
         _check_id(self.tenant, "tenant")
         _check_counts(self, ("runtime_tokens", "prompt_tokens", "cached_tokens", "output_tokens",
-                             "expected_cached_tokens"))
+                             "expected_cached_tokens", "attempt"))
 
 
 @dataclass
@@ -286,6 +291,9 @@ class Heartbeat(Schema):
     #: this instance started: what ``work.<worker>`` still stores at or below it is a
     #: predecessor's unfinished work (the admitters rescue it at once); 0: none
     predecessor_seq: int = 0
+    #: request id -> runtime tokens it holds now (2 x prompt + generated), for the requests that
+    #: ran past what their assignment reserved: the admitters grow those reservations
+    over: dict[str, int] = field(default_factory=dict)
     v: int = SCHEMA_VERSION
 
     _COUNTS = ("seq", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "runtime_tokens",
@@ -294,6 +302,10 @@ class Heartbeat(Schema):
     def __post_init_check__(self) -> None:
         _check_id(self.worker, "worker")
         _check_counts(self, self._COUNTS)  # a negative load would make a worker look better than idle
+        for rid, tokens in self.over.items():
+            _check_id(rid, "over")
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+                raise SchemaError(f"field 'over' must map request ids to counts >= 0, got {tokens!r}", "over")
         if self.block_size <= 0 or self.interval <= 0:
             raise SchemaError("fields 'block_size' and 'interval' must be > 0", "block_size")
 

@@ -144,9 +144,27 @@ def decision(stage: str, tenant: TenantId) -> str:
     return f"decision.{token(stage, 'stage')}.{token(tenant, 'tenant')}"
 
 
-def completion(tenant: TenantId) -> str:
-    """A completion record: ``done.<tenant>``."""
-    return f"done.{token(tenant, 'tenant')}"
+#: the ``<worker>`` of a completion the router publishes itself (no worker could take it);
+#: ``natsched auth init`` refuses it as a worker id
+ROUTER_SOURCE = "_router"
+
+
+def completion(tenant: TenantId, worker: WorkerId) -> str:
+    """A completion record: ``done.<tenant>.<worker>`` (the worker that ran it, or
+    :data:`ROUTER_SOURCE`). The worker is in the subject so that a per-worker permission
+    (``done.*.<worker>``) makes the server vouch for who published it."""
+    return f"done.{token(tenant, 'tenant')}.{token(worker, 'worker id')}"
+
+
+def completions_of(tenant: TenantId) -> str:
+    """A filter over one tenant's completions from any worker: ``done.<tenant>.*``."""
+    return f"done.{token(tenant, 'tenant')}.*"
+
+
+def completion_source(subject: str) -> str | None:
+    """The worker a ``done.<tenant>.<worker>`` subject names, or None for any other subject."""
+    parts = subject.split(".")
+    return parts[2] if len(parts) == 3 and parts[0] == "done" and is_token(parts[2]) else None
 
 
 def offline(tenant: TenantId) -> str:
@@ -208,7 +226,8 @@ PATTERNS = {
     "work": "work.<worker>",
     "reply": "resp.<request_id>",
     "decision": "decision.<stage>.<tenant>",
-    "completion": "done.<tenant>",
+    "completion": "done.<tenant>.<worker>",
+    "completions_of": "done.<tenant>.*",
     "offline": "offline.<tenant>",
     "deadletter": "dead.<source>",
     "heartbeat": "worker.<worker>.hb",

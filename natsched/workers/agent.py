@@ -95,6 +95,7 @@ class WorkerAgent:
         self.predecessor_seq = 0  # set at start: see _predecessor_seq
         self._reported: set[str] = set()  # running, and its completion is stored already
         self.completion_retries = 0  # completions that outlived a publish budget, waiting for the bus
+        self._over: dict[str, int] = {}  # running past its reservation: runtime tokens held now (heartbeats)
         self._away = False  # quiescing because the engine server does not answer (not a drain: it comes back)
         self._epoch = 0.0  # the engine's cache epoch last announced (engines that have one)
 
@@ -163,6 +164,14 @@ class WorkerAgent:
         received = time.time()  # the moment the scheduler's hand-off ends (Reply.received_at)
         assignment = Assignment.decode(d.data)  # MessageError -> dead letter (by the Bus)
         rid = assignment.request.id
+        if assignment.worker != self.id:  # its fence names another worker: its completion could not count
+            self.metrics.misrouted.inc()
+            log.error("request %s: assignment names worker %s, not %s; refused, not run", rid, assignment.worker,
+                      self.id)
+            await self.bus.dead_letter_raw(d.subject, d.data, "worker", "misrouted",
+                                           f"assignment for {assignment.worker} delivered to {self.id}")
+            await d.ack()
+            return
         if rid in self.inflight:
             return  # a redelivery of something we are running: its task acks it
         if rid in self.finished:  # finished here, its ack was lost: ack the copy, run nothing
@@ -211,6 +220,7 @@ class WorkerAgent:
             await d.ack()
         finally:
             self._progress.pop(req.id, None)
+            self._over.pop(req.id, None)
             self._redelivered.discard(req.id)
             self._reported.discard(req.id)
             if d.settled:  # its outcome is published and it was acked: a copy must not run it again
@@ -237,6 +247,12 @@ class WorkerAgent:
         async for out in self.engine.generate(engine_req):
             if first_at is None and not out.error:
                 first_at = time.time()
+            # runtime tokens as the admitter counts them (prefill + KV held), generated ones included:
+            # past the reservation, the next heartbeat asks the admitters to grow it
+            # (engines give totals on the last output only: before it, the index counts the steps)
+            held = 2 * (out.prompt_tokens or engine_req.prompt_tokens) + max(out.output_tokens, out.index + 1)
+            if held > a.runtime_tokens:
+                self._over[req.id] = held
             texts.append(out.text)
             if req.stream and req.reply and (out.text or out.token_ids) and not out.error:
                 await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.TOKEN, text=out.text,
@@ -262,6 +278,7 @@ class WorkerAgent:
             reason=None if ok else out.error.split(":")[0], prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot,
             e2e=now - (req.created or started), expected_cached_tokens=a.expected_cached_tokens, ts=now,
+            attempt=a.attempt, fence=a.fence,  # the assignment's proof: the admitter checks it
         )
         ack = await self._publish_completion(completion)
         self._reported.add(req.id)
@@ -301,7 +318,9 @@ class WorkerAgent:
         delay = 0.2
         while True:
             try:
-                return await self.bus.jpublish(S.completion(c.tenant), c, msg_id=M.completion(c.request_id))
+                # on its own subject, the assignment's fence in its msg id (natsched.wire.fence)
+                return await self.bus.jpublish(S.completion(c.tenant, c.worker or self.id), c,
+                                               msg_id=M.completion(c.request_id, c.fence))
             except Exception as exc:
                 if not transport_failure(exc) or self.bus.closing:
                     raise
@@ -389,7 +408,7 @@ class WorkerAgent:
             started_at=started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
             inflight=list(self.inflight), served=served() if served is not None else [],
             deployment=self.deployment,
-            predecessor_seq=self.predecessor_seq,
+            predecessor_seq=self.predecessor_seq, over=dict(self._over),
         )
         await self.bus.publish(S.heartbeat(self.id), hb)
         if new_epoch:  # after the heartbeat that resets the router's view: what the engine holds now

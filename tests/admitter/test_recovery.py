@@ -66,8 +66,8 @@ async def test_a_finished_request_id_published_again_is_not_readmitted(bus, nats
         got = await replies_to(bus, req.reply)
         await publish(bus, req)
         assert await until(lambda: adm.shared.usage.used == 300)
-        await bus.jpublish(S.completion(req.tenant), make_completion(req.id, tenant=req.tenant, runtime_tokens=300),
-                           msg_id=f"{req.id}:done")
+        await bus.jpublish(S.completion(req.tenant, "w1"),
+                           make_completion(req.id, tenant=req.tenant, runtime_tokens=300), msg_id=f"{req.id}:done")
         assert await until(lambda: adm.shared.usage.used == 0)
         await bus.jpublish(S.request(req.cls, req.tenant), copy.deepcopy(req), msg_id=f"{req.id}-again",
                            headers={S.HDR_REPLY: req.reply})

@@ -19,7 +19,7 @@ from natsched.client.producer import Client, Timeouts
 from natsched.client.errors import RequestFailed
 from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
 from natsched.hosting.runtime import READY_PREFIX
-from tests.factories.core import make_request, wait_for
+from tests.factories.core import make_completion, make_request, wait_for
 from tests.factories.stack import start_stack
 from tests.admitter.test_service import start_admitter, stop
 from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
@@ -215,8 +215,9 @@ async def test_a_worker_that_died_between_its_completion_and_its_ack_is_not_run_
         done = make_assignment()
         await reserve(adm, done)
         await bus.jpublish(S.work(done.worker), done)
-        await bus.jpublish(S.completion("t1"), Completion(request_id=done.request.id, tenant="t1", status="ok",
-                                                          runtime_tokens=300), msg_id=f"{done.request.id}:done")
+        await bus.jpublish(S.completion("t1", done.worker), make_completion(done.request.id, runtime_tokens=300,
+                                                                            worker=done.worker),
+                           msg_id=f"{done.request.id}:done")
         report = await adm.reclaim({})
         assert report.finished == [done.request.id] and not report.rescued
         assert await admitted(bus) == [] and await bus.stream_messages(S.STREAM_WORK) == []
@@ -242,8 +243,9 @@ async def test_a_finished_request_whose_completion_is_never_acked_is_not_run_aga
         for a in (done, running):
             await reserve(adm, a)
             await bus.jpublish(S.work(a.worker), a)
-        await bus.jpublish(S.completion("t1"), Completion(request_id=done.request.id, tenant="t1", status="ok",
-                                                          runtime_tokens=300), msg_id=f"{done.request.id}:done")
+        await bus.jpublish(S.completion("t1", done.worker), make_completion(done.request.id, runtime_tokens=300,
+                                                                            worker=done.worker),
+                           msg_id=f"{done.request.id}:done")
         report = await adm.reclaim({})
         assert report.finished == [done.request.id]
         assert report.rescued == {running.request.id: "wdead"}

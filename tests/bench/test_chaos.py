@@ -234,6 +234,35 @@ def test_a_short_recovery_run_loses_duplicates_leaks_and_readmits_nothing(tmp_pa
     assert _open_in(data) == []
 
 
+def test_a_short_hostile_run_keeps_admission_within_the_total_against_every_attack(tmp_path):
+    """Under auth init's accounts, a tenant's producer and a worker's credentials attack for the
+    whole run (reply-to injection, declared costs, dedup collisions, forged completions): the
+    honest requests all complete once, nothing leaks, nothing held exceeds the total, no value
+    lands in the scheduler's KV that an admitter did not write, and every forged completion
+    stored is refused (none counts as a run)."""
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "natsched", "--log-level", "warning", "chaos", "--scenario", "hostile",
+         "--requests", "150", "--rate", "30", "--seed", "2", "--finish-timeout", "45",
+         "--data-dir", str(tmp_path / "run"), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    hostile = report["actors"]["hostile"]
+    detail = json.dumps({"hostile": hostile, "detail": report.get("detail")})
+    assert "error" not in hostile and all(hostile["sent"].get(k) for k in ("reply_to", "declared", "dedup", "forge"))
+    assert (report["lost"], report["duplicated"], report["leaked_runtime_tokens"]) == (0, 0, 0), detail
+    assert report["completed"] == 150, detail
+    assert hostile["over_admission"] <= 1.0 and hostile["max_reserved_ratio"] <= 1.0, detail
+    assert hostile["foreign_values"] == {}, detail
+    assert report["forged_completions_stored"] > 0  # they were stored, and counted as no run
+    # no honest request ran again (the attacker's own copies are not covered: docs/reliability.md)
+    assert not [r for r in report["readmitted_ids"] if r.startswith("chaos-")], detail
+    met = report["targets_met"]
+    assert all(met[k] for k in ("over_admission", "max_reserved_ratio", "foreign_values", "attacks_ran")), detail
+
+
 def test_the_chaos_help_names_every_scenario():
     out = subprocess.run([sys.executable, "-m", "natsched", "chaos", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)

@@ -58,9 +58,22 @@ def make_heartbeat(worker: str = "w1", *, seq: int = 1, ts: float | None = None,
 
 
 def make_completion(request_id: str, *, tenant: str = "t1", runtime_tokens: int = 10, **fields) -> Completion:
+    """A completion as worker ``w1`` (or ``worker=``) would publish it for attempt 0 (or
+    ``attempt=``): fenced with the default key, as a router without ``auth init`` signs."""
+    from natsched.wire import fence
+
     fields.setdefault("status", "ok")
+    fields.setdefault("worker", "w1")
+    fields.setdefault("fence", fence.sign(None, request_id, fields["worker"], fields.get("attempt", 0)))
     return Completion(request_id=RequestId(request_id), tenant=TenantId(tenant), runtime_tokens=runtime_tokens,
                       **fields)
+
+
+def completion_subject(c: Completion) -> str:
+    """Where ``c``'s worker publishes it: ``done.<tenant>.<worker>``."""
+    from natsched.wire import subjects as S
+
+    return S.completion(c.tenant, c.worker)
 
 
 async def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:

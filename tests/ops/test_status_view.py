@@ -75,7 +75,7 @@ def test_rejections_are_counted_by_reason_within_the_window():
 
 def test_tenants_show_floor_usage_and_cap_including_active_tenants_on_the_default_quota():
     state = StatusState()
-    usage = orjson.dumps({"used": 450, "tenants": {"gold": 400, "walkin": 50}, "models": {}})
+    usage = orjson.dumps({"used": 450, "tenants": {"gold": 400, "walkin": 50}, "models": {}, "long": 0})
     view = state.view(quota_entries(gold={"floor": 0.5, "weight": 1, "cap": 800}), usage, NOW)
     rows = {t.tenant: t for t in view.tenants}
     assert (rows["gold"].floor_tokens, rows["gold"].used, rows["gold"].cap, rows["gold"].configured) == \
@@ -168,7 +168,7 @@ async def test_collector_ignores_garbage_on_the_subjects_it_follows(bus):
     await collector.start()
     await bus.publish(S.heartbeat("w9"), b"\xc1 not msgpack")
     await bus.publish(S.decision("admission", "t1"), b"{}")
-    await bus.publish(S.completion("t1"), b"\x00" * 10)
+    await bus.publish(S.completion("t1", "w1"), b"\x00" * 10)
     await bus.publish(S.heartbeat("w8"), make_heartbeat("w8"))
     for _ in range(100):
         if collector.state.heartbeats:
