@@ -85,7 +85,7 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
     from natsched.bench.server import add_server_bench_parser
 
     add_server_bench_parser(bsub)
-    from natsched.sim.bench_scenarios import add_scenarios_parser
+    from natsched.cli.scenarios import add_scenarios_parser
 
     add_scenarios_parser(bsub)
     ss = bsub.add_parser("shared-state", help="cost of the admitters' compare-and-swap on the shared usage",
