@@ -18,7 +18,9 @@ from natsched.cli.jobs import add_parsers as add_job_parsers
 from natsched.hosting.runtime import setup_logging
 from natsched.ops.status import add_status_parser
 from natsched.workers.calibrate import add_calibrate_flags
-from natsched.workers.vllm_worker import add_vllm_flags
+from natsched.workers.vllm_worker import add_server_flags, add_vllm_flags
+
+ENGINES = ["sim", "vllm", "vllm-server", "null"]
 
 ENV_URL = "NATSCHED_NATS_URL"
 ENV_CREDENTIALS = "NATSCHED_CREDENTIALS"
@@ -50,7 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--inline-routing", action="store_true",
                     help="every admitter routes what it admits in its own process (admitter --route): one "
                          "stored hop and one process fewer per request; separate routers become optional")
-    up.add_argument("--engine", choices=["sim", "vllm", "null"], default="sim", help="worker engine (default sim)")
+    up.add_argument("--engine", choices=ENGINES, default="sim",
+                    help="worker engine (default sim); vllm-server: one agent per --vllm-url")
+    up.add_argument("--vllm-url", action="append", default=[], metavar="URL",
+                    help="with --engine vllm-server: a running vllm serve (repeat for each server; one agent each)")
+    up.add_argument("--kv-events", action="append", default=[], metavar="ENDPOINT",
+                    help="with --engine vllm-server: each server's KV-event endpoint (tcp://HOST:PORT), in "
+                         "--vllm-url order")
     up.add_argument("--nats-url", default=os.environ.get(ENV_URL),
                     help=f"use this NATS server instead of the embedded one (default: ${ENV_URL})")
     up.add_argument("--port", type=int, default=DEFAULT_PORT, help="embedded server port (default 4222)")
@@ -105,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_calibrate_flags(cal)
     _url_flag(wk)
     wk.add_argument("--id", help="worker id (a subject token: letters, digits, - and _)")
-    wk.add_argument("--engine", choices=["sim", "vllm", "null"], default="sim",
-                    help="sim (calibrated model), vllm, or null (answers at once: for pipeline benchmarks)")
+    wk.add_argument("--engine", choices=ENGINES, default="sim",
+                    help="sim (calibrated model), vllm (in this process), vllm-server (front a running vllm serve "
+                         "or SGLang server: --url), or null (answers at once: for pipeline benchmarks)")
     wk.add_argument("--model", default="default", help="model name this worker serves")
     wk.add_argument("--concurrency", type=int, default=64, help="max requests in the engine at once")
     wk.add_argument("--time-scale", type=float, default=1.0, help="sim engine: multiply step times")
@@ -115,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval seconds (default 1)")
     wk.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     add_vllm_flags(wk)
+    add_server_flags(wk)
 
     sm = sub.add_parser("submit", help="submit one request and print its result",
                         description="Submit one request and print the completion (or stream it).")

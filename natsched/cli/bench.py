@@ -80,7 +80,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     rt.add_argument("--sweep-span", type=fraction, default=0.05, metavar="F",
                     help="the sweep covers speed-up x [1-F, 1+F] (default 0.05)")
     _add_pipeline_parser(bsub)
+    from natsched.bench.server import add_server_bench_parser
     from natsched.sim.bench_admission import add_admission_parser
+
+    add_server_bench_parser(bsub)
 
     add_admission_parser(bsub)
     ss = bsub.add_parser("shared-state", help="cost of the admitters' compare-and-swap on the shared usage",
@@ -147,6 +150,10 @@ def cmd_bench(args) -> int:
         return _cmd_pipeline(args)
     if name == "shared-state":
         return _cmd_shared(args)
+    if name == "server":
+        from natsched.bench.server import run_server_bench
+
+        return run_server_bench(args)
     if name == "admission":
         from natsched.sim.bench_admission import run_admission
 

@@ -42,7 +42,8 @@ def up_settings(args):
                       nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, policy=args.policy,
                       time_scale=args.time_scale, log_level=args.log_level, gateway_port=args.gateway,
                       gateway_keys=args.gateway_keys, auth_dir=args.auth_dir,
-                      extra_worker_args=_worker_passthrough(args), metrics_port=args.metrics_port)
+                      extra_worker_args=_worker_passthrough(args), metrics_port=args.metrics_port,
+                      server_urls=list(args.vllm_url or []), server_kv_events=list(args.kv_events or []))
 
 
 def cmd_up(args) -> int:
@@ -140,13 +141,17 @@ def cmd_worker(args) -> int:
     deployment = args.deployment or (f"sim-{args.profile}" if args.engine == "sim" else None)
 
     async def start(bus):
-        agent = WorkerAgent(bus, engine, WorkerSettings(id=args.id, model=args.model, concurrency=args.concurrency,
+        model = args.model
+        if args.engine == "vllm-server":  # the server says what it serves: its base model is the worker's
+            await engine.discover()
+            model = engine.model
+        agent = WorkerAgent(bus, engine, WorkerSettings(id=args.id, model=model, concurrency=args.concurrency,
                                                         heartbeat_interval_s=args.heartbeat, deployment=deployment,
                                                         metrics_port=args.metrics_port))
         holder["agent"] = agent
         await bus.provision()  # its WORK stream may not exist yet when it starts first
         await agent.start()
-        return f"id={args.id} engine={args.engine} model={args.model} capacity={agent.capacity_tokens or 'kv'}"
+        return f"id={args.id} engine={args.engine} model={model} capacity={agent.capacity_tokens or 'kv'}"
 
     async def stop():
         await holder["agent"].stop()
@@ -171,6 +176,12 @@ def _make_engine(args):
         from natsched.workers.simengine import SimEngine
 
         return SimEngine(get_profile(args.profile), block_size=args.block_size, time_scale=args.time_scale)
+    if args.engine == "vllm-server":
+        from natsched.workers.vllm_server import ServerEngine
+
+        if not args.url:
+            raise SystemExit("natsched: error: --engine vllm-server needs --url http://HOST:PORT")
+        return ServerEngine.from_args(args)
     from natsched.workers.vllm_engine import VllmEngine  # noqa: the vllm extra
 
     return VllmEngine.from_args(args)

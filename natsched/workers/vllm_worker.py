@@ -40,6 +40,22 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deployment", default=None, help="calibration key part (default: device + KV size)")
 
 
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """``--engine vllm-server``: the server to front (:mod:`natsched.workers.vllm_server`)."""
+    p.add_argument("--url", default=None, help="vllm-server: the server's http://HOST:PORT")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="vllm-server: the server's ZMQ KV-event endpoint, tcp://HOST:PORT (vllm serve "
+                        "--kv-events-config with endpoint tcp://*:PORT); without it no cache summaries")
+    p.add_argument("--kv-replay", default=None, metavar="ENDPOINT",
+                   help="vllm-server: its KV-event replay socket (replay_endpoint), tcp://HOST:PORT: batches "
+                        "missed before connecting or in a gap are fetched again")
+    p.add_argument("--metrics-url", default=None, help="vllm-server: its Prometheus page (default URL/metrics)")
+    p.add_argument("--flavor", choices=["vllm", "sglang"], default="vllm", help="vllm-server: the server's kind")
+    p.add_argument("--api-key", default=None, help="vllm-server: the server's --api-key")
+    p.add_argument("--server-block-size", type=int, default=None,
+                   help="vllm-server: its KV block size (default: read from its /metrics, else 32)")
+
+
 class VllmWorkerProcess:
     """A vLLM worker in a child process; ``with VllmWorkerProcess(...) as w: ...``.
 
