@@ -8,6 +8,7 @@ stage it was waiting for.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -160,10 +161,13 @@ class Client:
         request.stream = True
         return Stream(self, request)
 
-    async def cancel(self, request_id: str, worker: str) -> None:
-        """Tell ``worker`` to stop running ``request_id`` (it closes it with reason ``cancelled``)."""
-        await self.bus.publish(S.control(WorkerId(worker)), Control(kind="cancel", ts=time.time(), by=self.bus.name,
-                                                                    request_id=RequestId(request_id)))
+    async def cancel(self, tenant: str, request_id: str) -> None:
+        """Give up on a request of ``tenant``, wherever it is: queued in an admitter, admitted and
+        waiting for a router, or running on its worker (``cancel.<tenant>.<request_id>``; each of
+        them ends it and a reservation it holds is released with reason ``cancelled``)."""
+        await self.bus.publish(S.cancel(TenantId(tenant), RequestId(request_id)),
+                               Control(kind="cancel", ts=time.time(), by=self.bus.name,
+                                       request_id=RequestId(request_id)))
 
     async def _exchange(self, request: Request) -> AsyncIterator[Chunk | Result]:
         reply_to = request.reply or S.tenant_reply(request.tenant, request.id)
@@ -171,6 +175,7 @@ class Client:
         request.created = request.created or time.time()
         sub = await self.bus.inbox(reply_to)
         progress = _Progress()
+        duplicate = False
         try:
             ack = await self.bus.jpublish(
                 S.request(request.cls, request.tenant),
@@ -180,6 +185,7 @@ class Client:
                 budget_s=self.timeouts.publish,
             )
             if ack.duplicate:
+                duplicate = True
                 raise DuplicateRequest(
                     f"request {request.id} was already submitted within the dedup window; "
                     "it runs once and its result went to the first submitter",
@@ -188,12 +194,22 @@ class Client:
             async for item in self._replies(sub, request, progress):
                 yield item
         finally:
+            # shielded: a canceller that cancels again (natsched.bus.aio.cancel_and_wait) must not
+            # cut the cancel short. A duplicate is the first submitter's request, not ours to cancel
+            await asyncio.shield(self._close(sub, request, cancel=not duplicate and not progress.final))
+
+    async def _close(self, sub: Any, request: Request, cancel: bool) -> None:
+        """End an exchange: stop listening and, if it ended before its final reply (even with a
+        publish whose ack was lost: it may be stored), cancel it in whatever state it is."""
+        try:
             await sub.unsubscribe()
-            if progress.worker is not None and not progress.final:  # given up before its end
-                try:
-                    await self.cancel(request.id, progress.worker)
-                except Exception as exc:  # best effort: the connection may be gone already
-                    log.warning("could not cancel %s on %s: %s", request.id, progress.worker, exc)
+        except Exception as exc:  # the connection may be gone already
+            log.warning("could not unsubscribe from %s: %s", request.reply, exc)
+        if cancel:
+            try:
+                await self.cancel(request.tenant, request.id)
+            except Exception as exc:  # best effort: the connection may be gone already
+                log.warning("could not cancel %s: %s", request.id, exc)
 
     async def _replies(self, sub: Any, request: Request, progress: _Progress) -> AsyncIterator[Chunk | Result]:
         started = time.monotonic()
@@ -223,6 +239,7 @@ class Client:
                 if reply.status is not None:
                     statuses.append(reply.status)
                 if reply.status == ReplyStatus.DEGRADED:
+                    progress.final = True  # the offline path owns it now: leaving cancels nothing
                     yield Result(request.id, ResultStatus.DEGRADED, job_id=reply.job_id, statuses=statuses,
                                  e2e=time.monotonic() - started)
                     return

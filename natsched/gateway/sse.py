@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
+from natsched.bus.aio import cancel_and_wait
+
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -35,14 +37,16 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        task.cancel()
+        await asyncio.shield(cancel_and_wait(task))
         raise
     finally:
         watcher.cancel()
     if task in done:
         return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    # again and again until it is done: one cancel can be swallowed on Python 3.11 (bus.aio)
+    await cancel_and_wait(task)
+    if not task.cancelled():
+        task.exception()  # it ended on its own as the client left: nobody wants what it raised
     raise ClientGone()
 
 

@@ -21,6 +21,7 @@ from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.errors import ConfigError
 from natsched.router.metrics import RouterMetrics
 from natsched.router.policy import RouteDecision, RouteRequest
+from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class RouterService:
         self.core = RouterCore(self.settings.core)
         self.metrics = metrics or RouterMetrics()
         self._last_worker: OrderedDict[int, str] = OrderedDict()
+        self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
         attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
         self._spec = ConsumerSpec(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL, max_deliver=attempts + 3,
                                   redeliver_delay_s=self.settings.retry_delay_s, batch=256)
@@ -73,6 +75,7 @@ class RouterService:
         self.bus.spawn(self._tick_loop(), "router-tick")
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
         await self.bus.subscribe(S.CACHE_EVENTS_ALL, self._on_cache_event)
+        await self.bus.subscribe(S.CANCELS_ALL, self._on_cancel)
         # completions are watched, not consumed: every replica sees each one (it releases the load
         # of what it routed itself), and a missed one costs only accuracy until the next heartbeat
         if watch_completions:
@@ -181,6 +184,11 @@ class RouterService:
             except MessageError as exc:
                 await self.bus.settle_failed(d, self._spec, "router", exc)
                 continue
+            if self.is_cancelled(adm):  # admitted, then its producer gave up: never routed
+                await self._fail(adm, RouteDecision(None, self.core.policy.name, reason="cancelled"), "cancelled",
+                                 "its producer cancelled it before it was routed")
+                await d.ack()
+                continue
             routed.append(self.decide(adm, d))
         assigned = [r for r in routed if r.decision.worker is not None]
         for r in routed:
@@ -190,6 +198,20 @@ class RouterService:
             await self.bus.jpublish_batch([r.outgoing for r in assigned])
             for r in assigned:
                 await self.assigned(r)
+
+    async def _on_cancel(self, subject: str, data: bytes, headers: dict) -> None:
+        """Remember a producer's cancel (``cancel.<tenant>.<id>``): an admitted request of that
+        tenant not routed yet is failed as ``cancelled`` when it comes (waiting for a worker, it
+        comes back within the retry delay); one routed already is its worker's to stop."""
+        if S.parse_cancel_subject(subject) is None:
+            log.warning("ignoring a cancel on %s", subject)
+            return
+        self.cancelled.add(subject)
+
+    def is_cancelled(self, adm: Admitted) -> bool:
+        """Whether the request's own tenant cancelled it (the subject names the tenant: a cancel
+        by another tenant for the same id is another key)."""
+        return S.cancel(adm.request.tenant, adm.request.id) in self.cancelled
 
     def decide(self, adm: Admitted, d: Delivery | None = None) -> "Routed":
         """Route one admitted request (state in, decision out) and build its WORK message.

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
+from natsched.bus.aio import RECANCEL_S
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import (Assignment, CacheEvent, Completion, CompletionStatus, Control, Heartbeat, Reply,
@@ -41,13 +42,10 @@ from natsched.workers.backoff import BackoffMonitor, BackoffSettings
 from natsched.workers.calibrate import load_calibration
 from natsched.workers.engine import Engine, EngineOutput, EngineRequest, EngineStats
 from natsched.workers.metrics import WorkerMetrics
-from natsched.workers.recent import RecentIds
+from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
 
-#: how long a cancel is remembered for a request the worker has not received yet (the dedup window)
-CANCEL_MEMORY_S = 120.0
-CANCEL_MEMORY_MAX = 10_000
 #: a copy of a finished request's message comes back when its ack was lost (e.g. during a NATS
 #: leader election): after ack_wait (30 s), up to max_deliver (3) times, so within about 90 s.
 #: Three minutes covers that; at 250 requests/s a worker holds ~45k ids (~7 MiB), then no more.
@@ -94,12 +92,17 @@ class WorkerAgent:
         self._progress: dict[str, tuple[Delivery, float]] = {}  # running: its message, when the server last heard
         self._away = False  # quiescing because the engine server does not answer (not a drain: it comes back)
         self._epoch = 0.0  # the engine's cache epoch last announced (engines that have one)
+        self._tenant_of: dict[str, str] = {}  # running: whose request it is (a cancel must name that tenant)
+        self._produced: dict[str, tuple[int, int]] = {}  # running: (prompt, output) tokens so far
+        self._stopped_runs: set[str] = set()  # running, cancelled, and the cancel has reached its task
+        self._stoppers: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         await self.engine.start()
         self.engine.set_cache_listener(self._on_cache_change)
         await self._load_calibration()
         await self.bus.subscribe(S.control(self.id), self._on_control)
+        await self.bus.subscribe(S.CANCELS_ALL, self._on_tenant_cancel)
         spec = ConsumerSpec(
             stream=S.STREAM_WORK,
             durable=S.worker_consumer(self.id),
@@ -152,10 +155,12 @@ class WorkerAgent:
         if self.state == "quiescing":
             await d.nak(delay=1.0)  # not ours to run any more; redelivered to us or re-routed later
             return
-        if rid in self.cancelled:  # its producer gave up before it reached us: close it, run nothing
+        if self._is_cancelled(assignment.request):  # its producer gave up before it reached us: run nothing
+            self.metrics.cancelled.inc()
             await self._finish(assignment, _CANCELLED, time.time(), None, received=received)
             await d.ack()
             return
+        self._tenant_of[rid] = assignment.request.tenant
         self.inflight[rid] = asyncio.create_task(self._run(assignment, d, received), name=f"run:{rid}")
 
     async def _run(self, a: Assignment, d: Delivery, received: float) -> None:
@@ -174,10 +179,13 @@ class WorkerAgent:
                 await self._generate(a, started, received=received)
             await d.ack()
         except asyncio.CancelledError:
-            if req.id not in self.cancelled:
+            if not self._is_cancelled(req):
                 raise  # the agent is stopping: left un-acked, redelivered elsewhere
-            asyncio.current_task().uncancel()  # our own cancel: the request ends, reported
-            await self._finish(a, _CANCELLED, started, None, received=received)
+            self._stopped_runs.add(req.id)  # (before any await) _stop_run stops cancelling
+            task = asyncio.current_task()
+            while task.cancelling():  # our own cancel, perhaps sent more than once: the request ends, reported
+                task.uncancel()
+            await self._finish(a, self._cancelled_output(req.id), started, None, received=received)
             await d.ack()
         except Exception as exc:  # engine failure: recorded as an outcome, never dropped
             log.exception("request %s failed on %s", req.id, self.id)
@@ -186,6 +194,9 @@ class WorkerAgent:
             await d.ack()
         finally:
             self._progress.pop(req.id, None)
+            self._produced.pop(req.id, None)
+            self._stopped_runs.discard(req.id)
+            self._tenant_of.pop(req.id, None)
             self._redelivered.discard(req.id)
             if d.settled:  # its outcome is published and it was acked: a copy must not run it again
                 self.finished.add(req.id)
@@ -208,9 +219,13 @@ class WorkerAgent:
         )
         first_at = None
         texts: list[str] = []
+        produced = 0
         async for out in self.engine.generate(engine_req):
             if first_at is None and not out.error:
                 first_at = time.time()
+            if not out.finished:  # what a cancel reports as really produced (the final output has the totals)
+                produced += len(out.token_ids) if out.token_ids else int(bool(out.text))
+                self._produced[req.id] = (engine_req.prompt_tokens, produced)
             texts.append(out.text)
             if req.stream and req.reply and (out.text or out.token_ids) and not out.error:
                 await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.TOKEN, text=out.text,
@@ -440,6 +455,42 @@ class WorkerAgent:
         else:
             log.warning("unknown control kind %r on %s", ctl.kind, subject)
 
+    def _is_cancelled(self, req) -> bool:
+        """Cancelled by its own tenant (``cancel.<tenant>.<id>``) or by an operator (control)."""
+        return req.id in self.cancelled or S.cancel(req.tenant, req.id) in self.cancelled
+
+    def _cancelled_output(self, rid: str) -> EngineOutput:
+        """How a cancelled request ends: an error completion (its reservation is released) with
+        reason ``cancelled`` and the tokens it really produced (the audit and the usage count them)."""
+        prompt, output = self._produced.get(rid, (0, 0))
+        return EngineOutput(0, finished=True, finish_reason="cancelled", error=_CANCELLED.error,
+                            prompt_tokens=prompt, output_tokens=output)
+
+    async def _on_tenant_cancel(self, subject: str, data: bytes, headers: dict) -> None:
+        """A producer gave up on its request (``cancel.<tenant>.<id>``, every worker hears it).
+
+        Only for a request of that tenant: the server lets a producer publish its own tenant's
+        cancels only, so a cancel naming another tenant's running request is refused here. One
+        for a request not here (yet) is remembered under (tenant, id), like a control cancel.
+        """
+        parsed = S.parse_cancel_subject(subject)
+        if parsed is None:
+            log.warning("worker %s: ignoring a cancel on %s", self.id, subject)
+            return
+        tenant, rid = parsed
+        owner = self._tenant_of.get(rid)
+        if owner is not None and owner != tenant:
+            log.warning("worker %s: cancel of request %s by tenant %s refused: it is %s's", self.id, rid, tenant,
+                        owner)
+            self.metrics.cancels_refused.inc()
+            return
+        self.cancelled.add(subject)  # == S.cancel(tenant, rid)
+        task = self.inflight.get(rid)
+        if task is not None:
+            self.metrics.cancelled.inc()
+            log.info("request %s cancelled by tenant %s", rid, tenant)
+            self._spawn_stop(rid, task)
+
     def _cancel(self, rid: str | None, by: str | None) -> None:
         """End a request whose producer went away: its task stops the engine and reports ``cancelled``.
 
@@ -454,7 +505,21 @@ class WorkerAgent:
         task = self.inflight.get(rid)
         log.info("request %s cancelled by %s%s", rid, by or "?", "" if task else " (not running here yet)")
         if task is not None:
+            self._spawn_stop(rid, task)
+
+    def _spawn_stop(self, rid: str, task: asyncio.Task) -> None:
+        stopper = asyncio.create_task(self._stop_run(rid, task), name=f"cancel:{rid}")
+        self._stoppers.add(stopper)  # held until done (the loop keeps only weak references)
+        stopper.add_done_callback(self._stoppers.discard)
+
+    async def _stop_run(self, rid: str, task: asyncio.Task) -> None:
+        """Cancel a running request's task until the cancel has reached it: on Python 3.11 a
+        cancel that meets a just-finished ``wait_for`` inside the engine or the bus client is
+        swallowed, and the request would run to its end for nobody (natsched.bus.aio). Once the
+        task's handler has it, no more: the handler publishes the outcome, which must not be cut."""
+        while not task.done() and rid not in self._stopped_runs:
             task.cancel()
+            await asyncio.wait({task}, timeout=RECANCEL_S)
 
 
 #: how a cancelled request ends: an error completion (its reservation is released) with reason ``cancelled``
