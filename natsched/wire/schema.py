@@ -67,6 +67,8 @@ class Request(Schema):
     max_tokens: int = 128
     expected_output_tokens: int | None = None
     deadline: float | None = None  # unix seconds; past it the request is not worth running
+    ttft_deadline: float | None = None  # unix seconds; a run with no first token by then is stopped
+    idle_timeout: float | None = None  # seconds; a run with no next token within it is stopped
     reply: str | None = None  # producer's subject for status, tokens and the result
     stream: bool = False  # send token chunks, not only the final result
     degradable: bool = False  # may be moved to the offline path under pressure
@@ -78,6 +80,8 @@ class Request(Schema):
         _check_id(self.tenant, "tenant")
         if self.prompt is None and self.prompt_token_ids is None:
             raise SchemaError("missing required field 'prompt' (or 'prompt_token_ids')", "prompt")
+        if self.idle_timeout is not None and not self.idle_timeout > 0:
+            raise SchemaError(f"field 'idle_timeout' must be > 0 seconds, got {self.idle_timeout}", "idle_timeout")
         if self.reply is not None and not reply_allowed(self.reply, self.tenant):
             raise SchemaError(f"field 'reply' must be one of the tenant's reply subjects "
                               f"(resp.<tenant>.<id>), got {self.reply[:80]!r}", "reply")

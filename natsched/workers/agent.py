@@ -41,6 +41,8 @@ from natsched.wire.schema import (Assignment, CacheEvent, Completion, Completion
 from natsched.workers.backoff import BackoffMonitor, BackoffSettings
 from natsched.workers.calibrate import load_calibration
 from natsched.workers.engine import Engine, EngineOutput, EngineRequest, EngineStats
+from natsched.workers.errors import RunTimeout
+from natsched.workers.limits import limited
 from natsched.workers.metrics import WorkerMetrics
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
@@ -187,6 +189,11 @@ class WorkerAgent:
                 task.uncancel()
             await self._finish(a, self._cancelled_output(req.id), started, None, received=received)
             await d.ack()
+        except RunTimeout as exc:  # past its TTFT, idle or total limit: stopped, reported with what it produced
+            log.info("request %s stopped on %s: %s", req.id, self.id, exc.reason)
+            self.metrics.timeouts.labels(exc.reason).inc()
+            await self._finish(a, self._cancelled_output(req.id, exc.reason), started, None, received=received)
+            await d.ack()
         except Exception as exc:  # engine failure: recorded as an outcome, never dropped
             log.exception("request %s failed on %s", req.id, self.id)
             await self._finish(a, EngineOutput(0, finished=True, finish_reason="error", error=f"engine_error: {exc}"),
@@ -220,7 +227,7 @@ class WorkerAgent:
         first_at = None
         texts: list[str] = []
         produced = 0
-        async for out in self.engine.generate(engine_req):
+        async for out in limited(self.engine.generate(engine_req), req, _is_token):
             if first_at is None and not out.error:
                 first_at = time.time()
             if not out.finished:  # what a cancel reports as really produced (the final output has the totals)
@@ -459,12 +466,13 @@ class WorkerAgent:
         """Cancelled by its own tenant (``cancel.<tenant>.<id>``) or by an operator (control)."""
         return req.id in self.cancelled or S.cancel(req.tenant, req.id) in self.cancelled
 
-    def _cancelled_output(self, rid: str) -> EngineOutput:
-        """How a cancelled request ends: an error completion (its reservation is released) with
-        reason ``cancelled`` and the tokens it really produced (the audit and the usage count them)."""
+    def _cancelled_output(self, rid: str, reason: str = "cancelled") -> EngineOutput:
+        """How a cancelled (or timed-out: ``reason``) request ends: an error completion (its
+        reservation is released) with that reason and the tokens it really produced (the audit and
+        the usage count them)."""
         prompt, output = self._produced.get(rid, (0, 0))
-        return EngineOutput(0, finished=True, finish_reason="cancelled", error=_CANCELLED.error,
-                            prompt_tokens=prompt, output_tokens=output)
+        return EngineOutput(0, finished=True, finish_reason=reason, error=reason if reason != "cancelled"
+                            else _CANCELLED.error, prompt_tokens=prompt, output_tokens=output)
 
     async def _on_tenant_cancel(self, subject: str, data: bytes, headers: dict) -> None:
         """A producer gave up on its request (``cancel.<tenant>.<id>``, every worker hears it).
@@ -524,3 +532,8 @@ class WorkerAgent:
 
 #: how a cancelled request ends: an error completion (its reservation is released) with reason ``cancelled``
 _CANCELLED = EngineOutput(0, finished=True, finish_reason="cancelled", error="cancelled: the producer went away")
+
+
+def _is_token(out: EngineOutput) -> bool:
+    """An engine output that is a token (the first one ends the run's TTFT wait)."""
+    return bool(out.text or out.token_ids) and not out.error

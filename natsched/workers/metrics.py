@@ -38,6 +38,8 @@ class WorkerMetrics:
                                      registry=r)
         self.output_tokens = Counter("natsched_worker_output_tokens", "Generated tokens", registry=r)
         self.cancelled = Counter("natsched_worker_cancelled", "Requests cancelled by their producer", registry=r)
+        self.timeouts = Counter("natsched_worker_timeouts", "Runs stopped by their own time limit, by reason "
+                                "(ttft_timeout, idle_timeout, deadline_exceeded)", ["reason"], registry=r)
         self.cancels_refused = Counter("natsched_worker_cancels_refused",
                                        "Cancels naming a running request of another tenant (refused)", registry=r)
         self.duplicate_runs = Counter("natsched_worker_duplicate_runs",
