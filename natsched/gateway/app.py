@@ -28,7 +28,8 @@ from natsched.client.producer import new_request_id
 from natsched.gateway import protocol as P
 from natsched.gateway.errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge
 from natsched.gateway.keys import CLASS_HEADER, effective_class
-from natsched.gateway.service import Gateway
+from natsched.gateway.jobs import job_body
+from natsched.gateway.service import JOBS_PATH, QUEUE_WAIT_HEADER, Gateway
 from natsched.gateway.sse import ClientGone, EventStream, until_disconnect
 from natsched.gateway.status_page import render_html
 
@@ -64,7 +65,8 @@ class RequestIdMiddleware:
         state = scope.setdefault("state", {})
         state["request_id"] = rid
         started = time.monotonic()
-        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else \
+            JOBS_PATH + "{id}" if scope["path"].startswith(JOBS_PATH) else "other"
         status = [500]
 
         async def send_with_id(message: dict) -> None:
@@ -121,7 +123,8 @@ async def _inference(request: Request, kind: str) -> Any:
         inf = P.parse(kind, _json(await _read_body(request, s.max_body_bytes)), s.default_max_tokens,
                       s.max_tokens_limit)
         gw.check_model(inf.model)
-        call = gw.call(principal, cls, inf, request.state.request_id, gw.timeout(request.headers), request.url.path)
+        call = gw.limit(gw.call(principal, cls, inf, request.state.request_id, gw.timeout(request.headers),
+                                request.url.path), request.headers)
     except ApiError as err:
         return _failed(gw, err)
     request.state.stream = inf.stream
@@ -129,11 +132,12 @@ async def _inference(request: Request, kind: str) -> Any:
     streaming = False
     try:
         if not inf.stream:
-            status, body = await until_disconnect(request.receive, gw.complete(call))
-            return JSON(body, status_code=status)
-        first, events, _ = await until_disconnect(request.receive, gw.open_stream(call))
+            status, body, est_wait = await until_disconnect(request.receive, gw.complete(call))
+            return JSON(body, status_code=status, headers=_queue_wait(est_wait))
+        first, events, stream = await until_disconnect(request.receive, gw.open_stream(call))
         streaming = True
-        return EventStream(_until_done(gw.sse(call, first, events), gw), on_disconnect=_gone(gw, call))
+        return EventStream(_until_done(gw.sse(call, first, events), gw), headers=_queue_wait(stream.est_wait),
+                           on_disconnect=_gone(gw, call))
     except ClientGone:
         _gone(gw, call)()
         return Response(status_code=499)  # nobody reads it; logged by the server as such
@@ -154,6 +158,11 @@ async def _until_done(events: Any, gw: Gateway) -> Any:
     finally:
         gw.metrics.inflight.dec()
         await events.aclose()
+
+
+def _queue_wait(est_wait: float | None) -> dict[str, str]:
+    """The admitter's estimated wait of a request it queued, as a header (none: it was not queued)."""
+    return {} if est_wait is None else {QUEUE_WAIT_HEADER: f"{est_wait:.3f}"}
 
 
 def _gone(gw: Gateway, call: Any):
@@ -184,6 +193,17 @@ async def models(request: Request) -> Any:
     except ApiError as err:
         return _failed(gw, err)
     return JSON(P.models_body(gw.models(), cards=gw.model_cards()))
+
+
+async def job(request: Request) -> Any:
+    """``GET /v1/natsched/jobs/{id}``: a degraded request's job, for the tenant of the caller's key only."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        principal = gw.keys.authenticate(request.headers.get("authorization"))
+        body = job_body(await gw.find_job(request.path_params["job_id"], principal.tenant))
+    except ApiError as err:
+        return _failed(gw, err)
+    return JSON(body)
 
 
 async def healthz(request: Request) -> Any:
@@ -231,6 +251,7 @@ def build_app(gateway: Gateway) -> Any:
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/health", healthz, methods=["GET"]),  # vLLM's name for it: what its clients and probes ask
+        Route(JOBS_PATH + "{job_id}", job, methods=["GET"]),
     ]
     if gateway.settings.status_page:
         routes += [Route("/status", status_html, methods=["GET"]), Route("/status.json", status_json, methods=["GET"])]

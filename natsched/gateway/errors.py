@@ -14,6 +14,8 @@ never a stack trace. The tree::
         ├── MethodNotAllowed   405 invalid_request_error
         ├── Conflict           409 conflict_error: the request id was already submitted
         ├── PayloadTooLarge    413 invalid_request_error: the body is over the limit
+        ├── Degraded           422 natsched_degraded: moved to the offline path as a job (job_id,
+        │                      Location: /v1/natsched/jobs/{id}; x-should-retry: false)
         ├── RateLimited        429 rate_limit_error with Retry-After: admission refused it for now
         ├── Upstream           502 api_error: it failed on its worker
         ├── Unavailable        503 service_unavailable with Retry-After: no healthy worker
@@ -84,6 +86,27 @@ class Conflict(ApiError):
 
 class PayloadTooLarge(ApiError):
     status, type = 413, "invalid_request_error"
+
+
+class Degraded(ApiError):
+    """Not an error of the request: it runs later, as a job. An error status all the same, because
+    OpenAI clients take any 2xx for the completion they asked for."""
+
+    status, type = 422, "natsched_degraded"
+
+    def __init__(self, message: str, code: str, job_id: str, location: str) -> None:
+        super().__init__(message, code=code)
+        self.job_id = job_id
+        self.location = location
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"location": self.location, "x-should-retry": "false", "x-natsched-job-id": self.job_id}
+
+    def body(self) -> dict[str, Any]:
+        out = super().body()
+        out["error"].update(job_id=self.job_id, job_url=self.location)
+        return out
 
 
 class RateLimited(ApiError):

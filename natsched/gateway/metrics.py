@@ -31,4 +31,6 @@ class GatewayMetrics:
                               "(prompt, cached, output)", ["tenant", "kind"], registry=r)
         self.inflight = Gauge("natsched_gateway_inflight_requests", "Inference requests being answered", registry=r)
         self.cancelled = Counter("natsched_gateway_cancelled", "Requests given up before their end, by why "
-                                 "(disconnect, timeout)", ["reason"], registry=r)
+                                 "(disconnect, timeout, ttft_timeout, idle_timeout)", ["reason"], registry=r)
+        self.keepalives = Counter("natsched_gateway_sse_keepalives", "SSE comment lines sent on quiet streams",
+                                  registry=r)
