@@ -35,6 +35,7 @@ from natsched.wire import msgids as M
 from natsched.bus.aio import wait_event
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.errors import NatschedError
+from natsched.ops import tracing
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Admitted, Completion, Decision, Reply, ReplyKind, ReplyStatus, Request
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
@@ -330,20 +331,22 @@ class AdmitterService(Repairs):
         for request, dec, d, queue_wait, latency_ms in entries:
             await self._record(request, dec, queue_wait, latency_ms)
             rid = request.id
+            trace = _admission_span(request, dec, d, queue_wait)  # None unless tracing is on
             if dec.decision == ALLOW:
                 res = Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now, self.settings.name,
                                   credit=(paid or {}).get(rid, ""))
                 reservations.append((res, self.shared.outgoing(res)))
                 admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                     admitter=self.settings.name, queue_wait=queue_wait)
-                r = self.router.decide(admitted) if self.router is not None else None
+                r = self.router.decide(admitted, trace=tracing.carry(trace)) if self.router is not None else None
                 if r is not None and r.outgoing is not None:  # straight to the worker's WORK subject
                     routed[rid] = r
                     handoffs.append(r.outgoing)
                 else:
-                    handoffs.append((S.admitted(request.cls, request.tenant), admitted, M.admitted(rid), None))
+                    handoffs.append((S.admitted(request.cls, request.tenant), admitted, M.admitted(rid),
+                                     tracing.carry(trace)))
             elif dec.decision == DEGRADE:
-                handoffs.append((S.offline(request.tenant), request, M.offline(rid), None))
+                handoffs.append((S.offline(request.tenant), request, M.offline(rid), tracing.carry(trace)))
             elif dec.decision == QUEUE:
                 self.held[rid] = Held(d, request, now)
         # the reservation records go out first on this connection, so the server stores them
@@ -671,3 +674,13 @@ class AdmitterService(Repairs):
             self.metrics.queue_depth.labels(cls).set(depth)
         self.metrics.total.set(self.total)
         self.metrics.credit_unspent.set(sum(self.credit.free.values()))
+
+
+def _admission_span(request: Request, dec: AdmissionDecision, d: Delivery | None, queue_wait: float):
+    """The admission decision as a (finished) span, child of the producer's; None when tracing is off."""
+    span = tracing.start("natsched.admission", getattr(d, "headers", None), request.id, {
+        "natsched.tenant": request.tenant, "natsched.class": request.cls, "natsched.decision": dec.decision,
+        "natsched.reason": dec.reason, "natsched.runtime_tokens": dec.runtime_tokens,
+        "natsched.queue_wait_s": queue_wait, "natsched.est_wait_s": dec.est_wait})
+    tracing.end(span)
+    return span

@@ -26,6 +26,7 @@ from natsched.bus.errors import BusTimeout
 from natsched.client.errors import (ClientSettingsError, DuplicateRequest, Rejected, RequestError, RequestFailed,
                                     RequestTimeout)
 from natsched.client.retry import Retry
+from natsched.ops import tracing
 from natsched.wire.errors import DecodeError, SchemaError
 from natsched.wire.schema import Control, Reply, ReplyKind, ReplyStatus, Request, RequestId, TenantId, WorkerId
 from natsched.bus.server import DEFAULT_URL
@@ -275,7 +276,7 @@ class Client:
                 S.request(request.cls, request.tenant),
                 request,
                 msg_id=M.request(request.id),
-                headers={S.HDR_REPLY: reply_to},
+                headers=tracing.carry(tracing.current.get(), {S.HDR_REPLY: reply_to}),
                 budget_s=timeouts.publish,
             )
             if ack.duplicate:

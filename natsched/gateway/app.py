@@ -28,6 +28,7 @@ from natsched.client.producer import new_request_id
 from natsched.gateway import protocol as P
 from natsched.gateway.errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge
 from natsched.gateway.keys import CLASS_HEADER, effective_class
+from natsched.ops import tracing
 from natsched.gateway.jobs import job_body
 from natsched.gateway.service import JOBS_PATH, QUEUE_WAIT_HEADER, Gateway
 from natsched.gateway.sse import ClientGone, EventStream, until_disconnect
@@ -130,34 +131,45 @@ async def _inference(request: Request, kind: str) -> Any:
     request.state.stream = inf.stream
     gw.metrics.inflight.inc()
     streaming = False
+    span = tracing.start("natsched.gateway", request.headers, call.request.id, {
+        "http.route": request.url.path, "natsched.tenant": principal.tenant, "natsched.model": inf.model,
+        "natsched.stream": inf.stream}, kind="server")
+    tracing.current.set(span)  # this request's task: the producer's publish carries it on
+    status_code: int | None = None
     try:
         if not inf.stream:
-            status, body, est_wait = await until_disconnect(request.receive, gw.complete(call))
-            return JSON(body, status_code=status, headers=_queue_wait(est_wait))
+            status_code, body, est_wait = await until_disconnect(request.receive, gw.complete(call))
+            return JSON(body, status_code=status_code, headers=_queue_wait(est_wait))
         first, events, stream = await until_disconnect(request.receive, gw.open_stream(call))
         streaming = True
-        return EventStream(_until_done(gw.sse(call, first, events), gw), headers=_queue_wait(stream.est_wait),
+        return EventStream(_until_done(gw.sse(call, first, events), gw, span), headers=_queue_wait(stream.est_wait),
                            on_disconnect=_gone(gw, call))
     except ClientGone:
         _gone(gw, call)()
+        status_code = 499
         return Response(status_code=499)  # nobody reads it; logged by the server as such
     except ApiError as err:
+        status_code = err.status
         return _failed(gw, err)
     except Exception:
         log.exception("request %s failed in the gateway", call.request.id)
+        status_code = 500
         return _failed(gw, ApiError(f"internal error in the gateway (request {call.request.id})", code="internal"))
     finally:
         if not streaming:
             gw.metrics.inflight.dec()
+            tracing.end(span, {"http.status_code": status_code},
+                        error=None if status_code == 200 else f"HTTP {status_code}")
 
 
-async def _until_done(events: Any, gw: Gateway) -> Any:
+async def _until_done(events: Any, gw: Gateway, span: Any = None) -> Any:
     try:
         async for data in events:
             yield data
     finally:
         gw.metrics.inflight.dec()
         await events.aclose()
+        tracing.end(span, {"http.status_code": 200})
 
 
 def _queue_wait(est_wait: float | None) -> dict[str, str]:

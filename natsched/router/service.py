@@ -21,6 +21,7 @@ from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.errors import ConfigError
 from natsched.router.metrics import RouterMetrics
 from natsched.router.policy import RouteDecision, RouteRequest
+from natsched.ops import tracing
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
@@ -213,11 +214,12 @@ class RouterService:
         by another tenant for the same id is another key)."""
         return S.cancel(adm.request.tenant, adm.request.id) in self.cancelled
 
-    def decide(self, adm: Admitted, d: Delivery | None = None) -> "Routed":
+    def decide(self, adm: Admitted, d: Delivery | None = None, trace: dict[str, str] | None = None) -> "Routed":
         """Route one admitted request (state in, decision out) and build its WORK message.
 
         Also the inline path (``natsched.admitter.service`` with a router in its process): the admitter
         publishes ``outgoing`` with its own batch and calls :meth:`assigned` once it is stored.
+        ``trace``: the admission span's headers there (else the delivery's carry the context).
         """
         started = time.perf_counter()
         rr = RouteRequest.from_request(adm.request, self.core.settings.block_size, adm.runtime_tokens)
@@ -236,7 +238,10 @@ class RouterService:
             # on redelivery is deduplicated by the server instead of running the request twice; a
             # rescue (its worker died) is a new attempt, which must not be deduplicated away
             msg_id = M.work(req.id, adm.attempt)
-            r.outgoing = (S.work(decision.worker), r.assignment, msg_id, None)
+            span = _routing_span(adm, decision, d.headers if d is not None else trace)
+            r.outgoing = (S.work(decision.worker), r.assignment, msg_id, tracing.carry(span))
+        else:
+            _routing_span(adm, decision, d.headers if d is not None else trace)
         return r
 
     async def _no_worker(self, d: Delivery, adm: Admitted, decision: RouteDecision) -> None:
@@ -306,3 +311,17 @@ class RouterService:
                           expected_cached_tokens=decision.expected_cached_tokens, by=self.settings.name,
                           latency_ms=latency_ms, runtime_tokens=adm.runtime_tokens)
         await self.bus.jpublish_nowait(S.decision("routing", req.tenant), record, msg_id=M.routing(req.id))
+
+
+def _routing_span(adm: Admitted, decision: RouteDecision, parent: dict[str, str] | None):
+    """The routing decision as a (finished) span: the worker, the policy and its terms per
+    candidate (what the audit's routing record holds); None when tracing is off."""
+    if not tracing.enabled():
+        return None
+    span = tracing.start("natsched.routing", parent, adm.request.id, {
+        "natsched.worker": decision.worker, "natsched.policy": decision.policy, "natsched.reason": decision.reason,
+        "natsched.expected_cached_tokens": decision.expected_cached_tokens, "natsched.attempt": adm.attempt,
+        "natsched.route.terms": orjson.dumps({str(k): decision.terms.get(k, v)
+                                              for k, v in decision.scores.items()}).decode()})
+    tracing.end(span)
+    return span

@@ -43,6 +43,7 @@ from natsched.workers.calibrate import load_calibration
 from natsched.workers.engine import Engine, EngineOutput, EngineRequest, EngineStats
 from natsched.workers.errors import RunTimeout
 from natsched.workers.limits import limited
+from natsched.ops import tracing
 from natsched.workers.metrics import WorkerMetrics
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
@@ -98,6 +99,8 @@ class WorkerAgent:
         self._produced: dict[str, tuple[int, int]] = {}  # running: (prompt, output) tokens so far
         self._stopped_runs: set[str] = set()  # running, cancelled, and the cancel has reached its task
         self._stoppers: set[asyncio.Task] = set()
+        self._traces: dict[str, _RunTrace] = {}  # running, traced: its span and token times
+        self._tail = tracing.TailTracker()  # the p99 above which a run's token timing is kept
 
     async def start(self) -> None:
         await self.engine.start()
@@ -173,6 +176,10 @@ class WorkerAgent:
             self._redelivered.add(req.id)
         self.metrics.dispatch_wait.observe(max(0.0, started - a.routed_at))
         log.info("request %s running on %s", req.id, self.id)
+        span = tracing.start("natsched.worker", d.headers, req.id, {"natsched.worker": self.id,
+                             "natsched.model": req.model, "natsched.attempt": a.attempt})
+        if span is not None:
+            self._traces[req.id] = _RunTrace(span, started)
         try:
             if req.deadline is not None and started > req.deadline:
                 final = EngineOutput(0, finished=True, finish_reason="error", error="deadline_exceeded")
@@ -201,6 +208,7 @@ class WorkerAgent:
             await d.ack()
         finally:
             self._progress.pop(req.id, None)
+            self._end_trace(req.id, None)  # still open: it ended without _finish (the agent stopping)
             self._produced.pop(req.id, None)
             self._stopped_runs.discard(req.id)
             self._tenant_of.pop(req.id, None)
@@ -233,6 +241,9 @@ class WorkerAgent:
             if not out.finished:  # what a cancel reports as really produced (the final output has the totals)
                 produced += len(out.token_ids) if out.token_ids else int(bool(out.text))
                 self._produced[req.id] = (engine_req.prompt_tokens, produced)
+            trace = self._traces.get(req.id)
+            if trace is not None and _is_token(out):
+                trace.token_at(time.time())
             texts.append(out.text)
             if req.stream and req.reply and (out.text or out.token_ids) and not out.error:
                 await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.TOKEN, text=out.text,
@@ -287,6 +298,27 @@ class WorkerAgent:
             await self.bus.publish(req.reply, reply)
         log.info("request %s %s on %s: %d prompt (%d cached), %d out", req.id, completion.status, self.id,
                  out.prompt_tokens, out.cached_tokens, out.output_tokens)
+        self._end_trace(req.id, completion)
+
+    def _end_trace(self, rid: str, c: Completion | None) -> None:
+        """The run's spans: first token, done, and token timing when it is kept (sampled, p99, error)."""
+        trace = self._traces.pop(rid, None)
+        if trace is None:
+            return
+        now = time.time()
+        failed = c is None or c.status != CompletionStatus.OK
+        attrs: dict = {}
+        if c is not None:
+            attrs = {"natsched.status": str(c.status), "natsched.reason": c.reason,
+                     "natsched.finish_reason": c.finish_reason, "natsched.prompt_tokens": c.prompt_tokens,
+                     "natsched.cached_tokens": c.cached_tokens, "natsched.output_tokens": c.output_tokens}
+        why = tracing.keep_token_timing(self._tail, now - trace.started, failed)
+        if why is not None:
+            attrs["natsched.tokens.kept"] = why
+            attrs["natsched.tokens.offsets_ms"] = tracing.token_offsets_ms(trace.started, trace.times)
+        trace.close(rid, now)
+        tracing.end(trace.span, attrs, error=(c.reason or "error") if c is not None and failed else
+                    ("stopped" if c is None else None))
 
     def _observe(self, c: Completion) -> None:
         m = self.metrics
@@ -537,3 +569,25 @@ _CANCELLED = EngineOutput(0, finished=True, finish_reason="cancelled", error="ca
 def _is_token(out: EngineOutput) -> bool:
     """An engine output that is a token (the first one ends the run's TTFT wait)."""
     return bool(out.text or out.token_ids) and not out.error
+
+
+@dataclass
+class _RunTrace:
+    """A traced run: its span, when it started, when each token came (unix seconds)."""
+
+    span: object
+    started: float
+    times: list[float] = field(default_factory=list)
+
+    def token_at(self, t: float) -> None:
+        self.times.append(t)
+
+    def close(self, rid: str, now: float) -> None:
+        """The two phase spans, from the times seen: run start -> first token -> the end."""
+        ns = 1_000_000_000
+        first = self.times[0] if self.times else now
+        tracing.end(tracing.child("natsched.worker.first_token", self.span, rid, start_time_ns=int(self.started * ns)),
+                    end_time_ns=int(first * ns))
+        if self.times:
+            tracing.end(tracing.child("natsched.worker.done", self.span, rid, {"natsched.tokens": len(self.times)},
+                                      start_time_ns=int(first * ns)), end_time_ns=int(now * ns))
