@@ -6,6 +6,7 @@ Kept apart from the server so that building the ``natsched`` parser imports no H
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,12 @@ def add_gateway_parser(sub: Any, url_flag: Any) -> None:
                     help="a model to list before any worker serves it (repeatable)")
     gw.add_argument("--max-wait", type=float, default=600.0,
                     help="longest a request is held, queued and running, whatever the client's timeout (s)")
+    gw.add_argument("--ttft-timeout", type=float, default=None, metavar="S",
+                    help="first token within S seconds, unless the x-natsched-ttft-timeout header says (default: none)")
+    gw.add_argument("--idle-timeout", type=float, default=None, metavar="S",
+                    help="next token of a stream within S seconds, unless x-natsched-idle-timeout says (default: none)")
+    gw.add_argument("--keepalive", type=float, default=15.0, metavar="S",
+                    help="an SSE comment line on a stream quiet for S seconds (default 15)")
     gw.add_argument("--max-body", type=int, default=768 * 1024, help="largest request body in bytes (413 above)")
     gw.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens when a request names none")
     gw.add_argument("--no-status", action="store_true", help="do not serve /status (nor follow decisions for it)")
@@ -49,8 +56,14 @@ def settings_from_args(args: argparse.Namespace):
         raise ConfigError(f"--port must be 1-65535, got {args.port}")
     if args.max_wait <= 0 or args.max_body <= 0 or args.default_max_tokens <= 0:
         raise ConfigError("--max-wait, --max-body and --default-max-tokens must be positive")
+    for flag, value in (("--ttft-timeout", args.ttft_timeout), ("--idle-timeout", args.idle_timeout),
+                        ("--keepalive", args.keepalive)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} must be a positive number of seconds, got {value}")
     settings = GatewaySettings(host=args.host, port=args.port, max_body_bytes=args.max_body,
                                default_max_tokens=args.default_max_tokens, max_wait_s=args.max_wait,
+                               ttft_timeout_s=args.ttft_timeout, idle_timeout_s=args.idle_timeout,
+                               keepalive_s=args.keepalive,
                                models=tuple(args.models), status_page=not args.no_status,
                                metrics_port=args.metrics_port, name=args.name)
     return settings, keys

@@ -175,3 +175,17 @@ async def test_bad_timeout_headers_and_settings_are_refused(slow_cluster):
     for bad in ({"keepalive_s": 0}, {"ttft_timeout_s": -1.0}, {"idle_timeout_s": float("inf")}, {"max_wait_s": "x"}):
         with pytest.raises(ConfigError):
             GatewaySettings(**bad)
+
+
+@pytest.mark.parametrize("flag", ["--ttft-timeout", "--idle-timeout", "--keepalive"])
+@pytest.mark.parametrize("value", ["0", "-2", "nan", "inf"])
+def test_bad_timeout_flags_are_refused(flag, value):
+    from natsched.cli.gateway import settings_from_args
+    from natsched.gateway.errors import ConfigError
+    from tests.gateway.test_input import gateway_args
+
+    with pytest.raises(ConfigError) as err:
+        settings_from_args(gateway_args("--insecure-open", flag, value))
+    assert flag in str(err.value)
+    settings, _ = settings_from_args(gateway_args("--insecure-open", "--ttft-timeout", "2", "--idle-timeout", "0.5"))
+    assert (settings.ttft_timeout_s, settings.idle_timeout_s, settings.keepalive_s) == (2.0, 0.5, 15.0)
