@@ -20,7 +20,7 @@ server took for that very request (from the agent's first byte sent to the serve
 the bus, the hand-off to the agent) and *after* (the final reply back to the producer). The
 per-token relay to the producer happens while the agent reads the stream, so it falls inside
 the HTTP span (a buffered NATS publish per chunk). Without ``--url`` the command starts a
-``vllm serve`` of the tiny dummy-weights model (:mod:`natsched.workers.vllm_serve`), which is what it measures on a
+``vllm serve`` of the tiny dummy-weights model (:mod:`natsched.hosting.vllm_serve`), which is what it measures on a
 machine without a GPU; on a real deployment point it at a server (``--url``, ``--model``).
 """
 
@@ -55,6 +55,7 @@ def add_server_bench_parser(bsub) -> None:
     sp.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (default 64)")
     sp.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (default 8)")
     sp.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
+    sp.set_defaults(handler=run_server_bench)
 
 
 def run_server_bench(args: argparse.Namespace) -> int:
@@ -67,7 +68,7 @@ async def _main(args: argparse.Namespace) -> int:
     if url is None:
         from natsched.bus.server import free_port
         from natsched.workers.tiny_model import write_tiny_model
-        from natsched.workers.vllm_serve import VllmServe
+        from natsched.hosting.vllm_serve import VllmServe
 
         path = write_tiny_model(Path(tempfile.mkdtemp(prefix="natsched-bench-")) / "tiny", tokenizer=True)
         serve = VllmServe(path, "tiny", port=free_port(), kv_port=free_port(), max_num_seqs=8).start()

@@ -132,9 +132,15 @@ def find_knee(levels: list[LevelResult], factor: float) -> tuple[int, int | None
     return last_ok, None, f"no knee up to concurrency {levels[last_ok].concurrency}"
 
 
+def _now() -> float:
+    """The running loop's clock (monotonic in production): one clock for every measurement, which a
+    test can replace with virtual time by running the calibration on a loop of its own."""
+    return asyncio.get_running_loop().time()
+
+
 async def _one(engine: Engine, rid: str, ids: list[int], max_tokens: int) -> tuple[float | None, float | None, int, bool]:
     """Run one request: (ttft, tpot, prompt+output tokens, ok)."""
-    start = time.perf_counter()
+    start = _now()
     first = None
     out_tokens = 0
     req = EngineRequest(id=rid, prompt_tokens=len(ids), hashes=[], max_tokens=max_tokens,
@@ -145,11 +151,11 @@ async def _one(engine: Engine, rid: str, ids: list[int], max_tokens: int) -> tup
                 log.warning("calibration request %s failed: %s", rid, out.error)
                 return None, None, 0, False
             if first is None and (out.token_ids or out.text or out.finished):
-                first = time.perf_counter()
+                first = _now()
             if out.finished:
                 out_tokens = out.output_tokens
                 break
-    end = time.perf_counter()
+    end = _now()
     ttft = (first - start) if first is not None else None
     tpot = ((end - first) / (out_tokens - 1)) if first is not None and out_tokens > 1 else None
     return ttft, tpot, len(ids) + out_tokens, True
@@ -186,13 +192,13 @@ async def run_level(engine: Engine, c: int, s: CalibrationSettings, rng: random.
             await asyncio.sleep(0.05)
 
     sampler = asyncio.create_task(sample())
-    started = time.perf_counter()
+    started = _now()
     try:
         await asyncio.wait_for(asyncio.gather(*(client(k) for k in range(c))), s.level_timeout_s)
     finally:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
-    duration = time.perf_counter() - started
+    duration = _now() - started
     mean_tokens = sum(tokens) / len(tokens) if tokens else 0.0
     return LevelResult(
         concurrency=c, requests=c * s.rounds, errors=errors,
@@ -240,70 +246,3 @@ async def load_calibration(bus: Any, model: str, deployment: str) -> Calibration
     except (ValueError, TypeError) as exc:
         log.warning("ignoring unreadable calibration for %s/%s: %s", model, deployment, exc)
         return None
-
-
-def add_calibrate_flags(p: Any) -> None:
-    """Flags of ``natsched worker calibrate`` (engine choice and sweep), on an argparse parser."""
-    from natsched.workers.vllm_worker import add_vllm_flags
-
-    p.add_argument("--engine", choices=["sim", "vllm"], default="sim")
-    p.add_argument("--model", default="default", help="model name requests use (the calibration key)")
-    p.add_argument("--block-size", type=int, default=32, help="KV block size in tokens (default 32)")
-    p.add_argument("--concurrency", type=int, default=64, help="engine batch size (vLLM max_num_seqs)")
-    p.add_argument("--profile", default="h100-llama8b", help="sim engine profile")
-    p.add_argument("--time-scale", type=float, default=1.0, help="sim engine: multiply step times")
-    p.add_argument("--levels", default="1,2,4,8,16,32,64", help="concurrency levels, increasing (default 1..64)")
-    p.add_argument("--rounds", type=int, default=3, help="requests per client and level (default 3)")
-    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (default 256)")
-    p.add_argument("--output-tokens", type=int, default=64, help="output length (default 64)")
-    p.add_argument("--knee-factor", type=float, default=2.0,
-                   help="knee: TTFT or TPOT p90 above this × its low-load value (default 2)")
-    p.add_argument("--dry-run", action="store_true", help="print the result, do not store it")
-    add_vllm_flags(p)
-
-
-async def calibrate_command(args: Any, engine: Any) -> int:
-    """``natsched worker calibrate``: start the engine, sweep, store (unless --dry-run), print JSON.
-
-    Errors (engine cannot start, nothing measurable) are one line on stderr and exit code 1.
-    """
-    import sys
-
-    from natsched.bus.connection import Bus
-    from natsched.workers.errors import WorkerError
-
-    try:
-        levels = [int(x) for x in str(getattr(args, "levels", None) or "1,2,4,8,16,32,64").split(",") if x.strip()]
-        settings = CalibrationSettings(  # checked before the (slow) engine start
-            model=args.model, deployment="", levels=levels,
-            rounds=getattr(args, "rounds", None) or 3,
-            prompt_tokens=getattr(args, "prompt_tokens", None) or 256,
-            output_tokens=getattr(args, "output_tokens", None) or 64,
-            knee_factor=getattr(args, "knee_factor", None) or 2.0,
-        )
-        settings_of = getattr(engine, "settings", None)
-        if settings_of is not None and hasattr(settings_of, "ignore_eos"):
-            settings_of.ignore_eos = True  # every request runs to output_tokens: the load is what we asked
-        await engine.start()
-        try:
-            # the engine's own deployment name may depend on what it found at start (KV size)
-            settings.deployment = (getattr(args, "deployment", None) or getattr(engine, "deployment", None)
-                                   or (f"sim-{args.profile}" if getattr(args, "engine", "") == "sim" else "default"))
-            cal = await calibrate(engine, settings)
-        finally:
-            await engine.stop()
-    except (WorkerError, ValueError) as exc:
-        print(f"natsched: error: calibration failed: {exc}", file=sys.stderr)
-        return 1
-    print(cal.to_json().decode(), flush=True)
-    if not getattr(args, "dry_run", False):
-        bus = await Bus.connect(args.nats_url, name="natsched-calibrate", connect_budget_s=10.0,
-                                credentials=getattr(args, "credentials", None))
-        try:
-            await bus.provision()
-            await store_calibration(bus, cal)
-        finally:
-            await bus.close()
-        print(f"stored {S.calibration_key(cal.model, cal.deployment)} in bucket {S.BUCKET_WORKERS}: "
-              f"{cal.capacity_tokens} runtime tokens ({cal.knee_reason})", file=sys.stderr)
-    return 0

@@ -73,6 +73,7 @@ class ServerLoad:
     kv_total_blocks: int | None = None
     kv_total_tokens: int | None = None
     process_start: float | None = None  # ``process_start_time_seconds``: a new value = a restarted server
+    prefix_caching: bool | None = None  # vllm:cache_config_info's enable_prefix_caching
     active_adapters: set[str] = field(default_factory=set)  # LoRA adapters in the running/waiting batch
 
 
@@ -117,6 +118,8 @@ def parse_metrics(text: str, flavor: str = "vllm") -> ServerLoad:
     for info in labels.get(names.cache_info or "", []):
         load.block_size = _int(info.get("block_size")) or load.block_size
         load.kv_total_blocks = _int(info.get("num_gpu_blocks")) or load.kv_total_blocks
+        if info.get("enable_prefix_caching") in ("True", "False"):
+            load.prefix_caching = info["enable_prefix_caching"] == "True"
     if load.kv_total_blocks and load.block_size:
         load.kv_total_tokens = load.kv_total_blocks * load.block_size
     lora = latest.get(names.lora_info or "")

@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ServerSettings:
-    """What the agent needs to front one server; the CLI fills it (see :meth:`ServerEngine.from_args`)."""
+    """What the agent needs to front one server; ``natsched worker`` fills it (``natsched.cli.up.server_settings``)."""
 
     url: str  # http://HOST:PORT of the OpenAI-compatible server
     kv_events: str | None = None  # tcp://HOST:PORT its ZMQ publisher binds (None: no cache summaries)
@@ -129,17 +129,6 @@ class ServerEngine:
         self._aborting: set[str] = set()
         self._warned_cached = False
 
-    @classmethod
-    def from_args(cls, args: Any) -> "ServerEngine":
-        model = getattr(args, "model", None)
-        return cls(ServerSettings(
-            url=args.url, kv_events=getattr(args, "kv_events", None), kv_replay=getattr(args, "kv_replay", None),
-            metrics_url=getattr(args, "metrics_url", None),
-            flavor=getattr(args, "flavor", None) or "vllm", model=None if model in (None, "default") else model,
-            block_size=getattr(args, "server_block_size", None), scrape_interval_s=getattr(args, "heartbeat", 1.0),
-            ignore_eos=bool(getattr(args, "ignore_eos", False)), api_key=getattr(args, "api_key", None),
-        ))
-
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Find the server, learn what it serves and its KV geometry, subscribe to its events."""
@@ -185,6 +174,9 @@ class ServerEngine:
             self.block_size = load.block_size
         self._process_start = load.process_start
         self.kv_total_blocks = load.kv_total_blocks or (load.kv_total_tokens or 0) // self.block_size
+        if load.prefix_caching is False:
+            log.warning("the server at %s runs without prefix caching: nothing is cached to route by "
+                        "(start it with --enable-prefix-caching)", s.url)
         if s.model and s.model not in {m.id for m in self.served}:
             await self._client.aclose()
             raise EngineStartError(f"the server at {s.url} does not serve {s.model!r} "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from natsched.cli.app import build_parser
-from natsched.cli.commands import up_settings
+from natsched.cli.up import up_settings
 from natsched.hosting.supervisor import Supervisor
 
 

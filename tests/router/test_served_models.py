@@ -4,7 +4,7 @@ adapter, prefers one with the adapter loaded, and the gateway's model list shows
 from __future__ import annotations
 
 from natsched.gateway.protocol import models_body
-from natsched.ops.status import StatusState
+from natsched.gateway.status import StatusState
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.wire.schema import Heartbeat, ServedModel
 from tests.factories.router import make_hb, make_req

@@ -21,6 +21,7 @@ from natsched.workers.calibrate import (
 )
 from natsched.workers.engine import EngineOutput, EngineStats
 from natsched.workers.errors import CalibrationError
+from tests.factories.core import run_in_virtual_time
 
 
 def level(c, ttft, tpot, errors=0):
@@ -72,10 +73,11 @@ class LoadSensitiveEngine:
             self.active -= 1
 
 
-async def test_calibrate_finds_the_knee_of_a_load_sensitive_engine():
+def test_calibrate_finds_the_knee_of_a_load_sensitive_engine():
     s = CalibrationSettings(model="m", deployment="d", levels=[1, 2, 4, 8, 16], rounds=2, prompt_tokens=32,
                             output_tokens=4, knee_factor=2.0)
-    cal = await calibrate(LoadSensitiveEngine(knee=4), s)
+    # virtual time: the fake engine's step times are exact, whatever else the machine runs
+    cal = run_in_virtual_time(calibrate(LoadSensitiveEngine(knee=4), s))
     assert cal.knee_concurrency == 8  # 4 share a step at full speed; 8 make each step 4x slower
     assert cal.capacity_tokens == cal.levels[-2].runtime_tokens
     assert cal.capacity_tokens >= 4 * (32 + 4)
@@ -118,12 +120,13 @@ async def test_stored_calibration_becomes_the_workers_capacity(bus):
 async def test_calibrate_command_prints_and_stores_the_record(bus, nats_url, capsys):
     import argparse
 
-    from natsched.workers.calibrate import add_calibrate_flags, calibrate_command
+    from natsched.cli.up import add_calibrate_flags, calibrate_command
     from natsched.workers.profiles import get_profile
     from natsched.workers.simengine import SimEngine
 
     p = argparse.ArgumentParser()
     p.add_argument("--nats-url")
+    p.add_argument("--credentials", default=None)
     add_calibrate_flags(p)
     args = p.parse_args(["--nats-url", nats_url, "--engine", "sim", "--model", "m9", "--levels", "1,2", "--rounds", "1",
                          "--prompt-tokens", "64", "--output-tokens", "8", "--time-scale", "0.1", "--deployment", "d9"])
@@ -137,10 +140,11 @@ async def test_calibrate_command_prints_and_stores_the_record(bus, nats_url, cap
 async def test_calibrate_command_reports_bad_levels_in_one_line(capsys):
     import argparse
 
-    from natsched.workers.calibrate import add_calibrate_flags, calibrate_command
+    from natsched.cli.up import add_calibrate_flags, calibrate_command
 
     p = argparse.ArgumentParser()
     p.add_argument("--nats-url")
+    p.add_argument("--credentials", default=None)
     add_calibrate_flags(p)
     args = p.parse_args(["--levels", "4,2", "--dry-run"])
     assert await calibrate_command(args, LoadSensitiveEngine()) == 1

@@ -22,7 +22,7 @@ from natsched.router.service import RouterService, RouterServiceSettings
 from tests.conftest import wipe
 from tests.factories.core import apply_cache_event, submit_shared_prefix
 from natsched.workers.tiny_model import write_tiny_model
-from natsched.workers.vllm_worker import VllmWorkerProcess
+from natsched.hosting.vllm_worker import VllmWorkerProcess
 
 pytestmark = pytest.mark.vllm
 

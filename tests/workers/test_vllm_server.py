@@ -31,7 +31,7 @@ from natsched.workers.agent import WorkerAgent, WorkerSettings
 from natsched.workers.engine import EngineRequest
 from natsched.workers.server_metrics import parse_metrics
 from natsched.workers.tiny_model import write_tiny_model
-from natsched.workers.vllm_serve import VllmServe
+from natsched.hosting.vllm_serve import VllmServe
 from natsched.workers.vllm_server import ServerEngine, ServerSettings
 from tests.conftest import wipe
 from tests.factories.core import apply_cache_event, submit_shared_prefix, wait_for

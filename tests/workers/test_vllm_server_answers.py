@@ -301,7 +301,7 @@ def test_vllm_metrics_are_read_as_load():
     assert (load.running, load.waiting, load.kv_usage, load.preemptions) == (3, 2, 0.25, 7)
     assert (load.prefix_queries, load.prefix_hits, load.block_size, load.kv_total_blocks) == (400, 192, 32, 256)
     assert load.active_adapters == {"sql-lora"}  # the newest label set is the current batch
-    assert load.process_start == pytest.approx(1.79615708679e9)
+    assert load.process_start == pytest.approx(1.79615708679e9) and load.prefix_caching is True
 
 
 def test_sglang_documented_metrics_are_read_as_load():

@@ -1,4 +1,4 @@
-"""Run a vLLM worker as a child process (tests, benchmarks), and the vLLM flags of the CLI.
+"""Run a vLLM worker as a child process (tests, benchmarks); its flags are in :mod:`natsched.cli.up`.
 
 ``natsched worker --engine vllm --id w1 --model tiny --model-path DIR [--block-size 32]
 [--concurrency 8] [--max-model-len 1024] [--kv-cache-blocks N] [--enforce-eager]
@@ -11,7 +11,6 @@ SIGKILL after a grace period).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -24,36 +23,6 @@ from pathlib import Path
 from typing import Sequence
 
 from natsched.hosting.runtime import READY_PREFIX
-
-
-def add_vllm_flags(p: argparse.ArgumentParser) -> None:
-    """The vLLM engine flags (the lead's ``natsched worker`` parser takes the same)."""
-    p.add_argument("--model-path", default=None, help="model directory or HF id vLLM loads (default: --model)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="GPU share for weights+KV (0.9)")
-    p.add_argument("--kv-cache-blocks", type=int, default=None, help="force the number of KV blocks")
-    p.add_argument("--kv-events-port", type=int, default=None, help="port our KV-event socket binds (default: any)")
-    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile (fast start, slower steps)")
-    p.add_argument("--load-format", default=None, help="vLLM load format ('dummy' = random weights, no download)")
-    p.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
-    p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens (benchmarks, tests)")
-    p.add_argument("--deployment", default=None, help="calibration key part (default: device + KV size)")
-
-
-def add_server_flags(p: argparse.ArgumentParser) -> None:
-    """``--engine vllm-server``: the server to front (:mod:`natsched.workers.vllm_server`)."""
-    p.add_argument("--url", default=None, help="vllm-server: the server's http://HOST:PORT")
-    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
-                   help="vllm-server: the server's ZMQ KV-event endpoint, tcp://HOST:PORT (vllm serve "
-                        "--kv-events-config with endpoint tcp://*:PORT); without it no cache summaries")
-    p.add_argument("--kv-replay", default=None, metavar="ENDPOINT",
-                   help="vllm-server: its KV-event replay socket (replay_endpoint), tcp://HOST:PORT: batches "
-                        "missed before connecting or in a gap are fetched again")
-    p.add_argument("--metrics-url", default=None, help="vllm-server: its Prometheus page (default URL/metrics)")
-    p.add_argument("--flavor", choices=["vllm", "sglang"], default="vllm", help="vllm-server: the server's kind")
-    p.add_argument("--api-key", default=None, help="vllm-server: the server's --api-key")
-    p.add_argument("--server-block-size", type=int, default=None,
-                   help="vllm-server: its KV block size (default: read from its /metrics, else 32)")
 
 
 class VllmWorkerProcess:
