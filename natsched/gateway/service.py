@@ -69,6 +69,16 @@ class GatewaySettings:
     status_refresh_s: float = 2.0
     metrics_port: int | None = None
     name: str = "gateway"
+    # --- the edge: what a connection may cost before it is a call (docs/gateway.md "Edge limits")
+    max_connections: int = 1024  # open sockets; one more is answered 503 and closed as it is accepted
+    header_timeout_s: float = 10.0  # connection (or a request's first byte) -> end of headers, else 408
+    body_timeout_s: float = 30.0  # end of headers -> end of body, else 408
+    idle_timeout_s: float = 5.0  # a kept-alive connection with no request is closed after this
+    max_header_bytes: int = 32 * 1024  # request line and headers (431 above)
+    max_per_key: int = 64  # inference calls in flight per API key (429 above; the open tenant is one key)
+    max_prompt_token_ids: int = 131072  # token ids in one prompt (400 above)
+    allowed_hosts: tuple[str, ...] = ()  # open mode: Host names accepted besides loopback and --host ("*": any)
+    allowed_origins: tuple[str, ...] = ()  # open mode: browser origins that may call (besides the gateway's own)
 
 
 @dataclass
@@ -92,6 +102,25 @@ class Gateway:
         self.settings = settings or GatewaySettings()
         self.metrics = metrics or GatewayMetrics()
         self.status = status or StatusCollector(client.bus, follow_records=self.settings.status_page)
+        self._in_flight: dict[str, int] = {}  # per API key (Principal.key): calls being answered
+
+    # --- per-key concurrency ----------------------------------------------------------------
+    def take_slot(self, principal: Principal) -> None:
+        """Count one call of ``principal``'s key in flight, or refuse it (429) at the limit: before
+        the body is read, so a key at its limit costs no parsing and no bus round trip."""
+        n = self._in_flight.get(principal.key, 0)
+        if n >= self.settings.max_per_key:
+            self.metrics.shed.labels("per_key").inc()
+            raise RateLimited(f"this API key has {n} requests in flight, its limit; retry when one has ended",
+                              code="too_many_concurrent_requests", retry_after=1)
+        self._in_flight[principal.key] = n + 1
+
+    def give_slot(self, principal: Principal) -> None:
+        n = self._in_flight.get(principal.key, 0) - 1
+        if n > 0:
+            self._in_flight[principal.key] = n
+        else:
+            self._in_flight.pop(principal.key, None)
 
     async def start(self) -> None:
         await self.status.start()

@@ -40,6 +40,16 @@ def _check_id(value: str, name: str) -> None:
         raise SchemaError(f"field '{name}' must match {TOKEN} (it is used in subjects)", name)
 
 
+#: the largest token id any message may carry: engines index vocabularies with 32-bit ints, so a
+#: larger one can only be an attack or a bug (it would crash the engine, not be refused)
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _check_token_ids(ids: list[int] | None, name: str) -> None:
+    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+        raise SchemaError(f"field '{name}' holds a token id outside 0..{MAX_TOKEN_ID}", name)
+
+
 def _check_counts(obj: Any, names: tuple[str, ...]) -> None:
     """Counts of tokens, blocks or attempts are never negative (None = not given)."""
     for name in names:
@@ -78,6 +88,7 @@ class Request(Schema):
         _check_id(self.tenant, "tenant")
         if self.prompt is None and self.prompt_token_ids is None:
             raise SchemaError("missing required field 'prompt' (or 'prompt_token_ids')", "prompt")
+        _check_token_ids(self.prompt_token_ids, "prompt_token_ids")
         if self.reply is not None and not reply_allowed(self.reply, self.tenant):
             raise SchemaError(f"field 'reply' must be one of the tenant's reply subjects "
                               f"(resp.<tenant>.<id>), got {self.reply[:80]!r}", "reply")
