@@ -110,7 +110,7 @@ def _prompt(prompt: Any, max_token_ids: int) -> tuple[str | None, list[int] | No
     if isinstance(prompt, list) and prompt:
         if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
             return None, token_ids(prompt, max_token_ids)
-        if all(isinstance(x, (str, list)) for x in prompt):
+        if len(prompt) > 1 and all(isinstance(x, (str, list)) for x in prompt):
             raise BadRequest("one prompt per request: send an array of several prompts as separate requests",
                              code="unsupported_parameter", param="prompt")
     raise BadRequest("'prompt' is required: a string, or an array of token ids", code="invalid_prompt",
