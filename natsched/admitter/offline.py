@@ -41,7 +41,6 @@ from natsched.wire import msgids as M
 from natsched.client.batch import COMPLETED, FAILED, FINAL, RUNNING, SUBMITTED, WAITING, JobStore, attempt_id, note
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.wire.errors import MessageError
-from natsched.bus.provision import provision_jobs, stored_settings
 from natsched.wire.schema import (Admitted, DeadLetter, Decision, Heartbeat, JobRecord, Reply, ReplyKind, ReplyStatus,
                                   Request)
 
@@ -279,8 +278,7 @@ class OfflineRunner:
         self._outcomes = ConsumerSpec(S.STREAM_OUTCOMES, S.CONSUMER_OFFLINE_OUTCOMES, S.OUTCOMES_ALL, batch=128)
 
     async def start(self) -> None:
-        await self.bus.provision(await stored_settings(self.bus.js))  # keeps `natsched retention set` limits
-        await provision_jobs(self.bus.js)
+        await self.bus.provision(jobs=True)  # keeps `natsched retention set` limits
         await self.shared.start()
         ready = asyncio.Event()
         self.bus.spawn(self._watch_quotas(ready), "offline-quotas")
@@ -303,7 +301,7 @@ class OfflineRunner:
 
     # --- totals: the same inputs the admitters use ------------------------------------------
     async def _watch_quotas(self, ready: asyncio.Event) -> None:
-        async for key, value, _rev in self.bus.kv_watch(S.BUCKET_QUOTAS, ">", ready=ready):
+        async for key, value, _rev in self.bus.kv(S.BUCKET_QUOTAS).watch(">", ready=ready):
             if value is None:
                 self.quota_entries.pop(key, None)
             else:

@@ -154,7 +154,7 @@ class Repairs:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if self.bus.nc.is_closed:  # for good (stopped, or reconnects exhausted): nothing to repair with
+                if self.bus.closed:  # for good (stopped, or reconnects exhausted): nothing to repair with
                     log.info("reconciliation stops: the connection is closed")
                     return
                 log.warning("reconciliation deferred to the next pass: %r", exc)

@@ -150,7 +150,7 @@ class AdmitterService(Repairs):
 
     # --- quotas ---------------------------------------------------------------------------
     async def _watch_quotas(self, ready: asyncio.Event) -> None:
-        async for key, value, _rev in self.bus.kv_watch(S.BUCKET_QUOTAS, ">", ready=ready):
+        async for key, value, _rev in self.bus.kv(S.BUCKET_QUOTAS).watch(">", ready=ready):
             if key == S.KEY_DYNAMIC_TOTAL:
                 continue  # ours, informational
             if value is None:
@@ -303,7 +303,7 @@ class AdmitterService(Repairs):
     async def _released_recently(self, request_id: str) -> bool:
         """Its reservation existed and was released (the purge marker lives ``MARKER_TTL_S``,
         longer than the ack wait after which a copy whose ack was lost comes back)."""
-        op = await self.bus.kv_last_operation(S.BUCKET_INFLIGHT, S.reservation_key(request_id))
+        op = await self.bus.kv(S.BUCKET_INFLIGHT).last_operation(S.reservation_key(request_id))
         return op in ("DEL", "PURGE")
 
     async def _hand_off_again(self, request: Request, d: Delivery, res: Reservation) -> None:

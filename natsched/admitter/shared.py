@@ -109,7 +109,7 @@ class SharedState:
         await asyncio.wait_for(self.ready.wait(), 10)
 
     async def _mirror(self) -> None:
-        async for key, value, rev in self.bus.kv_watch(S.BUCKET_INFLIGHT, USAGE, ready=self.ready):
+        async for key, value, rev in self.bus.kv(S.BUCKET_INFLIGHT).watch(USAGE, ready=self.ready):
             try:
                 self._apply(key, value, rev)
             except (AdmitterError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:  # UsageError too
@@ -137,7 +137,7 @@ class SharedState:
 
     async def refresh(self) -> None:
         """Read ``usage`` now (after a lost race the mirror may not have caught up yet)."""
-        current = await self.bus.kv_get(S.BUCKET_INFLIGHT, USAGE)
+        current = await self.bus.kv(S.BUCKET_INFLIGHT).get(USAGE)
         if current is None:
             self.usage, self.revision, self.corrupted = Usage(), 0, 0
         else:
@@ -155,9 +155,9 @@ class SharedState:
                 return result
             try:
                 if self.revision == 0:
-                    rev = await self.bus.kv_create(S.BUCKET_INFLIGHT, USAGE, new.to_json())
+                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).create(USAGE, new.to_json())
                 else:
-                    rev = await self.bus.kv_update(S.BUCKET_INFLIGHT, USAGE, new.to_json(), self.revision)
+                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(USAGE, new.to_json(), self.revision)
             except ConflictError:
                 self.conflicts += 1
                 # jittered backoff: replicas that keep colliding spread out instead of livelocking
@@ -170,7 +170,7 @@ class SharedState:
         raise AdmitterError(f"usage update lost {self.max_attempts} races in a row")
 
     async def record(self, res: Reservation) -> None:
-        self.recorded(res, await self.bus.kv_put(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id), res.to_json()))
+        self.recorded(res, await self.bus.kv(S.BUCKET_INFLIGHT).put(S.reservation_key(res.request_id), res.to_json()))
 
     def outgoing(self, res: Reservation) -> tuple[str, bytes, None, None]:
         """The record as a message for :meth:`natsched.bus.connection.Bus.jpublish_batch` (a KV put is a
@@ -199,7 +199,7 @@ class SharedState:
         completion handled by another replica): it is forgotten here, so the memory stays bounded.
         """
         started = time.time()
-        raw = await self.bus.kv_snapshot(S.BUCKET_INFLIGHT, RES_PREFIX + ">")
+        raw = await self.bus.kv(S.BUCKET_INFLIGHT).snapshot(RES_PREFIX + ">")
         records = {}
         for key, (value, rev) in raw.items():
             rid = key[len(RES_PREFIX):]
@@ -226,7 +226,7 @@ class SharedState:
                 if res is None:
                     return None  # gone: someone else freed it
             try:
-                await self.bus.kv_delete(S.BUCKET_INFLIGHT, key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
+                await self.bus.kv(S.BUCKET_INFLIGHT).delete(key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
             except ConflictError:
                 # rewritten, or a read answered by a cluster follower that is behind: read again
                 # until it is gone or ours; giving up would leave it reserved (and its request
@@ -251,7 +251,7 @@ class SharedState:
                 return res
             res.moved_from = worker
             try:
-                res.revision = await self.bus.kv_update(S.BUCKET_INFLIGHT, S.reservation_key(request_id),
+                res.revision = await self.bus.kv(S.BUCKET_INFLIGHT).update(S.reservation_key(request_id),
                                                         res.to_json(), res.revision)
             except ConflictError:
                 continue
@@ -260,7 +260,7 @@ class SharedState:
         raise AdmitterError(f"reservation {request_id}: lost {self.max_attempts} races marking it moved")
 
     async def _read(self, request_id: str) -> Reservation | None:
-        current = await self.bus.kv_get(S.BUCKET_INFLIGHT, S.reservation_key(request_id))
+        current = await self.bus.kv(S.BUCKET_INFLIGHT).get(S.reservation_key(request_id))
         if current is None:
             self.reservations.pop(request_id, None)
             return None

@@ -409,7 +409,7 @@ class ChaosRun:
         await bus.subscribe(S.WORK_ALL, on_work)
         await bus.subscribe("resp.>", on_reply)
         await bus.subscribe(S.HEARTBEATS_ALL, on_heartbeat)
-        await bus.nc.flush()
+        await bus.flush()
 
     async def _wait_for_workers(self) -> None:
         """Until every worker's heartbeat was seen (the routers see them too), at most 15 s."""
@@ -601,7 +601,7 @@ class ChaosRun:
     @staticmethod
     async def _released(bus: Bus, rid: str, worker: str) -> bool:
         try:
-            current = await bus.kv_get(S.BUCKET_INFLIGHT, S.reservation_key(rid))
+            current = await bus.kv(S.BUCKET_INFLIGHT).get(S.reservation_key(rid))
         except Exception:  # a leader election: ask again on the next poll
             return False
         return current is None or orjson.loads(current[0]).get("moved_from") == worker
@@ -620,9 +620,9 @@ class ChaosRun:
         used, left = None, -1
         while time.monotonic() < deadline:
             try:
-                current = await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
+                current = await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE)
                 used = 0 if current is None else Usage.from_json(current[0]).used
-                left = sum(1 for k in await bus.kv_keys(S.BUCKET_INFLIGHT) if k.startswith("res."))
+                left = sum(1 for k in await bus.kv(S.BUCKET_INFLIGHT).keys() if k.startswith("res."))
             except Exception as exc:  # keep trying within the bound
                 log.info("settle: %s", exc)
             if used == 0 and left == 0:

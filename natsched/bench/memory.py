@@ -21,7 +21,10 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from natsched.bus.connection import Bus
 
 log = logging.getLogger(__name__)
 
@@ -208,12 +211,6 @@ def rss_supported() -> bool:
     return Path("/proc/self/status").exists()
 
 
-async def stream_sizes(js: Any) -> dict[str, dict[str, int]]:
-    """Messages and bytes of every stream on the server (the bench's own BENCH stream is not up yet)."""
-    infos = await js.streams_info()
-    return {i.config.name: {"messages": i.state.messages, "bytes": i.state.bytes} for i in infos}
-
-
 @dataclass
 class MemorySampler:
     """Samples the processes' RSS and the streams' sizes every ``every_s`` from ``t0`` (monotonic).
@@ -223,7 +220,7 @@ class MemorySampler:
     """
 
     pids: dict[str, int]
-    js: Any
+    bus: Bus
     every_s: float
     t0: float
     samples: list[dict] = field(default_factory=list)
@@ -232,7 +229,7 @@ class MemorySampler:
         t = time.monotonic() - self.t0
         rss = {name: read_rss_kib(pid) for name, pid in self.pids.items()}
         try:
-            streams = await asyncio.wait_for(stream_sizes(self.js), timeout=max(1.0, self.every_s))
+            streams = await asyncio.wait_for(self.bus.stream_sizes(), timeout=max(1.0, self.every_s))
         except Exception as exc:  # a slow or failed stream listing is a gap, not the end of the run
             log.warning("stream sizes not sampled at t=%.1fs: %s", t, exc)
             streams = {}

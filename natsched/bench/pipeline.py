@@ -73,28 +73,22 @@ def _pct(values: list[float], q: float) -> float:
 
 async def reference_rtts(bus: Bus, samples: int = 300) -> tuple[float, float]:
     """(core request/reply p50 ms, JetStream publish-with-ack p50 ms), measured sequentially."""
-    async def respond(msg) -> None:
-        await msg.respond(msg.data)
+    async def echo(data: bytes) -> bytes:
+        return data
 
-    sub = await bus.nc.subscribe(S.BENCH_ECHO, cb=respond)
+    sub = await bus.respond(S.BENCH_ECHO, echo)
     core = []
     for _ in range(samples):
         t = time.perf_counter()
         await bus.request(S.BENCH_ECHO, b"x", timeout=2)
         core.append((time.perf_counter() - t) * 1000)
     await sub.unsubscribe()
-    from nats.js import api  # bus/ owns nats; this benchmark is part of the bus-facing CLI
-
-    await bus.js.add_stream(api.StreamConfig(name=S.STREAM_BENCH, subjects=[S.BENCH_JS_ALL],
-                                             storage=api.StorageType.MEMORY, max_age=60, max_bytes=64 << 20))
     js = []
-    try:
+    async with bus.scratch_stream(S.STREAM_BENCH, [S.BENCH_JS_ALL], max_age_s=60, max_bytes=64 << 20):
         for i in range(samples):
             t = time.perf_counter()
-            await bus.js.publish("bench.js.ref", b"x" * 200)
+            await bus.jpublish_once("bench.js.ref", b"x" * 200)
             js.append((time.perf_counter() - t) * 1000)
-    finally:
-        await bus.js.delete_stream(S.STREAM_BENCH)
     return statistics.median(core), statistics.median(js)
 
 
@@ -231,11 +225,11 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None,
 
     try:
         await bus.subscribe(reply_to, on_reply)
-        await bus.nc.flush()
+        await bus.flush()
         total = int(run.rate * run.duration_s)
         pending: set[asyncio.Future] = set()
         if pids and run.sample_every_s:
-            sampler = MemorySampler(pids, bus.js, run.sample_every_s, time.monotonic())
+            sampler = MemorySampler(pids, bus, run.sample_every_s, time.monotonic())
             sampling = asyncio.create_task(sampler.run(), name="memory-sampler")
         cpu0 = {name: read_cpu_s(pid) for name, pid in (pids or {}).items()}
         batches0 = await asyncio.to_thread(admitter_batches, admitter_ports) if admitter_ports else None
@@ -252,8 +246,8 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None,
                           created=created)
             tally.awaiting_assignment[rid] = created
             tally.awaiting_final.add(rid)
-            future = await bus.js.publish_async(S.request(S.ONLINE, "bench"), req.encode(),
-                                                headers={S.HDR_MSG_ID: rid, S.HDR_REPLY: reply_to})
+            future = await bus.jpublish_pipelined(S.request(S.ONLINE, "bench"), req.encode(),
+                                                  headers={S.HDR_MSG_ID: rid, S.HDR_REPLY: reply_to})
             pending.add(future)
             future.add_done_callback(tally.on_ack)
             future.add_done_callback(pending.discard)
@@ -368,7 +362,7 @@ def start_relay(url: str, workers: list[str], timeout_s: float = 30.0) -> subpro
 async def _set_quota(url: str, audit_max_bytes: int | None = None) -> None:
     bus = await Bus.connect(url, name="bench-setup")
     try:  # measure the scheduler, not a quota: a total nothing here can reach
-        await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(10**12))
+        await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(10**12))
         if audit_max_bytes is not None:
             await _cap_audit_streams(bus, audit_max_bytes)
     finally:
@@ -378,17 +372,10 @@ async def _set_quota(url: str, audit_max_bytes: int | None = None) -> None:
 async def _cap_audit_streams(bus: Bus, max_bytes: int) -> None:
     """Retention as an operator sets it (``natsched retention set``), small enough that a soak
     reaches it: then the server's memory must level off while old records are discarded."""
-    from natsched.bus.provision import default_limits, ensure_stream, overrides_to_json, stored_overrides, stored_settings
-    from natsched.bus.provision import StreamLimits, stream_config
+    from natsched.bus.provision import StreamLimits, default_limits
 
     audit = (S.STREAM_REQUESTS, S.STREAM_DECISIONS, S.STREAM_COMPLETIONS)
-    overrides = await stored_overrides(bus.js)
-    for stream in audit:
-        overrides[stream] = StreamLimits(default_limits(stream).max_age_s, max_bytes)
-    await bus.kv_put(S.BUCKET_CONFIG, S.KEY_RETENTION, overrides_to_json(overrides))
-    settings = await stored_settings(bus.js)
-    for stream in audit:
-        await ensure_stream(bus.js, stream_config(stream, settings))
+    await bus.set_retention({stream: StreamLimits(default_limits(stream).max_age_s, max_bytes) for stream in audit})
 
 
 REFINE_STEPS = 2  # --find-max: halvings of the gap between the last rate that passed and the first that failed

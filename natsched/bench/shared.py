@@ -41,11 +41,11 @@ async def measure(url: str, replicas: int, seconds: float) -> dict:
     setup = await Bus.connect(url, name="bench-shared")
     try:
         await setup.provision()
-        await setup.kv_put(S.BUCKET_INFLIGHT, S.KEY_USAGE, Usage().to_json())
+        await setup.kv(S.BUCKET_INFLIGHT).put(S.KEY_USAGE, Usage().to_json())
         started = time.monotonic()
         results = await asyncio.gather(*(_replica(url, f"r{i}", seconds) for i in range(replicas)))
         wall = time.monotonic() - started
-        final = Usage.from_json((await setup.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))[0])
+        final = Usage.from_json((await setup.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
     finally:
         await setup.close()
     commits = sum(c for c, _ in results)

@@ -1,8 +1,8 @@
-"""The bus layer: the only package that imports ``nats``.
+"""The NATS transport: the only package that imports ``nats``.
 
-Everything on the wire is defined here — schemas (:mod:`natsched.wire.schema`), the codec
-(:mod:`natsched.wire.codec`), subject names (:mod:`natsched.wire.subjects`), prefix hashing (:mod:`natsched.wire.blocks`) —
-together with the connection (:class:`natsched.bus.connection.Bus`), the embedded server
-(:mod:`natsched.bus.server`), provisioning (:mod:`natsched.bus.provision`) and the producer client
-(:mod:`natsched.client.producer`).
+The connection (:class:`natsched.bus.connection.Bus`: publishing with dedup ids, core pub/sub,
+durable pull consumers), provisioning (:mod:`natsched.bus.provision`), the embedded server
+(:mod:`natsched.bus.server`), and the handles services hold instead of nats objects:
+``bus.kv(bucket)`` (:mod:`natsched.bus.kv`), ``bus.stream(name)`` (:mod:`natsched.bus.streams`),
+``bus.inbox(subject)``. What travels on the wire is defined apart, in :mod:`natsched.wire`.
 """

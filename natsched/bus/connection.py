@@ -8,6 +8,7 @@ turns unusable messages into dead letters instead of endless redeliveries.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -23,23 +24,18 @@ from nats.errors import ConnectionClosedError, NoRespondersError, NoServersError
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
-from nats.js.errors import (
-    APIError,
-    KeyNotFoundError,
-    KeyWrongLastSequenceError,
-    NoStreamResponseError,
-    NotFoundError,
-    ServiceUnavailableError,
-)
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from natsched.wire import subjects as S
 from natsched.bus.acks import AckInbox
-from natsched.bus.errors import ConflictError, ConnectError
+from natsched.bus.errors import BusTimeout, ConnectError
 from natsched.wire.errors import MessageError
-from natsched.bus.provision import ProvisionSettings, provision, stored_settings
+from natsched.bus.provision import (ProvisionSettings, StreamLimits, apply_retention, cluster_nodes, overrides_to_json,
+                                    provision, provision_jobs, stored_overrides, stored_settings)
 from natsched.bus.puller import Puller
 from natsched.wire.schema import DeadLetter, Reply, Schema
-from natsched.bus.snapshot import read_kv
+from natsched.bus.kv import KV
+from natsched.bus.streams import Stream
 from natsched.bus.server import DEFAULT_URL
 
 log = logging.getLogger(__name__)
@@ -208,6 +204,42 @@ def server_urls(url: str | list[str]) -> list[str]:
     return [u.strip() for u in parts if u.strip()]
 
 
+class Received:
+    """One core NATS message as a handle hands it out: subject, body, headers."""
+
+    __slots__ = ("subject", "data", "headers")
+
+    def __init__(self, msg: Any) -> None:
+        self.subject: str = msg.subject
+        self.data: bytes = msg.data
+        self.headers: dict[str, str] = msg.headers or {}
+
+
+class Subscription:
+    """A core subscription; :meth:`unsubscribe` ends it."""
+
+    def __init__(self, sub: Any) -> None:
+        self._sub = sub
+
+    @property
+    def subject(self) -> str:
+        return self._sub.subject
+
+    async def unsubscribe(self) -> None:
+        await self._sub.unsubscribe()
+
+
+class Inbox(Subscription):
+    """A subscription read one message at a time (a producer's reply stream)."""
+
+    async def next_msg(self, timeout: float) -> Received:
+        """The next message; :class:`BusTimeout` when none comes within ``timeout`` seconds."""
+        try:
+            return Received(await self._sub.next_msg(timeout=timeout))
+        except (NatsTimeout, asyncio.TimeoutError):
+            raise BusTimeout(f"nothing on {self._sub.subject} within {timeout:g}s") from None
+
+
 class Bus:
     """A connected NATS client with JetStream, used by every natsched service and producer."""
 
@@ -275,9 +307,11 @@ class Bus:
                                    "violation): pass --credentials FILE from natsched auth init") from None
         raise ConnectError(f"could not reach NATS at {url} within {connect_budget_s:g}s: {last}")
 
-    async def provision(self, settings: ProvisionSettings | None = None) -> None:
+    async def provision(self, settings: ProvisionSettings | None = None, jobs: bool = False) -> None:
         """Create or update every stream and bucket; by default with the limits an operator stored
-        (``natsched retention set``), so a restarting service never resets them.
+        (``natsched retention set``), so a restarting service never resets them. ``jobs``: also
+        OUTCOMES and bucket ``jobs`` (the batch producer's and the offline runner's), with their
+        stored limits too.
 
         Retried within the publish budget on timeouts: a service restarted while a cluster node
         is down meets an election (a chaos run's admitter exited here once, unready for 60 s);
@@ -286,6 +320,55 @@ class Bus:
             await provision(self.js, settings or await stored_settings(self.js))
 
         await self._retrying(once, None, "provisioning", logging.WARNING)
+        if jobs:
+            await self.provision_jobs()
+
+    async def provision_jobs(self) -> None:
+        """Create or update OUTCOMES and bucket ``jobs`` (idempotent; a batch reader may be the
+        first natsched process on a fresh server)."""
+        await provision_jobs(self.js)
+
+    async def stored_overrides(self) -> dict[str, StreamLimits]:
+        """What ``natsched retention set`` stored (:func:`natsched.bus.provision.stored_overrides`)."""
+        return await stored_overrides(self.js)
+
+    async def set_retention(self, limits: dict[str, StreamLimits]) -> None:
+        """Store ``limits`` (per stream, or bucket ``jobs``) among the overrides (``natsched
+        retention set``) and apply them now; every later provisioning keeps them."""
+        overrides = {**await self.stored_overrides(), **limits}
+        await self.kv(S.BUCKET_CONFIG).put(S.KEY_RETENTION, overrides_to_json(overrides))
+        for target, kept in limits.items():
+            await apply_retention(self.js, target, kept)
+
+    def cluster_nodes(self) -> int:
+        """How many servers the connected cluster has (1 when not clustered)."""
+        return cluster_nodes(self.js)
+
+    async def jetstream_ready(self) -> None:
+        """Returns once JetStream answers (a cluster has elected its meta leader); raises otherwise."""
+        await self.js.account_info()
+
+    async def stream_sizes(self) -> dict[str, dict[str, int]]:
+        """Messages and bytes of every stream on the server."""
+        infos = await self.js.streams_info()
+        return {i.config.name: {"messages": i.state.messages, "bytes": i.state.bytes} for i in infos}
+
+    # --- the connection ----------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return bool(self.nc.is_connected)
+
+    @property
+    def closed(self) -> bool:
+        """Closed for good (stopped, or reconnects exhausted), not merely reconnecting."""
+        return bool(self.nc.is_closed)
+
+    async def flush(self, timeout: float = 10.0) -> None:
+        """Until the server has everything published so far (a round trip)."""
+        try:
+            await self.nc.flush(timeout=timeout)
+        except (NatsTimeout, asyncio.TimeoutError):
+            raise BusTimeout(f"flush not answered within {timeout:g}s") from None
 
     async def close(self, budget_s: float = 3.0) -> None:
         """Flush what is buffered within a budget, then close: a dead server never hangs us.
@@ -411,8 +494,43 @@ class Bus:
             log.error("publish to %s lost (%s, then %s)", subject, None if f.cancelled() else f.exception(), exc)
 
     async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
-        msg = await self.nc.request(subject, data, timeout=timeout)
+        """Core request/reply: the answer's body; :class:`BusTimeout` when none comes in time (or nobody listens)."""
+        try:
+            msg = await self.nc.request(subject, data, timeout=timeout)
+        except (NatsTimeout, asyncio.TimeoutError):
+            raise BusTimeout(f"no answer on {subject} within {timeout:g}s") from None
+        except NoRespondersError:
+            raise BusTimeout(f"no answer on {subject}: nobody listens") from None
         return msg.data
+
+    async def respond(self, subject: str, answer: Callable[[bytes], Awaitable[bytes]]) -> Subscription:
+        """Answer every request on ``subject`` with ``await answer(body)``."""
+        async def cb(msg: Any) -> None:
+            await msg.respond(await answer(msg.data))
+
+        return Subscription(await self.nc.subscribe(subject, cb=cb))
+
+    async def jpublish_once(self, subject: str, data: bytes) -> None:
+        """One JetStream publish as nats-py makes it (a request with its own timer), never
+        retried: a reference latency for benchmarks, not for services."""
+        await self.js.publish(subject, data)
+
+    async def jpublish_pipelined(self, subject: str, data: bytes, headers: dict[str, str] | None = None
+                                 ) -> asyncio.Future:
+        """nats-py's asynchronous publish: the future resolves with the ack (or an error); a load
+        generator's way to keep many publishes in flight. Not retried."""
+        return await self.js.publish_async(subject, data, headers=headers)
+
+    @contextlib.asynccontextmanager
+    async def scratch_stream(self, name: str, subjects: list[str], max_age_s: float = 60.0,
+                             max_bytes: int = 64 << 20) -> AsyncIterator[None]:
+        """A memory stream that exists for the ``async with`` block (a benchmark's reference)."""
+        await self.js.add_stream(api.StreamConfig(name=name, subjects=subjects, storage=api.StorageType.MEMORY,
+                                                  max_age=max_age_s, max_bytes=max_bytes))
+        try:
+            yield
+        finally:
+            await self.js.delete_stream(name)
 
     # --- subscribing --------------------------------------------------------------------
     async def subscribe(self, subject: str, handler: Callable[[str, bytes, dict], Awaitable[None]], queue: str = ""):
@@ -424,11 +542,11 @@ class Bus:
             except Exception:
                 log.exception("handler for %s failed", msg.subject)
 
-        return await self.nc.subscribe(subject, queue=queue, cb=cb)
+        return Subscription(await self.nc.subscribe(subject, queue=queue, cb=cb))
 
-    async def inbox(self, subject: str, max_pending: int = 100_000):
+    async def inbox(self, subject: str, max_pending: int = 100_000) -> Inbox:
         """A subscription read with ``await sub.next_msg(timeout)`` (producers' reply streams)."""
-        return await self.nc.subscribe(subject, pending_msgs_limit=max_pending)
+        return Inbox(await self.nc.subscribe(subject, pending_msgs_limit=max_pending))
 
     # --- durable consumers --------------------------------------------------------------
     async def consume(self, spec: ConsumerSpec, handler: Handler, source: str) -> asyncio.Task:
@@ -548,118 +666,33 @@ class Bus:
         await self.jpublish(S.deadletter(source), record)
 
     # --- KV -----------------------------------------------------------------------------
-    async def _bucket(self, bucket: str) -> Any:
-        kv = self._kv.get(bucket)
-        if kv is None:  # key_value() costs a round trip: look each bucket up once
-            kv = self._kv[bucket] = await self.js.key_value(bucket)
-        return kv
+    def kv(self, bucket: str) -> KV:
+        """The handle of one bucket (:mod:`natsched.bus.kv`), one per bucket and connection."""
+        handle = self._kv.get(bucket)
+        if handle is None:
+            handle = self._kv[bucket] = KV(self, bucket)
+        return handle
 
-    # Every KV call rides out a leader election like a publish does: reads and plain puts on
-    # any transient error, compare-and-swap writes only when the server surely did not apply them.
-    async def kv_get(self, bucket: str, key: str) -> tuple[bytes, int] | None:
-        """(value, revision), or None when the key does not exist (or was deleted)."""
-        kv = await self._bucket(bucket)
+    #: the retry set of a compare-and-swap write (:class:`natsched.bus.kv.KV`)
+    not_processed = _NOT_PROCESSED
+
+    async def write_marker(self, subject: str, headers: dict[str, str]) -> None:
+        """An empty JetStream message carrying only ``headers`` (a KV purge marker): first on the
+        shared ack inbox (one of these per completion, no request timer each), sent again like
+        any compare-and-swap write when nobody took it (an election)."""
         try:
-            entry = await self._read(lambda: kv.get(key))
-        except KeyNotFoundError:
-            return None
-        return (entry.value or b"", entry.revision)
-
-    async def kv_last_operation(self, bucket: str, key: str) -> str | None:
-        """What last happened to ``key``: ``PUT``, ``DEL`` or ``PURGE`` (a marker not yet expired),
-        or None when nothing is stored for it."""
-        try:
-            raw = await self._read(lambda: self.js.get_msg(f"KV_{bucket}", subject=S.kv_subject(bucket, key)))
-        except NotFoundError:
-            return None
-        return (raw.headers or {}).get("KV-Operation", "PUT")
-
-    async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
-        kv = await self._bucket(bucket)
-        return await self._read(lambda: kv.put(key, value))  # idempotent: safe to send again
-
-    async def _kv_cas(self, call: Callable[[], Awaitable[T]]) -> T:
-        return await self._retrying(lambda _remaining: call(), None, "KV write", logging.INFO, _NOT_PROCESSED)
-
-    async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
-        """Write only if the key does not exist; :class:`ConflictError` otherwise."""
-        kv = await self._bucket(bucket)
-        try:
-            return await self._kv_cas(lambda: kv.create(key, value))
-        except KeyWrongLastSequenceError as exc:
-            raise ConflictError(f"{bucket}/{key} already exists") from exc
-
-    async def kv_update(self, bucket: str, key: str, value: bytes, last: int) -> int:
-        """Compare-and-swap: :class:`ConflictError` if the key's revision is no longer ``last``."""
-        kv = await self._bucket(bucket)
-        try:
-            return await self._kv_cas(lambda: kv.update(key, value, last=last))
-        except KeyWrongLastSequenceError as exc:
-            raise ConflictError(f"{bucket}/{key} changed since revision {last}") from exc
-
-    async def kv_delete(self, bucket: str, key: str, last: int | None = None, marker_ttl_s: int | None = None) -> None:
-        """Delete (conditioned on revision ``last`` when given: :class:`ConflictError` if it moved).
-
-        A plain KV delete leaves a marker per key for good: a bucket with one key per request
-        (reservations) would grow by one stored message per request forever. With
-        ``marker_ttl_s`` the key is purged instead and its marker expires after that many
-        seconds (a per-message TTL; watchers see the deletion either way).
-        """
-        try:
-            if marker_ttl_s is None:
-                kv = await self._bucket(bucket)
-                await self._kv_cas(lambda: kv.delete(key, last=last))
-                return
-            headers = {"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": f"{int(marker_ttl_s)}s"}
-            if last:
-                headers["Nats-Expected-Last-Subject-Sequence"] = str(last)
-            subject = S.kv_subject(bucket, key)
-            try:  # first on the shared ack inbox: one of these per completion, no request timer each
-                await (await (await self._ack_inbox()).publish(subject, b"", headers))
-                return
-            except _NOT_PROCESSED:  # nobody took it (an election): sent again below, like any write
-                pass
-            await self._kv_cas(lambda: self.js.publish(subject, b"", headers=headers))
-        except APIError as exc:
-            if exc.err_code in (10071, 10164):
-                raise ConflictError(f"{bucket}/{key} changed since revision {last}") from exc
-            raise
-
-    async def kv_keys(self, bucket: str) -> list[str]:
-        kv = await self._bucket(bucket)
-        try:
-            return await kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return []
-
-    async def kv_snapshot(self, bucket: str, keys: str = ">") -> dict[str, tuple[bytes, int]]:
-        """The current value and revision of every live key matching ``keys``, read in windows
-        so the service's other messages are not kept waiting behind it (``natsched.bus.snapshot``)."""
-        return await read_kv(self.nc, self.js, bucket, keys)
-
-    async def kv_watch(
-        self, bucket: str, keys: str = ">", ready: asyncio.Event | None = None
-    ) -> AsyncIterator[tuple[str, bytes | None, int]]:
-        """Current values, then every change: (key, value or None when deleted, revision).
-
-        ``ready`` is set once the current values have all been yielded.
-        """
-        kv = await self._bucket(bucket)
-        watcher = await kv.watch(keys)
-        try:
-            async for entry in watcher:
-                if entry is None:  # end of the initial values
-                    if ready is not None:
-                        ready.set()
-                    continue
-                deleted = entry.operation in ("DEL", "PURGE")
-                yield entry.key, (None if deleted else entry.value), entry.revision
-                if ready is not None and not ready.is_set() and entry.delta == 0:
-                    ready.set()
-        finally:
-            await watcher.stop()
+            await (await (await self._ack_inbox()).publish(subject, b"", headers))
+            return
+        except _NOT_PROCESSED:
+            pass
+        await self._retrying(lambda _remaining: self.js.publish(subject, b"", headers=headers), None,
+                             "KV write", logging.INFO, _NOT_PROCESSED)
 
     # --- streams (audit, tests) -------------------------------------------------------------
+    def stream(self, name: str) -> Stream:
+        """The reader of one stream (:mod:`natsched.bus.streams`)."""
+        return Stream(self, name)
+
     async def stream_messages(self, stream: str, subject: str | None = None) -> list[tuple[str, bytes]]:
         """Every stored message of a stream (optionally one subject), oldest first.
 

@@ -8,7 +8,13 @@ Every error here derives from :class:`BusError`::
     │   └── PortInUseError      its port is already taken
     ├── ProvisionError          a stream or bucket exists with an incompatible config
     ├── ConflictError           a compare-and-swap lost: the key changed since it was read
-    └── SnapshotError           (natsched.bus.snapshot) a bucket read that stopped arriving
+    ├── SnapshotError           (natsched.bus.snapshot) a bucket read that stopped arriving
+    ├── ReadError               (natsched.bus.streams) a stream read that cannot be answered
+    │   └── StreamNotFound      the stream (or a bucket's stream) does not exist
+    └── BusTimeout              no answer in time (also a builtin ``TimeoutError``)
+
+Services never see a ``nats`` exception from a handle (:mod:`natsched.bus.kv`,
+:mod:`natsched.bus.streams`, :class:`natsched.bus.connection.Inbox`): these are what they catch.
 
 Messages that break the wire contract raise :class:`natsched.wire.errors.MessageError`; a
 producer's failed request raises :class:`natsched.client.errors.RequestError`.
@@ -45,3 +51,16 @@ class ConflictError(BusError):
 
 class SnapshotError(BusError):
     """A windowed bucket read (``natsched.bus.snapshot``) got nothing for its stall time with messages pending."""
+
+
+class ReadError(BusError):
+    """A stream read (``natsched.bus.streams``) that cannot be answered: no answer, a stall, no permission."""
+
+
+class StreamNotFound(ReadError):
+    """The stream, or the stream behind a KV bucket, does not exist (has natsched run on this server?)."""
+
+
+class BusTimeout(BusError, TimeoutError):
+    """Nothing arrived in time (a reply on an inbox, a request's answer). Also a ``TimeoutError``, so
+    code that waits with ``asyncio.wait_for`` handles both the same way."""

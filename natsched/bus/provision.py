@@ -247,6 +247,26 @@ def parse_size(text: str) -> int:
     return value
 
 
+def fmt_age(seconds: float) -> str:
+    """The inverse of :func:`parse_duration` for whole units: ``604800`` -> ``7d`` (0: ``ever``)."""
+    if not seconds:
+        return "ever"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def fmt_size(n: int | None) -> str:
+    """The inverse of :func:`parse_size`: ``1073741824`` -> ``1 GiB`` (None or < 0: unlimited)."""
+    if n is None or n < 0:
+        return "unlimited bytes"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
 def retention_targets() -> tuple[str, ...]:
     """Every stream whose limits an operator may set, and the ``jobs`` bucket."""
     return (*S.STREAMS, S.STREAM_OUTCOMES, S.BUCKET_JOBS)
@@ -347,6 +367,17 @@ async def ensure_jobs_bucket(js, limits: JobStoreLimits, replicas: int | None) -
     if (config.max_age, config.max_bytes, bool(config.allow_direct)) != (limits.max_age_s, limits.max_bytes, True):
         config.max_age, config.max_bytes, config.allow_direct = limits.max_age_s, limits.max_bytes, True
         await js.update_stream(config)
+
+
+async def apply_retention(js, target: str, limits: StreamLimits) -> None:
+    """Bring ``target`` (a stream, or bucket ``jobs``) to ``limits`` now, other settings as stored."""
+    settings = await stored_settings(js)
+    if target == S.BUCKET_JOBS:
+        await ensure_jobs_bucket(js, JobStoreLimits(limits.max_age_s, limits.max_bytes), settings.replicas)
+    elif target in settings.limits:
+        await ensure_stream(js, stream_config(target, settings))
+    else:
+        await ensure_stream(js, job_stream_config(target, settings, limits))
 
 
 async def provision_jobs(js, settings: ProvisionSettings | None = None, jobs: JobStoreLimits | None = None) -> None:

@@ -182,7 +182,7 @@ async def _send_control(url: str, worker: str, kind: str, credentials=None) -> i
     bus = await Bus.connect(url, name="natsched-cli", credentials=credentials)
     try:
         await bus.publish(S.control(worker), Control(kind=kind, ts=time.time(), by="cli"))
-        await bus.nc.flush()
+        await bus.flush()
     finally:
         await bus.close()
     print(f"sent {kind} to worker {worker}")
@@ -236,8 +236,8 @@ async def _read_quotas(bus):
     from natsched.admitter.quotas import Quotas
 
     entries = {}
-    for key in await bus.kv_keys(S.BUCKET_QUOTAS):
-        current = await bus.kv_get(S.BUCKET_QUOTAS, key)
+    for key in await bus.kv(S.BUCKET_QUOTAS).keys():
+        current = await bus.kv(S.BUCKET_QUOTAS).get(key)
         if current is not None:
             entries[key] = current[0]
     dynamic = entries.pop(S.KEY_DYNAMIC_TOTAL, None)
@@ -250,7 +250,7 @@ async def _read_usage(bus):
     from natsched.admitter.errors import UsageError
     from natsched.admitter.usage import Usage
 
-    raw = await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
+    raw = await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE)
     try:
         return Usage.from_json(raw[0]) if raw else Usage()
     except UsageError as exc:
@@ -313,7 +313,7 @@ async def _quota(args) -> int:
                 return _fail(f"quota change refused, nothing written: {exc}")
             changed = {k: v for k, v in new.to_kv().items() if entries.get(k) != v}
             for key, value in changed.items():
-                await bus.kv_put(S.BUCKET_QUOTAS, key, value)
+                await bus.kv(S.BUCKET_QUOTAS).put(key, value)
             print(f"quotas updated ({len(changed)} entries): " + ", ".join(sorted(changed)) if changed
                   else "quotas unchanged")
             return 0
@@ -420,10 +420,10 @@ async def _route(args) -> int:
     try:
         await bus.provision()
         if args.action == "set":
-            await bus.kv_put(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG, orjson.dumps(config))
+            await bus.kv(S.BUCKET_CONFIG).put(S.KEY_ROUTER_CONFIG, orjson.dumps(config))
             print(f"routing config set: {orjson.dumps(config).decode()}")
             return 0
-        current = await bus.kv_get(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG)
+        current = await bus.kv(S.BUCKET_CONFIG).get(S.KEY_ROUTER_CONFIG)
         print(current[0].decode() if current else "routing config not set (routers use their --policy)")
         return 0
     finally:

@@ -380,12 +380,12 @@ async def _audit(args) -> int:
     bus = await _connect(args)
     try:
         if args.request_id is None:
-            summary = await audit_window(bus.js, args.since, args.until, args.tenant)
+            summary = await audit_window(bus, args.since, args.until, args.tenant)
             _print_json(summary) if args.json else _print_summary(summary)
             return 0
         found = await JobStore(bus).find(args.request_id)
         try:
-            story = await audit_request(bus.js, args.request_id, args.since, args.until,
+            story = await audit_request(bus, args.request_id, args.since, args.until,
                                         found[1] if found else None)
         except AuditNotFound as exc:
             raise NotFoundExit(str(exc)) from None
@@ -462,7 +462,7 @@ async def _replay(args) -> int:
 
     bus = await _connect(args)
     try:
-        recording = await load_recording(bus.js, args.since, args.until, args.tenant)
+        recording = await load_recording(bus, args.since, args.until, args.tenant)
     finally:
         await bus.close()
     if not recording.routed:
@@ -495,12 +495,9 @@ async def _offline(args) -> int:
 
 
 async def _retention(args) -> int:
-    from natsched.bus.provision import provision_jobs, stored_settings
-
     bus = await _connect(args)
     try:
-        await bus.provision(await stored_settings(bus.js))
-        await provision_jobs(bus.js)
+        await bus.provision(jobs=True)
         if args.action == "show":
             return await _retention_show(bus, args.json)
         return await _retention_set(bus, args)
@@ -515,13 +512,12 @@ def _stream_of(target: str) -> str:
 
 
 async def _retention_show(bus, as_json: bool) -> int:
-    from natsched.audit.records import retention
-    from natsched.bus.provision import default_limits, retention_targets, stored_overrides
+    from natsched.bus.provision import default_limits, retention_targets
 
-    overrides = await stored_overrides(bus.js)
+    overrides = await bus.stored_overrides()
     rows = []
     for target in retention_targets():
-        kept = await retention(bus.js, _stream_of(target))
+        kept = await bus.stream(_stream_of(target)).retention()
         default = default_limits(target)
         rows.append({"stream": target, "max_age_s": kept.max_age_s, "max_bytes": kept.max_bytes,
                      "messages": kept.messages, "oldest": kept.first_ts, "set": target in overrides,
@@ -538,35 +534,24 @@ async def _retention_show(bus, as_json: bool) -> int:
 
 
 def retention_text(max_age_s: float, max_bytes: int) -> tuple[str, str]:
-    from natsched.audit.records import fmt_age, fmt_size
+    from natsched.cli.fmt import fmt_age, fmt_size
 
     return fmt_age(max_age_s), fmt_size(max_bytes)
 
 
 async def _retention_set(bus, args) -> int:
     from natsched.wire import subjects as S
-    from natsched.bus.provision import (JobStoreLimits, StreamLimits, default_limits, ensure_jobs_bucket, ensure_stream,
-                               job_stream_config, overrides_to_json, parse_duration, parse_size, retention_targets,
-                               stored_overrides, stored_settings, stream_config)
+    from natsched.bus.provision import StreamLimits, default_limits, parse_duration, parse_size, retention_targets
 
     target = args.stream if args.stream in retention_targets() else args.stream.upper()
     if target not in retention_targets():
         raise ValueError(f"unknown stream {args.stream!r}; known: {', '.join(retention_targets())}")
     if args.max_age is None and args.max_bytes is None:
         raise ValueError("give --max-age and/or --max-bytes")
-    overrides = await stored_overrides(bus.js)
-    old = overrides.get(target, default_limits(target))
+    old = (await bus.stored_overrides()).get(target, default_limits(target))
     new = StreamLimits(parse_duration(args.max_age) if args.max_age else old.max_age_s,
                        parse_size(args.max_bytes) if args.max_bytes else old.max_bytes)
-    overrides[target] = new
-    await bus.kv_put(S.BUCKET_CONFIG, S.KEY_RETENTION, overrides_to_json(overrides))
-    settings = await stored_settings(bus.js)
-    if target == S.BUCKET_JOBS:
-        await ensure_jobs_bucket(bus.js, JobStoreLimits(new.max_age_s, new.max_bytes), settings.replicas)
-    elif target in settings.limits:
-        await ensure_stream(bus.js, stream_config(target, settings))
-    else:
-        await ensure_stream(bus.js, job_stream_config(target, settings, new))
+    await bus.set_retention({target: new})
     was, now = retention_text(old.max_age_s, old.max_bytes), retention_text(new.max_age_s, new.max_bytes)
     print(f"{target} now keeps {now[0]} / {now[1]} (was {was[0]} / {was[1]}); stored in bucket "
           f"{S.BUCKET_CONFIG} key {S.KEY_RETENTION}")

@@ -33,12 +33,10 @@ import orjson
 from natsched.wire import chat, codec
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
-from natsched.audit.records import kv_snapshot, read_filtered
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ConflictError
 from natsched.client.errors import BatchError, BatchFileError, JobStoreError, NotFound
 from natsched.wire.errors import ChatError, MessageError
-from natsched.bus.provision import provision_jobs, stored_settings
 from natsched.wire.schema import BatchManifest, JobRecord, JobStatus, Request, RequestId, TenantId
 
 log = logging.getLogger(__name__)
@@ -227,13 +225,13 @@ class JobStore:
     def __init__(self, bus: Bus, max_attempts: int = 50) -> None:
         self.bus = bus
         self.max_attempts = max_attempts
-        self._ready = False
+        self.ready = False  # the bucket is known to exist
 
     async def ensure(self) -> None:
         """The bucket exists (a reader may be the first natsched process on a fresh server)."""
-        if not self._ready:
-            await provision_jobs(self.bus.js)
-            self._ready = True
+        if not self.ready:
+            await self.bus.provision_jobs()
+            self.ready = True
 
     async def get(self, key: str) -> tuple[JobRecord, int] | None:
         """(record, revision), or None when there is none (or it cannot be decoded: logged)."""
@@ -242,7 +240,7 @@ class JobStore:
 
     async def _read(self, key: str) -> tuple[JobRecord | None, int]:
         await self.ensure()
-        current = await self.bus.kv_get(S.BUCKET_JOBS, key)
+        current = await self.bus.kv(S.BUCKET_JOBS).get(key)
         if current is None:
             return None, 0
         try:
@@ -255,7 +253,7 @@ class JobStore:
         """Write a new record; False when one exists already (then it is left alone)."""
         await self.ensure()
         try:
-            await self.bus.kv_create(S.BUCKET_JOBS, key, record.encode())
+            await self.bus.kv(S.BUCKET_JOBS).create(key, record.encode())
             return True
         except ConflictError:
             return False
@@ -270,9 +268,9 @@ class JobStore:
                 return record
             try:
                 if rev:
-                    await self.bus.kv_update(S.BUCKET_JOBS, key, new.encode(), rev)
+                    await self.bus.kv(S.BUCKET_JOBS).update(key, new.encode(), rev)
                 else:
-                    await self.bus.kv_create(S.BUCKET_JOBS, key, new.encode())
+                    await self.bus.kv(S.BUCKET_JOBS).create(key, new.encode())
                 return new
             except ConflictError:
                 continue
@@ -283,7 +281,7 @@ class JobStore:
         default: all); a record that cannot be decoded is logged and left out."""
         await self.ensure()
         out = []
-        async for key, value in kv_snapshot(self.bus.js, S.BUCKET_JOBS, pattern or S.job_filter()):
+        async for key, value in self.bus.kv(S.BUCKET_JOBS).entries(pattern or S.job_filter()):
             try:
                 out.append((key, _decode(key, value)))
             except JobStoreError as exc:
@@ -298,7 +296,7 @@ class JobStore:
 
     async def manifest(self, batch: str) -> tuple[BatchManifest, int] | None:
         await self.ensure()
-        current = await self.bus.kv_get(S.BUCKET_JOBS, S.batch_key(batch))
+        current = await self.bus.kv(S.BUCKET_JOBS).get(S.batch_key(batch))
         if current is None:
             return None
         try:
@@ -307,7 +305,7 @@ class JobStore:
             raise JobStoreError(f"batch manifest {batch} cannot be decoded: {exc}") from None
 
     async def put_manifest(self, manifest: BatchManifest) -> None:
-        await self.bus.kv_put(S.BUCKET_JOBS, S.batch_key(manifest.id), manifest.encode())
+        await self.bus.kv(S.BUCKET_JOBS).put(S.batch_key(manifest.id), manifest.encode())
 
 
 def _decode(key: str, raw: bytes) -> JobRecord:
@@ -363,8 +361,8 @@ class BatchClient:
     async def prepare(self) -> None:
         """Every stream must exist before the first request (a producer may start before the
         services), and OUTCOMES and the jobs bucket before the first reply is sent."""
-        await self.bus.provision(await stored_settings(self.bus.js))
-        await self.store.ensure()
+        await self.bus.provision(jobs=not self.store.ready)
+        self.store.ready = True
 
     async def submit_file(self, path: str | Path, tenant: str, cls: str = S.BATCH, **kw: Any) -> SubmitReport:
         try:
@@ -410,7 +408,7 @@ class BatchClient:
         the system saw them (the stream may have aged out; records live a month)."""
         prefix = plan.id + "-"
         ids = set()
-        async for head in read_filtered(self.bus.js, S.STREAM_REQUESTS, S.request(plan.cls, plan.tenant),
+        async for head in self.bus.stream(S.STREAM_REQUESTS).filtered(S.request(plan.cls, plan.tenant),
                                         since=manifest.created - 2.0, headers_only=True):
             if head.msg_id.startswith(prefix):
                 ids.add(head.msg_id)

@@ -16,12 +16,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from nats.errors import TimeoutError as NatsTimeout
-
 from natsched.wire import chat
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.bus.connection import Bus
+from natsched.bus.errors import BusTimeout
 from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed, RequestTimeout
 from natsched.wire.errors import DecodeError, SchemaError
 from natsched.wire.schema import Control, Reply, ReplyKind, ReplyStatus, Request, RequestId, TenantId, WorkerId
@@ -220,7 +219,7 @@ class Client:
         while True:
             try:
                 msg = await sub.next_msg(timeout=wait)
-            except NatsTimeout:
+            except BusTimeout:
                 raise RequestTimeout(f"request {request.id}: no {stage} within {wait:.0f}s", request.id) from None
             try:
                 reply = Reply.decode(msg.data)

@@ -226,7 +226,7 @@ async def models(request: Request) -> Any:
 async def healthz(request: Request) -> Any:
     """200 while the bus connection is up (workers may come and go); 503 otherwise."""
     gw: Gateway = request.app.state.gateway
-    connected = bool(gw.client.bus.nc.is_connected)
+    connected = gw.client.bus.connected
     healthy = {m: ok for m, ok in gw.models().items() if ok}
     body = {"status": "ok" if connected else "unavailable", "bus": "connected" if connected else "disconnected",
             "models": sorted(healthy)}

@@ -29,7 +29,6 @@ from pathlib import Path
 
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ServerError
-from natsched.bus.provision import cluster_nodes
 from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, ClusterMember, EmbeddedServer, default_data_dir, free_port
 
 log = logging.getLogger(__name__)
@@ -111,8 +110,8 @@ class LocalCluster:
             last: Exception | None = None
             while time.monotonic() < deadline:
                 try:
-                    await bus.js.account_info()
-                    if cluster_nodes(bus.js) >= self.s.nodes:
+                    await bus.jetstream_ready()
+                    if bus.cluster_nodes() >= self.s.nodes:
                         break
                 except Exception as exc:  # no meta leader yet
                     last = exc

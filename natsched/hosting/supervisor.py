@@ -19,7 +19,6 @@ from pathlib import Path
 
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ServerError
-from natsched.bus.provision import provision_jobs
 from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, EmbeddedServer, die_with_parent
 from natsched.ops.auth import AuthDir, AuthError
 from natsched.hosting.runtime import READY_PREFIX
@@ -32,8 +31,7 @@ async def _provision(url: str, credentials: Path | None = None) -> None:
     create them (the services' roles may read stream info, not change it)."""
     bus = await Bus.connect(url, name="natsched-up", credentials=credentials)
     try:
-        await bus.provision()
-        await provision_jobs(bus.js)
+        await bus.provision(jobs=True)
     finally:
         await bus.close()
 

@@ -32,7 +32,6 @@ from natsched.admitter.errors import UsageError
 from natsched.admitter.quotas import Quotas
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
-from natsched.audit.records import kv_snapshot
 from natsched.bus.connection import Bus
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Completion, CompletionStatus, Decision, Heartbeat
@@ -298,8 +297,8 @@ class StatusCollector:
     async def snapshot(self) -> StatusView:
         # one filtered snapshot, not a watch plus a get per key: a role may be allowed this read
         # without the rights a watch needs (natsched.ops.auth, the gateway's role)
-        entries = {key: value async for key, value in kv_snapshot(self.bus.js, S.BUCKET_QUOTAS)}
-        usage = await self.bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
+        entries = {key: value async for key, value in self.bus.kv(S.BUCKET_QUOTAS).entries()}
+        usage = await self.bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE)
         return self.state.view(entries, usage[0] if usage else None, time.time())
 
     @staticmethod
@@ -327,17 +326,7 @@ async def stream_tail(bus: Bus, stream: str, count: int, parallel: int = 64) -> 
 
     Reading only the tail keeps a status page cheap on a week-long audit stream.
     """
-    info = await bus.js.stream_info(stream)
-    first, last = info.state.first_seq, info.state.last_seq
-    if not info.state.messages or count <= 0:
-        return []
-    seqs = list(range(max(first, last - count + 1), last + 1))
-    out: list[bytes] = []
-    for i in range(0, len(seqs), parallel):
-        got = await asyncio.gather(*(bus.js.get_msg(stream, seq) for seq in seqs[i:i + parallel]),
-                                   return_exceptions=True)
-        out += [m.data or b"" for m in got if not isinstance(m, BaseException)]  # deleted: a gap
-    return out
+    return await bus.stream(stream).tail(count, parallel)
 
 
 # --- the command ---------------------------------------------------------------------------

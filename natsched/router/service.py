@@ -68,7 +68,7 @@ class RouterService:
         (:meth:`observe_completion`) instead of this router watching ``done.>`` beside it, which
         brought every completion into the same process twice."""
         await self.bus.provision()
-        current = await self.bus.kv_get(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG)
+        current = await self.bus.kv(S.BUCKET_CONFIG).get(S.KEY_ROUTER_CONFIG)
         if current is not None:
             self.apply_config(current[0])
         self.bus.spawn(self._watch_config(), "router-config")
@@ -110,7 +110,7 @@ class RouterService:
         return True
 
     async def _watch_config(self) -> None:
-        async for _key, value, _rev in self.bus.kv_watch(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG):
+        async for _key, value, _rev in self.bus.kv(S.BUCKET_CONFIG).watch(S.KEY_ROUTER_CONFIG):
             if value is not None:
                 self.apply_config(value)
 

@@ -25,16 +25,19 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from natsched.wire import subjects as S
-from natsched.audit.records import Retention, decode_all, percentile, read_window, retention
+from natsched.audit.records import decode_all, percentile, when
 from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
 from natsched.wire.schema import Completion, CompletionStatus, Decision, Request
 from natsched.sim.des import SimResult, SimSettings, simulate
 from natsched.sim.errors import SimError
 from natsched.sim.trace import Trace, TraceRequest
 from natsched.workers.profiles import DEFAULT_PROFILE
+
+if TYPE_CHECKING:
+    from natsched.bus.connection import Bus
 
 SLACK_S = 600.0  # completions of the window's requests may land this long after it ends
 METRICS = ("requests", "completed", "failed", "ttft_p50_s", "ttft_p99_s", "latency_p50_s", "latency_p99_s",
@@ -70,38 +73,32 @@ class Recording:
 
 # ------------------------------------------------------------------ reading (I/O)
 
-async def load_recording(js: Any, since: float, until: float | None = None, tenant: str | None = None
+async def load_recording(bus: "Bus", since: float, until: float | None = None, tenant: str | None = None
                          ) -> Recording:
     """Everything needed to replay ``[since, until]``; :class:`WindowAgedOut` when it is gone."""
-    stored = [m async for m in read_window(js, S.STREAM_REQUESTS, since, until,
-                                           S.requests_of(tenant) if tenant else None)]
+    stored = [m async for m in bus.stream(S.STREAM_REQUESTS).window(since, until,
+                                                                    S.requests_of(tenant) if tenant else None)]
     if not stored:
-        await _check_aged_out(js, since, until)
+        await _check_aged_out(bus, since, until)
         return Recording(since, until, 0)
     horizon = (until if until is not None else stored[-1].ts) + SLACK_S
     requests = {r.id: (r, m.ts) for r, m in zip(decode_all(stored, Request), stored)}
-    routing = [d for d in decode_all([m async for m in read_window(
-        js, S.STREAM_DECISIONS, since, horizon, S.decision("routing", tenant) if tenant else None)], Decision)
+    routing = [d for d in decode_all([m async for m in bus.stream(S.STREAM_DECISIONS).window(
+        since, horizon, S.decision("routing", tenant) if tenant else None)], Decision)
         if d.stage == "routing"]
-    completions = decode_all([m async for m in read_window(
-        js, S.STREAM_COMPLETIONS, since, horizon, S.completion(tenant) if tenant else None)], Completion)
+    completions = decode_all([m async for m in bus.stream(S.STREAM_COMPLETIONS).window(
+        since, horizon, S.completion(tenant) if tenant else None)], Completion)
     return Recording(since, until, len(stored), match(requests, routing, completions))
 
 
-async def _check_aged_out(js: Any, since: float, until: float | None) -> None:
-    kept: Retention = await retention(js, S.STREAM_REQUESTS)
+async def _check_aged_out(bus: "Bus", since: float, until: float | None) -> None:
+    kept = await bus.stream(S.STREAM_REQUESTS).retention()
     end = until if until is not None else math.inf
     if kept.lost_some and (kept.first_ts is None or since < kept.first_ts) and end < (kept.first_ts or math.inf):
-        oldest = f"the oldest stored request is from {_fmt_ts(kept.first_ts)}" if kept.first_ts else \
+        oldest = f"the oldest stored request is from {when(kept.first_ts)}" if kept.first_ts else \
             "no request is stored any more"
         raise WindowAgedOut(f"the window's requests have aged out: {kept.describe()}, and {oldest} "
                             f"(natsched retention set {S.STREAM_REQUESTS} --max-age ... keeps more)")
-
-
-def _fmt_ts(ts: float | None) -> str:
-    import datetime as dt
-
-    return dt.datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds") if ts else "-"
 
 
 def _job_of(request_id: str, requests: dict) -> str | None:

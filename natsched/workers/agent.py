@@ -125,7 +125,7 @@ class WorkerAgent:
         try:
             await self._heartbeat()
             await self._publish_cache("cleared", [])
-            await self.bus.nc.flush(timeout=2)
+            await self.bus.flush(timeout=2)
         except Exception as exc:  # the bus may already be gone; leaving anyway
             log.warning("worker %s could not announce its exit: %s", self.id, exc)
         await self.engine.stop()

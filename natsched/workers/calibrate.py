@@ -132,9 +132,15 @@ def find_knee(levels: list[LevelResult], factor: float) -> tuple[int, int | None
     return last_ok, None, f"no knee up to concurrency {levels[last_ok].concurrency}"
 
 
+def _now() -> float:
+    """The running loop's clock (monotonic in production): one clock for every measurement, which a
+    test can replace with virtual time by running the calibration on a loop of its own."""
+    return asyncio.get_running_loop().time()
+
+
 async def _one(engine: Engine, rid: str, ids: list[int], max_tokens: int) -> tuple[float | None, float | None, int, bool]:
     """Run one request: (ttft, tpot, prompt+output tokens, ok)."""
-    start = time.perf_counter()
+    start = _now()
     first = None
     out_tokens = 0
     req = EngineRequest(id=rid, prompt_tokens=len(ids), hashes=[], max_tokens=max_tokens,
@@ -145,11 +151,11 @@ async def _one(engine: Engine, rid: str, ids: list[int], max_tokens: int) -> tup
                 log.warning("calibration request %s failed: %s", rid, out.error)
                 return None, None, 0, False
             if first is None and (out.token_ids or out.text or out.finished):
-                first = time.perf_counter()
+                first = _now()
             if out.finished:
                 out_tokens = out.output_tokens
                 break
-    end = time.perf_counter()
+    end = _now()
     ttft = (first - start) if first is not None else None
     tpot = ((end - first) / (out_tokens - 1)) if first is not None and out_tokens > 1 else None
     return ttft, tpot, len(ids) + out_tokens, True
@@ -186,13 +192,13 @@ async def run_level(engine: Engine, c: int, s: CalibrationSettings, rng: random.
             await asyncio.sleep(0.05)
 
     sampler = asyncio.create_task(sample())
-    started = time.perf_counter()
+    started = _now()
     try:
         await asyncio.wait_for(asyncio.gather(*(client(k) for k in range(c))), s.level_timeout_s)
     finally:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
-    duration = time.perf_counter() - started
+    duration = _now() - started
     mean_tokens = sum(tokens) / len(tokens) if tokens else 0.0
     return LevelResult(
         concurrency=c, requests=c * s.rounds, errors=errors,
@@ -227,12 +233,12 @@ async def calibrate(engine: Engine, settings: CalibrationSettings) -> Calibratio
 
 async def store_calibration(bus: Any, cal: Calibration) -> int:
     """Put the calibration in bucket ``workers``; returns the KV revision."""
-    return await bus.kv_put(S.BUCKET_WORKERS, S.calibration_key(cal.model, cal.deployment), cal.to_json())
+    return await bus.kv(S.BUCKET_WORKERS).put(S.calibration_key(cal.model, cal.deployment), cal.to_json())
 
 
 async def load_calibration(bus: Any, model: str, deployment: str) -> Calibration | None:
     """The stored calibration for (model, deployment), or None (absent or unreadable, logged)."""
-    entry = await bus.kv_get(S.BUCKET_WORKERS, S.calibration_key(model, deployment))
+    entry = await bus.kv(S.BUCKET_WORKERS).get(S.calibration_key(model, deployment))
     if entry is None:
         return None
     try:

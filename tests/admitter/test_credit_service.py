@@ -66,7 +66,8 @@ async def pause_keeper():
 async def test_allows_paid_from_credit_write_no_usage_and_their_records_say_so(bus, nats_url):
     adm = await start_admitter(nats_url)
     writes = 0
-    real = adm.bus.kv_update
+    inflight = adm.bus.kv(S.BUCKET_INFLIGHT)  # one handle per bucket and Bus: the admitter writes through it
+    real = inflight.update
 
     async def counted(*a, **kw):  # the real compare-and-swap, counted
         nonlocal writes
@@ -78,7 +79,7 @@ async def test_allows_paid_from_credit_write_no_usage_and_their_records_say_so(b
         await asyncio.sleep(0.1)
         adm.keep_credit = pause_keeper  # its top-ups and renewals are writes of their own, not counted here
         await asyncio.sleep(0.1)
-        adm.bus.kv_update = counted
+        inflight.update = counted
         before = adm.metrics.credit_allows._value.get()
         paid = [request() for _ in range(5)]
         for r in paid:
@@ -88,7 +89,7 @@ async def test_allows_paid_from_credit_write_no_usage_and_their_records_say_so(b
         for r in paid:
             record = await adm.shared.lookup(r.id)
             assert record.credit == adm.credit.epoch and record.by == "adm"
-        usage = Usage.from_json((await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))[0])
+        usage = Usage.from_json((await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
         records = await adm.shared.snapshot()
         assert sum(r.tokens for r in records.values()) <= usage.used  # everything running is counted
         assert usage.credit("adm", adm.credit.epoch).block("t1", "default") >= 5 * 300
@@ -97,8 +98,8 @@ async def test_allows_paid_from_credit_write_no_usage_and_their_records_say_so(b
 
 
 async def test_two_replicas_with_credit_never_pass_the_total(bus, nats_url):
-    await bus.kv_put(S.BUCKET_QUOTAS, "cluster.total", b"6000")  # 20 requests of 300
-    await bus.kv_put(S.BUCKET_QUOTAS, "class.online.queue", b"0")  # what does not fit is refused
+    await bus.kv(S.BUCKET_QUOTAS).put("cluster.total", b"6000")  # 20 requests of 300
+    await bus.kv(S.BUCKET_QUOTAS).put("class.online.queue", b"0")  # what does not fit is refused
     replicas = [await start_admitter(nats_url, f"adm{i}", fetch_batch=4) for i in range(2)]
     try:
         await asyncio.gather(*(publish(bus, request()) for _ in range(60)))
@@ -111,7 +112,7 @@ async def test_two_replicas_with_credit_never_pass_the_total(bus, nats_url):
         assert 0 < len(ok) <= 20  # credit held by one replica is not room for the other: maybe fewer
         records = await replicas[0].shared.snapshot()
         assert sum(r.tokens for r in records.values()) == 300 * len(ok) <= 6000
-        usage = Usage.from_json((await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))[0])
+        usage = Usage.from_json((await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
         assert usage.used <= 6000
     finally:
         for r in replicas:
@@ -160,7 +161,7 @@ async def test_idle_credit_is_given_back_and_stop_gives_back_the_rest(bus, nats_
         reqs = await warm(bus, adm)
         assert adm.shared.usage.credits
         await adm.stop()
-        usage = Usage.from_json((await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))[0])
+        usage = Usage.from_json((await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
         assert not usage.credits and usage.used == 300 * len(reqs)  # only what is running
     finally:
         await adm.bus.close()
@@ -196,7 +197,7 @@ async def test_credit_never_makes_a_request_wait_it_is_given_back_in_the_same_wr
         await asyncio.sleep(0.1)
         running, free = 300 * len(reqs), sum(adm.credit.free.values())
         total = running + 300 + free // 2  # room for one more request only if a's credit goes back
-        await bus.kv_put(S.BUCKET_QUOTAS, "cluster.total", str(total).encode())
+        await bus.kv(S.BUCKET_QUOTAS).put("cluster.total", str(total).encode())
         assert await until(lambda: adm.total == total, timeout=5)
         other = request(tenant="t2")  # another tenant: a's block for t1 cannot pay for it
         await publish(bus, other)

@@ -56,8 +56,8 @@ async def test_batch_completes_offline_while_online_is_admitted_normally(bus, na
         assert by_stage == {("admission", "degrade"): LINES, ("offline", "allow"): LINES, ("routing", "assign"): LINES}
 
         # each OFFLINE message was delivered once: nothing waited for an ack timeout to be redelivered
-        info = await bus.js.consumer_info(S.STREAM_OFFLINE, S.CONSUMER_OFFLINE)
-        assert info.delivered.consumer_seq == info.delivered.stream_seq == LINES
+        info = await bus.stream(S.STREAM_OFFLINE).consumer(S.CONSUMER_OFFLINE)
+        assert info.delivered_consumer_seq == info.delivered_stream_seq == LINES
 
         # the offline runner stayed under its share: every reservation fit the low watermark
         for d in decisions:
@@ -71,7 +71,7 @@ async def test_batch_completes_offline_while_online_is_admitted_normally(bus, na
 
         # any id's whole story
         some = rows[17]["id"]
-        story = await audit_request(bus.js, some, job=(await JobStore(bus).find(some))[1])
+        story = await audit_request(bus, some, job=(await JobStore(bus).find(some))[1])
         stages = [e["stage"] for e in story["events"]]
         assert stages == ["submitted", "admission", "offline", "routing", "completion"]
         routing = story["events"][3]
@@ -81,13 +81,13 @@ async def test_batch_completes_offline_while_online_is_admitted_normally(bus, na
         shown = cli(nats_url, "audit", some)
         assert shown.returncode == 0 and "offline" in shown.stdout and "scores w1=" in shown.stdout
 
-        summary = await audit_window(bus.js, since, None, "t1")
+        summary = await audit_window(bus, since, None, "t1")
         assert summary["requests"] == LINES and summary["completed"] == LINES
         assert summary["decisions"]["admission.degrade"] == {"watermark": LINES}
         assert summary["hit_ratio"] > 0  # lines share a prefix: some of it came from cache
 
         # the replay of the window under round_robin
-        recording = await load_recording(bus.js, since)
+        recording = await load_recording(bus, since)
         comparison = replay(recording, "round_robin", time_scale=0.05)
         assert set(comparison.columns) == {"recorded", "replay least_loaded", "replay round_robin"}
         assert comparison.columns["recorded"]["requests"] == LINES + len(online)

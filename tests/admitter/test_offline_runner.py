@@ -32,7 +32,7 @@ async def jobs_stack(url: str, *, total: int = 3000, workers: int = 2, **stack_k
     the admitter degrades every batch request (degrade watermark 0: batch work always goes offline)."""
     stack = await start_stack(url, workers=workers, **stack_kw)
     stack.admitter.core.settings.degrade_watermark = 0.0
-    await stack.client.bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(total))
+    await stack.client.bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(total))
     runner, runner_bus = await start_runner(url)
     stack.buses.append(runner_bus)
     await wait_for(lambda: stack.admitter.total == total and runner.total == total)
@@ -145,8 +145,7 @@ async def test_hostile_offline_messages_are_dead_lettered_and_the_runner_keeps_s
 
 
 async def _dead_count(bus, n):
-    info = await bus.js.stream_info(S.STREAM_DEADLETTER)
-    return info.state.messages >= n
+    return (await bus.stream(S.STREAM_DEADLETTER).info()).messages >= n
 
 
 async def test_garbage_on_an_outcome_subject_is_dead_lettered(stack, bus):
@@ -169,7 +168,7 @@ async def test_the_same_job_queued_twice_runs_once(stack, bus):
 
 
 async def _queue_empty(bus):
-    return (await bus.js.stream_info(S.STREAM_OFFLINE)).state.messages == 0
+    return (await bus.stream(S.STREAM_OFFLINE).info()).messages == 0
 
 
 async def test_a_lost_attempt_times_out_and_is_retried(stack, bus):
@@ -235,8 +234,8 @@ async def test_metrics_count_what_the_runner_did(bus, nats_url):
 
 
 async def _outcomes_empty(bus):
-    info = await bus.js.consumer_info(S.STREAM_OUTCOMES, S.CONSUMER_OFFLINE_OUTCOMES)
-    return info.num_pending == 0 and info.num_ack_pending == 0
+    info = await bus.stream(S.STREAM_OUTCOMES).consumer(S.CONSUMER_OFFLINE_OUTCOMES)
+    return info.pending == 0 and info.ack_pending == 0
 
 
 async def test_a_quota_rejection_of_a_batch_line_puts_it_on_the_offline_path(stack, bus):
@@ -260,7 +259,7 @@ async def test_a_quota_rejection_of_a_batch_line_puts_it_on_the_offline_path(sta
 
 async def test_a_corrupted_job_record_is_replaced_not_fatal(stack, bus):
     await JobStore(bus).ensure()
-    await bus.kv_put(S.BUCKET_JOBS, S.job_key("t1", S.NO_BATCH, "rot1"), b"\xc1 rotten")
+    await bus.kv(S.BUCKET_JOBS).put(S.job_key("t1", S.NO_BATCH, "rot1"), b"\xc1 rotten")
     assert (await JobStore(bus).get(S.job_key("t1", S.NO_BATCH, "rot1"))) is None
     await stack.client.submit(make_request("t1", "after the rot", max_tokens=2, cls="offline", id="rot1"))
     assert await wait_for(lambda: _status(bus, "rot1", "completed"))

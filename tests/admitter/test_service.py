@@ -31,7 +31,7 @@ async def stop(*services):
 
 async def set_quotas(bus, **entries):
     for key, value in entries.items():
-        await bus.kv_put(S.BUCKET_QUOTAS, key.replace("__", "."), orjson.dumps(value))
+        await bus.kv(S.BUCKET_QUOTAS).put(key.replace("__", "."), orjson.dumps(value))
 
 
 def request(tenant="t1", tokens=100, cls="online", **kw) -> Request:
@@ -62,7 +62,7 @@ async def test_three_replicas_racing_never_over_admit(bus, nats_url):
         allowed = [d for d in ds if d.decision == "allow"]
         assert len(allowed) == 10  # compare-and-swap: exactly what fits, never more
         assert len({d.by for d in ds}) >= 2  # the replicas really shared the work
-        usage = Usage.from_json((await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))[0])
+        usage = Usage.from_json((await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
         assert usage.used == 3000
     finally:
         await stop(*replicas)
@@ -131,8 +131,8 @@ async def test_queued_request_is_held_then_admitted_when_tokens_free(bus, nats_u
         assert (status.kind, status.status) == ("status", "queued") and status.est_wait is not None
         assert second.id in adm.held
         await asyncio.sleep(1.5)  # longer than keepalive: the held message is kept alive, not redelivered
-        info = await bus.js.consumer_info(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER)
-        assert info.num_ack_pending == 1 and info.num_redelivered == 0
+        info = await bus.stream(S.STREAM_REQUESTS).consumer(S.CONSUMER_ADMITTER)
+        assert info.ack_pending == 1 and info.redelivered == 0
         await bus.jpublish(S.completion("t1"), make_completion(first.id, runtime_tokens=300), msg_id="c-first")
         admitted = Reply.decode((await sub.next_msg(timeout=5)).data)
         assert admitted.status == "admitted"
@@ -234,8 +234,8 @@ async def test_reconciliation_repairs_a_drifted_aggregate(bus, nats_url):
         r = request()
         await publish(bus, r)
         assert await until(lambda: adm.shared.usage.used == 300)
-        current = await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
-        await bus.kv_update(S.BUCKET_INFLIGHT, S.KEY_USAGE, Usage(used=5000, tenants={"t1": 5000}).to_json(),
+        current = await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE)
+        await bus.kv(S.BUCKET_INFLIGHT).update(S.KEY_USAGE, Usage(used=5000, tenants={"t1": 5000}).to_json(),
                             current[1])
         assert await until(lambda: adm.shared.usage.used == 5000)
         assert await adm.reconcile_once() == 0  # seen once: could be a commit in flight
@@ -249,14 +249,14 @@ async def test_reconciliation_repairs_a_drifted_aggregate(bus, nats_url):
 async def test_quota_edits_apply_live_and_bad_ones_are_refused(bus, nats_url):
     adm = await start_admitter(nats_url)
     try:
-        await bus.kv_put(S.BUCKET_QUOTAS, "tenant.a", orjson.dumps({"floor": 0.6, "weight": 1}))
+        await bus.kv(S.BUCKET_QUOTAS).put("tenant.a", orjson.dumps({"floor": 0.6, "weight": 1}))
         assert await until(lambda: "a" in adm.core.quotas.tenants, timeout=2)
-        await bus.kv_put(S.BUCKET_QUOTAS, "tenant.b", orjson.dumps({"floor": 0.6, "weight": 1}))  # 120 %
+        await bus.kv(S.BUCKET_QUOTAS).put("tenant.b", orjson.dumps({"floor": 0.6, "weight": 1}))  # 120 %
         await asyncio.sleep(0.5)
         # b's floor edit is refused (its floor stays at the previous value, 0); a keeps its 60 %
         assert adm.core.quotas.tenants["a"].floor == 0.6
         assert getattr(adm.core.quotas.tenants.get("b"), "floor", 0.0) == 0.0
-        await bus.kv_put(S.BUCKET_QUOTAS, "tenant.a", b"{corrupt")
+        await bus.kv(S.BUCKET_QUOTAS).put("tenant.a", b"{corrupt")
         await asyncio.sleep(0.5)
         assert adm.core.quotas.tenants["a"].floor == 0.6
         assert adm.metrics.bad_quota_entries._value.get() >= 1
@@ -299,7 +299,7 @@ async def test_a_released_reservation_leaves_only_an_expiring_tombstone(bus, nat
         assert taken is not None and taken.moved_from == "w9"
         raw = await bus.js.get_msg(f"KV_{S.BUCKET_INFLIGHT}", subject=f"$KV.{S.BUCKET_INFLIGHT}.{S.reservation_key(rid)}")
         assert raw.headers["KV-Operation"] == "PURGE" and raw.headers["Nats-TTL"] == f"{MARKER_TTL_S}s"
-        assert await bus.kv_get(S.BUCKET_INFLIGHT, S.reservation_key(rid)) is None
+        assert await bus.kv(S.BUCKET_INFLIGHT).get(S.reservation_key(rid)) is None
         assert await adm.shared.take(rid) is None  # freed once
         assert await until(lambda: rid not in adm.shared.reservations, timeout=5)
     finally:
@@ -403,14 +403,14 @@ async def test_an_undecodable_usage_is_overwritten_by_the_next_commit_not_fatal(
         first, second = request(), request()
         await publish(bus, first)
         assert await until(lambda: adm.shared.usage.used == 300)
-        await bus.kv_put(S.BUCKET_INFLIGHT, S.KEY_USAGE, b"{not a usage")
+        await bus.kv(S.BUCKET_INFLIGHT).put(S.KEY_USAGE, b"{not a usage")
         assert await until(lambda: adm.shared.corrupted > 0)
         assert "cannot be decoded" in caplog.text
         assert adm.shared.usage.used == 300  # the last good value, still decided on
         sub = await bus.inbox(S.reply(second.id))
         await publish(bus, second)
         assert Reply.decode((await sub.next_msg(timeout=5)).data).status == "admitted"
-        stored = Usage.from_json((await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))[0])
+        stored = Usage.from_json((await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
         assert stored.used == 600 and adm.shared.corrupted == 0
     finally:
         await stop(adm)
@@ -423,10 +423,10 @@ async def test_reconciliation_rebuilds_an_undecodable_usage_from_the_records_at_
     try:
         await publish(bus, request())
         assert await until(lambda: adm.shared.usage.used == 300)
-        await bus.kv_put(S.BUCKET_INFLIGHT, S.KEY_USAGE, orjson.dumps({"used": -5}))
+        await bus.kv(S.BUCKET_INFLIGHT).put(S.KEY_USAGE, orjson.dumps({"used": -5}))
         assert await until(lambda: adm.shared.corrupted > 0)
         assert await adm.reconcile_once() == 1
-        stored = Usage.from_json((await bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))[0])
+        stored = Usage.from_json((await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
         assert stored.used == 300 and stored.tenants == {"t1": 300} and adm.shared.corrupted == 0
     finally:
         await stop(adm)

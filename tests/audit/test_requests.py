@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from natsched.wire import subjects as S
-from natsched.audit.records import AuditNotFound, audit_request, audit_window, read_window
+from natsched.audit.records import AuditNotFound, audit_request, audit_window
 from natsched.client.producer import make_request
 from natsched.client.errors import Rejected
 from natsched.cli.jobs import parse_time
@@ -20,7 +20,7 @@ async def test_an_online_request_tells_its_whole_story(stack, bus):
     system = "Shared system prompt for the audit. " * 12
     await stack.client.submit(make_request("t1", "warm", system_prompt=system, max_tokens=2))
     result = await stack.client.submit(make_request("t1", "q", system_prompt=system, max_tokens=3, id="aud1"))
-    story = await audit_request(bus.js, "aud1")
+    story = await audit_request(bus, "aud1")
     assert [(e["stage"], e["what"]) for e in story["events"]] == [
         ("submitted", "stored"), ("admission", "allow"), ("routing", "assign"), ("completion", "ok")]
     admission, routing, completion = story["events"][1:]
@@ -34,13 +34,13 @@ async def test_an_online_request_tells_its_whole_story(stack, bus):
 async def test_a_rejected_request_ends_with_its_reason(stack, bus):
     with pytest.raises(Rejected):
         await stack.client.submit(make_request("t1", "x", max_tokens=0, id="rej1"))
-    story = await audit_request(bus.js, "rej1")
+    story = await audit_request(bus, "rej1")
     assert story["outcome"] == "rejected (invalid_max_tokens)"
     assert [e["stage"] for e in story["events"]] == ["submitted", "admission"]
 
 
 async def test_a_queued_request_shows_its_wait(stack, bus):
-    await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
+    await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
     from tests.admitter.test_offline_runner import wait_for
 
     assert await wait_for(lambda: stack.admitter.total == 300)
@@ -51,7 +51,7 @@ async def test_a_queued_request_shows_its_wait(stack, bus):
     await wait_for(lambda: stack.admitter.shared.usage.used > 0)
     await stack.client.submit(make_request("t1", prompt_token_ids=list(range(100)), max_tokens=50, id="q1"))
     await first
-    story = await audit_request(bus.js, "q1")
+    story = await audit_request(bus, "q1")
     assert [e["stage"] for e in story["events"]][:3] == ["submitted", "queue", "admission"]
     assert story["queue_wait"] > 0
 
@@ -59,9 +59,9 @@ async def test_a_queued_request_shows_its_wait(stack, bus):
 async def test_unknown_id_is_not_found_and_names_the_retention(stack, bus):
     await stack.client.submit(make_request("t1", "something", max_tokens=2))
     with pytest.raises(AuditNotFound, match="not found.*REQUESTS keeps messages for 7d"):
-        await audit_request(bus.js, "nobody")
+        await audit_request(bus, "nobody")
     with pytest.raises(ValueError):
-        await audit_request(bus.js, "not.a.token")
+        await audit_request(bus, "not.a.token")
 
 
 async def test_window_summary_counts_decisions_and_completions(stack, bus):
@@ -71,7 +71,7 @@ async def test_window_summary_counts_decisions_and_completions(stack, bus):
     with pytest.raises(Rejected):
         await stack.client.submit(make_request("t1", "x", max_tokens=0))
     await stack.client.submit(make_request("other", "not counted", max_tokens=2))
-    s = await audit_window(bus.js, since, None, "t1")
+    s = await audit_window(bus, since, None, "t1")
     assert s["requests"] == 5 and s["completed"] == 4
     assert s["decisions"] == {"admission.allow": {"-": 4}, "admission.reject": {"invalid_max_tokens": 1},
                               "routing.assign": {"load": 4}}
@@ -80,7 +80,7 @@ async def test_window_summary_counts_decisions_and_completions(stack, bus):
 
 
 async def test_empty_window_is_an_empty_summary_exit_0(bus, nats_url):
-    s = await audit_window(bus.js, time.time() - 60, None, "t1")
+    s = await audit_window(bus, time.time() - 60, None, "t1")
     assert (s["requests"], s["completed"], s["decisions"], s["ttft_p50_s"], s["hit_ratio"]) == (0, 0, {}, None, None)
     shown = cli(nats_url, "audit", "--tenant", "t1", "--since", "10m", "--json")
     assert shown.returncode == 0 and orjson.loads(shown.stdout)["requests"] == 0
@@ -96,9 +96,9 @@ async def test_window_reads_respect_until(bus):
     await bus.jpublish(S.request("online", "t1"), make_request("t1", "a"), msg_id="w1")
     middle = time.time()
     await bus.jpublish(S.request("online", "t1"), make_request("t1", "b"), msg_id="w2")
-    ids = [m.msg_id async for m in read_window(bus.js, S.STREAM_REQUESTS, before - 1, middle)]
+    ids = [m.msg_id async for m in bus.stream(S.STREAM_REQUESTS).window(before - 1, middle)]
     assert ids == ["w1"]
-    later = [m.msg_id async for m in read_window(bus.js, S.STREAM_REQUESTS, middle, None)]
+    later = [m.msg_id async for m in bus.stream(S.STREAM_REQUESTS).window(middle, None)]
     assert later == ["w2"]
 
 

@@ -39,8 +39,8 @@ async def test_requests_go_round_robin_to_the_workers_and_bad_input_is_dead_lett
     assert subject.endswith(".relay") and letter.subject == S.request(S.ONLINE, "t1") and letter.reason
 
     async def settled() -> bool:  # every request acked or terminated: nothing will come back
-        info = await bus.js.consumer_info(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER)
-        return info.num_ack_pending == 0 and info.num_pending == 0
+        info = await bus.stream(S.STREAM_REQUESTS).consumer(S.CONSUMER_ADMITTER)
+        return info.ack_pending == 0 and info.pending == 0
 
     for _ in range(50):
         if await settled():

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 async def stack(bus, nats_url):
     s = await start_stack(nats_url, workers=2)
-    await bus.kv_put(S.BUCKET_QUOTAS, S.tenant_quota_key("acme"), orjson.dumps({"floor": 0.1, "cap": 1000}))
+    await bus.kv(S.BUCKET_QUOTAS).put(S.tenant_quota_key("acme"), orjson.dumps({"floor": 0.1, "cap": 1000}))
     try:
         yield s
     finally:
@@ -75,10 +75,10 @@ async def test_quota_show_splits_out_credit_and_survives_an_undecodable_usage(bu
     cluster's usage is explained. A corrupted usage is a warning, not a traceback."""
     from natsched.admitter.usage import CreditEntry, Usage
 
-    await bus.kv_put(S.BUCKET_QUOTAS, S.tenant_quota_key("acme"), orjson.dumps({"floor": 0.1}))
+    await bus.kv(S.BUCKET_QUOTAS).put(S.tenant_quota_key("acme"), orjson.dumps({"floor": 0.1}))
     usage = Usage(used=700, tenants={"acme": 700}, models={"m": 700}, credits={
         "adm-a": CreditEntry("e1", 1, {("acme", "m"): 400}), "adm-b": CreditEntry("e2", 1, {("acme", "m"): 100})})
-    await bus.kv_put(S.BUCKET_INFLIGHT, S.KEY_USAGE, usage.to_json())
+    await bus.kv(S.BUCKET_INFLIGHT).put(S.KEY_USAGE, usage.to_json())
     try:
         proc = await natsched("quota", "show", "--json", "--nats-url", nats_url)
         out, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -87,12 +87,12 @@ async def test_quota_show_splits_out_credit_and_survives_an_undecodable_usage(bu
         assert (shown["used"], shown["credit"]) == (700, 500)
         assert (shown["tenants"]["acme"]["used"], shown["tenants"]["acme"]["credit"]) == (700, 500)
 
-        await bus.kv_put(S.BUCKET_INFLIGHT, S.KEY_USAGE, b"{garbage")
+        await bus.kv(S.BUCKET_INFLIGHT).put(S.KEY_USAGE, b"{garbage")
         proc = await natsched("quota", "show", "--nats-url", nats_url)
         out, err = await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 0, err.decode()
         assert "the shared usage cannot be decoded" in err.decode() and "Traceback" not in err.decode()
         assert "in use unknown" in out.decode()
     finally:
-        await bus.kv_delete(S.BUCKET_INFLIGHT, S.KEY_USAGE)
-        await bus.kv_delete(S.BUCKET_QUOTAS, S.tenant_quota_key("acme"))
+        await bus.kv(S.BUCKET_INFLIGHT).delete(S.KEY_USAGE)
+        await bus.kv(S.BUCKET_QUOTAS).delete(S.tenant_quota_key("acme"))

@@ -61,7 +61,7 @@ async def test_resume_after_an_interruption_long_after_the_dedup_window(bus):
     assert (resumed.published, resumed.already, resumed.resumed) == (4, 8, True)
     ids = await stored_ids(bus)
     assert len(ids) == len(set(ids)) == 12
-    manifest = BatchManifest.decode((await bus.kv_get(S.BUCKET_JOBS, S.batch_key(resumed.batch)))[0])
+    manifest = BatchManifest.decode((await bus.kv(S.BUCKET_JOBS).get(S.batch_key(resumed.batch)))[0])
     assert manifest.complete and manifest.submitted == 12
 
 

@@ -104,8 +104,8 @@ async def test_system_prompt_is_the_stable_prefix_so_a_follow_up_hits_the_cache(
 
 async def test_quota_rejection_is_a_429_the_sdk_raises_with_retry_after(cluster, bus):
     stack, gw = cluster
-    await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
-    await bus.kv_put(S.BUCKET_QUOTAS, "class.online.queue", orjson.dumps(0))
+    await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
+    await bus.kv(S.BUCKET_QUOTAS).put("class.online.queue", orjson.dumps(0))
     for _ in range(100):
         if stack.admitter.total == 300 and stack.admitter.core.quotas.queue_limit("online") == 0:
             break

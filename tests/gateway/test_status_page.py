@@ -104,9 +104,9 @@ async def cluster(bus, nats_url):
 
 async def test_status_page_shows_workers_tenants_queues_and_rejections(cluster, bus, tmp_path):
     stack, gw = cluster
-    await bus.kv_put(S.BUCKET_QUOTAS, S.tenant_quota_key("acme"), orjson.dumps({"floor": 0.25, "cap": 9000}))
-    await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
-    await bus.kv_put(S.BUCKET_QUOTAS, "class.online.queue", orjson.dumps(0))
+    await bus.kv(S.BUCKET_QUOTAS).put(S.tenant_quota_key("acme"), orjson.dumps({"floor": 0.25, "cap": 9000}))
+    await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
+    await bus.kv(S.BUCKET_QUOTAS).put("class.online.queue", orjson.dumps(0))
     for _ in range(100):
         if stack.admitter.total == 300 and stack.admitter.core.quotas.queue_limit("online") == 0:
             break

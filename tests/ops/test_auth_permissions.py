@@ -242,13 +242,13 @@ async def test_services_are_confined_to_their_stage(probe):
 
 async def test_producer_cannot_edit_quotas(probe, provisioned):
     _, _, admin = provisioned
-    await admin.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(5000))
+    await admin.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(5000))
     a = await probe("producer-A")
     for subject in ("$KV.quotas." + S.KEY_CLUSTER_TOTAL, "$KV.quotas." + S.tenant_quota_key("A"),
                     "$JS.API.STREAM.UPDATE.KV_quotas", "$JS.API.STREAM.PURGE.KV_quotas",
                     "$JS.API.STREAM.DELETE.KV_quotas", "$KV.config." + S.KEY_ROUTER_CONFIG):
         assert await a.publish(subject, orjson.dumps(1)), f"producer publishing to {subject} was not refused"
-    assert (await admin.kv_get(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL))[0] == orjson.dumps(5000)  # never stored
+    assert (await admin.kv(S.BUCKET_QUOTAS).get(S.KEY_CLUSTER_TOTAL))[0] == orjson.dumps(5000)  # never stored
 
 
 # --- a full request, every service on its own role -----------------------------------------

@@ -21,10 +21,9 @@ from natsched.admitter.offline import OfflineRunner, OfflineSettings
 from natsched.admitter.service import AdmitterService
 from natsched.bus.snapshot import read_kv
 from natsched.wire import subjects as S
-from natsched.audit.records import AuditError
+from natsched.bus.errors import ReadError
 from natsched.client.batch import BatchClient, JobStore
 from natsched.bus.connection import Bus, Credentials
-from natsched.bus.provision import provision_jobs
 from natsched.bus.server import find_binary
 from tests.factories.gateway import start_gateway
 from natsched.ops.auth import AuthSettings, add_auth_parser, cmd_auth, init
@@ -58,7 +57,7 @@ async def provisioned(secured):
     server, files = secured
     admin = await Bus.connect(server.url, name="admin", credentials=files.creds("admin"))
     await admin.provision()
-    await provision_jobs(admin.js)
+    await admin.provision_jobs()
     try:
         yield server, files, admin
     finally:
@@ -220,7 +219,7 @@ async def test_batch_role_of_one_tenant_cannot_read_another_tenants_job_records(
     answer = await a.nc.request("$JS.API.CONSUMER.CREATE.KV_jobs.x.$KV.jobs.job.A.*.*", orjson.dumps(body), timeout=10)
     assert orjson.loads(answer.data)["error"]["err_code"] == 10131  # filter does not match the create subject
     # and the real reader says so: B's batch status, asked with A's credentials
-    with pytest.raises(AuditError, match="may not read"):
+    with pytest.raises(ReadError, match="may not read"):
         await own.status(report.batch)
 
 

@@ -105,9 +105,9 @@ def test_render_text_shows_every_section():
 async def test_collector_follows_a_live_cluster_and_backfills_from_the_streams(bus, nats_url):
     stack = await start_stack(nats_url, workers=2, time_scale=1.0)  # real-time decode: the hog holds its tokens
     try:
-        await bus.kv_put(S.BUCKET_QUOTAS, S.tenant_quota_key("t1"), orjson.dumps({"floor": 0.2, "cap": 5000}))
-        await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
-        await bus.kv_put(S.BUCKET_QUOTAS, "class.online.queue", orjson.dumps(0))
+        await bus.kv(S.BUCKET_QUOTAS).put(S.tenant_quota_key("t1"), orjson.dumps({"floor": 0.2, "cap": 5000}))
+        await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
+        await bus.kv(S.BUCKET_QUOTAS).put("class.online.queue", orjson.dumps(0))
         for _ in range(100):
             if stack.admitter.total == 300 and stack.admitter.core.quotas.queue_limit("online") == 0:
                 break

@@ -26,7 +26,7 @@ async def record_some(stack, n: int = 16) -> float:
 
 async def test_replay_prints_recorded_beside_both_policies(stack, bus):
     since = await record_some(stack)
-    recording = await load_recording(bus.js, since)
+    recording = await load_recording(bus, since)
     assert recording.submitted == 16 and len(recording.routed) == 16
     assert {r.policy for r in recording.routed} == {"least_loaded"}
     assert all(r.completion is not None and r.completion.request_id == r.request.id for r in recording.routed)
@@ -46,14 +46,14 @@ async def test_a_window_that_aged_out_names_the_retention(stack, bus, nats_url):
     await stack.client.submit(make_request("t1", "kept", max_tokens=2))
     await bus.js.purge_stream(S.STREAM_REQUESTS, keep=1)  # what max_age does to old messages
     with pytest.raises(WindowAgedOut, match="aged out: REQUESTS keeps messages for 7d and at most 1 GiB"):
-        await load_recording(bus.js, gone_until - 60, gone_until)
+        await load_recording(bus, gone_until - 60, gone_until)
     done = cli(nats_url, "replay", "--since", str(gone_until - 60), "--until", str(gone_until), "--policy",
                "round_robin")
     assert done.returncode == 1 and "aged out" in done.stderr and "retention" in done.stderr
 
 
 async def test_an_empty_window_replays_nothing_exit_0(stack, bus, nats_url):
-    recording = await load_recording(bus.js, time.time() - 60)
+    recording = await load_recording(bus, time.time() - 60)
     assert (recording.submitted, recording.routed) == (0, [])
     done = cli(nats_url, "replay", "--since", "1m", "--policy", "round_robin")
     assert done.returncode == 0 and "nothing to replay" in done.stdout
@@ -61,7 +61,7 @@ async def test_an_empty_window_replays_nothing_exit_0(stack, bus, nats_url):
 
 async def test_an_unknown_policy_is_refused_with_the_known_ones(stack, bus):
     since = await record_some(stack, 2)
-    recording = await load_recording(bus.js, since)
+    recording = await load_recording(bus, since)
     with pytest.raises(SimConfigError, match="round_robin"):
         replay(recording, "no_such_policy")
     with pytest.raises(ReplayError):

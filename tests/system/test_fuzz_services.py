@@ -214,7 +214,7 @@ async def _start(url: str) -> tuple:
     fuzzer = await connect("fuzzer")
     await wipe(fuzzer)
     await fuzzer.provision()
-    await fuzzer.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(10_000_000))
+    await fuzzer.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(10_000_000))
     admitter = AdmitterService(await connect("admitter"))
     await admitter.start()
     router = RouterService(await connect("router"), RouterServiceSettings(
@@ -277,12 +277,12 @@ def _repair_usage(env: Env) -> None:
     """Undo a corrupted shared usage (what the reply-subject bugs do), so one finding does not
     fail every later test."""
     async def repair():
-        current = await env.bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE)
+        current = await env.bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE)
         try:
             if current is not None:
                 orjson.loads(current[0])
         except orjson.JSONDecodeError:
-            await env.bus.kv_delete(S.BUCKET_INFLIGHT, S.KEY_USAGE)
+            await env.bus.kv(S.BUCKET_INFLIGHT).delete(S.KEY_USAGE)
 
     env.run(repair())
 
@@ -290,9 +290,9 @@ def _repair_usage(env: Env) -> None:
 def _restore_quotas(env: Env) -> None:
     async def restore():
         for key in QUOTA_KEYS:
-            if key != S.KEY_CLUSTER_TOTAL and await env.bus.kv_get(S.BUCKET_QUOTAS, key) is not None:
-                await env.bus.kv_delete(S.BUCKET_QUOTAS, key)
-        await env.bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(10_000_000))
+            if key != S.KEY_CLUSTER_TOTAL and await env.bus.kv(S.BUCKET_QUOTAS).get(key) is not None:
+                await env.bus.kv(S.BUCKET_QUOTAS).delete(key)
+        await env.bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(10_000_000))
 
     env.run(restore())
     assert env.wait(lambda: env.admitter.core.quotas.total == 10_000_000)
@@ -384,8 +384,8 @@ def test_work_subject(fresh, data):
 
 
 async def _consumers_done(bus: Bus, seq: int) -> bool:
-    info = await bus.js.consumer_info(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS)
-    return info.ack_floor.stream_seq >= seq and not info.num_ack_pending
+    info = await bus.stream(S.STREAM_COMPLETIONS).consumer(S.CONSUMER_ADMITTER_COMPLETIONS)
+    return info.ack_floor >= seq and not info.ack_pending
 
 
 def _router_feedback(env, worker: str) -> float:
@@ -507,8 +507,8 @@ def test_quota_values(fresh, key, value):
     n = next(_ids) + 1
 
     async def put():
-        await env.bus.kv_put(S.BUCKET_QUOTAS, key, value)
-        await env.bus.kv_put(S.BUCKET_QUOTAS, "model.fz-sentinel", orjson.dumps(n))
+        await env.bus.kv(S.BUCKET_QUOTAS).put(key, value)
+        await env.bus.kv(S.BUCKET_QUOTAS).put("model.fz-sentinel", orjson.dumps(n))
 
     env.run(put())
     assert env.wait(lambda: env.admitter.core.quotas.models.get("fz-sentinel") == n), \
@@ -526,8 +526,8 @@ def test_router_config_values(fresh, value):
     share = (next(_ids) % 997 + 1) / 1000
 
     async def put():
-        await env.bus.kv_put(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG, value)
-        await env.bus.kv_put(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG, orjson.dumps(
+        await env.bus.kv(S.BUCKET_CONFIG).put(S.KEY_ROUTER_CONFIG, value)
+        await env.bus.kv(S.BUCKET_CONFIG).put(S.KEY_ROUTER_CONFIG, orjson.dumps(
             {"policy": "least_loaded", "canary": "round_robin", "canary_share": share}))
 
     env.run(put())
@@ -540,8 +540,8 @@ def test_router_config_values(fresh, value):
 # --- the inputs the fuzz found, pinned ------------------------------------------------------
 def _admitter_acked(env: Env, seq: int) -> Callable[[], Any]:
     async def check() -> bool:
-        info = await env.bus.js.consumer_info(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER)
-        return info.ack_floor.stream_seq >= seq and info.num_ack_pending == 0
+        info = await env.bus.stream(S.STREAM_REQUESTS).consumer(S.CONSUMER_ADMITTER)
+        return info.ack_floor >= seq and info.ack_pending == 0
     return check
 
 
@@ -566,10 +566,10 @@ def test_a_request_cannot_name_a_reply_subject_outside_its_own_replies(fresh, re
     env = fresh
     rid = new_id()
     request = valid_messages(rid=rid, tenant="fz", reply=reply)["Request"]
-    before = env.run(env.bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))
+    before = env.run(env.bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))
     ack = env.run(env.bus.jpublish(S.request(S.ONLINE, "fz"), request.encode(), msg_id=rid))
     assert env.wait_async(_admitter_acked(env, ack.seq))
-    after = env.run(env.bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))
+    after = env.run(env.bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))
     assert after is None or orjson.loads(after[0]) is not None, "the shared usage was overwritten"
     assert before is None or after[1] >= before[1]
     refused = [d.reason for d in env.observer.dead.get(rid, [])] == ["invalid"] or any(
@@ -615,5 +615,5 @@ def test_a_reply_header_cannot_make_a_service_publish_outside_the_replies(fresh)
     ack = env.run(env.bus.jpublish(S.request(S.ONLINE, "fz"), b"\xc1", msg_id=rid,
                                    headers={S.HDR_REPLY: "$KV.inflight.usage"}))
     assert env.wait_async(_admitter_acked(env, ack.seq))
-    after = env.run(env.bus.kv_get(S.BUCKET_INFLIGHT, S.KEY_USAGE))
+    after = env.run(env.bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))
     assert after is None or orjson.loads(after[0]) is not None, "the shared usage was overwritten"

@@ -131,7 +131,7 @@ async def test_each_service_serves_its_documented_metrics_and_they_count_real_tr
     with pytest.raises(openai.NotFoundError):
         await client.completions.create(model="nope", prompt="x", max_tokens=1)
     # one request that waits in the admission queue, so queue wait is observed too
-    await bus.kv_put(S.BUCKET_QUOTAS, S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
+    await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(300))
     for _ in range(100):
         if admitter.total == 300:
             break

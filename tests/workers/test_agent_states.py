@@ -156,7 +156,7 @@ async def test_drain_finishes_inflight_work_then_leaves_cleanly(bus):
     await asyncio.wait_for(agent.wait_drained(), 10)
     assert [d.status for d in dones] == ["ok"] and late.id not in [d.request_id for d in dones]
     await agent.stop()
-    await bus.nc.flush()
+    await bus.flush()
     assert await wait_for(lambda: hbs[-1].state == "quiescing" and hbs[-1].inflight == [])
     assert await wait_for(lambda: kvs and kvs[-1].kind == "cleared")
     assert engine.stopped

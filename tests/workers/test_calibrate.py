@@ -21,6 +21,7 @@ from natsched.workers.calibrate import (
 )
 from natsched.workers.engine import EngineOutput, EngineStats
 from natsched.workers.errors import CalibrationError
+from tests.factories.core import run_in_virtual_time
 
 
 def level(c, ttft, tpot, errors=0):
@@ -72,10 +73,11 @@ class LoadSensitiveEngine:
             self.active -= 1
 
 
-async def test_calibrate_finds_the_knee_of_a_load_sensitive_engine():
+def test_calibrate_finds_the_knee_of_a_load_sensitive_engine():
     s = CalibrationSettings(model="m", deployment="d", levels=[1, 2, 4, 8, 16], rounds=2, prompt_tokens=32,
                             output_tokens=4, knee_factor=2.0)
-    cal = await calibrate(LoadSensitiveEngine(knee=4), s)
+    # virtual time: the fake engine's step times are exact, whatever else the machine runs
+    cal = run_in_virtual_time(calibrate(LoadSensitiveEngine(knee=4), s))
     assert cal.knee_concurrency == 8  # 4 share a step at full speed; 8 make each step 4x slower
     assert cal.capacity_tokens == cal.levels[-2].runtime_tokens
     assert cal.capacity_tokens >= 4 * (32 + 4)
@@ -91,7 +93,7 @@ async def test_stored_calibration_becomes_the_workers_capacity(bus):
     await store_calibration(bus, cal)
     assert (await load_calibration(bus, "m1", "dep-a")).capacity_tokens == 12345
     assert await load_calibration(bus, "m1", "other") is None
-    await bus.kv_put(S.BUCKET_WORKERS, calibration_key("m1", "broken"), b"{not json")
+    await bus.kv(S.BUCKET_WORKERS).put(calibration_key("m1", "broken"), b"{not json")
     assert await load_calibration(bus, "m1", "broken") is None
 
     from tests.workers.test_agent_states import ScriptedEngine, collect, wait_for
