@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -28,6 +27,7 @@ from natsched.bus.streams import Stored
 from natsched.wire import msgids as M
 from natsched.errors import NatschedError
 from natsched.wire import subjects as S
+from natsched.stats import percentile  # re-exported: sim.replay reads it here
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Completion, CompletionStatus, Decision, JobRecord, Request
 
@@ -128,17 +128,6 @@ def _outcome(final: Completion | None, admission: list[Decision], job: JobRecord
     return "in flight (no completion recorded yet)"
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]); None when there is nothing."""
-    xs = sorted(v for v in values if v is not None and math.isfinite(v))
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def summarize(requests: int, decisions: list[Decision], completions: list[Completion]) -> dict[str, Any]:
     """A window in numbers; every count is 0 and every figure None when the window is empty."""
     by_decision: dict[str, dict[str, int]] = {}
@@ -223,7 +212,7 @@ def job_attempt_ids(job: JobRecord | None) -> list[str]:
     """The ids a job's attempts ran under (the first is the job id itself)."""
     if job is None:
         return []
-    from natsched.client.batch import attempt_id
+    from natsched.wire.ids import attempt_id
 
     return [attempt_id(job.id, n) for n in range(1, max(1, job.attempts) + 1)]
 

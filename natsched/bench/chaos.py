@@ -52,7 +52,6 @@ import logging
 import random
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import uuid
@@ -71,9 +70,9 @@ from natsched.bus.errors import BusError
 from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed, RequestTimeout
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Assignment, Completion, Heartbeat, Reply
-from natsched.cli.argtypes import positive_float, positive_int
 from natsched.hosting.cluster import ClusterSettings, LocalCluster
 from natsched.hosting.supervisor import Child, Supervisor, UpSettings
+from natsched.stats import nearest_rank
 
 log = logging.getLogger(__name__)
 
@@ -673,52 +672,8 @@ def _reclaim_detail(watch: dict[str, str], released: dict[str, float]) -> dict[s
 
 def _e2e(values: list[float]) -> dict[str, float | None]:
     """Producer-side latency of completed requests: a kill shows up as a tail (redeliveries wait ack_wait)."""
-    v = sorted(values)
-    pick = (lambda q: round(v[min(len(v) - 1, int(q * len(v)))], 3)) if v else (lambda q: None)
+    def pick(q: float) -> float | None:
+        found = nearest_rank(values, q)
+        return None if found is None else round(found, 3)
+
     return {"e2e_p50_s": pick(0.5), "e2e_p99_s": pick(0.99), "e2e_max_s": pick(1.0)}
-
-
-# --------------------------------------------------------------------------- command line
-
-def add_chaos_parser(sub) -> None:
-    """``natsched chaos`` (for cli.build_parser)."""
-    ch = sub.add_parser("chaos", help="kill parts of a local cluster mid-run; count lost, duplicated, leaked",
-                        description="Start a 3-node JetStream cluster, 2 admitters, 2 routers and 3 sim workers as "
-                                    "processes, send requests at a steady rate, SIGKILL and restart a worker, an "
-                                    "admitter, a router and a NATS node at seeded random moments, and report "
-                                    "lost / duplicated requests, the lease reclaim time and leaked runtime tokens.")
-    ch.add_argument("--requests", type=positive_int, default=2000, help="requests to send (default 2000)")
-    ch.add_argument("--rate", type=positive_float, default=50.0, help="requests per second (default 50)")
-    ch.add_argument("--seed", type=int, default=1, help="seed of the kill schedule (default 1)")
-    ch.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON here")
-    ch.add_argument("--finish-timeout", type=positive_float, default=90.0,
-                    help="seconds after the last send to wait for every outcome (default 90)")
-    ch.add_argument("--inline-routing", action="store_true",
-                    help="the admitters route in their own process (natsched admitter --route) and no router runs: "
-                         "the admitter kill then also kills a router")
-    ch.add_argument("--data-dir", type=Path, default=None,
-                    help="nodes' data and the processes' logs, kept (default: a temporary dir, deleted)")
-
-
-def cmd_chaos(args) -> int:
-    settings = ChaosSettings(requests=args.requests, rate=args.rate, seed=args.seed,
-                             finish_timeout_s=args.finish_timeout, data_dir=args.data_dir,
-                             inline_routing=args.inline_routing, routers=0 if args.inline_routing else 2)
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: finally stops all
-    # the producer's publish retries during a leader election are expected, one line per request:
-    # their effect is in the report
-    logging.getLogger("natsched.bus.connection").setLevel(logging.ERROR)
-    try:
-        report = ChaosRun(settings).run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    print(format_report(report))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
-        print(f"wrote {args.json}", file=sys.stderr)
-    return 0
-
-
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt

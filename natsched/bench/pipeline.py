@@ -45,6 +45,7 @@ from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
 from natsched.wire.schema import Reply, Request
 from natsched.bus.server import free_port, free_ports
+from natsched.stats import nearest_rank
 from natsched.bench.memory import MemorySampler, memory_report, read_cpu_s
 from natsched.hosting.supervisor import Supervisor, UpSettings
 
@@ -65,10 +66,8 @@ class PipelineRun:
 
 
 def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+    found = nearest_rank(values, q)
+    return float("nan") if found is None else found
 
 
 async def reference_rtts(bus: Bus, samples: int = 300) -> tuple[float, float]:
@@ -334,7 +333,7 @@ def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
             pids["relay"] = relay.pid
         time.sleep(1.0)  # workers' first heartbeats reach the routers (inline ones too)
         pids["load generator"] = os.getpid()
-        from natsched.cli.commands import run_loop  # uvloop, as the services run: the generator's own CPU is shared
+        from natsched.hosting.runtime import run_loop  # uvloop, as the services run: the generator's own CPU is shared
 
         admitters = [port for name, port in sup.metrics_ports.items() if name.startswith("admitter")]
         return run_loop(drive(url, run, pids, admitters))

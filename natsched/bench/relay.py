@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("url")
     ap.add_argument("workers", nargs="+")
     args = ap.parse_args(argv)
-    from natsched.cli.commands import run_loop  # uvloop, as the services run
+    from natsched.hosting.runtime import run_loop  # uvloop, as the services run
 
     run_loop(_main(args.url, args.workers))
 

@@ -29,7 +29,7 @@ from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, Servi
 from natsched.wire import subjects as S
 from natsched.bus.aio import Mailbox
 from natsched.bus.acks import AckInbox
-from natsched.bus.errors import BusTimeout, ConnectError
+from natsched.bus.errors import BusTimeout, ConnectError, NoServerError
 from natsched.wire.errors import MessageError
 from natsched.bus.provision import (ProvisionSettings, StreamLimits, apply_retention, cluster_nodes, overrides_to_json,
                                     provision, provision_jobs, stored_overrides, stored_settings)
@@ -299,13 +299,14 @@ class Bus:
                         allow_reconnect=False,
                         max_reconnect_attempts=1,
                         reconnect_time_wait=0.2,
-                        error_cb=_log_error,
+                        error_cb=_log_first_connect,  # our loop retries: the last error is raised
                         **options,
                     ),
                     remaining,
                 )
                 nc.options["allow_reconnect"] = True  # once connected, reconnect forever
                 nc.options["max_reconnect_attempts"] = -1
+                nc._error_cb = _log_error  # nats-py keeps the callback here: a lost connection is news
                 return cls(nc, name, publish_budget_s)
             except (NoServersError, OSError, NatsTimeout, asyncio.TimeoutError) as exc:
                 last = exc
@@ -315,7 +316,8 @@ class Bus:
                     raise
                 raise ConnectError(f"NATS at {url} refused the credentials of {name!r} (authorization "
                                    "violation): pass --credentials FILE from natsched auth init") from None
-        raise ConnectError(f"could not reach NATS at {url} within {connect_budget_s:g}s: {last}")
+        why = str(last) or type(last).__name__
+        raise NoServerError(f"could not reach NATS at {url} within {connect_budget_s:g}s: {why}", url)
 
     async def provision(self, settings: ProvisionSettings | None = None, jobs: bool = False) -> None:
         """Create or update every stream and bucket; by default with the limits an operator stored
@@ -798,3 +800,8 @@ class Bus:
 
 async def _log_error(exc: Exception) -> None:
     log.warning("nats: %s", exc)
+
+
+async def _log_first_connect(exc: Exception) -> None:
+    """A refused first attempt: the connect loop retries within its budget, then raises the last error."""
+    log.debug("nats: %s", exc)

@@ -4,6 +4,7 @@ Every error here derives from :class:`BusError`::
 
     BusError
     ├── ConnectError            the NATS server could not be reached within the budget
+    │   └── NoServerError       nothing answered at the URL (no server there, or not yet)
     ├── ServerError             the embedded nats-server could not be run
     │   └── PortInUseError      its port is already taken
     ├── ProvisionError          a stream or bucket exists with an incompatible config
@@ -31,6 +32,14 @@ class BusError(NatschedError):
 
 class ConnectError(BusError):
     """The NATS server could not be reached within the connect budget."""
+
+
+class NoServerError(ConnectError):
+    """Nothing answered at ``url`` within the connect budget (as opposed to a refusal)."""
+
+    def __init__(self, message: str, url: str) -> None:
+        super().__init__(message)
+        self.url = url
 
 
 class ServerError(BusError):

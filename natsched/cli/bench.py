@@ -22,6 +22,7 @@ from natsched.sim.trace import MOONCAKE_TRACE
 import orjson
 
 from natsched.cli.argtypes import fraction, non_negative_int, positive_float, positive_int
+from natsched.cli.options import fail as _fail
 from natsched.workers.profiles import DEFAULT_PROFILE, PROFILES
 
 DEFAULT_RATE = 1000.0  # bench pipeline, requests per second
@@ -29,12 +30,8 @@ DEFAULT_DURATION_S = 10.0
 SOAK_DURATION_S = 600.0  # issue #8: a soak is 10 minutes at half the maximum rate
 RAMP_RATES = (250, 500, 1000, 1500, 2000, 2500, 3000, 4000, 5000, 6000, 8000)  # --find-max
 
-def _fail(message: str, code: int = 1) -> int:
-    print(f"natsched: error: {message}", file=sys.stderr)
-    return code
 
-
-def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+def add_parsers(subparsers) -> argparse.ArgumentParser:
     """Add ``bench`` (with its ``routing`` subcommand) to the top-level subcommands."""
     bench = subparsers.add_parser("bench", help="run a benchmark in the discrete-event simulator",
                                   description="Benchmarks: print a table, write JSON (and a PNG plot).")
@@ -79,9 +76,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                          "point with a 1%% change of load; default 1: off)")
     rt.add_argument("--sweep-span", type=fraction, default=0.05, metavar="F",
                     help="the sweep covers speed-up x [1-F, 1+F] (default 0.05)")
+    rt.set_defaults(handler=_cmd_routing)
     _add_pipeline_parser(bsub)
-    from natsched.sim.bench_admission import add_admission_parser
-
     add_admission_parser(bsub)
     ss = bsub.add_parser("shared-state", help="cost of the admitters' compare-and-swap on the shared usage",
                          description="Replicas commit one-token reservations by KV compare-and-swap as fast as "
@@ -90,7 +86,25 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     ss.add_argument("--seconds", type=positive_float, default=5.0, help="seconds per run (default 5)")
     ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    ss.set_defaults(handler=_cmd_shared)
     return bench
+
+
+def add_admission_parser(bench_subparsers) -> argparse.ArgumentParser:
+    """``natsched bench admission`` (:mod:`natsched.sim.bench_admission`)."""
+    p = bench_subparsers.add_parser(
+        "admission", help="natsched's admission policy vs a count-based FIFO on a generated overload",
+        description="Generate an overload (tenants with floors, a mix of short and long requests), replay the same "
+                    "arrivals through natsched's AdmitterCore and a count-based FIFO, and print a table "
+                    "(and write JSON).",
+    )
+    p.add_argument("--workload", type=Path, default=None, metavar="FILE",
+                   help="workload JSON (default: the built-in 3x overload of tenants a/b/c; format in "
+                        "sim/admission_workload.py)")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(handler=run_admission)
+    return p
 
 
 def _add_pipeline_parser(bsub) -> None:
@@ -137,21 +151,37 @@ def _add_pipeline_parser(bsub) -> None:
     pp.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     pp.add_argument("--json", type=Path, default=None, metavar="OUT",
                     help="write the results as JSON (with every memory sample under 'memory')")
+    pp.set_defaults(handler=_cmd_pipeline)
 
 
 def cmd_bench(args) -> int:
-    name = getattr(args, "bench", None)
-    if name == "routing":
-        return _cmd_routing(args)
-    if name == "pipeline":
-        return _cmd_pipeline(args)
-    if name == "shared-state":
-        return _cmd_shared(args)
-    if name == "admission":
-        from natsched.sim.bench_admission import run_admission
+    """Run the benchmark the parsed flags chose (each benchmark's parser binds its handler)."""
+    return args.handler(args)
 
-        return run_admission(args)
-    return _fail(f"unknown benchmark {getattr(args, 'bench', None)!r}")
+
+def run_admission(args) -> int:
+    """``natsched bench admission``: 0 on success, 1 with a message on bad input."""
+    from natsched.sim.admission_workload import AdmissionWorkload
+    from natsched.sim.bench_admission import run_admission_benchmark
+    from natsched.sim.errors import SimError
+
+    try:
+        w = AdmissionWorkload.load(args.workload)
+        stream = None if getattr(args, "no_progress", False) else sys.stderr
+        if stream is not None:
+            print(f"admission benchmark: {w.source}", file=stream, flush=True)
+        report = run_admission_benchmark(w, stream)
+    except SimError as exc:
+        return _fail(str(exc))
+    print(report.table())
+    if args.json is not None:
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_bytes(orjson.dumps(report.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
+        except OSError as exc:
+            return _fail(f"cannot write {args.json}: {exc.strerror or exc}")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
 
 
 def _cmd_routing(args) -> int:

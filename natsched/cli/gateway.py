@@ -1,16 +1,21 @@
-"""The ``natsched gateway`` flags and the settings built from them, once.
+"""``natsched gateway``: the OpenAI-compatible HTTP gateway; its flags and the settings built from them, once.
 
-Kept apart from the server so that building the ``natsched`` parser imports no HTTP stack.
+The command connects to NATS, starts following worker heartbeats (models, health, ``/status``),
+serves HTTP and prints ``READY gateway http://HOST:PORT`` like every natsched service. Building
+the ``natsched`` parser imports no HTTP stack: the server is imported when the command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+
+from natsched.cli.options import fail, no_server, url_flag
+
+BAD_SETTING = 2  # exit code of a refused flag, before anything is connected
 
 
-def add_gateway_parser(sub: Any, url_flag: Any) -> None:
+def add_parsers(sub) -> None:
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway",
                         description="Serve /v1/completions, /v1/chat/completions (with SSE streaming), /v1/models, "
                                     "/healthz and /status over HTTP; each API key maps to a tenant (--keys).")
@@ -46,6 +51,7 @@ def add_gateway_parser(sub: Any, url_flag: Any) -> None:
                       help="--insecure-open: a browser origin that may call the API (http://app:3000); repeatable")
     gw.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     gw.add_argument("--name", default="gateway", help="connection name on the bus")
+    gw.set_defaults(handler=cmd_gateway)
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -77,3 +83,44 @@ def settings_from_args(args: argparse.Namespace):
                                max_per_key=args.max_per_key, allowed_hosts=tuple(args.allowed_hosts),
                                allowed_origins=tuple(args.allowed_origins))
     return settings, keys
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """Refuse bad flags in one line before connecting anywhere (exit 2), then serve until a signal."""
+    from natsched.bus.errors import NoServerError
+    from natsched.errors import NatschedError
+    from natsched.gateway.errors import ConfigError
+    from natsched.hosting.runtime import run_loop
+
+    try:
+        settings, keys = settings_from_args(args)
+    except ConfigError as exc:
+        return fail(str(exc), BAD_SETTING)
+    try:
+        return run_loop(_serve(args, settings, keys))
+    except NoServerError as exc:
+        return fail(no_server(exc.url))
+    except (NatschedError, OSError) as exc:
+        return fail(str(exc))
+
+
+async def _serve(args: argparse.Namespace, settings, keys) -> int:
+    from natsched.client.producer import Client, Timeouts
+    from natsched.gateway.server import GatewayServer
+    from natsched.gateway.service import Gateway
+    from natsched.hosting.runtime import serve
+
+    holder: dict[str, GatewayServer] = {}
+
+    async def start(bus) -> str:
+        client = Client(bus, Timeouts(queued=settings.max_wait_s))
+        holder["server"] = server = await GatewayServer(Gateway(client, keys, settings)).start()
+        who = f"open as tenant {keys.open_principal.tenant}" if keys.is_open else f"{len(keys)} keys"
+        return f"{server.url} ({who})"
+
+    async def stop() -> None:
+        if "server" in holder:
+            await holder["server"].stop()
+
+    await serve(args.nats_url, settings.name, start, stop, credentials=args.credentials)
+    return 0

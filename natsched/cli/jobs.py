@@ -1,8 +1,8 @@
 """``natsched batch | jobs | audit | replay | offline | retention``: parsers and commands.
 
-``add_parsers(subparsers)`` adds them to the top-level parser; ``run(args)`` runs the one chosen
-(exit code 0, 1 for an error printed as one ``natsched: error:`` line, 2 for "not found"
-where a script may want to tell it apart). ``python -m natsched.cli.jobs ...`` runs them alone.
+``add_parsers(subparsers)`` adds them to the top-level parser, each bound to its handler (exit
+code 0, 1 for an error printed as one ``natsched: error:`` line, 2 for "not found" where a
+script may want to tell it apart). ``python -m natsched.cli.jobs ...`` runs them alone.
 Settings dataclasses are built here, once, from the flags.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import os
+import functools
 import sys
 import time
 from pathlib import Path
@@ -19,20 +19,12 @@ from typing import Any
 
 import orjson
 
-from natsched.bus.server import DEFAULT_URL
 from natsched.cli.argtypes import positive_float, positive_int
+from natsched.cli.options import connect, fail, no_server
+from natsched.cli.options import url_flag as _url
 
-ENV_URL = "NATSCHED_NATS_URL"  # as natsched.cli.app.ENV_URL (not imported: cli imports this module)
-ENV_CREDENTIALS = "NATSCHED_CREDENTIALS"  # as natsched.cli.app.ENV_CREDENTIALS
 COMMANDS = ("batch", "jobs", "audit", "replay", "offline", "retention")
 NOT_FOUND = 2
-
-
-def _url(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats-url", default=os.environ.get(ENV_URL, DEFAULT_URL),
-                   help=f"NATS server URL (default: ${ENV_URL} or {DEFAULT_URL})")
-    p.add_argument("--credentials", type=Path, default=os.environ.get(ENV_CREDENTIALS),
-                   help=f"credentials file from natsched auth init (default: ${ENV_CREDENTIALS})")
 
 
 def parse_time(text: str, now: float | None = None) -> float:
@@ -65,12 +57,10 @@ def _fmt_ts(ts: float | None) -> str:
 # ------------------------------------------------------------------ parsers
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    _batch_parser(sub)
-    _jobs_parser(sub)
-    _audit_parser(sub)
-    _replay_parser(sub)
-    _offline_parser(sub)
-    _retention_parser(sub)
+    for add, command in ((_batch_parser, _batch), (_jobs_parser, _jobs), (_audit_parser, _audit),
+                         (_replay_parser, _replay), (_offline_parser, _offline), (_retention_parser, _retention)):
+        for parser in add(sub):
+            parser.set_defaults(handler=functools.partial(run, command))
 
 
 def _batch_parser(sub) -> None:
@@ -95,6 +85,7 @@ def _batch_parser(sub) -> None:
     _url(r)
     r.add_argument("batch_id")
     r.add_argument("--out", type=Path, required=True, metavar="FILE.jsonl", help="where to write (- for stdout)")
+    return s, st, r
 
 
 def _jobs_parser(sub) -> None:
@@ -114,6 +105,7 @@ def _jobs_parser(sub) -> None:
     ls.add_argument("--status", default=None, help="comma-separated: submitted, waiting, running, completed, failed")
     ls.add_argument("--limit", type=positive_int, default=100, help="at most N rows (default 100)")
     ls.add_argument("--json", action="store_true")
+    return show, ls
 
 
 def _audit_parser(sub) -> None:
@@ -126,6 +118,7 @@ def _audit_parser(sub) -> None:
     a.add_argument("--since", type=parse_time, default=None, help="window start: now, 15m, 2h, 7d, unix s, ISO")
     a.add_argument("--until", type=parse_time, default=None, help="window end (default: now)")
     a.add_argument("--json", action="store_true")
+    return (a,)
 
 
 def _replay_parser(sub) -> None:
@@ -142,6 +135,7 @@ def _replay_parser(sub) -> None:
     r.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="the live sim workers' --time-scale (default 1)")
     r.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the comparison as JSON")
+    return (r,)
 
 
 def _offline_parser(sub) -> None:
@@ -155,6 +149,7 @@ def _offline_parser(sub) -> None:
     o.add_argument("--job-timeout", type=positive_float, default=600.0,
                    help="seconds an attempt may stay silent before it counts as failed (600)")
     o.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    return (o,)
 
 
 def _retention_parser(sub) -> None:
@@ -170,33 +165,32 @@ def _retention_parser(sub) -> None:
     st.add_argument("stream", help="REQUESTS, DECISIONS, COMPLETIONS, OFFLINE, OUTCOMES, ..., or jobs")
     st.add_argument("--max-age", default=None, help="e.g. 14d, 12h")
     st.add_argument("--max-bytes", default=None, help="e.g. 4GiB, 512MiB")
+    return show, st
 
 
 # ------------------------------------------------------------------ running
 
-def run(args: argparse.Namespace) -> int:
+def run(command, args: argparse.Namespace) -> int:
+    """Run ``command(args)``: the offline runner on the services' loop, a client command on asyncio's."""
+    from natsched.bus.errors import NoServerError
     from natsched.errors import NatschedError
-    from natsched.cli.commands import run_loop
-    from natsched.sim.errors import SimError
+    from natsched.hosting.runtime import run_loop
 
-    handler = {"batch": _batch, "jobs": _jobs, "audit": _audit, "replay": _replay, "offline": _offline,
-               "retention": _retention}[args.command]
     try:
-        runner = run_loop if args.command == "offline" else asyncio.run  # the service on uvloop, like the others
-        return runner(handler(args)) or 0
+        runner = run_loop if command is _offline else asyncio.run  # the service on uvloop, like the others
+        return runner(command(args)) or 0
     except NotFoundExit as exc:
-        return _fail(str(exc), NOT_FOUND)
-    except (NatschedError, SimError, ValueError, OSError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc), NOT_FOUND)
+    except NoServerError as exc:
+        return fail(no_server(exc.url))
+    except BrokenPipeError:
+        raise  # the reader left: natsched.cli.app exits quietly
+    except (NatschedError, ValueError, OSError) as exc:
+        return fail(str(exc))
 
 
 class NotFoundExit(Exception):
     """An id the store does not know: exit code 2."""
-
-
-def _fail(message: str, code: int = 1) -> int:
-    print(f"natsched: error: {message}", file=sys.stderr)
-    return code
 
 
 def _print_json(value: Any) -> None:
@@ -204,10 +198,7 @@ def _print_json(value: Any) -> None:
 
 
 async def _connect(args):
-    from natsched.bus.connection import Bus
-
-    return await Bus.connect(args.nats_url, name=f"natsched-{args.command}", connect_budget_s=5.0,
-                             credentials=args.credentials)
+    return await connect(args, f"natsched-{args.command}")
 
 
 # --- batch ------------------------------------------------------------------------------------
@@ -566,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     add_parsers(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    return run(args)
+    return args.handler(args)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from natsched.wire import msgids as M
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ConflictError
 from natsched.client.errors import BatchError, BatchFileError, JobStoreError, NotFound
+from natsched.wire.ids import attempt_id  # noqa: F401 (re-exported: the job model names it here too)
 from natsched.wire.errors import ChatError, MessageError
 from natsched.wire.schema import BatchManifest, JobRecord, JobStatus, Request, RequestId, TenantId
 
@@ -60,17 +61,6 @@ def batch_id(tenant: str, cls: str, data: bytes) -> str:
 
 def request_id(batch: str, line: int) -> RequestId:
     return RequestId(f"{batch}-{line}")
-
-
-def attempt_id(job_id: str, attempt: int) -> str:
-    """The id attempt ``attempt`` (1-based) runs under: every stage dedups on the request id, so a
-    retry within the dedup window needs a fresh one."""
-    if attempt <= 1:
-        return job_id
-    suffix = f"-r{attempt}"
-    if len(job_id) + len(suffix) <= 128:
-        return job_id + suffix
-    return "j" + hashlib.sha256(job_id.encode()).hexdigest()[:40] + suffix
 
 
 # ------------------------------------------------------------------ lines (pure)

@@ -5,5 +5,6 @@ request becomes one :class:`natsched.wire.schema.Request` from the tenant its AP
 admission outcome becomes an HTTP status. Modules: ``keys`` (API keys -> tenants), ``chat``
 (the chat template), ``protocol`` (OpenAI bodies in and out), ``service`` (the request path),
 ``app`` (routes and middleware), ``sse`` (streaming with disconnect detection), ``server``
-(the ``natsched gateway`` command), ``status_page`` (``/status``), ``metrics``.
+(uvicorn in the running loop), ``status`` (the cluster view, also ``natsched status``'s),
+``status_page`` (``/status``), ``metrics``.
 """

@@ -1,26 +1,19 @@
-"""The gateway's HTTP server (uvicorn in the running loop) and the ``natsched gateway`` command.
+"""The gateway's HTTP server: uvicorn inside the running event loop (the CLI and tests).
 
-The command connects to NATS, starts following worker heartbeats (models, health, ``/status``),
-serves HTTP and prints ``READY gateway http://HOST:PORT`` like every natsched service. Its flags
-and settings are in :mod:`natsched.cli.gateway`.
+The ``natsched gateway`` command (:mod:`natsched.cli.gateway`) builds the settings, connects and
+serves a :class:`GatewayServer`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import sys
 
 import uvicorn
 
-from natsched.client.producer import Client, Timeouts
-from natsched.bus.connection import Bus
-from natsched.errors import NatschedError
 from natsched.gateway.app import build_app
 from natsched.gateway.edge import EdgeLimits, EdgeProtocol
-from natsched.cli.gateway import settings_from_args
 from natsched.gateway.errors import ConfigError
 from natsched.gateway.service import Gateway
 
@@ -71,43 +64,3 @@ class GatewayServer:
         self.server.should_exit = True
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
-
-
-async def run_gateway(args: argparse.Namespace) -> int:
-    from natsched.hosting.runtime import serve
-
-    settings, keys = settings_from_args(args)
-    holder: dict[str, GatewayServer] = {}
-
-    async def start(bus: Bus) -> str:
-        client = Client(bus, Timeouts(queued=settings.max_wait_s))
-        holder["server"] = server = await GatewayServer(Gateway(client, keys, settings)).start()
-        who = f"open as tenant {keys.open_principal.tenant}" if keys.is_open else f"{len(keys)} keys"
-        return f"{server.url} ({who})"
-
-    async def stop() -> None:
-        if "server" in holder:
-            await holder["server"].stop()
-
-    await serve(args.nats_url, settings.name, start, stop, credentials=args.credentials)
-    return 0
-
-
-def main(args: argparse.Namespace) -> int:
-    """The ``natsched gateway`` command: uvloop when installed, one clear line on a bad setting."""
-    try:
-        settings_from_args(args)  # refuse bad flags before connecting anywhere
-    except ConfigError as exc:
-        print(f"natsched: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # the pure-asyncio loop works, a little slower
-        runner = asyncio.run
-    try:
-        return runner(run_gateway(args))
-    except (NatschedError, ConfigError, OSError) as exc:
-        print(f"natsched: error: {exc}", file=sys.stderr)
-        return 1

@@ -47,7 +47,7 @@ from natsched.gateway.errors import (ApiError, BadRequest, Conflict, Forbidden, 
                             Unavailable, Upstream)
 from natsched.gateway.keys import KeyRing, Principal
 from natsched.gateway.metrics import GatewayMetrics
-from natsched.ops.status import StatusCollector
+from natsched.gateway.status import StatusCollector
 
 log = logging.getLogger(__name__)
 

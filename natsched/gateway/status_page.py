@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import time
 
-from natsched.ops.status import StatusView
+from natsched.gateway.status import StatusView
 
 _STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}

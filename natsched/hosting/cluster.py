@@ -18,11 +18,8 @@ that cannot start), so the CLI reports both the same way.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,64 +130,3 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def add_cluster_parser(sub) -> None:
-    """``natsched cluster up`` (for cli.build_parser)."""
-    cl = sub.add_parser("cluster", help="run a local NATS JetStream cluster",
-                        description="Run N nats-server nodes on loopback as one JetStream cluster.")
-    cl_sub = cl.add_subparsers(dest="action", required=True, metavar="ACTION")
-    up = cl_sub.add_parser("up", help="start the nodes in the foreground; Ctrl-C or SIGTERM stops them",
-                           description="Start N clustered nats-server nodes, provision streams and buckets "
-                                       "(3 replicas on 3 nodes), print the URLs, stop everything on Ctrl-C/SIGTERM.")
-    up.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
-    up.add_argument("--base-port", type=int, default=DEFAULT_PORT,
-                    help=f"client port of the first node (default {DEFAULT_PORT}); routes use +{ROUTE_PORT_OFFSET}")
-    up.add_argument("--data-dir", type=Path, default=None, help="parent of the nodes' data dirs "
-                                                                "(default ~/.local/share/natsched/cluster)")
-    up.add_argument("--auth-config", type=Path, default=None,
-                    help="server config from natsched auth init (accounts, permissions, TLS)")
-    up.add_argument("--credentials", type=Path, default=None,
-                    help="admin credentials file, needed with --auth-config (readiness check, provisioning)")
-
-
-def cmd_cluster(args, stop: threading.Event | None = None) -> int:
-    """Run until SIGINT/SIGTERM (or ``stop``); the nodes stop in every case."""
-    settings = ClusterSettings(nodes=args.nodes, base_port=args.base_port, data_dir=args.data_dir,
-                               config_file=args.auth_config, credentials=args.credentials)
-    if settings.config_file is not None and settings.credentials is None:
-        raise ClusterError("--auth-config needs --credentials (the admin's) to check readiness and provision")
-    stop = stop or threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    cluster = LocalCluster(settings)
-    try:
-        started = time.monotonic()
-        cluster.start()
-        for server in cluster.servers:
-            print(f"ready: nats-server {server.url} (pid {server.proc.pid}, data {server.data_dir})", flush=True)
-        print(f"cluster of {settings.nodes} up in {time.monotonic() - started:.1f}s; "
-              f"NATSCHED_NATS_URL={cluster.url}  (Ctrl-C stops)", flush=True)
-        while not stop.wait(0.5):
-            for server in cluster.servers:
-                if server.proc is not None and server.proc.poll() is not None:
-                    print(f"nats-server {server.url} exited with code {server.proc.returncode}", flush=True)
-                    server.proc = None
-        return 0
-    finally:
-        cluster.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        print("cluster stopped", flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m natsched.hosting.cluster up ...`` (the same as ``natsched cluster up ...``)."""
-    parser = argparse.ArgumentParser(prog="natsched")
-    add_cluster_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return cmd_cluster(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

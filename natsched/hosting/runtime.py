@@ -21,6 +21,16 @@ log = logging.getLogger(__name__)
 READY_PREFIX = "READY "
 
 
+def run_loop(coro):
+    """``asyncio.run`` on uvloop when it is installed: the services spend most of their CPU in
+    the event loop and the NATS client's small reads and writes, which uvloop does in C."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),

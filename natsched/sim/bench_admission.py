@@ -1,6 +1,6 @@
 """The admission benchmark: natsched's admission policy and a count-based FIFO, side by side.
 
-``natsched bench admission [--workload FILE] [--json OUT]`` generates an overload
+``natsched bench admission [--workload FILE] [--json OUT]`` (:mod:`natsched.cli.bench`) generates an overload
 (:mod:`natsched.sim.admission_workload`; built-in default when no file), replays the *same* arrivals through
 each policy (:mod:`natsched.sim.admission_policies`) in the discrete-event run of :mod:`natsched.sim.admission_sim`,
 prints a table and optionally writes JSON::
@@ -16,23 +16,17 @@ p99 <= 5 ms. The policies run one after the other in this process, so latencies 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
-
-import orjson
 
 from natsched.sim.admission_metrics import BACKLOGGED_FRACTION, summarize
 from natsched.sim.admission_policies import CountFifo, NatschedAdmission
 from natsched.sim.admission_sim import run_policy
 from natsched.sim.admission_workload import AdmissionWorkload, SimRequest, generate
-from natsched.sim.errors import SimError
 
 log = logging.getLogger(__name__)
 
@@ -163,56 +157,3 @@ def format_table(report: AdmissionReport) -> str:
     foot = ("tenant cells: share of usage while backlogged (floor ratio, share of the window backlogged); "
             "definitions in sim/admission_metrics.py")
     return "\n".join([title, "", *lines, "", foot, "targets:", *targets])
-
-
-# ---------------------------------------------------------------------- command line
-
-def add_admission_parser(bench_subparsers) -> argparse.ArgumentParser:
-    """``natsched bench admission``: add it to the ``bench`` subcommands."""
-    p = bench_subparsers.add_parser(
-        "admission", help="natsched's admission policy vs a count-based FIFO on a generated overload",
-        description="Generate an overload (tenants with floors, a mix of short and long requests), replay the same "
-                    "arrivals through natsched's AdmitterCore and a count-based FIFO, and print a table "
-                    "(and write JSON).",
-    )
-    p.add_argument("--workload", type=Path, default=None, metavar="FILE",
-                   help="workload JSON (default: the built-in 3x overload of tenants a/b/c; format in "
-                        "sim/admission_workload.py)")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
-    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
-    return p
-
-
-def run_admission(args) -> int:
-    """Run the benchmark from parsed arguments; 0 on success, 1 with a message on bad input."""
-    try:
-        w = AdmissionWorkload.load(args.workload)
-        stream = None if getattr(args, "no_progress", False) else sys.stderr
-        if stream is not None:
-            print(f"admission benchmark: {w.source}", file=stream, flush=True)
-        report = run_admission_benchmark(w, stream)
-    except SimError as exc:
-        print(f"natsched: error: {exc}", file=sys.stderr)
-        return 1
-    print(report.table())
-    if args.json is not None:
-        try:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_bytes(orjson.dumps(report.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
-        except OSError as exc:
-            print(f"natsched: error: cannot write {args.json}: {exc.strerror or exc}", file=sys.stderr)
-            return 1
-        print(f"wrote {args.json}", file=sys.stderr)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m natsched.sim.bench_admission [--workload FILE] [--json OUT]`` until the CLI is wired."""
-    parser = argparse.ArgumentParser(prog="natsched bench")
-    sub = parser.add_subparsers(dest="bench", required=True)
-    add_admission_parser(sub)
-    return run_admission(parser.parse_args(["admission", *(sys.argv[1:] if argv is None else argv)]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from natsched.stats import percentile  # the sim metrics name it here too
 from natsched.sim.trace import TraceRequest
 
 
@@ -50,19 +51,6 @@ class RequestRecord:
     expected_cached_tokens: int = 0
     status: str = "pending"  # pending | queued | running | ok | rejected
     reason: str | None = None  # why it was rejected
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]) of ``values``; None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    if len(xs) == 1:
-        return float(xs[0])
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
 
 
 def ceiling_hit_ratio(requests: Iterable[TraceRequest], block_size: int) -> float:

@@ -11,6 +11,7 @@ Pure module: no I/O.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import NewType
 
@@ -37,3 +38,14 @@ def token(value: str, what: str = "token") -> str:
     if not is_token(value):
         raise IdError(f"{what} {value!r} is not a valid subject token ([A-Za-z0-9_-], 1-{MAX_LEN} chars)", what)
     return value
+
+
+def attempt_id(job_id: str, attempt: int) -> str:
+    """The id attempt ``attempt`` (1-based) runs under: every stage dedups on the request id, so a
+    retry within the dedup window needs a fresh one."""
+    if attempt <= 1:
+        return job_id
+    suffix = f"-r{attempt}"
+    if len(job_id) + len(suffix) <= 128:
+        return job_id + suffix
+    return "j" + hashlib.sha256(job_id.encode()).hexdigest()[:40] + suffix

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -44,7 +43,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class VllmEngineSettings:
-    """Everything the engine is built from; the CLI fills it (see :meth:`VllmEngine.from_args`)."""
+    """Everything the engine is built from; the CLI fills it (:func:`natsched.cli.up.vllm_settings`)."""
 
     model_path: str  # HF id or local directory vLLM loads
     model: str = "default"  # the name requests use (Request.model): root of the prefix hash chain
@@ -103,32 +102,6 @@ class VllmEngine:
         self._vllm: Any = None  # the lazily imported names we use (a small namespace)
         self._last_resync = 0.0
         self._resync_handle: asyncio.TimerHandle | None = None
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_args(cls, args: Any) -> "VllmEngine":
-        """Build from the ``natsched worker`` flags (missing optional flags take the defaults)."""
-
-        def opt(name: str, default: Any = None) -> Any:
-            value = getattr(args, name, None)
-            return default if value is None else value
-
-        settings = VllmEngineSettings(
-            model_path=opt("model_path") or args.model,
-            model=args.model,
-            block_size=opt("block_size", 32),
-            max_num_seqs=opt("concurrency", 64),
-            max_model_len=opt("max_model_len"),
-            gpu_memory_utilization=opt("gpu_memory_utilization", 0.9),
-            kv_cache_blocks=opt("kv_cache_blocks"),
-            enforce_eager=bool(opt("enforce_eager", False)),
-            load_format=opt("load_format", "auto"),
-            skip_tokenizer_init=bool(opt("skip_tokenizer_init", False)),
-            deployment=opt("deployment"),
-            kv_events_port=opt("kv_events_port", 0),
-            ignore_eos=bool(opt("ignore_eos", False)),
-        )
-        return cls(settings)
 
     @property
     def failure(self) -> str | None:
@@ -442,10 +415,3 @@ def _tokenize(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int
         return list(enc["input_ids"]), offsets  # type: ignore[return-value]
     except (NotImplementedError, TypeError, KeyError, ValueError):
         return list(tokenizer.encode(text, add_special_tokens=True)), None
-
-
-def vllm_available() -> bool:
-    """True when vLLM can be imported here (without importing it twice)."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None and os.environ.get("NATSCHED_NO_VLLM") is None

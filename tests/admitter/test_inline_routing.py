@@ -23,7 +23,7 @@ from natsched.bus.server import free_port
 from natsched.wire.schema import Decision
 from natsched.wire.roles import admitter_role, router_role, scheduler_role
 from natsched.cli.app import build_parser
-from natsched.cli.commands import up_settings
+from natsched.cli.up import up_settings
 from natsched.hosting.supervisor import Supervisor
 from tests.factories.core import read_until_up, wait_for
 from tests.factories.stack import start_stack

@@ -11,10 +11,9 @@ import pytest
 
 from natsched.wire import subjects as S
 from natsched.wire.schema import Control, Decision
-from natsched.cli.gateway import add_gateway_parser, settings_from_args
+from natsched.cli.gateway import add_parsers as add_gateway_parser, cmd_gateway as gateway_main, settings_from_args
 from natsched.gateway.errors import ConfigError
 from natsched.gateway.keys import KeyRing
-from natsched.gateway.server import main as gateway_main
 from tests.factories.gateway import ALPHA, BETA, start_gateway
 from tests.factories.stack import start_stack
 
@@ -227,8 +226,8 @@ async def test_open_mode_serves_one_tenant_without_keys(bus, nats_url):
 def gateway_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    add_gateway_parser(sub, lambda p: p.add_argument("--nats-url", default="nats://127.0.0.1:1"))
-    return parser.parse_args(["gateway", *argv])
+    add_gateway_parser(sub)
+    return parser.parse_args(["gateway", "--nats-url", "nats://127.0.0.1:1", *argv])
 
 
 def test_without_keys_the_gateway_refuses_to_start_unless_insecure_open(capsys):

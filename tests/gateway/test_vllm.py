@@ -14,7 +14,7 @@ from tests.factories.gateway import ALPHA, start_gateway
 from tests.gateway.test_cancel import post
 from tests.factories.stack import start_stack
 from natsched.workers.tiny_model import write_tiny_model
-from natsched.workers.vllm_worker import VllmWorkerProcess
+from natsched.hosting.vllm_worker import VllmWorkerProcess
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly
 pytestmark = pytest.mark.vllm

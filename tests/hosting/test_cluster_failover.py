@@ -123,7 +123,7 @@ def _read_lines(proc: subprocess.Popen, until: str, timeout: float) -> list[str]
 def test_cluster_up_command_prints_urls_and_stops_every_node_on_sigterm(tmp_path):
     base = _free_base_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "natsched.hosting.cluster", "cluster", "up", "--nodes", "3", "--base-port", str(base),
+        [sys.executable, "-m", "natsched", "cluster", "up", "--nodes", "3", "--base-port", str(base),
          "--data-dir", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
     )

@@ -26,7 +26,8 @@ from natsched.bus.connection import Bus, Credentials
 from natsched.bus.errors import ConnectError
 from natsched.wire.schema import Completion, Reply
 from natsched.bus.server import EmbeddedServer, find_binary, free_port
-from natsched.ops.auth import AuthExistsError, AuthFiles, AuthSettings, add_auth_parser, cmd_auth, init
+from natsched.cli.auth import add_parsers as add_auth_parser, cmd_auth
+from natsched.ops.auth import AuthExistsError, AuthFiles, AuthSettings, init
 from natsched.wire.subjects import tenant_reply
 from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings

@@ -26,7 +26,8 @@ from natsched.client.batch import BatchClient, JobStore
 from natsched.bus.connection import Bus, Credentials
 from natsched.bus.server import find_binary
 from tests.factories.gateway import start_gateway
-from natsched.ops.auth import AuthSettings, add_auth_parser, cmd_auth, init
+from natsched.cli.auth import add_parsers as add_auth_parser, cmd_auth
+from natsched.ops.auth import AuthSettings, init
 from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings
 from tests.factories.core import wait_for

@@ -11,7 +11,8 @@ from natsched.wire import subjects as S
 from natsched.client.producer import make_request
 from natsched.client.errors import Rejected
 from natsched.wire.schema import Completion, Decision, RequestId, TenantId
-from natsched.ops.status import StatusCollector, StatusSettings, StatusState, render_text
+from natsched.gateway.status import StatusCollector, StatusSettings, StatusState
+from natsched.ops.status import render_text
 from tests.factories.core import make_heartbeat
 from tests.factories.stack import start_stack
 
@@ -153,7 +154,7 @@ async def test_collector_follows_a_live_cluster_and_backfills_from_the_streams(b
 
 def test_the_html_page_escapes_whatever_it_shows():
     from natsched.gateway.status_page import render_html
-    from natsched.ops.status import StatusView, WorkerRow
+    from natsched.gateway.status import StatusView, WorkerRow
 
     view = StatusView(at=NOW, total=10, configured_total=10, used=0, rejections={"<b>x</b>": 1},
                       workers=[WorkerRow("<script>alert(1)</script>", "healthy", "m&m", 0, 0, 0, 0, 0, 0, 0.1, None)])

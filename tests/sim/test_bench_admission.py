@@ -8,7 +8,8 @@ import pytest
 from natsched.admitter.policy import AdmitterCore
 from natsched.sim.admission_policies import make_request
 from natsched.sim.admission_workload import DEFAULT_WORKLOAD, AdmissionWorkload, AdmissionWorkloadError, generate
-from natsched.sim.bench_admission import POLICIES, add_admission_parser, run_admission, run_admission_benchmark
+from natsched.cli.bench import add_admission_parser, run_admission
+from natsched.sim.bench_admission import POLICIES, run_admission_benchmark
 from natsched.sim.errors import SimError
 
 POLICY_KEYS = {"long_token_share", "long_completion_ratio", "short_completion_ratio", "tenants", "jain_backlogged",

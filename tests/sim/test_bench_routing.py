@@ -9,7 +9,7 @@ import pytest
 
 from natsched.sim.trace import MOONCAKE_TRACE
 
-from natsched.cli.bench import add_bench_parser, cmd_bench
+from natsched.cli.bench import _cmd_routing, add_parsers as add_bench_parser
 from natsched.cli.app import main
 from natsched.router.policies import POLICIES
 from natsched.sim.bench_routing import METRIC_KEYS, RoutingBenchSettings, resolve_policies, run_routing_benchmark
@@ -175,7 +175,7 @@ def test_parser_can_be_added_to_the_main_cli():
     args = parser.parse_args(["bench", "routing", "--trace", "t.jsonl", "--policies", "all", "--target-busy", "0.8"])
     assert (args.command, args.bench, args.policies, args.target_busy, args.workers) == \
         ("bench", "routing", "all", 0.8, 8)
-    assert callable(cmd_bench)
+    assert args.handler is _cmd_routing
 
 
 def test_a_longer_trace_is_calibrated_again_on_all_of_it(trace_file):

@@ -120,12 +120,13 @@ async def test_stored_calibration_becomes_the_workers_capacity(bus):
 async def test_calibrate_command_prints_and_stores_the_record(bus, nats_url, capsys):
     import argparse
 
-    from natsched.workers.calibrate import add_calibrate_flags, calibrate_command
+    from natsched.cli.up import add_calibrate_flags, calibrate_command
     from natsched.workers.profiles import get_profile
     from natsched.workers.simengine import SimEngine
 
     p = argparse.ArgumentParser()
     p.add_argument("--nats-url")
+    p.add_argument("--credentials", default=None)
     add_calibrate_flags(p)
     args = p.parse_args(["--nats-url", nats_url, "--engine", "sim", "--model", "m9", "--levels", "1,2", "--rounds", "1",
                          "--prompt-tokens", "64", "--output-tokens", "8", "--time-scale", "0.1", "--deployment", "d9"])
@@ -139,10 +140,11 @@ async def test_calibrate_command_prints_and_stores_the_record(bus, nats_url, cap
 async def test_calibrate_command_reports_bad_levels_in_one_line(capsys):
     import argparse
 
-    from natsched.workers.calibrate import add_calibrate_flags, calibrate_command
+    from natsched.cli.up import add_calibrate_flags, calibrate_command
 
     p = argparse.ArgumentParser()
     p.add_argument("--nats-url")
+    p.add_argument("--credentials", default=None)
     add_calibrate_flags(p)
     args = p.parse_args(["--levels", "4,2", "--dry-run"])
     assert await calibrate_command(args, LoadSensitiveEngine()) == 1

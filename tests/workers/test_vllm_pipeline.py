@@ -21,7 +21,7 @@ from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings
 from tests.conftest import wipe
 from natsched.workers.tiny_model import write_tiny_model
-from natsched.workers.vllm_worker import VllmWorkerProcess
+from natsched.hosting.vllm_worker import VllmWorkerProcess
 
 pytestmark = pytest.mark.vllm
 

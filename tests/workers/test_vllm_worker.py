@@ -1,6 +1,6 @@
 """A real vLLM worker process on the bus: what it publishes is what the router will compute.
 
-The worker runs as a child process (:class:`natsched.workers.vllm_worker.VllmWorkerProcess`), exactly as
+The worker runs as a child process (:class:`natsched.hosting.vllm_worker.VllmWorkerProcess`), exactly as
 ``natsched up`` / a deployment runs it; the test plays the router (publishes Assignments on
 ``work.<id>``) and listens to everything the worker says. One worker for the module; the last
 test drains it.
@@ -20,7 +20,7 @@ from natsched.bus.connection import Bus
 from natsched.wire.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, Request, WorkerId
 from tests.conftest import wipe
 from natsched.workers.calibrate import Calibration, store_calibration
-from natsched.workers.vllm_worker import VllmWorkerProcess
+from natsched.hosting.vllm_worker import VllmWorkerProcess
 from tests.factories.core import wait_for
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly

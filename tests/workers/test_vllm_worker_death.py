@@ -11,7 +11,7 @@ from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
 from natsched.wire.schema import Assignment, CacheEvent, Completion, Heartbeat, Reply, Request, WorkerId
 from tests.conftest import wipe
-from natsched.workers.vllm_worker import VllmWorkerProcess
+from natsched.hosting.vllm_worker import VllmWorkerProcess
 from tests.factories.core import wait_for
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly

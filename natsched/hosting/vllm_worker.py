@@ -1,4 +1,4 @@
-"""Run a vLLM worker as a child process (tests, benchmarks), and the vLLM flags of the CLI.
+"""Run a vLLM worker as a child process (tests, benchmarks); its flags are in :mod:`natsched.cli.up`.
 
 ``natsched worker --engine vllm --id w1 --model tiny --model-path DIR [--block-size 32]
 [--concurrency 8] [--max-model-len 1024] [--kv-cache-blocks N] [--enforce-eager]
@@ -11,7 +11,6 @@ SIGKILL after a grace period).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -24,20 +23,6 @@ from pathlib import Path
 from typing import Sequence
 
 from natsched.hosting.runtime import READY_PREFIX
-
-
-def add_vllm_flags(p: argparse.ArgumentParser) -> None:
-    """The vLLM engine flags (the lead's ``natsched worker`` parser takes the same)."""
-    p.add_argument("--model-path", default=None, help="model directory or HF id vLLM loads (default: --model)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="GPU share for weights+KV (0.9)")
-    p.add_argument("--kv-cache-blocks", type=int, default=None, help="force the number of KV blocks")
-    p.add_argument("--kv-events-port", type=int, default=None, help="port our KV-event socket binds (default: any)")
-    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile (fast start, slower steps)")
-    p.add_argument("--load-format", default=None, help="vLLM load format ('dummy' = random weights, no download)")
-    p.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
-    p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens (benchmarks, tests)")
-    p.add_argument("--deployment", default=None, help="calibration key part (default: device + KV size)")
 
 
 class VllmWorkerProcess:

@@ -1,0 +1,75 @@
+"""``natsched route show | set``: the routers' live policy, weights and canary (config bucket)."""
+
+from __future__ import annotations
+
+from natsched.cli.options import connect, fail, run, url_flag
+from natsched.wire import subjects as S
+
+
+def add_parsers(sub) -> None:
+    ro = sub.add_parser("route", help="show or switch the routing policy live",
+                        description="Read and change the routers' policy, weights and canary (config bucket).")
+    ro_sub = ro.add_subparsers(dest="action", required=True, metavar="ACTION")
+    rshow = ro_sub.add_parser("show", help="print the routing config")
+    url_flag(rshow)
+    rshow.add_argument("--json", action="store_true", help="print the stored config as JSON")
+    rshow.set_defaults(handler=cmd_route)
+    rset = ro_sub.add_parser("set", help="switch policy / weights / canary (applied within a second)")
+    url_flag(rset)
+    rset.add_argument("--policy", required=True, help="live policy name")
+    rset.add_argument("--weights", default=None, help='JSON object of policy weights, e.g. \'{"sticky_s": 20}\'')
+    rset.add_argument("--canary", default=None, help="second policy for a share of traffic")
+    rset.add_argument("--canary-share", type=float, default=0.0, help="share of requests for the canary (0..1)")
+    rset.add_argument("--json", action="store_true", help="print the config written as JSON")
+    rset.set_defaults(handler=cmd_route)
+
+
+def cmd_route(args) -> int:
+    return run(_route(args))
+
+
+def describe(config: dict) -> str:
+    """A routing config in one line for people: policy, its weights, the canary and its share."""
+    weights = config.get("weights") or {}
+    text = f"policy {config.get('policy')}"
+    if weights:
+        text += " (weights " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                        for k, v in sorted(weights.items())) + ")"
+    if config.get("canary"):
+        text += f"; canary {config['canary']} on {float(config.get('canary_share') or 0):.0%} of requests"
+    else:
+        text += "; no canary"
+    return text
+
+
+async def _route(args) -> int:
+    import orjson
+
+    from natsched.router.policies import make_policy
+
+    if args.action == "set":
+        weights = orjson.loads(args.weights) if args.weights else {}
+        if not isinstance(weights, dict):
+            return fail("--weights must be a JSON object")
+        make_policy(args.policy, weights=weights or None)  # refuse unknown names/weights before writing
+        if args.canary:
+            make_policy(args.canary)
+            if not 0 < args.canary_share <= 1:
+                return fail("--canary-share must be within (0, 1]")
+        config = {"policy": args.policy, "weights": weights, "canary": args.canary,
+                  "canary_share": args.canary_share if args.canary else 0.0}
+    bus = await connect(args)
+    try:
+        await bus.provision()
+        if args.action == "set":
+            await bus.kv(S.BUCKET_CONFIG).put(S.KEY_ROUTER_CONFIG, orjson.dumps(config))
+            print(orjson.dumps(config).decode() if args.json else f"routing config set: {describe(config)}")
+            return 0
+        current = await bus.kv(S.BUCKET_CONFIG).get(S.KEY_ROUTER_CONFIG)
+        if current is None:
+            print("null" if args.json else "routing config not set (routers use their --policy)")
+        else:
+            print(current[0].decode() if args.json else describe(orjson.loads(current[0])))
+        return 0
+    finally:
+        await bus.close()
