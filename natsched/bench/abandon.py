@@ -8,11 +8,16 @@ the run beside the chaos load and its kills:
   first status on the reply subject), before any output.
 
 What is counted, per abandoned request, from its completion record (``done.<tenant>``, the
-tokens the worker really produced, cancelled or not): ``for_nobody`` = produced − received by
-the client when it left (every token generated but never read, those in flight included), and
-``beyond_one_step`` = ``for_nobody`` − 1 (an engine step that was already under way when the
-cancel arrived is unavoidable; the sim and vLLM produce one token per sequence per step). The
-targets: ``beyond_one_step`` summed over all abandoned requests is 0, and every abandoned
+tokens the worker really produced, cancelled or not):
+
+- ``for_nobody`` = produced − read by the client: every token generated and never read, those
+  already on their way (or waiting in the client's buffer) when it left included;
+- ``after_leaving`` = produced − delivered to the client's connection by the moment it left:
+  what was generated after the client was gone, i.e. while its cancel travelled;
+- ``beyond_one_step`` = ``after_leaving`` − 1: an engine step already under way when the cancel
+  arrived is unavoidable (the sim and vLLM produce one token per sequence per step).
+
+The targets: ``beyond_one_step`` summed over all abandoned requests is 0, and every abandoned
 request is accounted for: a completion (cancelled, or finished) or a final refusal (a cancel
 that reached the admitter first). ``ran_to_end`` counts those that finished for nobody.
 
@@ -58,6 +63,8 @@ class _Seen:
 
     kind: str
     received: int = 0  # tokens the client had read when it left
+    delivered: int = 0  # tokens that had reached the client's connection when it left
+    arrived: int = 0  # tokens seen on the reply subject so far
     left_after: str | None = None  # the last status it saw: queued / admitted / assigned / token
     first_status: asyncio.Event = field(default_factory=asyncio.Event)
     refused: str | None = None  # a final error reply (e.g. rejected: cancelled)
@@ -71,7 +78,8 @@ def summarise(seen: dict[str, _Seen]) -> dict[str, Any]:
         mine = {rid: s for rid, s in seen.items() if s.kind == kind}
         done = [s for s in mine.values() if s.completion is not None]
         for_nobody = [max(0, s.completion.output_tokens - s.received) for s in done]
-        beyond = [max(0, n - 1) for n in for_nobody]
+        after = [max(0, s.completion.output_tokens - max(s.received, s.delivered)) for s in done]
+        beyond = [max(0, n - 1) for n in after]
         out[kind] = {
             "clients": len(mine),
             "left_while": _count(s.left_after for s in mine.values()),
@@ -79,6 +87,7 @@ def summarise(seen: dict[str, _Seen]) -> dict[str, Any]:
             "refused_before_admission": sum(1 for s in mine.values() if s.completion is None and s.refused),
             "ran_to_end": sum(1 for s in done if s.completion.status == "ok"),
             "tokens_for_nobody": sum(for_nobody),
+            "tokens_after_leaving": sum(after),
             "tokens_beyond_one_step": sum(beyond),
             "max_beyond_one_step": max(beyond, default=0),
             "unaccounted": sum(1 for s in mine.values() if s.completion is None and not s.refused),
@@ -132,13 +141,14 @@ class Abandoners:
             if kind == STREAMS:
                 stream = client.stream(request).__aiter__()
                 await stream.__anext__()
-                seen.received, seen.left_after = 1, "token"
+                seen.received, seen.left_after, seen.delivered = 1, "token", seen.arrived
                 await stream.aclose()  # the client is gone: its cancel goes out
             else:
                 task = asyncio.create_task(client.submit(request))
                 waiter = asyncio.create_task(seen.first_status.wait())
                 await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
+                seen.delivered = seen.arrived
                 task.cancel()  # it leaves in whatever state it is: queued, admitted or routed
                 await asyncio.gather(task, return_exceptions=True)
         except (NatschedError, StopAsyncIteration) as exc:  # refused or failed before it could leave
@@ -162,9 +172,11 @@ class Abandoners:
         if reply.kind == ReplyKind.STATUS and reply.status is not None and not seen.first_status.is_set():
             seen.left_after = str(reply.status)
             seen.first_status.set()
-        elif reply.kind == ReplyKind.TOKEN and not seen.first_status.is_set():
-            seen.left_after = "token"
-            seen.first_status.set()
+        elif reply.kind == ReplyKind.TOKEN:
+            seen.arrived += len(reply.token_ids) if reply.token_ids else 1
+            if not seen.first_status.is_set():
+                seen.left_after = "token"
+                seen.first_status.set()
         elif reply.kind == ReplyKind.ERROR and reply.final:
             seen.refused = f"{reply.status}: {reply.reason}"
 
@@ -180,11 +192,11 @@ class Abandoners:
 
 def format_abandon(report: dict[str, Any]) -> list[str]:
     """Lines for the chaos table: one per kind of leaving client."""
-    lines = ["clients that left | clients | cancelled | refused first | ran to end | tokens for nobody | "
-             "beyond one step (max) | unaccounted"]
+    lines = ["clients that left | clients | cancelled | refused first | ran to end | tokens never read | "
+             "after leaving | beyond one step (max) | unaccounted"]
     for kind in (STREAMS, WAITING):
         r = report[kind]
         lines.append(f"{kind} | {r['clients']} | {r['cancelled']} | {r['refused_before_admission']} | "
-                     f"{r['ran_to_end']} | {r['tokens_for_nobody']} | {r['tokens_beyond_one_step']} "
+                     f"{r['ran_to_end']} | {r['tokens_for_nobody']} | {r['tokens_after_leaving']} | {r['tokens_beyond_one_step']} "
                      f"({r['max_beyond_one_step']}) | {r['unaccounted']}")
     return lines

@@ -315,7 +315,9 @@ class CacheEvent(Schema):
 
 @dataclass
 class Control(Schema):
-    """A control message on ``worker.<id>.ctl``: ``drain``, ``snapshot``, ``resume``, ``cancel``.
+    """A control message on ``worker.<id>.ctl``: ``drain``, ``snapshot``, ``resume``, ``cancel``;
+    also the body of a producer's ``cancel.<tenant>.<request_id>`` (informational there: the
+    subject, which the server authorised, says what is cancelled).
 
     ``cancel`` names ``request_id``: its producer went away (an HTTP client disconnected), so
     the worker stops generating and closes the request with reason ``cancelled``.

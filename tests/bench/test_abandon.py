@@ -17,14 +17,16 @@ def completion(rid: str, out: int, status: str = "error", reason: str | None = "
 
 
 def test_tokens_past_what_the_client_read_and_one_step_are_for_nobody():
-    seen = {"a": _Seen(STREAMS, received=1, completion=completion("a", 2)),  # one step under way: allowed
-            "b": _Seen(STREAMS, received=1, completion=completion("b", 40)),  # a cancel that came late
+    seen = {"a": _Seen(STREAMS, received=1, delivered=1, completion=completion("a", 2)),  # one step: allowed
+            # a cancel that came late: 5 had reached the client unread, 34 more came after it left
+            "b": _Seen(STREAMS, received=1, delivered=6, completion=completion("b", 40)),
             "c": _Seen(WAITING, left_after="queued", refused="rejected: cancelled"),  # never admitted
             "d": _Seen(WAITING, left_after="admitted", completion=completion("d", 3000, "ok", None)),  # lost cancel
             "e": _Seen(WAITING, left_after="assigned")}  # nothing ever said what became of it
     r = summarise(seen)
-    assert (r[STREAMS]["tokens_for_nobody"], r[STREAMS]["tokens_beyond_one_step"]) == (40, 38)
-    assert r[STREAMS]["max_beyond_one_step"] == 38 and r[STREAMS]["cancelled"] == 2
+    assert (r[STREAMS]["tokens_for_nobody"], r[STREAMS]["tokens_after_leaving"]) == (40, 35)
+    assert (r[STREAMS]["tokens_beyond_one_step"], r[STREAMS]["max_beyond_one_step"]) == (33, 33)
+    assert r[STREAMS]["cancelled"] == 2
     assert r[WAITING]["refused_before_admission"] == 1 and r[WAITING]["ran_to_end"] == 1
     assert r[WAITING]["tokens_beyond_one_step"] == 2999 and r[WAITING]["unaccounted"] == 1
     assert r["targets"] == {"abandoned_tokens_beyond_one_step": False, "abandoned_unaccounted": False}
