@@ -161,12 +161,16 @@ class Abandoners:
                 return
             await asyncio.sleep(0.1)
 
-    async def _on_reply(self, subject: str, data: bytes, headers: dict) -> None:
+    def _seen(self, schema: Any, data: bytes) -> tuple[Any, _Seen | None]:
+        """(the decoded message, what was seen of its request), or (None, None): not one of ours."""
         try:
-            reply = Reply.decode(data)
+            msg = schema.decode(data)
         except MessageError:
-            return
-        seen = self.seen.get(reply.request_id)
+            return None, None
+        return msg, self.seen.get(msg.request_id)
+
+    async def _on_reply(self, subject: str, data: bytes, headers: dict) -> None:
+        reply, seen = self._seen(Reply, data)
         if seen is None:
             return
         if reply.kind == ReplyKind.STATUS and reply.status is not None and not seen.first_status.is_set():
@@ -181,11 +185,7 @@ class Abandoners:
             seen.refused = f"{reply.status}: {reply.reason}"
 
     async def _on_completion(self, subject: str, data: bytes, headers: dict) -> None:
-        try:
-            c = Completion.decode(data)
-        except MessageError:
-            return
-        seen = self.seen.get(c.request_id)
+        c, seen = self._seen(Completion, data)
         if seen is not None and seen.completion is None:
             seen.completion = c
 

@@ -19,8 +19,7 @@ import pytest
 from natsched.wire import subjects as S
 from natsched.wire.schema import Completion, Decision
 from tests.factories.core import wait_for
-from tests.factories.gateway import ALPHA, start_gateway
-from tests.factories.stack import start_stack
+from tests.factories.gateway import ALPHA, gateway_over_stack
 
 LONG = 3000
 STREAMS = 40
@@ -28,14 +27,8 @@ STREAMS = 40
 
 @pytest.fixture
 async def cluster(bus, nats_url):
-    stack = await start_stack(nats_url, workers=2, time_scale=1.0)
-    gw = await start_gateway(nats_url, max_per_key=1000)
-    await gw.wait_for_workers(2)
-    try:
-        yield stack, gw
-    finally:
-        await gw.close()
-        await stack.close()
+    async with gateway_over_stack(nats_url, max_per_key=1000) as both:
+        yield both
 
 
 def sdk(gw) -> openai.AsyncOpenAI:
