@@ -296,15 +296,15 @@ class Client:
     async def _close(self, sub: Any, request: Request, cancel: bool) -> None:
         """End an exchange: stop listening and, if it ended before its final reply (even with a
         publish whose ack was lost: it may be stored), cancel it in whatever state it is."""
-        try:
-            await sub.unsubscribe()
-        except Exception as exc:  # the connection may be gone already
-            log.warning("could not unsubscribe from %s: %s", request.reply, exc)
-        if cancel:
+        if cancel:  # first: every token generated meanwhile is for nobody
             try:
                 await self.cancel(request.tenant, request.id)
             except Exception as exc:  # best effort: the connection may be gone already
                 log.warning("could not cancel %s: %s", request.id, exc)
+        try:
+            await sub.unsubscribe()
+        except Exception as exc:  # the connection may be gone already
+            log.warning("could not unsubscribe from %s: %s", request.reply, exc)
 
     async def _replies(self, sub: Any, request: Request, progress: _Progress,
                        timeouts: Timeouts) -> AsyncIterator[Chunk | Result]:

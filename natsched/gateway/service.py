@@ -27,7 +27,7 @@ The wait: a request may stay queued as long as the client waits — the ``x-nats
 header, else the OpenAI SDK's ``x-stainless-read-timeout``, capped by ``max_wait_s`` — and its
 ``deadline`` is set to the end of that wait, so a request nobody waits for any more is dropped
 by the admitter or the worker instead of run. Beside it, ``x-natsched-ttft-timeout`` and
-``x-natsched-idle-timeout`` (else the ``ttft_timeout_s``/``idle_timeout_s`` settings) set the
+``x-natsched-stream-idle-timeout`` (else the ``ttft_timeout_s``/``stream_idle_timeout_s`` settings) set the
 other two tiers; all three travel with the request, so its worker stops it at the same limits.
 
 Why a degraded request is an error answer and not a 202 job object: OpenAI clients parse every
@@ -65,7 +65,7 @@ from natsched.gateway.status import StatusCollector
 log = logging.getLogger(__name__)
 
 TIMEOUT_HEADERS = ("x-natsched-timeout", "x-stainless-read-timeout")
-TTFT_HEADER, IDLE_HEADER = "x-natsched-ttft-timeout", "x-natsched-idle-timeout"
+TTFT_HEADER, IDLE_HEADER = "x-natsched-ttft-timeout", "x-natsched-stream-idle-timeout"
 QUEUE_WAIT_HEADER = "x-natsched-queue-wait"  # the admitter's estimate for a request it queued (s)
 JOBS_PATH = "/v1/natsched/jobs/"
 #: a limit that ran out -> its error code and its cancelled-metric reason
@@ -83,7 +83,7 @@ class GatewaySettings:
     max_wait_s: float = 600.0  # the longest any request is held (queued + running), whatever the client says
     min_wait_s: float = 1.0
     ttft_timeout_s: float | None = None  # first token within this, unless the x-natsched-ttft-timeout header says
-    idle_timeout_s: float | None = None  # next token of a stream within this (x-natsched-idle-timeout)
+    stream_idle_timeout_s: float | None = None  # next token of a stream within this (x-natsched-stream-idle-timeout)
     keepalive_s: float = 15.0  # an SSE comment on a stream quiet this long (proxies drop idle connections)
     no_worker_retry_after_s: float = 5.0
     models: tuple[str, ...] = ()  # announced before any worker says it serves them
@@ -91,11 +91,21 @@ class GatewaySettings:
     status_refresh_s: float = 2.0
     metrics_port: int | None = None
     name: str = "gateway"
+    # --- the edge: what a connection may cost before it is a call (docs/gateway.md "Edge limits")
+    max_connections: int = 1024  # open sockets; one more is answered 503 and closed as it is accepted
+    header_timeout_s: float = 10.0  # connection (or a request's first byte) -> end of headers, else 408
+    body_timeout_s: float = 30.0  # end of headers -> end of body, else 408
+    idle_timeout_s: float = 5.0  # a kept-alive connection with no request is closed after this
+    max_header_bytes: int = 32 * 1024  # request line and headers (431 above)
+    max_per_key: int = 64  # inference calls in flight per API key (429 above; the open tenant is one key)
+    max_prompt_token_ids: int = 131072  # token ids in one prompt (400 above)
+    allowed_hosts: tuple[str, ...] = ()  # open mode: Host names accepted besides loopback and --host ("*": any)
+    allowed_origins: tuple[str, ...] = ()  # open mode: browser origins that may call (besides the gateway's own)
 
     def __post_init__(self) -> None:
-        for name in ("max_wait_s", "min_wait_s", "keepalive_s", "ttft_timeout_s", "idle_timeout_s"):
+        for name in ("max_wait_s", "min_wait_s", "keepalive_s", "ttft_timeout_s", "stream_idle_timeout_s"):
             value = getattr(self, name)
-            if value is None and name in ("ttft_timeout_s", "idle_timeout_s"):
+            if value is None and name in ("ttft_timeout_s", "stream_idle_timeout_s"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
@@ -125,6 +135,25 @@ class Gateway:
         self.metrics = metrics or GatewayMetrics()
         self.status = status or StatusCollector(client.bus, follow_records=self.settings.status_page)
         self.jobs = JobStore(client.bus)
+        self._in_flight: dict[str, int] = {}  # per API key (Principal.key): calls being answered
+
+    # --- per-key concurrency ----------------------------------------------------------------
+    def take_slot(self, principal: Principal) -> None:
+        """Count one call of ``principal``'s key in flight, or refuse it (429) at the limit: before
+        the body is read, so a key at its limit costs no parsing and no bus round trip."""
+        n = self._in_flight.get(principal.key, 0)
+        if n >= self.settings.max_per_key:
+            self.metrics.shed.labels("per_key").inc()
+            raise RateLimited(f"this API key has {n} requests in flight, its limit; retry when one has ended",
+                              code="too_many_concurrent_requests", retry_after=1)
+        self._in_flight[principal.key] = n + 1
+
+    def give_slot(self, principal: Principal) -> None:
+        n = self._in_flight.get(principal.key, 0) - 1
+        if n > 0:
+            self._in_flight[principal.key] = n
+        else:
+            self._in_flight.pop(principal.key, None)
 
     async def start(self) -> None:
         await self.status.start()
@@ -176,7 +205,7 @@ class Gateway:
     def timeouts(self, headers: Any, total_s: float) -> Timeouts:
         """The client's stage waits with this call's three limits (headers over settings)."""
         ttft = _seconds(headers, TTFT_HEADER) or self.settings.ttft_timeout_s
-        idle = _seconds(headers, IDLE_HEADER) or self.settings.idle_timeout_s
+        idle = _seconds(headers, IDLE_HEADER) or self.settings.stream_idle_timeout_s
         return dataclasses.replace(self.client.timeouts, total=total_s, ttft=None if ttft is None else min(ttft, total_s),
                                    stream_idle=idle)
 

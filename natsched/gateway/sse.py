@@ -53,17 +53,26 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 class EventStream:
     """An ASGI ``text/event-stream`` response fed by ``events``; a disconnect cancels the feed.
 
-    ``on_disconnect`` runs (once) when the client left before the feed ended.
+    ``on_disconnect`` runs (once) when the client left before the feed ended; ``on_close`` once
+    the response is over, however it ended (even if the feed never started).
     """
 
     def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None,
-                 on_disconnect: Callable[[], None] | None = None) -> None:
+                 on_disconnect: Callable[[], None] | None = None, on_close: Callable[[], None] | None = None) -> None:
         self.events = events
         self.headers = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
                         "x-accel-buffering": "no", **(headers or {})}
         self.on_disconnect = on_disconnect
+        self.on_close = on_close
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        try:
+            await self._serve(receive, send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
+
+    async def _serve(self, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(k.encode(), v.encode()) for k, v in self.headers.items()]})
 

@@ -150,7 +150,7 @@ async def test_stream_idle_limit_ends_the_stream_with_an_error_event_and_stops_t
         await gw.wait_for_workers(1)
         stream = await sdk(gw, max_retries=0).chat.completions.create(
             model="default", max_tokens=50, stream=True, messages=MESSAGES,
-            extra_headers={"x-natsched-idle-timeout": "0.05"})
+            extra_headers={"x-natsched-stream-idle-timeout": "0.05"})
         with pytest.raises(openai.APIError) as caught:
             async for _ in stream:
                 pass
@@ -165,19 +165,20 @@ async def test_stream_idle_limit_ends_the_stream_with_an_error_event_and_stops_t
 async def test_bad_timeout_headers_and_settings_are_refused(slow_cluster):
     _, gw = slow_cluster
     async with httpx.AsyncClient(base_url=gw.url) as http:
-        for header in ("x-natsched-ttft-timeout", "x-natsched-idle-timeout"):
+        for header in ("x-natsched-ttft-timeout", "x-natsched-stream-idle-timeout"):
             for value in ("soon", "-1", "nan", "0"):
                 r = await http.post(CHAT, headers={"Authorization": f"Bearer {ALPHA}", header: value},
                                     json={"model": "default", "messages": MESSAGES})
                 assert r.status_code == 400 and r.json()["error"]["param"] == header, (header, value)
     from natsched.gateway.errors import ConfigError
     from natsched.gateway.service import GatewaySettings
-    for bad in ({"keepalive_s": 0}, {"ttft_timeout_s": -1.0}, {"idle_timeout_s": float("inf")}, {"max_wait_s": "x"}):
+    for bad in ({"keepalive_s": 0}, {"ttft_timeout_s": -1.0}, {"stream_idle_timeout_s": float("inf")},
+                {"max_wait_s": "x"}):
         with pytest.raises(ConfigError):
             GatewaySettings(**bad)
 
 
-@pytest.mark.parametrize("flag", ["--ttft-timeout", "--idle-timeout", "--keepalive"])
+@pytest.mark.parametrize("flag", ["--ttft-timeout", "--stream-idle-timeout", "--keepalive"])
 @pytest.mark.parametrize("value", ["0", "-2", "nan", "inf"])
 def test_bad_timeout_flags_are_refused(flag, value):
     from natsched.cli.gateway import settings_from_args
@@ -187,5 +188,6 @@ def test_bad_timeout_flags_are_refused(flag, value):
     with pytest.raises(ConfigError) as err:
         settings_from_args(gateway_args("--insecure-open", flag, value))
     assert flag in str(err.value)
-    settings, _ = settings_from_args(gateway_args("--insecure-open", "--ttft-timeout", "2", "--idle-timeout", "0.5"))
-    assert (settings.ttft_timeout_s, settings.idle_timeout_s, settings.keepalive_s) == (2.0, 0.5, 15.0)
+    settings, _ = settings_from_args(gateway_args("--insecure-open", "--ttft-timeout", "2",
+                                                  "--stream-idle-timeout", "0.5"))
+    assert (settings.ttft_timeout_s, settings.stream_idle_timeout_s, settings.keepalive_s) == (2.0, 0.5, 15.0)

@@ -26,7 +26,7 @@ LONG = 4000
 
 async def set_quotas(bus, **entries):
     for key, value in entries.items():
-        await bus.kv_put(S.BUCKET_QUOTAS, key.replace("__", "."), orjson.dumps(value))
+        await bus.kv(S.BUCKET_QUOTAS).put(key.replace("__", "."), orjson.dumps(value))
 
 
 async def records(bus, stream, schema):
