@@ -35,7 +35,7 @@ from natsched.wire import msgids as M
 from natsched.bus.aio import wait_event
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.errors import NatschedError
-from natsched.ops import tracing
+from natsched import tracing
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Admitted, Completion, Decision, Reply, ReplyKind, ReplyStatus, Request
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds

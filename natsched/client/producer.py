@@ -26,7 +26,7 @@ from natsched.bus.errors import BusTimeout
 from natsched.client.errors import (ClientSettingsError, DuplicateRequest, Rejected, RequestError, RequestFailed,
                                     RequestTimeout)
 from natsched.client.retry import Retry
-from natsched.ops import tracing
+from natsched import tracing
 from natsched.wire.errors import DecodeError, SchemaError
 from natsched.wire.schema import Control, Reply, ReplyKind, ReplyStatus, Request, RequestId, TenantId, WorkerId
 from natsched.bus.server import DEFAULT_URL

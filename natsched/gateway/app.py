@@ -33,7 +33,7 @@ from natsched.gateway.errors import (ApiError, BadRequest, Forbidden, MethodNotA
                                      Unauthorized)
 from natsched.gateway.keys import CLASS_HEADER, Principal, effective_class, status_credentials
 from natsched.gateway.origin import check_host, check_json, check_origin
-from natsched.ops import tracing
+from natsched import tracing
 from natsched.gateway.jobs import job_body
 from natsched.gateway.service import JOBS_PATH, QUEUE_WAIT_HEADER, Gateway
 from natsched.gateway.sse import ClientGone, EventStream, until_disconnect

@@ -15,7 +15,7 @@ import sys
 from typing import Awaitable, Callable
 
 from natsched.bus.connection import Bus
-from natsched.ops import tracing
+from natsched import tracing
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ async def serve(
 ) -> None:
     """Connect, run ``start(bus)``, announce, then wait for SIGINT/SIGTERM (or ``until``).
 
-    Traces are on when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (:mod:`natsched.ops.tracing`); a
+    Traces are on when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (:mod:`natsched.tracing`); a
     bad tracing setting stops the service here, before it connects.
     """
     tracing.configure_from_env(f"natsched-{component}")

@@ -21,7 +21,7 @@ from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.errors import ConfigError
 from natsched.router.metrics import RouterMetrics
 from natsched.router.policy import RouteDecision, RouteRequest
-from natsched.ops import tracing
+from natsched import tracing
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)

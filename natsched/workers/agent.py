@@ -43,7 +43,7 @@ from natsched.workers.calibrate import load_calibration
 from natsched.workers.engine import Engine, EngineOutput, EngineRequest, EngineStats
 from natsched.workers.errors import RunTimeout
 from natsched.workers.limits import limited
-from natsched.ops import tracing
+from natsched import tracing
 from natsched.workers.metrics import WorkerMetrics
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 

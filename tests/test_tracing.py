@@ -13,7 +13,7 @@ import orjson
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from natsched.ops import tracing
+from natsched import tracing
 from tests.factories.core import wait_for
 from tests.factories.gateway import ALPHA, start_gateway
 from tests.factories.stack import start_stack
@@ -103,7 +103,7 @@ def test_natsched_runs_without_opentelemetry_and_refuses_bad_settings():
     code = (
         "import sys; sys.modules['opentelemetry'] = None\n"
         "import natsched.gateway.app, natsched.admitter.service, natsched.router.service, natsched.workers.agent\n"
-        "from natsched.ops import tracing\n"
+        "from natsched import tracing\n"
         "assert not tracing.configure_from_env('x', {}) and not tracing.enabled()\n"
         "assert tracing.start('s', {'traceparent': 'x'}, 'r1') is None and tracing.carry(None, {'a': 'b'}) == {'a': 'b'}\n"
         "try:\n"
