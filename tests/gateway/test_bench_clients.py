@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -74,3 +75,29 @@ async def test_vllm_bench_serve_runs_unchanged_against_the_gateway(cluster, toke
     assert result["completed"] == REQUESTS and result["failed"] == 0, out
     assert result["total_output_tokens"] == REQUESTS * 8  # the usage the gateway reported
     assert result["mean_ttft_ms"] > 0
+
+
+def _tool(name: str) -> str | None:
+    """A benchmark client installed on its own (``NATSCHED_GUIDELLM`` / ``NATSCHED_AIPERF``: the
+    executable, else PATH). Not in the project's venv: both pin versions of shared libraries below
+    what vLLM and the gateway use (guidellm: multidict and click; aiperf: orjson, pyzmq,
+    prometheus_client, huggingface_hub), so they live in their own (``pipx install guidellm``)."""
+    return os.environ.get(f"NATSCHED_{name.upper()}") or shutil.which(name)
+
+
+@pytest.mark.skipif(_tool("guidellm") is None, reason="guidellm is not installed (pipx install guidellm==0.8.1)")
+async def test_guidellm_runs_unchanged_against_the_gateway(cluster, tokenizer, tmp_path):
+    _, gw = cluster
+    out = tmp_path / "guidellm.json"
+    code, log = await run(
+        _tool("guidellm"), "run", "--backend", f"kind=openai_http,target={gw.url},model=default,api_key={ALPHA}",
+        "--tokenizer", f"kind=hf_auto,model={tokenizer}",
+        "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
+        "--profile", "kind=concurrent,streams=2", "--constraint", f"kind=max_requests,count={REQUESTS}",
+        "--output", f"kind=json,path={out}", "--disable-console-interactive", env=offline_env(tmp_path))
+    assert code == 0, log
+    state = json.loads(out.read_text())["benchmarks"][0]["scheduler_state"]
+    assert state["successful_requests"] == REQUESTS and state["errored_requests"] == 0, log
+    served = sum(s.value for m in gw.gateway.metrics.requests.collect() for s in m.samples
+                 if s.name.endswith("_total") and s.labels["code"] == "200" and "completions" in s.labels["endpoint"])
+    assert served >= REQUESTS  # they went through the gateway, each as a natsched request
