@@ -13,7 +13,7 @@ They read the same shared prefix index (events + our decisions) and the same wor
 - ``preble_e2`` (Preble, ICLR 2025, E2 scheduling): *exploit* — if the longest cached prefix is
   longer than what is left to compute, send to a worker holding it (least loaded among them);
   otherwise *explore* — the worker with the least load cost + eviction cost + prefill cost, all
-  in seconds from the shared cost model. Preble's post-assignment rebalancing and prefix
+  in seconds from each worker's cost model (learned, as for ``natsched``). Preble's post-assignment rebalancing and prefix
   autoscaling are not modelled.
 """
 
@@ -126,15 +126,16 @@ class PrebleE2:
         matched = self.deps.index.match(req.hashes, now, [w.id for w in workers])
         cached = {w: cached_tokens(n, bt, prompt) for w, n in matched.items()}
         longest = max(cached.values(), default=0)
-        cost = self.deps.cost
+        costs = self.deps.costs  # each worker's own (learned) model
         if longest > prompt - longest:
             pool = [w for w in workers if cached.get(w.id, 0) == longest]
-            loads = {w.id: cost.finish_s(w, prompt - longest, prompt, out) for w in pool}
+            loads = {w.id: costs.of(w.id).finish_s(w, prompt - longest, prompt, out) for w in pool}
             chosen = min(pool, key=lambda w: (loads[w.id], w.inflight, w.id))
             return RouteDecision(chosen.id, self.name, loads, longest, "exploit")
         scores: dict[str, float] = {}
         for w in workers:
             c = cached.get(w.id, 0)
+            cost = costs.of(w.id)
             evict = w.load_tokens + prompt + out - cost.capacity_tokens(w)  # tokens pushed out
             scores[w.id] = cost.finish_s(w, prompt - c, prompt, out) + cost.prefill_s(max(0.0, evict))
         chosen = min(workers, key=lambda w: (scores[w.id], *tie_key(w)))

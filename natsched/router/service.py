@@ -1,9 +1,20 @@
-"""The router service: decode -> RouterCore.route -> publish. All I/O lives here."""
+"""The router service: decode -> RouterCore.route -> publish. All I/O lives here.
+
+Learned cost models are shared through bucket ``workers`` (``subjects.md``): every tick a replica
+puts its own statistics of each worker it learned something new about under
+``cost.<worker>.<replica>`` and watches ``cost.>``; the others' statistics are merged into its book
+(:meth:`natsched.router.learned.CostBook.merge`), so every replica solves the same fit. A record
+older than ``cost_share_ttl_s`` (a replica that left) is dropped. A worker's heartbeat naming its
+``deployment`` makes the router read the calibration stored for it and start that worker's model
+from the measured speed.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import secrets
 from collections import OrderedDict
 import time
 from dataclasses import dataclass, field
@@ -19,6 +30,7 @@ from natsched.wire.schema import (Admitted, Assignment, CacheEvent, Completion, 
                                   Heartbeat, Reply, ReplyKind, ReplyStatus)
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.errors import ConfigError
+from natsched.router.learned import calibrated_prior
 from natsched.router.metrics import RouterMetrics
 from natsched.router.policy import RouteDecision, RouteRequest
 from natsched import tracing
@@ -36,6 +48,8 @@ class RouterServiceSettings:
     tick_s: float = 1.0  # upkeep: stale workers, index expiry, snapshot requests
     migration_memory: int = 100_000  # first blocks remembered for the migration-rate metric
     metrics_port: int | None = None  # serve Prometheus metrics here (natsched.router.metrics)
+    share_costs: bool = True  # publish and merge learned cost statistics (bucket workers)
+    cost_share_ttl_s: float = 120.0  # another replica's statistics older than this are dropped
 
 
 @dataclass
@@ -61,6 +75,13 @@ class RouterService:
         self._last_worker: OrderedDict[int, str] = OrderedDict()
         self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
         attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
+        # the key part of this replica's cost statistics: unique per process, so replicas that share
+        # a name do not overwrite each other's
+        self.instance = f"{self.settings.name}-{secrets.token_hex(3)}"
+        self._published: dict[str, float] = {}  # worker -> newest own sample published
+        self._others: dict[tuple[str, str], float] = {}  # (worker, replica) -> its record's time
+        self._priors: dict[tuple[str, str], object] = {}  # (model, deployment) -> prior or None (asked)
+        self._refused_seen: dict[str, int] = {}  # reason -> refusals already counted in the metrics
         self._spec = ConsumerSpec(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL, max_deliver=attempts + 3,
                                   redeliver_delay_s=self.settings.retry_delay_s, batch=256)
 
@@ -74,6 +95,8 @@ class RouterService:
             self.apply_config(current[0])
         self.bus.spawn(self._watch_config(), "router-config")
         self.bus.spawn(self._tick_loop(), "router-tick")
+        if self.settings.share_costs:
+            self.bus.spawn(self._watch_costs(), "router-costs")
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
         await self.bus.subscribe(S.CACHE_EVENTS_ALL, self._on_cache_event)
         await self.bus.subscribe(S.CANCELS_ALL, self._on_cancel)
@@ -89,7 +112,7 @@ class RouterService:
         log.info("router ready (policy %s)", self.core.policy.name)
 
     def apply_config(self, raw: bytes) -> bool:
-        """Apply ``{"policy", "weights", "canary", "canary_share"}`` from the config bucket.
+        """Apply ``{"policy", "weights", "canary", "canary_share", "learn", "health"}`` from the config bucket.
 
         A value that cannot be used is logged and ignored: the running policy stays.
         """
@@ -104,6 +127,8 @@ class RouterService:
                 canary = cfg["canary"]
                 self.core.set_canary(canary, float(cfg.get("canary_share", 0.0)),
                                      weights.get(canary) if canary else None)
+            if cfg.get("learn") is not None or cfg.get("health") is not None:
+                self.core.set_learning(cfg.get("learn"), cfg.get("health"))
         except (orjson.JSONDecodeError, ConfigError, TypeError, ValueError, AttributeError) as exc:
             log.error("ignoring router config %r: %s; keeping policy %s", raw[:120], exc, self.core.policy.name)
             self.metrics.config_errors.inc()
@@ -123,7 +148,87 @@ class RouterService:
             self.metrics.set_worker_states([str(getattr(s, "value", s)) for s in
                                             (self.core.registry.state(w, now) for w in list(self.core.workers))])
             self.metrics.index_entries.set(self.core.index.stats()["entries"])
+            self._count_refused()
             await self._ask_snapshots()
+            if self.settings.share_costs:
+                try:
+                    await self.publish_costs(now)
+                except Exception as exc:  # the bucket is unreachable for now: the next tick tries again
+                    log.warning("could not publish learned cost statistics: %s", exc)
+
+    def _count_refused(self) -> None:
+        for reason, n in self.core.costs.refused.items():
+            seen = self._refused_seen.get(reason, 0)
+            if n > seen:
+                self.metrics.cost_refused.labels(reason).inc(n - seen)
+                self._refused_seen[reason] = n
+
+    async def publish_costs(self, now: float) -> int:
+        """Put this replica's new statistics of each worker in bucket ``workers``; how many."""
+        costs, n = self.core.costs, 0
+        for w in costs.workers():
+            last = costs.last_sample(w)
+            if last is None or self._published.get(w) == last:
+                continue
+            rec = costs.record(w, now, self.core.health.state(w))
+            if rec is None:
+                continue
+            await self.bus.kv(S.BUCKET_WORKERS).put(S.cost_key(w, self.instance), orjson.dumps(rec))
+            self._published[w] = last
+            n += 1
+        cutoff = now - self.settings.cost_share_ttl_s
+        for (w, replica), at in list(self._others.items()):
+            if at < cutoff:  # that replica left (or stopped learning this worker): its old view goes
+                del self._others[(w, replica)]
+                costs.merge(w, replica, None)
+        return n
+
+    async def _watch_costs(self) -> None:
+        async for key, value, _rev in self.bus.kv(S.BUCKET_WORKERS).watch(S.COST_KEYS):
+            self.apply_cost_record(key, value, time.time())
+
+    def apply_cost_record(self, key: str, value: bytes | None, now: float) -> bool:
+        """Merge another replica's statistics of a worker; a bad record is logged, counted, ignored."""
+        parsed = S.parse_cost_key(key)
+        if parsed is None or parsed[1] == self.instance:
+            return False
+        w, replica = parsed
+        try:
+            if value is None:
+                self.core.costs.merge(w, replica, None)
+                self._others.pop((w, replica), None)
+                return True
+            rec = orjson.loads(value)
+            if not isinstance(rec, dict) or not isinstance(rec.get("at"), (int, float)) or not math.isfinite(rec["at"]):
+                raise ValueError("a cost record needs a finite 'at'")
+            if rec["at"] < now - self.settings.cost_share_ttl_s:
+                return False
+            self.core.costs.merge(w, replica, rec.get("stats"))
+            self._others[(w, replica)] = float(rec["at"])
+            return True
+        except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
+            log.warning("ignoring cost statistics %s: %s", key, exc)
+            self.metrics.bad_reports.labels("cost").inc()
+            return False
+
+    async def _load_prior(self, model: str, deployment: str, worker: str) -> None:
+        """Start ``worker``'s model from the calibration stored for (model, deployment), if any."""
+        from natsched.workers.calibrate import load_calibration
+
+        key = (model, deployment)
+        if key not in self._priors:
+            self._priors[key] = None  # asked (once per deployment, even if it fails)
+            try:
+                cal = await load_calibration(self.bus, model, deployment)
+                if cal is not None:
+                    self._priors[key] = calibrated_prior(self.core.settings.cost, cal.baseline_ttft, cal.baseline_tpot,
+                                                         cal.prompt_tokens)
+            except Exception as exc:  # no bucket, a bad record: the fixed model stays the prior
+                log.warning("no calibration prior for %s/%s: %s", model, deployment, exc)
+        prior = self._priors.get(key)
+        if prior is not None:
+            self.core.costs.set_prior(worker, prior, "calibration")
+            log.info("worker %s starts from calibration %s/%s", worker, model, deployment)
 
     async def _ask_snapshots(self) -> None:
         for worker in self.core.pop_snapshot_requests():
@@ -142,7 +247,10 @@ class RouterService:
             log.warning("ignoring heartbeat of %s published on %s", hb.worker, subject)
             self.metrics.bad_reports.labels("heartbeat").inc()
             return
+        known = hb.worker in self.core.workers
         self.core.on_heartbeat(hb, time.time())
+        if not known and hb.deployment:
+            self.bus.spawn(self._load_prior(hb.model, hb.deployment, hb.worker), "router-prior")
         await self._ask_snapshots()  # a worker first heard mid-stream: ask now, not at the next tick
 
     async def _on_cache_event(self, subject: str, data: bytes, headers: dict) -> None:

@@ -16,6 +16,11 @@ Before routing, an :class:`~natsched.sim.admission.AdmissionHook` decides allow 
 A request with no routable worker is retried every ``route_retry_s`` for up to ``no_worker_wait_s``
 (the router service's nak/redeliver loop), then rejected. Messages travel instantly unless
 ``net_delay_s`` is set. Everything is deterministic: same trace and settings, same result.
+
+Clusters need not be uniform: ``worker_profiles`` gives each worker its engine profile (in turn),
+``host_blocks`` / ``host_bandwidth`` give every engine a host KV tier (its changes are published
+as cache events with ``tier = "host"``), and ``speed_events`` change a worker's speed while the
+run goes on (``(seconds after the first arrival, worker index, speed)``; 1.0 nominal).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 # event kinds; the periodic ones (heartbeats, ticks) come last
-_ARRIVE, _STEP_END, _RETRY, _DELIVER, _HEARTBEAT, _ADMIT_TICK, _ROUTER_TICK = range(7)
+_ARRIVE, _STEP_END, _RETRY, _DELIVER, _SPEED, _HEARTBEAT, _ADMIT_TICK, _ROUTER_TICK = range(8)
 _PERIODIC = _HEARTBEAT  # kinds >= this recur forever; the others are "activity"
 
 ProgressFn = Callable[[int, int], None]  # (requests done, total)
@@ -72,6 +77,10 @@ class SimSettings:
     tenant: str = "trace"
     cls: str = "online"
     router: dict = field(default_factory=dict)  # extra RouterSettings fields (by name)
+    worker_profiles: list[str] | None = None  # per worker, in turn (a mixed cluster); None: ``profile``
+    host_blocks: int = 0  # host-tier KV blocks per engine (0: no host tier)
+    host_bandwidth: float = 0.0  # bytes/s from the host tier into GPU memory
+    speed_events: list[tuple[float, int, float]] = field(default_factory=list)  # (t after first arrival, worker, speed)
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -85,9 +94,21 @@ class SimSettings:
         if self.net_delay_s < 0 or self.route_retry_s <= 0 or self.no_worker_wait_s < 0 or self.router_tick_s <= 0:
             raise SimConfigError("net_delay_s and no_worker_wait_s must be >= 0, route_retry_s and router_tick_s > 0")
         try:
-            get_profile(self.profile)
+            for name in [self.profile, *(self.worker_profiles or [])]:
+                get_profile(name)
         except ValueError as exc:
             raise SimConfigError(str(exc)) from None
+        if self.worker_profiles is not None and not self.worker_profiles:
+            raise SimConfigError("worker_profiles must name at least one profile (or be left out)")
+        if self.host_blocks < 0 or (self.host_blocks and self.host_bandwidth <= 0):
+            raise SimConfigError("host_blocks must be >= 0, and host_bandwidth > 0 with a host tier")
+        for ev in self.speed_events:
+            if len(ev) != 3 or not 0 <= int(ev[1]) < self.workers or not ev[2] > 0 or ev[0] < 0:
+                raise SimConfigError(f"speed event {ev!r}: (t >= 0, worker index < workers, speed > 0)")
+
+    def profile_of(self, i: int) -> str:
+        """The engine profile of worker ``i``."""
+        return self.worker_profiles[i % len(self.worker_profiles)] if self.worker_profiles else self.profile
 
 
 def make_router(settings: SimSettings, block_size: int) -> RouterCore:
@@ -104,10 +125,12 @@ def make_router(settings: SimSettings, block_size: int) -> RouterCore:
 
 
 class _Worker:
-    __slots__ = ("id", "engine", "core", "backoff", "state", "stepping", "hb_seq", "kv_seq", "busy_window")
+    __slots__ = ("id", "engine", "core", "backoff", "state", "stepping", "hb_seq", "kv_seq", "busy_window",
+                 "deployment")
 
-    def __init__(self, wid: WorkerId, engine: SimEngine, backoff) -> None:
+    def __init__(self, wid: WorkerId, engine: SimEngine, backoff, deployment: str | None = None) -> None:
         self.id = wid
+        self.deployment = deployment  # its engine profile: what a real worker's calibration key names
         self.engine = engine  # stats() only: the heartbeat reports what a live SimEngine would
         self.core: SimCore = engine.core  # stepped by the simulator's clock
         self.backoff = backoff
@@ -133,6 +156,8 @@ class SimResult:
     preemptions: int
     wall_s: float
     backoff_changes: int = 0
+    predictions: dict = field(default_factory=dict)  # RouterCore.predictions (keep_predictions > 0)
+    health_changes: list = field(default_factory=list)  # (t, worker, state) of the router's health
 
     def metrics(self) -> dict:
         return summarize(self.records, self.busy_time, self.busy_window, self.window)
@@ -160,10 +185,11 @@ class Simulator:
         self.workers: dict[WorkerId, _Worker] = {}
         for i in range(s.workers):
             wid = WorkerId(f"w{i:0{width}d}")
-            engine = SimEngine(self.profile, self.block_size, kv_blocks=s.kv_blocks, max_num_seqs=s.max_num_seqs,
-                               max_model_len=1 << 62)  # max_model_len is checked here (SimSettings)
+            engine = SimEngine(get_profile(s.profile_of(i)), self.block_size, kv_blocks=s.kv_blocks,
+                               max_num_seqs=s.max_num_seqs, max_model_len=1 << 62,  # checked here (SimSettings)
+                               host_blocks=s.host_blocks, host_bandwidth=s.host_bandwidth)
             backoff = BackoffMonitor() if s.worker_backoff and BackoffMonitor is not None else None
-            self.workers[wid] = _Worker(wid, engine, backoff)
+            self.workers[wid] = _Worker(wid, engine, backoff, s.profile_of(i))
         self.t0 = s.warmup_s  # virtual time of the trace's first arrival
         self.records = [
             RequestRecord(index=r.index, arrival=self.t0 + r.arrival, prompt_tokens=max(1, r.input_length),
@@ -205,11 +231,14 @@ class Simulator:
         n_workers = len(self.workers)
         for i, w in enumerate(self.workers.values()):
             # WorkerAgent.start(): a cache snapshot, then a heartbeat; then one every interval (staggered)
-            self._publish_cache(w, "snapshot", w.core.cached_hashes(), 0.0)
+            self._snapshot(w, 0.0)
             self._heartbeat(w, 0.0)
             self._push(s.hb_interval * (1.0 + i / n_workers), _HEARTBEAT, w)
         for r in self.trace.requests:
             self._push(self.t0 + r.arrival, _ARRIVE, r)
+        ids = list(self.workers)
+        for t, i, speed in s.speed_events:
+            self._push(self.t0 + t, _SPEED, self.workers[ids[int(i)]], float(speed))
         tick = self.admission.tick_s
         if tick:
             self._push(tick, _ADMIT_TICK)
@@ -237,6 +266,8 @@ class Simulator:
                 self._push(now + s.hb_interval, _HEARTBEAT, a)
             elif kind == _DELIVER:
                 a(*b, now)
+            elif kind == _SPEED:
+                a.core.set_speed(b)
             elif kind == _RETRY:
                 self._route(a, now)
             elif kind == _ROUTER_TICK:
@@ -263,6 +294,8 @@ class Simulator:
             preemptions=sum(w.core.preemptions for w in self.workers.values()),
             backoff_changes=self.backoff_changes,
             wall_s=time.perf_counter() - started,
+            predictions={w: list(v) for w, v in getattr(self.router, "predictions", {}).items()},
+            health_changes=list(getattr(getattr(self.router, "health", None), "transitions", ())),
         )
 
     def _stalled(self, now: float) -> None:
@@ -312,11 +345,13 @@ class Simulator:
 
     def _fits(self, prompt: int, output: int) -> bool:
         """Whether one engine can ever run it alone (vLLM and SimEngine refuse it up front)."""
-        core = next(iter(self.workers.values())).core
-        fits = getattr(core, "fits", None)
-        if fits is not None:
-            return fits(prompt, output)
-        return -(-(prompt + output) // self.block_size) <= core.kv_blocks
+        for w in self.workers.values():  # a mixed cluster: it must fit on every worker
+            core = w.core
+            fits = getattr(core, "fits", None)
+            ok = fits(prompt, output) if fits is not None else -(-(prompt + output) // self.block_size) <= core.kv_blocks
+            if not ok:
+                return False
+        return True
 
     def _route(self, req: TraceRequest, now: float) -> None:
         rr = self._route_reqs[req.index]
@@ -376,6 +411,10 @@ class Simulator:
             self._publish_cache(w, "removed", res.removed, now)
         if res.stored:
             self._publish_cache(w, "stored", res.stored, now)
+        if res.host_removed:
+            self._publish_cache(w, "removed", res.host_removed, now, "host")
+        if res.host_stored:
+            self._publish_cache(w, "stored", res.host_stored, now, "host")
         for seq in res.finished:
             self._finish(w, seq, now)
         if w.core.has_work():
@@ -404,15 +443,22 @@ class Simulator:
         self._release(now)
 
     # ------------------------------------------------------------------ reports
-    def _publish_cache(self, w: _Worker, kind: str, hashes: list[int], now: float) -> None:
+    def _publish_cache(self, w: _Worker, kind: str, hashes: list[int], now: float, tier: str | None = None) -> None:
         w.kv_seq += 1
-        ev = CacheEvent(worker=w.id, seq=w.kv_seq, kind=kind, ts=now, hashes=list(hashes), block_size=self.block_size)
+        ev = CacheEvent(worker=w.id, seq=w.kv_seq, kind=kind, ts=now, hashes=list(hashes), block_size=self.block_size,
+                        tier=tier)
         self._send(now, self._deliver_cache_event, w, ev)
+
+    def _snapshot(self, w: _Worker, now: float) -> None:
+        """A GPU snapshot, then (with a host tier) the host tier's: what the agent publishes."""
+        self._publish_cache(w, "snapshot", w.core.cached_hashes(), now)
+        if w.core.host_blocks:
+            self._publish_cache(w, "snapshot", list(w.core.host), now, "host")
 
     def _deliver_cache_event(self, w: _Worker, ev: CacheEvent, now: float) -> None:
         if not self.router.on_cache_event(ev, now):
             # the router service answers a gap with Control(snapshot); the agent then publishes one
-            self._publish_cache(w, "snapshot", w.core.cached_hashes(), now)
+            self._snapshot(w, now)
 
     def _deliver_completion(self, c: Completion, now: float) -> None:
         self.router.on_completion(c, now)
@@ -445,7 +491,7 @@ class Simulator:
             kv_total_blocks=st.kv_total_blocks, runtime_tokens=st.runtime_tokens,
             capacity_tokens=st.capacity_tokens, queued_prefill_tokens=st.queued_prefill_tokens,
             block_size=self.block_size, started_at=0.0, interval=self.settings.hb_interval, kv_seq=w.kv_seq,
-            inflight=list(w.core.seqs),
+            inflight=list(w.core.seqs), deployment=w.deployment,
         )
         self._send(now, self.router.on_heartbeat, hb)
 

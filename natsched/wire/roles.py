@@ -214,6 +214,8 @@ def router_role() -> Role:
         S.deadletter("router"),
         *consumer_permissions(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL),
         *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG),
+        # learned cost statistics shared between replicas, and the calibrations they start from
+        *kv_read_permissions(S.BUCKET_WORKERS), *kv_write_permissions(S.BUCKET_WORKERS, S.COST_KEYS),
     ]
     return Role("router", "router", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CACHE_EVENTS_ALL, S.COMPLETIONS_ALL,
                                                                 S.CANCELS_ALL])
@@ -264,6 +266,8 @@ def gateway_role(tenants: list[str]) -> Role:
     pub = [*(S.requests_of(t) for t in tenants), *(S.cancels_of(t) for t in tenants),
            *(_js("STREAM", "INFO", st) for st in records), *(_js("STREAM", "MSG", "GET", st) for st in records),
            *filtered_read_permissions(_kv_stream(S.BUCKET_QUOTAS), _kv_key(S.BUCKET_QUOTAS)),
+           # the routers' verdicts on workers (half-open, learned rates) for its status page
+           *filtered_read_permissions(_kv_stream(S.BUCKET_WORKERS), _kv_key(S.BUCKET_WORKERS, S.COST_KEYS)),
            *kv_get_permissions(S.BUCKET_INFLIGHT, S.KEY_USAGE)]
     sub = [*(S.replies_of(t) for t in tenants), S.HEARTBEATS_ALL, S.DECISIONS_ALL, S.COMPLETIONS_ALL]
     return Role("gateway", "gateway", publish=pub, subscribe=sub, tenants=list(tenants))

@@ -296,6 +296,7 @@ class Heartbeat(Schema):
     kv_seq: int = 0  # last cache-event sequence number published
     inflight: list[str] = field(default_factory=list)
     served: list[ServedModel] = field(default_factory=list)  # every model and adapter it serves (besides ``model``)
+    deployment: str | None = None  # the calibration key part: routers read its measured speed as a prior
     v: int = SCHEMA_VERSION
 
     _COUNTS = ("seq", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "runtime_tokens",
@@ -314,6 +315,10 @@ class CacheEvent(Schema):
 
     ``kind``: ``stored`` / ``removed`` (``hashes`` changed), ``cleared`` (all gone),
     ``snapshot`` (``hashes`` is the whole content; resets the reader's view).
+
+    ``tier``: where the blocks are, ``gpu`` (default, omitted) or ``host`` (an offload tier in host
+    memory: vLLM's CPU offloading, LMCache). A ``host`` snapshot or ``cleared`` replaces only the
+    host tier's view; a GPU one resets both (the worker follows it with a host snapshot).
     """
 
     worker: WorkerId
@@ -322,9 +327,11 @@ class CacheEvent(Schema):
     ts: float
     hashes: list[int] = field(default_factory=list)
     block_size: int = 32
+    tier: str | None = None
     v: int = SCHEMA_VERSION
 
     KINDS = ("stored", "removed", "cleared", "snapshot")
+    TIERS = ("gpu", "host")
 
     def __post_init_check__(self) -> None:
         _check_id(self.worker, "worker")
@@ -334,6 +341,8 @@ class CacheEvent(Schema):
             raise SchemaError(f"field 'kind' must be one of {', '.join(self.KINDS)}, got {self.kind!r}", "kind")
         if self.block_size <= 0:
             raise SchemaError(f"field 'block_size' must be > 0, got {self.block_size}", "block_size")
+        if self.tier is not None and self.tier not in self.TIERS:
+            raise SchemaError(f"field 'tier' must be one of {', '.join(self.TIERS)}, got {self.tier!r}", "tier")
 
 
 @dataclass

@@ -261,6 +261,23 @@ def _kv_part(value: str) -> str:
     return _KV_UNSAFE.sub(lambda m: "".join(f"={b:02X}" for b in m.group().encode()), value) or "=00"
 
 
+#: a router replica's learned statistics of one worker (natsched.router.learned): ``cost.<worker>.<replica>``
+COST_KEYS = "cost.>"
+
+
+def cost_key(worker: str, replica: str) -> str:
+    """Bucket ``workers`` key of ``replica``'s cost statistics of ``worker`` (both single tokens)."""
+    return f"cost.{worker}.{replica}"
+
+
+def parse_cost_key(key: str) -> tuple[str, str] | None:
+    """``cost.<worker>.<replica>`` -> (worker, replica), or None."""
+    parts = key.split(".")
+    if len(parts) != 3 or parts[0] != "cost" or not parts[1] or not parts[2]:
+        return None
+    return parts[1], parts[2]
+
+
 def calibration_key(model: str, deployment: str) -> str:
     """A calibrated capacity in bucket ``workers``: ``capacity.<model>.<deployment>`` (parts escaped)."""
     return f"capacity.{_kv_part(model)}.{_kv_part(deployment)}"

@@ -120,7 +120,7 @@ class WorkerAgent:
         await self.bus.consume(spec, self._on_assignment, source="worker")
         self.bus.spawn(self._heartbeat_loop(), "heartbeat")
         self.bus.spawn(self._keep_alive_loop(), "keep-alive")
-        await self._publish_cache("snapshot", self.engine.cached_hashes())
+        await self._snapshot()
         await self._heartbeat()
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -349,13 +349,22 @@ class WorkerAgent:
                         log.warning("could not mark %s in progress: %s", rid, exc)
 
     # --- reports --------------------------------------------------------------------------
-    def _on_cache_change(self, kind: str, hashes: list) -> None:
-        self.bus.spawn(self._publish_cache(kind, hashes), "cache-event")
+    def _on_cache_change(self, kind: str, hashes: list, tier: str | None = None) -> None:
+        self.bus.spawn(self._publish_cache(kind, hashes, None if tier == "gpu" else tier), "cache-event")
 
-    async def _publish_cache(self, kind: str, hashes: list) -> None:
+    async def _snapshot(self) -> None:
+        """Everything cached: the GPU tier's blocks, then the host tier's when the engine has one."""
+        await self._publish_cache("snapshot", self.engine.cached_hashes())
+        host = getattr(self.engine, "host_hashes", None)
+        if host is not None:
+            hashes = host()
+            if hashes:
+                await self._publish_cache("snapshot", hashes, "host")
+
+    async def _publish_cache(self, kind: str, hashes: list, tier: str | None = None) -> None:
         self._kv_seq += 1
         ev = CacheEvent(worker=self.id, seq=self._kv_seq, kind=kind, ts=time.time(), hashes=list(hashes),
-                        block_size=self.engine.block_size)
+                        block_size=self.engine.block_size, tier=tier)
         await self.bus.publish(S.cache_events(self.id), ev)
 
     async def _heartbeat_loop(self) -> None:
@@ -388,6 +397,7 @@ class WorkerAgent:
             queued_prefill_tokens=st.queued_prefill_tokens, block_size=self.engine.block_size,
             started_at=started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
             inflight=list(self.inflight), served=served() if served is not None else [],
+            deployment=self.deployment,
         )
         await self.bus.publish(S.heartbeat(self.id), hb)
         if new_epoch:  # after the heartbeat that resets the router's view: what the engine holds now
@@ -450,6 +460,11 @@ class WorkerAgent:
             self.state = "backoff"
         return True
 
+    @property
+    def deployment(self) -> str | None:
+        """The calibration key part (routers read the measured speed under it as a prior)."""
+        return self.settings.deployment or getattr(self.engine, "deployment", None)
+
     async def _load_calibration(self) -> None:
         """Use a stored calibration as capacity, unless the operator gave one (never fatal)."""
         if self.capacity_tokens or not self.settings.use_calibration:
@@ -476,7 +491,7 @@ class WorkerAgent:
             log.warning("ignoring bad control message on %s: %s", subject, exc)
             return
         if ctl.kind == "snapshot":
-            await self._publish_cache("snapshot", self.engine.cached_hashes())
+            await self._snapshot()
         elif ctl.kind == "drain":
             log.info("worker %s quiescing (drain requested by %s)", self.id, ctl.by or "?")
             self.state, self._away = "quiescing", False

@@ -15,8 +15,9 @@ from typing import AsyncIterator, Callable, Protocol
 
 from natsched.wire.ids import BlockHash
 
-#: (kind, hashes): kind is "stored", "removed" or "cleared"
-CacheListener = Callable[[str, list[BlockHash]], None]
+#: (kind, hashes[, tier]): kind is "stored", "removed" or "cleared"; tier "gpu" (default, may be
+#: omitted) or "host" (an offload tier in host memory: cheaper than a recompute, dearer than a GPU hit)
+CacheListener = Callable[..., None]
 
 
 @dataclass

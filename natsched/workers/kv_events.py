@@ -21,6 +21,13 @@ Two parts:
   no race for a port. Frames it cannot decode, sequence gaps and unresolvable parents are
   counted; garbage and gaps also ask for a snapshot, because the reader's view may be stale.
 
+Tiers: vLLM's events name the ``medium`` of a block. ``GPU`` (or none) is the prefix cache
+proper; ``CPU`` is an offload tier (vLLM's KV offloading connector, a host pool). A CPU block's
+vLLM hash is the hash of the GPU block it copies (offloading keeps the key), so it is translated
+through the GPU map (or, when the event carries whole blocks of token ids, computed like a GPU
+block); the resulting deltas carry the tier (``(kind, hashes, "host")``) and the router prices
+such a hit by its transfer time. Other media and KV groups are counted as ignored.
+
 Decoding is deliberately untyped (msgpack -> Python, then checked field by field) so an event
 type or field added by a newer vLLM is skipped and counted, never fatal for the whole batch.
 """
@@ -38,7 +45,7 @@ from natsched.wire.ids import BlockHash
 
 log = logging.getLogger(__name__)
 
-Delta = tuple[str, list[BlockHash]]
+Delta = tuple  # (kind, hashes) for the GPU tier, (kind, hashes, "host") for the host tier
 
 #: positional field order of events in vLLM versions that encoded them as arrays
 _ARRAY_FIELDS = {  # vLLM's older encoding, and SGLang's (python/sglang/srt/disaggregation/kv_events.py)
@@ -48,6 +55,8 @@ _ARRAY_FIELDS = {  # vLLM's older encoding, and SGLang's (python/sglang/srt/disa
 }
 #: the tier vLLM's scheduler allocates from; offload tiers (CPU, storage) are not "cached here"
 PRIMARY_MEDIA = (None, "GPU")
+#: vLLM's host-memory offload tier, reported to the router as tier "host"
+HOST_MEDIA = ("CPU",)
 
 
 class EventFormatError(ValueError):
@@ -96,11 +105,16 @@ class KvTranslator:
         self._live: dict[BlockHash, int] = {}  # our token hash -> live vLLM hashes mapping to it
         self._aliases: OrderedDict[BlockHash, set[BlockHash]] = OrderedDict()  # token hash -> text hashes
         self._alias_live: dict[BlockHash, int] = {}  # text hash -> live token blocks it is attached to
+        self._host: OrderedDict[Hashable, BlockHash] = OrderedDict()  # vLLM hash -> ours, CPU tier
 
     # ------------------------------------------------------------------ queries
     def cached_hashes(self) -> list[BlockHash]:
         """Everything cached now: token-block hashes and the text hashes attached to them."""
         return list(self._live) + list(self._alias_live)
+
+    def host_hashes(self) -> list[BlockHash]:
+        """Everything in the CPU offload tier now (our hashes)."""
+        return list(dict.fromkeys(self._host.values()))
 
     def is_cached(self, h: int) -> bool:
         return h in self._live or h in self._alias_live
@@ -121,7 +135,9 @@ class KvTranslator:
                 self.counters.undecodable += 1
                 log.warning("kv events: undecodable event skipped: %s", exc)
                 continue
-            if kind == "BlockStored":
+            if kind in ("BlockStored", "BlockRemoved") and self._is_host(ev):
+                self._host_event(kind, ev, out)
+            elif kind == "BlockStored":
                 self._stored(ev, out)
             elif kind == "BlockRemoved":
                 self._removed(ev, out)
@@ -138,6 +154,7 @@ class KvTranslator:
         self._by_vllm.clear()
         self._live.clear()
         self._alias_live.clear()
+        self._host.clear()
 
     def _stored(self, ev: dict, out: "_DeltaList") -> None:
         if not self._primary(ev):
@@ -207,6 +224,56 @@ class KvTranslator:
                 del self._by_vllm[vh]
                 removed.extend(self._drop_ours(entry.ours))
         out.add("removed", removed)
+
+    @staticmethod
+    def _is_host(ev: dict) -> bool:
+        return ev.get("medium") in HOST_MEDIA and ev.get("group_idx") in (None, 0)
+
+    def _host_event(self, kind: str, ev: dict, out: "_DeltaList") -> None:
+        """A CPU-tier store or removal: translated through the GPU map (same vLLM hash)."""
+        try:
+            hashes = _hash_list(ev.get("block_hashes"), "block_hashes")
+        except EventFormatError as exc:
+            self.counters.undecodable += 1
+            log.warning("kv events: bad host-tier %s skipped: %s", kind, exc)
+            return
+        changed: list[BlockHash] = []
+        if kind == "BlockRemoved":
+            for vh in hashes:
+                ours = self._host.pop(vh, None)
+                if ours is None:
+                    self.counters.unknown_removed += 1
+                elif ours not in self._host.values():
+                    changed.append(ours)
+            out.add("removed", changed, "host")
+            return
+        ours_list = self._host_ours(ev, hashes)
+        for vh, ours in zip(hashes, ours_list):
+            if ours is None:
+                self.counters.unresolved_parent += 1
+                continue
+            if vh not in self._host:
+                changed.append(ours)
+            self._host[vh] = ours
+            self._host.move_to_end(vh)
+        while len(self._host) > self.max_entries:
+            self._host.popitem(last=False)
+            self.counters.evicted += 1
+        out.add("stored", changed, "host")
+
+    def _host_ours(self, ev: dict, hashes: list) -> list[BlockHash | None]:
+        """Our hash of each CPU block: the GPU block's it copies, else computed from whole token blocks."""
+        known = [e.ours if (e := self._by_vllm.get(vh)) is not None else self._host.get(vh) for vh in hashes]
+        tokens, size = ev.get("token_ids"), ev.get("block_size")
+        if all(k is not None for k in known) or size != self.block_size or not isinstance(tokens, list) \
+                or len(tokens) != len(hashes) * self.block_size:
+            return known
+        parent = ev.get("parent_block_hash")
+        entry = self._by_vllm.get(parent) if parent is not None else None
+        our_parent = self.root if parent is None else (entry.ours if entry is not None else self._host.get(parent))
+        if our_parent is None:
+            return known
+        return list(token_block_hashes(tokens, size, our_parent))
 
     def _primary(self, ev: dict) -> bool:
         if ev.get("medium") not in PRIMARY_MEDIA or ev.get("group_idx") not in (None, 0):
@@ -301,13 +368,14 @@ class _DeltaList:
     def __init__(self) -> None:
         self.deltas: list[Delta] = []
 
-    def add(self, kind: str, hashes: list[BlockHash]) -> None:
+    def add(self, kind: str, hashes: list[BlockHash], tier: str | None = None) -> None:
         if not hashes and kind != "cleared":
             return
-        if self.deltas and self.deltas[-1][0] == kind and kind != "cleared":
-            self.deltas[-1][1].extend(hashes)
+        last = self.deltas[-1] if self.deltas else None
+        if last is not None and last[0] == kind and kind != "cleared" and (last[2] if len(last) > 2 else None) == tier:
+            last[1].extend(hashes)
         else:
-            self.deltas.append((kind, list(hashes)))
+            self.deltas.append((kind, list(hashes)) if tier is None else (kind, list(hashes), tier))
 
 
 def _check_hash(value: Any, what: str) -> None:
@@ -372,7 +440,7 @@ class KvEventSubscriber:
     def __init__(
         self,
         translator: KvTranslator,
-        emit: Callable[[str, list[BlockHash]], None],
+        emit: Callable[..., None],
         resync: Callable[[str], None],
         host: str = "127.0.0.1",
         port: int = 0,
@@ -514,8 +582,8 @@ class KvEventSubscriber:
             log.exception("kv events: batch %d could not be applied", seq)
             self._garbage(f"apply failed: {exc}")
             return
-        for kind, hashes in deltas:
-            self.emit(kind, hashes)
+        for delta in deltas:
+            self.emit(*delta)
         if self.counters.undecodable > before:
             self._request_resync("undecodable events in batch %d" % seq)
 

@@ -176,3 +176,18 @@ async def test_collector_ignores_garbage_on_the_subjects_it_follows(bus):
         await asyncio.sleep(0.02)
     view = await collector.snapshot()
     assert [w.id for w in view.workers] == ["w8"] and view.rejections == {} and not collector.state.served
+
+
+def test_a_worker_a_router_holds_half_open_shows_so_with_its_learned_rate():
+    state = StatusState()
+    state.on_heartbeat(make_heartbeat("w1", interval=1.0), NOW)
+    state.on_heartbeat(make_heartbeat("w2", interval=1.0), NOW)
+    record = {"at": NOW, "health": "half_open", "estimate": {"prefill_tokens_per_s": 12_000.0}}
+    state.on_cost_record(S.cost_key("w1", "router-a1"), orjson.dumps(record))
+    state.on_cost_record(S.cost_key("w2", "router-a1"), orjson.dumps({**record, "health": "healthy"}))
+    state.on_cost_record(S.cost_key("w2", "router-b2"), orjson.dumps({**record, "at": NOW - 600}))  # a gone router
+    state.on_cost_record(S.cost_key("w2", "router-c3"), b"garbage")
+    rows = {w.id: w for w in state.view(quota_entries(), None, NOW).workers}
+    assert rows["w1"].state == "half_open" and rows["w1"].prefill_tps == 12_000.0
+    assert rows["w2"].state == "healthy"
+    assert "half_open" in render_text(state.view(quota_entries(), None, NOW))

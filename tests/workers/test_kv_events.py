@@ -79,7 +79,7 @@ def test_unmappable_unresolved_and_ignored_events_are_counted_not_applied():
     assert tr.counters.unmappable == 2
     assert tr.apply_batch([stored([5], 777, [1, 2, 3, 4])]) == []  # parent never seen
     assert tr.counters.unresolved_parent == 1
-    assert tr.apply_batch([stored([6], None, [1, 2, 3, 4], medium="CPU"),  # offload tier
+    assert tr.apply_batch([stored([6], None, [1, 2, 3, 4], medium="DISK"),  # a tier the router does not price
                            stored([7], None, [1, 2, 3, 4], group_idx=1),  # second KV group
                            {"type": "SomethingNew", "x": 1}]) == []
     assert tr.counters.ignored == 3
@@ -260,3 +260,23 @@ async def test_batches_published_before_we_connected_are_replayed_from_vllms_own
     finally:
         pub.shutdown()
         await sub.close()
+
+
+def test_cpu_offload_events_become_host_tier_deltas():
+    """vLLM's offloading connector reports CPU copies by the GPU block's hash, often with no tokens."""
+    tr = KvTranslator("m", BS)
+    (_, ours), = tr.apply_batch([stored([1, 2], None, list(range(8)))])
+    cpu = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": [],
+           "block_size": 0, "lora_id": None, "medium": "CPU"}
+    assert tr.apply_batch([cpu]) == [("stored", ours, "host")]
+    assert tr.apply_batch([removed([1, 2])]) == [("removed", ours)]  # the GPU evicts: the host copy stays
+    assert sorted(tr.host_hashes()) == sorted(ours) and tr.cached_hashes() == []
+    assert tr.apply_batch([removed([2], medium="CPU")]) == [("removed", [ours[1]], "host")]
+    # a CPU block with whole token blocks but no GPU history is computed like a GPU one
+    (h,) = tr.apply_batch([stored([7], None, [9, 9, 9, 9], medium="CPU")])
+    assert h == ("stored", token_block_hashes([9, 9, 9, 9], BS, root_hash("m")), "host")
+    # unknown and untranslatable: counted, not guessed
+    before = tr.counters.unresolved_parent
+    assert tr.apply_batch([{**cpu, "block_hashes": [42]}]) == []
+    assert tr.counters.unresolved_parent == before + 1
+    assert tr.apply_batch([stored([8], None, [1, 2, 3, 4], medium="DISK")]) == []  # another medium: ignored
