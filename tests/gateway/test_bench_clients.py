@@ -18,8 +18,7 @@ import sys
 import pytest
 
 from natsched.workers.tiny_model import write_tiny_model
-from tests.factories.gateway import ALPHA, start_gateway
-from tests.factories.stack import start_stack
+from tests.factories.gateway import ALPHA, gateway_over_stack
 
 pytest.importorskip("vllm.benchmarks.serve", reason="vllm bench serve needs the cpu extra (vllm)")
 
@@ -32,14 +31,8 @@ REQUESTS = 12
 
 @pytest.fixture
 async def cluster(bus, nats_url):
-    stack = await start_stack(nats_url, workers=2)
-    gw = await start_gateway(nats_url)
-    await gw.wait_for_workers(2)
-    try:
-        yield stack, gw
-    finally:
-        await gw.close()
-        await stack.close()
+    async with gateway_over_stack(nats_url, time_scale=0.05) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")

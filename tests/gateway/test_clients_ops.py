@@ -15,8 +15,7 @@ import pytest
 from natsched.wire import subjects as S
 from tests.admitter.test_offline_runner import jobs_stack
 from tests.factories.core import wait_for
-from tests.factories.gateway import ALPHA, BETA, start_gateway
-from tests.factories.stack import start_stack
+from tests.factories.gateway import ALPHA, BETA, gateway_over_stack, start_gateway
 from tests.gateway.test_cancel import completions, post, sample
 
 LONG = 4000
@@ -65,15 +64,11 @@ async def test_a_degraded_request_is_an_error_the_sdk_raises_and_its_job_is_fetc
 async def slow_cluster(bus, nats_url):
     """One real-time worker in a cluster of 6000 runtime tokens: a long request fills it."""
     await bus.kv(S.BUCKET_QUOTAS).put(S.KEY_CLUSTER_TOTAL, orjson.dumps(6000))
-    stack = await start_stack(nats_url, workers=1, time_scale=1.0)
-    await wait_for(lambda: stack.admitter.total == 6000)
-    gw = await start_gateway(nats_url, keepalive_s=0.05)
-    await gw.wait_for_workers(1)
     try:
-        yield stack, gw
+        async with gateway_over_stack(nats_url, workers=1, keepalive_s=0.05) as (stack, gw):
+            await wait_for(lambda: stack.admitter.total == 6000)
+            yield stack, gw
     finally:
-        await gw.close()
-        await stack.close()
         await bus.kv(S.BUCKET_QUOTAS).delete(S.KEY_CLUSTER_TOTAL)
 
 
@@ -108,10 +103,8 @@ async def test_a_queued_request_says_its_estimated_wait_and_a_cancelled_stream_m
 
 
 async def test_a_quiet_stream_gets_keepalive_comments_the_sdk_ignores(bus, nats_url):
-    stack = await start_stack(nats_url, workers=1, time_scale=40.0)  # ~0.3 s a token: quiet between them
-    gw = await start_gateway(nats_url, keepalive_s=0.05)
-    try:
-        await gw.wait_for_workers(1)
+    # ~0.3 s a token: quiet between them
+    async with gateway_over_stack(nats_url, workers=1, time_scale=40.0, keepalive_s=0.05) as (_, gw):
         reader, writer = await post(gw, CHAT, {"model": "default", "max_tokens": 3, "stream": True,
                                                "messages": MESSAGES})
         raw = b""
@@ -124,9 +117,6 @@ async def test_a_quiet_stream_gets_keepalive_comments_the_sdk_ignores(bus, nats_
                                                                       messages=MESSAGES)
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         assert text.split() == ["tok0", "tok1", "tok2"]
-    finally:
-        await gw.close()
-        await stack.close()
 
 
 async def test_ttft_limit_of_a_queued_request_is_a_504_and_cancels_it(slow_cluster):
@@ -144,10 +134,7 @@ async def test_ttft_limit_of_a_queued_request_is_a_504_and_cancels_it(slow_clust
 
 
 async def test_stream_idle_limit_ends_the_stream_with_an_error_event_and_stops_the_run(bus, nats_url):
-    stack = await start_stack(nats_url, workers=1, time_scale=40.0)  # ~0.3 s a token
-    gw = await start_gateway(nats_url)
-    try:
-        await gw.wait_for_workers(1)
+    async with gateway_over_stack(nats_url, workers=1, time_scale=40.0) as (stack, gw):  # ~0.3 s a token
         stream = await sdk(gw, max_retries=0).chat.completions.create(
             model="default", max_tokens=50, stream=True, messages=MESSAGES,
             extra_headers={"x-natsched-stream-idle-timeout": "0.05"})
@@ -157,9 +144,6 @@ async def test_stream_idle_limit_ends_the_stream_with_an_error_event_and_stops_t
         assert "stream-idle" in str(caught.value) or "idle_timeout" in str(caught.value)
         assert await wait_for(lambda: not stack.workers[0].inflight)
         assert sample(gw.gateway.metrics.registry, "natsched_gateway_cancelled_total", reason="idle_timeout") == 1
-    finally:
-        await gw.close()
-        await stack.close()
 
 
 async def test_bad_timeout_headers_and_settings_are_refused(slow_cluster):
