@@ -24,8 +24,8 @@ from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
 from natsched.admitter.errors import AdmitterError, QuotaError
 from natsched.admitter.leases import LeaseTracker
 from natsched.admitter.metrics import AdmitterMetrics
-from natsched.admitter.policy import (ALLOW, DEGRADE, QUEUE, AdmissionDecision, AdmissionSettings, AdmitterCore,
-                                      runtime_tokens)
+from natsched.admitter.policy import (ALLOW, DEGRADE, QUEUE, REJECT, AdmissionDecision, AdmissionSettings,
+                                      AdmitterCore, runtime_tokens)
 from natsched.admitter.quotas import Quotas
 from natsched.admitter.repair import Repairs
 from natsched.admitter.rescue import Rescuer
@@ -37,8 +37,10 @@ from natsched.wire import msgids as M
 from natsched.bus.aio import wait_event
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.errors import NatschedError
+from natsched import tracing
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Admitted, Completion, Decision, Reply, ReplyKind, ReplyStatus, Request
+from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -118,6 +120,7 @@ class AdmitterService(Repairs):
         self.dynamic = DynamicTotal(s.dynamic)
         self.metrics = metrics or AdmitterMetrics()
         self.held: dict[str, Held] = {}
+        self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
         self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
         self.quota_entries: dict[str, bytes] = {}
         self._quota_errors: set[str] = set()
@@ -147,6 +150,7 @@ class AdmitterService(Repairs):
         await asyncio.wait_for(quotas_ready.wait(), 10)
         self.apply_quotas()  # the bucket's content at start; the watch applies every later change
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
+        await self.bus.subscribe(S.CANCELS_ALL, self._on_cancel)
         if self.router is not None:  # before the first request: it routes from the first batch on
             # fed from our COMPLETIONS consumer: with one admitter it sees every completion, with K
             # about 1/K (the rest the next heartbeat tells it, as for any completion it missed)
@@ -207,6 +211,9 @@ class AdmitterService(Repairs):
                 request = Request.decode(d.data)
             except MessageError as exc:  # error reply + dead letter + term
                 await self.bus.settle_failed(d, self._spec, "admitter", exc)
+                continue
+            if self._is_cancelled(request) and request.id not in self.held:  # cancelled before it got here
+                await self._drop_cancelled(request, d, 0.0)
                 continue
             held = self.held.get(request.id)
             if held is not None:  # our own held message, redelivered: keep holding the newest
@@ -393,17 +400,19 @@ class AdmitterService(Repairs):
             rid = request.id
             if rid not in refused:
                 await self._record(request, dec, queue_wait, latency_ms)
+            trace = _admission_span(request, dec, d, queue_wait)  # None unless tracing is on
             if dec.decision == ALLOW and rid not in refused:
                 admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                     admitter=self.settings.name, queue_wait=queue_wait)
-                r = self.router.decide(admitted) if self.router is not None else None
+                r = self.router.decide(admitted, trace=tracing.carry(trace)) if self.router is not None else None
                 if r is not None and r.outgoing is not None:  # straight to the worker's WORK subject
                     routed[rid] = r
                     handoffs.append(r.outgoing)
                 else:
-                    handoffs.append((S.admitted(request.cls, request.tenant), admitted, M.admitted(rid), None))
+                    handoffs.append((S.admitted(request.cls, request.tenant), admitted, M.admitted(rid),
+                                     tracing.carry(trace)))
             elif dec.decision == DEGRADE:
-                handoffs.append((S.offline(request.tenant), request, M.offline(rid), None))
+                handoffs.append((S.offline(request.tenant), request, M.offline(rid), tracing.carry(trace)))
             elif dec.decision == QUEUE:
                 self.held[rid] = Held(d, request, now)
         await self.bus.jpublish_batch(handoffs)
@@ -418,6 +427,8 @@ class AdmitterService(Repairs):
                 await self.router.assigned(routed[request.id])
             if dec.decision != QUEUE:
                 await d.ack()
+            elif self._is_cancelled(request):  # cancelled while it was being queued
+                await self._cancel_held(request.tenant, request.id)
             self.metrics.decisions.labels(request.tenant, request.cls, dec.decision, dec.reason or "").inc()
             log.info("request %s %s tenant=%s class=%s tokens=%d%s%s", request.id, dec.decision, request.tenant,
                      request.cls, dec.runtime_tokens, f" reason={dec.reason}" if dec.reason else "",
@@ -488,6 +499,43 @@ class AdmitterService(Repairs):
             reply = Reply(request_id=rid, kind=ReplyKind.ERROR, status=ReplyStatus.REJECTED, reason=dec.reason,
                           message=dec.message, retry_after=dec.retry_after)
         await self.bus.publish(request.reply, reply)
+
+    # --- cancels ------------------------------------------------------------------------
+    def _is_cancelled(self, request: Request) -> bool:
+        return S.cancel(request.tenant, request.id) in self.cancelled
+
+    async def _on_cancel(self, subject: str, data: bytes, headers: dict) -> None:
+        """A producer gave up (``cancel.<tenant>.<id>``): a request of that tenant held in this
+        replica's queue leaves it now; one not here yet is refused when it comes (every replica
+        remembers it). One admitted already is the router's or its worker's to stop."""
+        parsed = S.parse_cancel_subject(subject)
+        if parsed is None:
+            log.warning("ignoring a cancel on %s", subject)
+            return
+        self.cancelled.add(subject)
+        await self._cancel_held(*parsed)
+
+    async def _cancel_held(self, tenant: str, request_id: str) -> None:
+        held = self.held.get(request_id)
+        if held is None or held.request.tenant != tenant:  # not queued here, or not that tenant's
+            return
+        async with self._lock:  # not while a dequeue plans on the queue
+            if self.held.get(request_id) is not held:
+                return  # dequeued meanwhile: admitted, so the router or its worker stops it
+            del self.held[request_id]
+            self.core.forget(request_id)
+        await self._drop_cancelled(held.request, held.delivery, time.time() - held.since)
+        self._wake.set()  # its place in the queue is free
+
+    async def _drop_cancelled(self, request: Request, d: Delivery, queue_wait: float) -> None:
+        """Refuse a cancelled request before it holds anything: recorded, told, acked."""
+        dec = AdmissionDecision(REJECT, 0, "cancelled", "its producer cancelled it before it was admitted")
+        await self._record(request, dec, queue_wait, 0.0)
+        await self._tell_producer(request, dec)
+        await d.ack()
+        self.metrics.decisions.labels(request.tenant, request.cls, REJECT, "cancelled").inc()
+        log.info("request %s cancelled by its producer before admission tenant=%s%s", request.id, request.tenant,
+                 f" waited={queue_wait:.3f}s" if queue_wait else "")
 
     # --- the queue ----------------------------------------------------------------------
     async def _dequeue_loop(self) -> None:
@@ -795,3 +843,13 @@ class AdmitterService(Repairs):
             self.metrics.queue_depth.labels(cls).set(depth)
         self.metrics.total.set(self.total)
         self.metrics.credit_unspent.set(sum(self.credit.free.values()))
+
+
+def _admission_span(request: Request, dec: AdmissionDecision, d: Delivery | None, queue_wait: float):
+    """The admission decision as a (finished) span, child of the producer's; None when tracing is off."""
+    span = tracing.start("natsched.admission", getattr(d, "headers", None), request.id, {
+        "natsched.tenant": request.tenant, "natsched.class": request.cls, "natsched.decision": dec.decision,
+        "natsched.reason": dec.reason, "natsched.runtime_tokens": dec.runtime_tokens,
+        "natsched.queue_wait_s": queue_wait, "natsched.est_wait_s": dec.est_wait})
+    tracing.end(span)
+    return span

@@ -129,6 +129,8 @@ class ChaosSettings:
     child_log_level: str = "warning"
     scenario: str = "kills"  # what goes wrong (SCENARIOS); "kills" is the classic one-of-each
     sync: str = DEFAULT_SYNC  # the nodes' JetStream sync_interval (natsched.bus.server.SYNC_CHOICES)
+    #: clients that leave (natsched.bench.abandon): this many mid-stream and as many while waiting
+    disconnects: int = 0
 
     @property
     def send_s(self) -> float:
@@ -377,6 +379,15 @@ def format_report(report: dict[str, Any]) -> str:
     want = {"lost": "0", "duplicated": "0", "leaked_runtime_tokens": "0", "readmitted_after_completion": "0",
             "max_lease_reclaim_s": f"<= {report.get('lease_window_s')}", "over_admission": "<= 1.0",
             "max_reserved_ratio": "<= 1.0", "foreign_values": "none", "attacks_ran": "every attack sent"}
+    if "disconnects" in report and "streams" in report["disconnects"]:
+        from natsched.bench.abandon import format_abandon
+
+        lines += ["  " + line for line in format_abandon(report["disconnects"])]
+        d = report["disconnects"]
+        report = {**report, "abandoned_tokens_beyond_one_step": d["streams"]["tokens_beyond_one_step"]
+                  + d["waiting"]["tokens_beyond_one_step"],
+                  "abandoned_unaccounted": d["streams"]["unaccounted"] + d["waiting"]["unaccounted"]}
+        want.update({"abandoned_tokens_beyond_one_step": "0", "abandoned_unaccounted": "0"})
     lines.append(f"targets: (scenario {report.get('scenario', 'kills')})")
     for name, ok in report["targets_met"].items():
         if name != "all":
@@ -402,6 +413,7 @@ class ChaosRun:
         self.run_id = uuid.uuid4().hex[:8]
         self.cluster: LocalCluster | None = None
         self.sup: Supervisor | None = None
+        self.abandon_report: dict[str, Any] | None = None  # the disconnecting clients' (--disconnects)
         self.ids: list[str] = []
         self.producer: dict[str, str] = {}
         self.e2e: list[float] = []  # seconds from submit to the producer's outcome, completed requests
@@ -481,6 +493,8 @@ class ChaosRun:
             self.t0 = t0 = time.monotonic()
             chaos = [asyncio.create_task(self._kill_and_restart(k, t0, observer)) for k in kills]
             chaos += [asyncio.create_task(self._act(name, actor, t0)) for name, actor in self.scenario.actors]
+            if s.disconnects:
+                chaos.append(asyncio.create_task(self._abandon()))
             tasks = await self._send(client, t0)
             self._phase("sent")
             await self._finish(tasks, producer)
@@ -828,12 +842,30 @@ class ChaosRun:
                 out[c.request_id].append((c.status, c.reason))
         return dict(out)
 
+    async def _abandon(self) -> None:
+        """Clients that leave mid-stream and while waiting, beside the load (natsched.bench.abandon)."""
+        from natsched.bench.abandon import AbandonSettings, Abandoners
+
+        s = self.s
+        settings = AbandonSettings(streams=s.disconnects, waiting=s.disconnects, seed=s.seed,
+                                   spread_s=s.send_s * 0.8)
+        try:
+            self.abandon_report = await Abandoners(self.cluster.url, settings).run()
+        except Exception as exc:  # reported as a missed target, never hidden
+            log.exception("the disconnecting clients failed")
+            self.abandon_report = {"error": f"{type(exc).__name__}: {exc}",
+                                   "targets": {"abandoned_tokens_beyond_one_step": False}}
+
     def _phase(self, name: str) -> None:
         self.phases[name] = round(time.monotonic() - self.t0, 1)
 
     def _report(self, facts: Facts, leftover: int) -> dict[str, Any]:
         s = self.s
         report = compute_report(facts)
+        if s.disconnects:
+            abandon = self.abandon_report or {"targets": {"abandoned_unaccounted": False}}
+            report["disconnects"] = abandon
+            report["targets_met"].update(abandon["targets"])
         for name, actor in self.actor_reports.items():
             report["targets_met"].update(actor.get("targets", {}))
         report["targets_met"]["all"] = all(v for k, v in report["targets_met"].items() if k != "all")

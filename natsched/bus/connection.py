@@ -27,6 +27,7 @@ from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from natsched.wire import subjects as S
+from natsched.bus.aio import Mailbox
 from natsched.bus.acks import AckInbox
 from natsched.bus.errors import BusError, BusTimeout, ConnectError, NoServerError
 from natsched.wire.errors import MessageError
@@ -242,13 +243,22 @@ class Subscription:
 
 
 class Inbox(Subscription):
-    """A subscription read one message at a time (a producer's reply stream)."""
+    """A subscription read one message at a time (a producer's reply stream).
+
+    Not nats-py's ``next_msg``: it waits with ``asyncio.wait_for``, which on Python 3.11 swallows
+    a cancellation that meets a message (:mod:`natsched.bus.aio`): a gateway whose client left
+    cancelled the reader once, the reader went on, and the request ran to its end for nobody.
+    """
+
+    def __init__(self, sub: Any, box: Mailbox) -> None:
+        super().__init__(sub)
+        self._box = box
 
     async def next_msg(self, timeout: float) -> Received:
         """The next message; :class:`BusTimeout` when none comes within ``timeout`` seconds."""
         try:
-            return Received(await self._sub.next_msg(timeout=timeout))
-        except (NatsTimeout, asyncio.TimeoutError):
+            return Received(await self._box.get(timeout))
+        except TimeoutError:
             raise BusTimeout(f"nothing on {self._sub.subject} within {timeout:g}s") from None
 
 
@@ -619,7 +629,8 @@ class Bus:
 
     async def inbox(self, subject: str, max_pending: int = 100_000) -> Inbox:
         """A subscription read with ``await sub.next_msg(timeout)`` (producers' reply streams)."""
-        return Inbox(await self.nc.subscribe(subject, pending_msgs_limit=max_pending))
+        box = Mailbox(subject, max_pending)
+        return Inbox(await self.nc.subscribe(subject, cb=box.put, pending_msgs_limit=max_pending), box)
 
     # --- durable consumers --------------------------------------------------------------
     async def consume(self, spec: ConsumerSpec, handler: Handler, source: str) -> asyncio.Task:

@@ -26,6 +26,9 @@ def add_parsers(sub) -> None:
     ch.add_argument("--inline-routing", action="store_true",
                     help="the admitters route in their own process (natsched admitter --route) and no router runs: "
                          "the admitter kill then also kills a router")
+    ch.add_argument("--disconnects", type=int, default=0, metavar="N",
+                    help="also N clients that leave a long stream after its first chunk and N that leave while "
+                         "queued or routed; reports the tokens generated for them (natsched.bench.abandon)")
     ch.add_argument("--data-dir", type=Path, default=None,
                     help="nodes' data and the processes' logs, kept (default: a temporary dir, deleted)")
     # the names are natsched.bench.chaos.SCENARIOS' (not imported here: the parser stays light;
@@ -56,7 +59,8 @@ def cmd_chaos(args) -> int:
     settings = ChaosSettings(requests=args.requests, rate=args.rate, seed=args.seed,
                              finish_timeout_s=args.finish_timeout, data_dir=args.data_dir,
                              inline_routing=args.inline_routing, routers=0 if args.inline_routing else 2,
-                             scenario=args.scenario, down_s=args.down, sync=args.sync)
+                             scenario=args.scenario, down_s=args.down, sync=args.sync,
+                             disconnects=max(0, args.disconnects))
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: finally stops all
     # the producer's publish retries during a leader election are expected, one line per request:
     # their effect is in the report

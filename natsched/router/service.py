@@ -34,6 +34,8 @@ from natsched.router.errors import ConfigError
 from natsched.router.learned import calibrated_prior
 from natsched.router.metrics import RouterMetrics
 from natsched.router.policy import RouteDecision, RouteRequest
+from natsched import tracing
+from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class RouterService:
         self.core = RouterCore(self.settings.core)
         self.metrics = metrics or RouterMetrics()
         self._last_worker: OrderedDict[int, str] = OrderedDict()
+        self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
         attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
         # the key part of this replica's cost statistics: unique per process, so replicas that share
         # a name do not overwrite each other's
@@ -97,6 +100,7 @@ class RouterService:
             self.bus.spawn(self._watch_costs(), "router-costs")
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
         await self.bus.subscribe(S.CACHE_EVENTS_ALL, self._on_cache_event)
+        await self.bus.subscribe(S.CANCELS_ALL, self._on_cancel)
         # completions are watched, not consumed: every replica sees each one (it releases the load
         # of what it routed itself), and a missed one costs only accuracy until the next heartbeat
         if watch_completions:
@@ -294,6 +298,11 @@ class RouterService:
             except MessageError as exc:
                 await self.bus.settle_failed(d, self._spec, "router", exc)
                 continue
+            if self.is_cancelled(adm):  # admitted, then its producer gave up: never routed
+                await self._fail(adm, RouteDecision(None, self.core.policy.name, reason="cancelled"), "cancelled",
+                                 "its producer cancelled it before it was routed")
+                await d.ack()
+                continue
             routed.append(self.decide(adm, d))
         assigned = [r for r in routed if r.decision.worker is not None]
         for r in routed:
@@ -304,11 +313,26 @@ class RouterService:
             for r in assigned:
                 await self.assigned(r)
 
-    def decide(self, adm: Admitted, d: Delivery | None = None) -> "Routed":
+    async def _on_cancel(self, subject: str, data: bytes, headers: dict) -> None:
+        """Remember a producer's cancel (``cancel.<tenant>.<id>``): an admitted request of that
+        tenant not routed yet is failed as ``cancelled`` when it comes (waiting for a worker, it
+        comes back within the retry delay); one routed already is its worker's to stop."""
+        if S.parse_cancel_subject(subject) is None:
+            log.warning("ignoring a cancel on %s", subject)
+            return
+        self.cancelled.add(subject)
+
+    def is_cancelled(self, adm: Admitted) -> bool:
+        """Whether the request's own tenant cancelled it (the subject names the tenant: a cancel
+        by another tenant for the same id is another key)."""
+        return S.cancel(adm.request.tenant, adm.request.id) in self.cancelled
+
+    def decide(self, adm: Admitted, d: Delivery | None = None, trace: dict[str, str] | None = None) -> "Routed":
         """Route one admitted request (state in, decision out) and build its WORK message.
 
         Also the inline path (``natsched.admitter.service`` with a router in its process): the admitter
         publishes ``outgoing`` with its own batch and calls :meth:`assigned` once it is stored.
+        ``trace``: the admission span's headers there (else the delivery's carry the context).
         """
         started = time.perf_counter()
         rr = RouteRequest.from_request(adm.request, self.core.settings.block_size, adm.runtime_tokens)
@@ -328,7 +352,10 @@ class RouterService:
             # on redelivery is deduplicated by the server instead of running the request twice; a
             # rescue (its worker died) is a new attempt, which must not be deduplicated away
             msg_id = M.work(req.id, adm.attempt)
-            r.outgoing = (S.work(decision.worker), r.assignment, msg_id, None)
+            span = _routing_span(adm, decision, d.headers if d is not None else trace)
+            r.outgoing = (S.work(decision.worker), r.assignment, msg_id, tracing.carry(span))
+        else:
+            _routing_span(adm, decision, d.headers if d is not None else trace)
         return r
 
     async def _no_worker(self, d: Delivery, adm: Admitted, decision: RouteDecision) -> None:
@@ -400,3 +427,17 @@ class RouterService:
                           expected_cached_tokens=decision.expected_cached_tokens, by=self.settings.name,
                           latency_ms=latency_ms, runtime_tokens=adm.runtime_tokens)
         await self.bus.jpublish_nowait(S.decision("routing", req.tenant), record, msg_id=M.routing(req.id))
+
+
+def _routing_span(adm: Admitted, decision: RouteDecision, parent: dict[str, str] | None):
+    """The routing decision as a (finished) span: the worker, the policy and its terms per
+    candidate (what the audit's routing record holds); None when tracing is off."""
+    if not tracing.enabled():
+        return None
+    span = tracing.start("natsched.routing", parent, adm.request.id, {
+        "natsched.worker": decision.worker, "natsched.policy": decision.policy, "natsched.reason": decision.reason,
+        "natsched.expected_cached_tokens": decision.expected_cached_tokens, "natsched.attempt": adm.attempt,
+        "natsched.route.terms": orjson.dumps({str(k): decision.terms.get(k, v)
+                                              for k, v in decision.scores.items()}).decode()})
+    tracing.end(span)
+    return span

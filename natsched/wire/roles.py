@@ -5,8 +5,9 @@ Pure: roles and their allow-lists as data, rendered from :mod:`natsched.wire.sub
 inboxes). :mod:`natsched.ops.auth` (``natsched auth init``) writes them as a nats-server config
 and credentials files; ``subjects.md`` ("Roles and permissions") summarises them. The roles:
 
-- ``producer-<tenant>``: publishes ``req.*.<tenant>`` only (the subject names the tenant, and the
-  admitter refuses a body whose tenant differs); subscribes to its replies ``resp.<tenant>.>``
+- ``producer-<tenant>``: publishes ``req.*.<tenant>`` and ``cancel.<tenant>.*`` only (the subject
+  names the tenant: the admitter refuses a request body whose tenant differs, and every service
+  acts on a cancel only for a request of the subject's tenant); subscribes to its replies ``resp.<tenant>.>``
   and its own inbox. Nothing else: no JetStream API, no KV, no other tenant's replies.
 - ``worker-<id>``: its own consumer on ``work.<id>``, its heartbeat/cache subjects and control
   subject, completions and replies; it cannot publish admission (``adm.>``) or decisions.
@@ -16,7 +17,8 @@ and credentials files; ``subjects.md`` ("Roles and permissions") summarises them
   routing decision), reserves in ``inflight`` (``usage``, ``res.*``) like an admitter, reads quotas
   and writes job records (``job.*.*.*``), never quotas or batch manifests.
 - ``gateway``: a producer for the tenants its API keys map to (``req.*.<tenant>``,
-  ``resp.<tenant>.>``, ``--gateway-tenants``), ``cancel`` on ``worker.*.ctl``, and what
+  ``resp.<tenant>.>``, ``cancel.<tenant>.*``, ``--gateway-tenants``), nothing on the workers'
+  control subjects (it can neither drain a worker nor cancel another tenant's request), and what
   ``/v1/models`` and ``/status`` show: heartbeats, the DECISIONS and COMPLETIONS records (no
   prompts or outputs), quotas and the ``inflight`` usage. No other tenant's requests or replies.
 - ``batch-<tenant>`` (``natsched batch``/``jobs``): publishes ``req.*.<tenant>``; reads and writes
@@ -273,7 +275,7 @@ def admitter_role() -> Role:
         *kv_read_permissions(S.BUCKET_QUOTAS), *kv_write_permissions(S.BUCKET_QUOTAS, S.KEY_DYNAMIC_TOTAL),
         *kv_read_permissions(S.BUCKET_WORKERS),
     ]
-    return Role("admitter", "admitter", publish=pub, subscribe=[S.HEARTBEATS_ALL])
+    return Role("admitter", "admitter", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CANCELS_ALL])
 
 
 def router_role() -> Role:
@@ -286,7 +288,8 @@ def router_role() -> Role:
         # learned cost statistics shared between replicas, and the calibrations they start from
         *kv_read_permissions(S.BUCKET_WORKERS), *kv_write_permissions(S.BUCKET_WORKERS, S.COST_KEYS),
     ]
-    return Role("router", "router", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CACHE_EVENTS_ALL, S.COMPLETIONS_ALL])
+    return Role("router", "router", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CACHE_EVENTS_ALL, S.COMPLETIONS_ALL,
+                                                                S.CANCELS_ALL])
 
 
 def scheduler_role() -> Role:
@@ -309,7 +312,7 @@ def worker_role(worker: str) -> Role:
         *consumer_permissions(S.STREAM_WORK, S.worker_consumer(worker), S.work(worker)),
         *kv_read_permissions(S.BUCKET_WORKERS),
     ]
-    return Role(f"worker-{worker}", "worker", publish=pub, subscribe=[S.control(worker)])
+    return Role(f"worker-{worker}", "worker", publish=pub, subscribe=[S.control(worker), S.CANCELS_ALL])
 
 
 def offline_role() -> Role:
@@ -331,12 +334,12 @@ def offline_role() -> Role:
 
 def gateway_role(tenants: list[str]) -> Role:
     """The HTTP gateway: a producer for the tenants its API keys map to (requests, their replies,
-    cancels on the workers' control subjects), plus what ``/v1/models`` and ``/status`` show:
+    their cancels; nothing on the workers' control subjects), plus what ``/v1/models`` and ``/status`` show:
     heartbeats, admission records and completions (no prompts or outputs), quotas and usage."""
     if not tenants:
         raise ValueError("the gateway role needs at least one tenant")
     records = (S.STREAM_DECISIONS, S.STREAM_COMPLETIONS)
-    pub = [*(S.requests_of(t) for t in tenants), subject("control"),
+    pub = [*(S.requests_of(t) for t in tenants), *(S.cancels_of(t) for t in tenants),
            *(_js("STREAM", "INFO", st) for st in records), *(_js("STREAM", "MSG", "GET", st) for st in records),
            *filtered_read_permissions(_kv_stream(S.BUCKET_QUOTAS), _kv_key(S.BUCKET_QUOTAS)),
            # the routers' verdicts on workers (half-open, learned rates) for its status page
@@ -367,7 +370,7 @@ def batch_role(tenant: str) -> Role:
 
 
 def producer_role(tenant: str) -> Role:
-    return Role(f"producer-{S.token(tenant, 'tenant')}", "producer", publish=[S.requests_of(tenant)],
+    return Role(f"producer-{S.token(tenant, 'tenant')}", "producer", publish=[S.requests_of(tenant), S.cancels_of(tenant)],
                 subscribe=[S.replies_of(tenant)], tenants=[tenant])
 
 

@@ -40,6 +40,16 @@ def _check_id(value: str, name: str) -> None:
         raise SchemaError(f"field '{name}' must match {TOKEN} (it is used in subjects)", name)
 
 
+#: the largest token id any message may carry: engines index vocabularies with 32-bit ints, so a
+#: larger one can only be an attack or a bug (it would crash the engine, not be refused)
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _check_token_ids(ids: list[int] | None, name: str) -> None:
+    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+        raise SchemaError(f"field '{name}' holds a token id outside 0..{MAX_TOKEN_ID}", name)
+
+
 def _check_counts(obj: Any, names: tuple[str, ...]) -> None:
     """Counts of tokens, blocks or attempts are never negative (None = not given)."""
     for name in names:
@@ -67,6 +77,8 @@ class Request(Schema):
     max_tokens: int = 128
     expected_output_tokens: int | None = None
     deadline: float | None = None  # unix seconds; past it the request is not worth running
+    ttft_deadline: float | None = None  # unix seconds; a run with no first token by then is stopped
+    idle_timeout: float | None = None  # seconds; a run with no next token within it is stopped
     reply: str | None = None  # producer's subject for status, tokens and the result
     stream: bool = False  # send token chunks, not only the final result
     degradable: bool = False  # may be moved to the offline path under pressure
@@ -78,6 +90,9 @@ class Request(Schema):
         _check_id(self.tenant, "tenant")
         if self.prompt is None and self.prompt_token_ids is None:
             raise SchemaError("missing required field 'prompt' (or 'prompt_token_ids')", "prompt")
+        _check_token_ids(self.prompt_token_ids, "prompt_token_ids")
+        if self.idle_timeout is not None and not self.idle_timeout > 0:
+            raise SchemaError(f"field 'idle_timeout' must be > 0 seconds, got {self.idle_timeout}", "idle_timeout")
         if self.reply is not None and not reply_allowed(self.reply, self.tenant):
             raise SchemaError(f"field 'reply' must be one of the tenant's reply subjects "
                               f"(resp.<tenant>.<id>), got {self.reply[:80]!r}", "reply")
@@ -348,7 +363,9 @@ class CacheEvent(Schema):
 
 @dataclass
 class Control(Schema):
-    """A control message on ``worker.<id>.ctl``: ``drain``, ``snapshot``, ``resume``, ``cancel``.
+    """A control message on ``worker.<id>.ctl``: ``drain``, ``snapshot``, ``resume``, ``cancel``;
+    also the body of a producer's ``cancel.<tenant>.<request_id>`` (informational there: the
+    subject, which the server authorised, says what is cancelled).
 
     ``cancel`` names ``request_id``: its producer went away (an HTTP client disconnected), so
     the worker stops generating and closes the request with reason ``cancelled``.

@@ -190,6 +190,33 @@ def control(worker: WorkerId) -> str:
     return f"worker.{token(worker, 'worker id')}.ctl"
 
 
+#: every cancel, whoever's: what the admitters, routers and workers listen to
+CANCELS_ALL = "cancel.>"
+
+
+def cancel(tenant: TenantId, request_id: RequestId) -> str:
+    """A producer gave up on its request: ``cancel.<tenant>.<request_id>`` (core NATS).
+
+    Per tenant, so the server can let a producer (or the gateway) cancel its own tenant's
+    requests and nothing else: the services act on a cancel only for a request whose tenant is
+    the subject's, and the subject, not the body, says who may (``natsched.wire.roles``).
+    """
+    return f"cancel.{token(tenant, 'tenant')}.{token(request_id, 'request id')}"
+
+
+def cancels_of(tenant: TenantId) -> str:
+    """Every cancel of one tenant: ``cancel.<tenant>.*`` (what its producer may publish)."""
+    return f"cancel.{token(tenant, 'tenant')}.*"
+
+
+def parse_cancel_subject(subject: str) -> tuple[TenantId, RequestId] | None:
+    """``cancel.<tenant>.<request_id>`` -> (tenant, request id), or None if it is not one."""
+    parts = subject.split(".")
+    if len(parts) != 3 or parts[0] != "cancel" or not (is_token(parts[1]) and is_token(parts[2])):
+        return None
+    return TenantId(parts[1]), RequestId(parts[2])
+
+
 def worker_consumer(worker: WorkerId) -> str:
     return CONSUMER_WORKER_PREFIX + token(worker, "worker id")
 
@@ -233,6 +260,8 @@ PATTERNS = {
     "heartbeat": "worker.<worker>.hb",
     "cache_events": "worker.<worker>.kv",
     "control": "worker.<worker>.ctl",
+    "cancel": "cancel.<tenant>.<request_id>",
+    "cancels_of": "cancel.<tenant>.*",
     "worker_consumer": "worker-<worker>",
     "tenant_quota_key": "tenant.<tenant>",
     "reservation_key": "res.<request_id>",

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
+from natsched.bus.aio import RECANCEL_S
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery, transport_failure
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import (Assignment, CacheEvent, Completion, CompletionStatus, Control, Heartbeat, Reply,
@@ -40,14 +41,14 @@ from natsched.wire.schema import (Assignment, CacheEvent, Completion, Completion
 from natsched.workers.backoff import BackoffMonitor, BackoffSettings
 from natsched.workers.calibrate import load_calibration
 from natsched.workers.engine import Engine, EngineOutput, EngineRequest, EngineStats
+from natsched.workers.errors import RunTimeout
+from natsched.workers.limits import limited
+from natsched import tracing
 from natsched.workers.metrics import WorkerMetrics
-from natsched.workers.recent import RecentIds
+from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
 
-#: how long a cancel is remembered for a request the worker has not received yet (the dedup window)
-CANCEL_MEMORY_S = 120.0
-CANCEL_MEMORY_MAX = 10_000
 #: a copy of a finished request's message comes back when its ack was lost (e.g. during a NATS
 #: leader election): after ack_wait (30 s), up to max_deliver (3) times, so within about 90 s.
 #: Three minutes covers that; at 250 requests/s a worker holds ~45k ids (~7 MiB), then no more.
@@ -98,6 +99,12 @@ class WorkerAgent:
         self._over: dict[str, int] = {}  # running past its reservation: runtime tokens held now (heartbeats)
         self._away = False  # quiescing because the engine server does not answer (not a drain: it comes back)
         self._epoch = 0.0  # the engine's cache epoch last announced (engines that have one)
+        self._tenant_of: dict[str, str] = {}  # running: whose request it is (a cancel must name that tenant)
+        self._produced: dict[str, tuple[int, int]] = {}  # running: (prompt, output) tokens so far
+        self._stopped_runs: set[str] = set()  # running, cancelled, and the cancel has reached its task
+        self._stoppers: set[asyncio.Task] = set()
+        self._traces: dict[str, _RunTrace] = {}  # running, traced: its span and token times
+        self._tail = tracing.TailTracker()  # the p99 above which a run's token timing is kept
 
     async def start(self) -> None:
         await self.engine.start()
@@ -105,6 +112,7 @@ class WorkerAgent:
         await self._load_calibration()
         await self.bus.subscribe(S.control(self.id), self._on_control)
         self.predecessor_seq = await self._predecessor_seq()
+        await self.bus.subscribe(S.CANCELS_ALL, self._on_tenant_cancel)
         spec = ConsumerSpec(
             stream=S.STREAM_WORK,
             durable=S.worker_consumer(self.id),
@@ -181,10 +189,12 @@ class WorkerAgent:
         if self.state == "quiescing":
             await d.nak(delay=1.0)  # not ours to run any more; redelivered to us or re-routed later
             return
-        if rid in self.cancelled:  # its producer gave up before it reached us: close it, run nothing
+        if self._is_cancelled(assignment.request):  # its producer gave up before it reached us: run nothing
+            self.metrics.cancelled.inc()
             await self._finish(assignment, _CANCELLED, time.time(), None, received=received)
             await d.ack()
             return
+        self._tenant_of[rid] = assignment.request.tenant
         self.inflight[rid] = asyncio.create_task(self._run(assignment, d, received), name=f"run:{rid}")
 
     async def _run(self, a: Assignment, d: Delivery, received: float) -> None:
@@ -195,6 +205,10 @@ class WorkerAgent:
             self._redelivered.add(req.id)
         self.metrics.dispatch_wait.observe(max(0.0, started - a.routed_at))
         log.info("request %s running on %s", req.id, self.id)
+        span = tracing.start("natsched.worker", d.headers, req.id, {"natsched.worker": self.id,
+                             "natsched.model": req.model, "natsched.attempt": a.attempt})
+        if span is not None:
+            self._traces[req.id] = _RunTrace(span, started)
         try:
             if req.deadline is not None and started > req.deadline:
                 final = EngineOutput(0, finished=True, finish_reason="error", error="deadline_exceeded")
@@ -203,10 +217,18 @@ class WorkerAgent:
                 await self._generate(a, started, received=received)
             await d.ack()
         except asyncio.CancelledError:
-            if req.id not in self.cancelled:
+            if not self._is_cancelled(req):
                 raise  # the agent is stopping: left un-acked, redelivered elsewhere
-            asyncio.current_task().uncancel()  # our own cancel: the request ends, reported
-            await self._finish(a, _CANCELLED, started, None, received=received)
+            self._stopped_runs.add(req.id)  # (before any await) _stop_run stops cancelling
+            task = asyncio.current_task()
+            while task.cancelling():  # our own cancel, perhaps sent more than once: the request ends, reported
+                task.uncancel()
+            await self._finish(a, self._cancelled_output(req.id), started, None, received=received)
+            await d.ack()
+        except RunTimeout as exc:  # past its TTFT, idle or total limit: stopped, reported with what it produced
+            log.info("request %s stopped on %s: %s", req.id, self.id, exc.reason)
+            self.metrics.timeouts.labels(exc.reason).inc()
+            await self._finish(a, self._cancelled_output(req.id, exc.reason), started, None, received=received)
             await d.ack()
         except Exception as exc:  # engine or bus failure: recorded as an outcome, never dropped
             if req.id in self._reported:  # its outcome is out; only the ack failed: a copy finds it finished
@@ -221,6 +243,10 @@ class WorkerAgent:
         finally:
             self._progress.pop(req.id, None)
             self._over.pop(req.id, None)
+            self._end_trace(req.id, None)  # still open: it ended without _finish (the agent stopping)
+            self._produced.pop(req.id, None)
+            self._stopped_runs.discard(req.id)
+            self._tenant_of.pop(req.id, None)
             self._redelivered.discard(req.id)
             self._reported.discard(req.id)
             if d.settled:  # its outcome is published and it was acked: a copy must not run it again
@@ -244,7 +270,8 @@ class WorkerAgent:
         )
         first_at = None
         texts: list[str] = []
-        async for out in self.engine.generate(engine_req):
+        produced = 0
+        async for out in limited(self.engine.generate(engine_req), req, _is_token):
             if first_at is None and not out.error:
                 first_at = time.time()
             # runtime tokens as the admitter counts them (prefill + KV held), generated ones included:
@@ -253,6 +280,12 @@ class WorkerAgent:
             held = 2 * (out.prompt_tokens or engine_req.prompt_tokens) + max(out.output_tokens, out.index + 1)
             if held > a.runtime_tokens:
                 self._over[req.id] = held
+            if not out.finished:  # what a cancel reports as really produced (the final output has the totals)
+                produced += len(out.token_ids) if out.token_ids else int(bool(out.text))
+                self._produced[req.id] = (engine_req.prompt_tokens, produced)
+            trace = self._traces.get(req.id)
+            if trace is not None and _is_token(out):
+                trace.token_at(time.time())
             texts.append(out.text)
             if req.stream and req.reply and (out.text or out.token_ids) and not out.error:
                 await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.TOKEN, text=out.text,
@@ -309,6 +342,27 @@ class WorkerAgent:
             await self.bus.publish(req.reply, reply)
         log.info("request %s %s on %s: %d prompt (%d cached), %d out", req.id, completion.status, self.id,
                  out.prompt_tokens, out.cached_tokens, out.output_tokens)
+        self._end_trace(req.id, completion)
+
+    def _end_trace(self, rid: str, c: Completion | None) -> None:
+        """The run's spans: first token, done, and token timing when it is kept (sampled, p99, error)."""
+        trace = self._traces.pop(rid, None)
+        if trace is None:
+            return
+        now = time.time()
+        failed = c is None or c.status != CompletionStatus.OK
+        attrs: dict = {}
+        if c is not None:
+            attrs = {"natsched.status": str(c.status), "natsched.reason": c.reason,
+                     "natsched.finish_reason": c.finish_reason, "natsched.prompt_tokens": c.prompt_tokens,
+                     "natsched.cached_tokens": c.cached_tokens, "natsched.output_tokens": c.output_tokens}
+        why = tracing.keep_token_timing(self._tail, now - trace.started, failed)
+        if why is not None:
+            attrs["natsched.tokens.kept"] = why
+            attrs["natsched.tokens.offsets_ms"] = tracing.token_offsets_ms(trace.started, trace.times)
+        trace.close(rid, now)
+        tracing.end(trace.span, attrs, error=(c.reason or "error") if c is not None and failed else
+                    ("stopped" if c is None else None))
 
     async def _publish_completion(self, c: Completion):
         """Publish a completion until it is stored: a server away (restarting) for longer than the
@@ -520,6 +574,43 @@ class WorkerAgent:
         else:
             log.warning("unknown control kind %r on %s", ctl.kind, subject)
 
+    def _is_cancelled(self, req) -> bool:
+        """Cancelled by its own tenant (``cancel.<tenant>.<id>``) or by an operator (control)."""
+        return req.id in self.cancelled or S.cancel(req.tenant, req.id) in self.cancelled
+
+    def _cancelled_output(self, rid: str, reason: str = "cancelled") -> EngineOutput:
+        """How a cancelled (or timed-out: ``reason``) request ends: an error completion (its
+        reservation is released) with that reason and the tokens it really produced (the audit and
+        the usage count them)."""
+        prompt, output = self._produced.get(rid, (0, 0))
+        return EngineOutput(0, finished=True, finish_reason=reason, error=reason if reason != "cancelled"
+                            else _CANCELLED.error, prompt_tokens=prompt, output_tokens=output)
+
+    async def _on_tenant_cancel(self, subject: str, data: bytes, headers: dict) -> None:
+        """A producer gave up on its request (``cancel.<tenant>.<id>``, every worker hears it).
+
+        Only for a request of that tenant: the server lets a producer publish its own tenant's
+        cancels only, so a cancel naming another tenant's running request is refused here. One
+        for a request not here (yet) is remembered under (tenant, id), like a control cancel.
+        """
+        parsed = S.parse_cancel_subject(subject)
+        if parsed is None:
+            log.warning("worker %s: ignoring a cancel on %s", self.id, subject)
+            return
+        tenant, rid = parsed
+        owner = self._tenant_of.get(rid)
+        if owner is not None and owner != tenant:
+            log.warning("worker %s: cancel of request %s by tenant %s refused: it is %s's", self.id, rid, tenant,
+                        owner)
+            self.metrics.cancels_refused.inc()
+            return
+        self.cancelled.add(subject)  # == S.cancel(tenant, rid)
+        task = self.inflight.get(rid)
+        if task is not None:
+            self.metrics.cancelled.inc()
+            log.info("request %s cancelled by tenant %s", rid, tenant)
+            self._spawn_stop(rid, task)
+
     def _cancel(self, rid: str | None, by: str | None) -> None:
         """End a request whose producer went away: its task stops the engine and reports ``cancelled``.
 
@@ -534,8 +625,49 @@ class WorkerAgent:
         task = self.inflight.get(rid)
         log.info("request %s cancelled by %s%s", rid, by or "?", "" if task else " (not running here yet)")
         if task is not None:
+            self._spawn_stop(rid, task)
+
+    def _spawn_stop(self, rid: str, task: asyncio.Task) -> None:
+        stopper = asyncio.create_task(self._stop_run(rid, task), name=f"cancel:{rid}")
+        self._stoppers.add(stopper)  # held until done (the loop keeps only weak references)
+        stopper.add_done_callback(self._stoppers.discard)
+
+    async def _stop_run(self, rid: str, task: asyncio.Task) -> None:
+        """Cancel a running request's task until the cancel has reached it: on Python 3.11 a
+        cancel that meets a just-finished ``wait_for`` inside the engine or the bus client is
+        swallowed, and the request would run to its end for nobody (natsched.bus.aio). Once the
+        task's handler has it, no more: the handler publishes the outcome, which must not be cut."""
+        while not task.done() and rid not in self._stopped_runs:
             task.cancel()
+            await asyncio.wait({task}, timeout=RECANCEL_S)
 
 
 #: how a cancelled request ends: an error completion (its reservation is released) with reason ``cancelled``
 _CANCELLED = EngineOutput(0, finished=True, finish_reason="cancelled", error="cancelled: the producer went away")
+
+
+def _is_token(out: EngineOutput) -> bool:
+    """An engine output that is a token (the first one ends the run's TTFT wait)."""
+    return bool(out.text or out.token_ids) and not out.error
+
+
+@dataclass
+class _RunTrace:
+    """A traced run: its span, when it started, when each token came (unix seconds)."""
+
+    span: object
+    started: float
+    times: list[float] = field(default_factory=list)
+
+    def token_at(self, t: float) -> None:
+        self.times.append(t)
+
+    def close(self, rid: str, now: float) -> None:
+        """The two phase spans, from the times seen: run start -> first token -> the end."""
+        ns = 1_000_000_000
+        first = self.times[0] if self.times else now
+        tracing.end(tracing.child("natsched.worker.first_token", self.span, rid, start_time_ns=int(self.started * ns)),
+                    end_time_ns=int(first * ns))
+        if self.times:
+            tracing.end(tracing.child("natsched.worker.done", self.span, rid, {"natsched.tokens": len(self.times)},
+                                      start_time_ns=int(first * ns)), end_time_ns=int(now * ns))

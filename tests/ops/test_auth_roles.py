@@ -125,7 +125,7 @@ async def test_gateway_batch_and_offline_roles_do_their_work_within_their_permis
     runner = OfflineRunner(await connect("offline"), OfflineSettings(poll_s=0.02))
     await runner.start()
     server, files, _ = provisioned
-    gw = await start_gateway(server.url, keys={KEY_A: {"tenant": "A", "class": "online"}},
+    gw = await start_gateway(server.url, keys={KEY_A: {"tenant": "A", "class": "online", "status": True}},
                              credentials=files.creds("gateway"))
     try:
         await gw.wait_for_workers(1)
@@ -135,7 +135,7 @@ async def test_gateway_batch_and_offline_roles_do_their_work_within_their_permis
         assert reply.choices[0].text.split() == ["tok0", "tok1", "tok2"]
         assert [m.id for m in (await sdk.models.list()).data] == ["default"]
         async with httpx.AsyncClient(timeout=30) as http:
-            status = (await http.get(gw.url + "/status.json")).json()
+            status = (await http.get(gw.url + "/status.json", headers={"Authorization": f"Bearer {KEY_A}"})).json()
         assert [w["id"] for w in status["workers"]] == ["w1"]
 
         # the batch producer of A: submit offline work, which the offline runner runs and records
@@ -169,7 +169,9 @@ async def _done(client: BatchClient, batch: str) -> bool:
 async def test_gateway_cannot_publish_as_a_tenant_it_does_not_serve_or_edit_quotas(probe):
     gw = await probe("gateway")
     assert not await gw.publish(S.request(S.ONLINE, "A"))  # its tenant: allowed
-    assert not await gw.publish(S.control("w1"))  # cancels on the worker's control subject
+    assert not await gw.publish(S.cancel("A", "r1"))  # cancels its own tenants' requests
+    assert await gw.publish(S.cancel("B", "r1")), "the gateway cancelling a tenant it does not serve was not refused"
+    assert await gw.publish(S.control("w1")), "the gateway on a worker's control subject (drain) was not refused"
     assert not await gw.subscribe(S.tenant_reply("A", "r1")) and not await gw.subscribe(S.HEARTBEATS_ALL)
     for cls in S.CLASSES:
         assert await gw.publish(S.request(cls, "B")), f"gateway publishing a {cls} request as B was not refused"
