@@ -78,8 +78,10 @@ def _tool(name: str) -> str | None:
     return os.environ.get(f"NATSCHED_{name.upper()}") or shutil.which(name)
 
 
-@pytest.mark.skipif(_tool("guidellm") is None, reason="guidellm is not installed (pipx install guidellm==0.8.1)")
 async def test_guidellm_runs_unchanged_against_the_gateway(cluster, tokenizer, tmp_path):
+    # the README's test command installs it in .venv-guidellm and names it in NATSCHED_GUIDELLM
+    assert _tool("guidellm"), "guidellm is needed: python3 -m venv .venv-guidellm && " \
+                              ".venv-guidellm/bin/pip install guidellm==0.8.1; NATSCHED_GUIDELLM=.venv-guidellm/bin/guidellm"
     _, gw = cluster
     out = tmp_path / "guidellm.json"
     code, log = await run(
