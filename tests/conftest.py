@@ -19,7 +19,7 @@ hypothesis_settings.register_profile("natsched", deadline=None)
 hypothesis_settings.load_profile("natsched")
 
 from natsched.bus.connection import Bus
-from natsched.bus.server import EmbeddedServer, free_port
+from natsched.bus.server import SYNC_INTERVAL, EmbeddedServer, free_port
 from tests.serverwatch import MONITORS, wait_gone
 
 
@@ -51,7 +51,10 @@ def nats_url():
         return
     data_dir = tempfile.mkdtemp(prefix="natsched-test-")
     monitor_port = free_port()
-    server = EmbeddedServer(port=free_port(), data_dir=data_dir, extra_args=["-m", str(monitor_port)])
+    # the server's default fsync interval, not natsched's ``always``: no test survives a power
+    # failure, and an fsync per write would slow every test (the durability tests run their own)
+    server = EmbeddedServer(port=free_port(), data_dir=data_dir, extra_args=["-m", str(monitor_port)],
+                            sync=SYNC_INTERVAL)
     server.start()
     MONITORS[server.url] = f"http://{server.host}:{monitor_port}"
     try:

@@ -2,7 +2,7 @@
 
 The layers, lowest first (an import may go down or stay within its own package, never up)::
 
-    errors stats                 the root error, the one percentile; import nothing of ours
+    errors stats tracing         the root error, the one percentile, traces; import nothing of ours
     wire                         the wire contract
     bus                          the NATS transport
     client audit admitter router workers sim gateway     features and services
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "natsched"
 DOORS = {"__init__", "__main__"}
 LAYERS = [
-    {"errors", "stats"},
+    {"errors", "stats", "tracing"},
     {"wire"},
     {"bus"},
     {"client", "audit", "admitter", "router", "workers", "sim", "gateway"},

@@ -29,6 +29,7 @@ PACKAGE = ROOT / "natsched"
 #: top-level import name -> the natsched parts (package prefixes) that alone may import it
 CONFINED: dict[str, tuple[str, ...]] = {
     "nats": ("natsched.bus",),
+    "opentelemetry": ("natsched.tracing",),  # optional (the tracing extra): imported only there, lazily
 }
 
 #: natsched part -> what its modules may import besides the standard library (name prefixes)

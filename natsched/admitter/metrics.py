@@ -51,5 +51,14 @@ class AdmitterMetrics:
         self.lease_expiries = Counter("natsched_admission_lease_expiries",
                                       "Worker leases expired (missed heartbeats): their reservations reclaimed",
                                       registry=r)
+        self.refused_values = Counter("natsched_admission_refused_kv_values",
+                                      "Values of bucket inflight refused as not written by an admitter "
+                                      "(a usage or a reservation record; the usage is rebuilt)", registry=r)
+        self.refused_completions = Counter("natsched_admission_refused_completions",
+                                           "Completions that released nothing: not from the worker the request's "
+                                           "attempt was assigned to (wrong_source, bad_fence) or of an attempt "
+                                           "since rescued (stale)", ["reason"], registry=r)
+        self.grown = Counter("natsched_admission_grown_runtime_tokens",
+                             "Runtime tokens added to reservations their requests ran past", registry=r)
         self.bad_quota_entries = Counter("natsched_admission_bad_quota_entries", "Corrupted quota entries ignored",
                                          registry=r)

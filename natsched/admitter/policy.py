@@ -35,8 +35,20 @@ _queue_full)
 estimated wait beyond queue_timeout_s or    reject     quota_exhausted (with retry_after)
 the deadline (once the release rate is
 measured)
+class has a TTFT SLO and the estimated      degrade    slo
+wait is beyond its share of it
 otherwise                                   queue      - (with est_wait)
 ==========================================  =========  ======================================
+
+**TTFT SLOs** (``slo_ttft_s``, per class; off unless configured). A request's time to first token
+is its wait here plus its wait and prefill on a worker. Under overload a first-come queue makes
+*every* request late: each waits behind the backlog, and capacity is spent on answers that miss
+the SLO anyway, so goodput (answers within the SLO per second) collapses and stays down while the
+backlog drains. With an SLO, a request that has waited (or is estimated to wait) more than
+``slo_wait_share`` of its SLO — the rest is left for the worker's queue and prefill — is not
+admitted late but degraded: it goes to the offline path, which runs it when the cluster has room
+(nothing is lost; it is completed later), and the capacity goes to requests that can still make
+their SLO. In the queue this is checked before anything is admitted, oldest first.
 
 :meth:`AdmitterCore.plan_dequeue` first rejects queued requests older than ``queue_timeout_s``
 (``queue_timeout``), past their deadline (``deadline_exceeded``) or that a quota change made
@@ -91,10 +103,15 @@ class AdmissionSettings:
     rate_window_s: float = 10.0  # window of the release-rate estimate behind est_wait
     fallback_hold_s: float = 10.0  # until a rate is measured: the total turns over once per this
     scan_limit: int = 16  # entries a plan looks past (capped tenant, limited model) in one lane
+    slo_ttft_s: dict[str, float] = field(default_factory=dict)  # per class: the promised TTFT (empty: off)
+    slo_wait_share: float = 0.5  # of the SLO a request may wait here; the rest is the worker's
     class_rank: dict[str, int] = field(default_factory=_default_class_rank)  # lower is served first
 
     def __post_init__(self) -> None:
-        for name in ("reserve_long_share", "degrade_watermark", "ewma_alpha"):
+        for cls, slo in self.slo_ttft_s.items():
+            if not isinstance(slo, (int, float)) or not slo > 0:
+                raise SettingsError(f"slo_ttft_s[{cls!r}] must be seconds > 0, got {slo!r}")
+        for name in ("reserve_long_share", "degrade_watermark", "ewma_alpha", "slo_wait_share"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise SettingsError(f"{name} must be between 0 and 1, got {value}")
@@ -124,11 +141,13 @@ class AdmissionDecision:
 
 
 def runtime_tokens(request: Request) -> int:
-    """Prefill still owed (the whole prompt: the admitter cannot know the cache) + KV held,
-    with the producer's expected output (else ``max_tokens``); see :meth:`AdmitterCore.cost`."""
+    """Prefill still owed (the whole prompt: the admitter cannot know the cache) + KV held for
+    ``max_tokens`` of output: what a request costs to a pricer with no estimate of its own (the
+    offline runner). A producer's ``expected_output_tokens`` cannot lower it (it once did: a
+    declared 1 with ``max_tokens`` 8000 put 10 requests under a cap that fits 2); see
+    :meth:`AdmitterCore.cost`."""
     prompt = estimate_prompt_tokens(request)
-    output = request.expected_output_tokens or request.max_tokens
-    return prompt + prompt + max(0, output)
+    return prompt + prompt + max(0, request.max_tokens)
 
 
 def validate(request: Request, settings: AdmissionSettings, subject_class: str | None = None,
@@ -201,16 +220,28 @@ class AdmitterCore:
         return self.usage.used
 
     # ------------------------------------------------------------------ cost
-    def expected_output(self, request: Request) -> int:
-        """The producer's expectation, else the learned one (when calibrated), else max_tokens."""
-        if request.expected_output_tokens:
-            return request.expected_output_tokens
+    def own_output_estimate(self, request: Request) -> int:
+        """What the admitter itself expects the request to generate: the output length learned
+        from this (tenant, model)'s completions, with its margin (when calibrated and enough
+        were seen), else ``max_tokens``."""
         if self.settings.calibrated_output:
             est = self.outputs.expected_output(request.tenant, request.model, request.max_tokens,
                                                self.settings.calibrated_margin)
             if est is not None:
                 return est
         return request.max_tokens
+
+    def expected_output(self, request: Request) -> int:
+        """The output tokens a request is priced at: the admitter's own estimate, raised (never
+        lowered) by the producer's ``expected_output_tokens``, and never above ``max_tokens``.
+
+        The producer's number is a claim from the party that pays: it may ask for more room
+        (a tenant that knows its request is long), never for less than the admitter would
+        give it anyway. A request that generates past its price grows its reservation
+        (the workers report progress: :meth:`natsched.admitter.service.AdmitterService.grow`)."""
+        own = self.own_output_estimate(request)
+        declared = request.expected_output_tokens or 0
+        return max(own, min(declared, request.max_tokens))
 
     def cost(self, request: Request) -> int:
         prompt = estimate_prompt_tokens(request)
@@ -288,7 +319,14 @@ class AdmitterCore:
             if request.deadline is not None and now + wait > request.deadline:
                 return self._reject(cost, "quota_exhausted", f"estimated wait {wait:.1f}s would pass the deadline",
                                     retry=True, request=request)
+            if wait > self._slo_wait(request.cls):
+                return self._decision(DEGRADE, cost, request, reason="slo")
         return self._decision(QUEUE, cost, request, est_wait=wait)
+
+    def _slo_wait(self, cls: str) -> float:
+        """Seconds a request of ``cls`` may wait here before its SLO is out of reach (inf: no SLO)."""
+        slo = self.settings.slo_ttft_s.get(cls)
+        return math.inf if slo is None else slo * self.settings.slo_wait_share
 
     def _queue_full(self, request: Request, limit: int) -> bool:
         """The class queue is full for this tenant. A full queue still takes a tenant holding less
@@ -340,11 +378,13 @@ class AdmitterCore:
         return out
 
     def _expired(self, plan: Planner, now: float) -> list[tuple[Request, AdmissionDecision]]:
-        out = []
+        out = self._past_slo(plan, now)
         timeout = self.settings.queue_timeout_s
         for entry in self.queue.oldest():
             if now - entry.enqueued_at <= timeout:
                 break
+            if entry.id in plan.taken:
+                continue
             plan.take(entry, admit=False)
             out.append((entry.request, self._reject(entry.cost, "queue_timeout",
                                                     f"queued {now - entry.enqueued_at:.1f}s, longer than {timeout:g}s",
@@ -354,6 +394,21 @@ class AdmitterCore:
                 plan.take(entry, admit=False)
                 out.append((entry.request, self._reject(entry.cost, "deadline_exceeded",
                                                         "deadline passed while queued")))
+        return out
+
+    def _past_slo(self, plan: Planner, now: float) -> list[tuple[Request, AdmissionDecision]]:
+        """Queued requests that waited past their class's share of its SLO: DEGRADE (module docstring)."""
+        if not self.settings.slo_ttft_s:
+            return []
+        shortest = min(self._slo_wait(c) for c in self.settings.slo_ttft_s)
+        out = []
+        for entry in self.queue.oldest():
+            age = now - entry.enqueued_at
+            if age <= shortest:
+                break
+            if age > self._slo_wait(entry.cls):
+                plan.take(entry, admit=False)
+                out.append((entry.request, AdmissionDecision(DEGRADE, entry.cost, "slo")))
         return out
 
     def commit_dequeue(self, picks: list[tuple[Request, AdmissionDecision]], now: float) -> None:

@@ -19,6 +19,7 @@ from natsched.admitter.errors import AdmitterError
 from natsched.admitter.leases import LeaseTracker, reconcile
 from natsched.admitter.rescue import RescueReport, Rescuer
 from natsched.admitter.usage import Usage
+from natsched.bus.aio import wait_event
 from natsched.wire import subjects as S
 from natsched.errors import NatschedError
 from natsched.wire.errors import MessageError
@@ -55,6 +56,10 @@ class Repairs:
     worker_load: dict[str, tuple[int, int, float]]
     knobs: Any  # natsched.admitter.knobs.Knobs: the lease settings in force
     _dead: dict[str, float]
+    _instances: dict[str, float]  # worker -> the started_at of the instance last heard
+    _takeovers: dict[str, int]  # restarted worker -> its predecessor_seq, waiting for the lease loop
+    _taken_over: dict[str, int]  # worker -> the predecessor_seq last taken over (once per bound)
+    _takeover_wake: asyncio.Event
     _started: float
     _lock: asyncio.Lock
     _suspect: object
@@ -72,13 +77,34 @@ class Repairs:
             log.warning("ignoring heartbeat of %s published on %s", hb.worker, subject)
             return
         now = time.time()
+        self._note_instance(hb)
         self.leases.on_heartbeat(hb.worker, now, hb.interval, hb.inflight)
         self._dead.pop(hb.worker, None)
         self.worker_load[hb.worker] = (hb.capacity_tokens, hb.runtime_tokens, now)
         self.note_model(hb.worker, hb.model, now)
+        for rid, held in hb.over.items():  # ran past its reservation: grow it (service.grow)
+            if self.leases.holder.get(rid) == hb.worker:  # only the worker running it may say so
+                self._grow_wanted[rid] = max(held, self._grow_wanted.get(rid, 0))
+        if hb.over:
+            self._grow_wake.set()
+
+    def _note_instance(self, hb: Heartbeat) -> None:
+        """A worker instance that took over un-acked work (its ``predecessor_seq``): that work is
+        rescued at the next lease tick, once per bound (``started_at`` also moves when a fronted
+        engine server's cache begins anew, without a new worker process: that rescues nothing)."""
+        before = self._instances.get(hb.worker)
+        if before != hb.started_at:
+            self._instances[hb.worker] = hb.started_at
+            if before is not None:
+                log.warning("worker %s restarted (started_at %.3f -> %.3f)", hb.worker, before, hb.started_at)
+        if hb.predecessor_seq and self._taken_over.get(hb.worker) != hb.predecessor_seq:
+            self._taken_over[hb.worker] = hb.predecessor_seq
+            self._takeovers[hb.worker] = hb.predecessor_seq
+            self._takeover_wake.set()
 
     async def _lease_loop(self) -> None:
-        """Judge leases every ``LEASE_TICK_S``; reclaim beside the loop, one reclaim at a time.
+        """Judge leases every ``LEASE_TICK_S``; reclaim beside the loop, one reclaim at a time
+        (a restarted worker's takeover, :meth:`_note_instance`, goes with the next one).
 
         A reclaim can take seconds while the cluster elects leaders. Awaited here, it stopped
         the ticks: other leases went unjudged, and the next tick took the gap for a pause of
@@ -89,25 +115,30 @@ class Repairs:
         running: asyncio.Task | None = None
         try:
             while True:
-                await asyncio.sleep(LEASE_TICK_S)
+                await wait_event(self._takeover_wake, LEASE_TICK_S)  # a restart's takeover starts at once
+                self._takeover_wake.clear()
                 for worker, held in self.leases.expired(time.time()).items():
                     waiting.setdefault(worker, set()).update(held)
                 if self.leases.paused_s:
                     log.warning("this admitter was paused for %.1fs: worker leases restart now (heartbeats sent "
                                 "meanwhile are still unread)", self.leases.paused_s)
                 if running is not None and not running.done():
-                    continue
-                if not waiting and time.monotonic() - last_sweep < self._sweep_interval():
+                    continue  # (takeovers wait in self._takeovers, like expiries in waiting)
+                takeovers, self._takeovers = self._takeovers, {}
+                if not waiting and not takeovers and time.monotonic() - last_sweep < self._sweep_interval():
                     continue
                 last_sweep = time.monotonic()
                 expired, waiting = waiting, {}
-                running = asyncio.create_task(self._reclaim_once(expired), name="lease-reclaim")
+                running = asyncio.create_task(self._reclaim_once(expired, takeovers), name="lease-reclaim")
         finally:  # the Bus closing cancels this loop: the reclaim in flight stops with it
             if running is not None:
                 running.cancel()
 
-    async def _reclaim_once(self, expired: dict[str, set[str]]) -> None:
+    async def _reclaim_once(self, expired: dict[str, set[str]], takeovers: dict[str, int] | None = None) -> None:
         try:
+            for worker, upto in (takeovers or {}).items():
+                report = await self.rescuer.take_over(worker, upto, self.leases.reported)
+                self.metrics.repairs.labels("restart").inc(len(report.rescued))
             await self.reclaim(expired)
         except (AdmitterError, NatschedError) as exc:
             log.warning("lease reclaim deferred: %s", exc)

@@ -21,6 +21,11 @@ message back onto ADMITTED as the next *attempt*, naming the dead worker in ``av
 4. delete the WORK message (a replica that finds it already deleted did nothing wrong).
 
 A crash between 3 and 4 leaves the message for the next sweep, whose publish is deduplicated.
+
+A worker restarted under its id before its lease expired is alive, yet its predecessor's un-acked
+work would wait for the ack wait: its heartbeat's ``predecessor_seq`` bounds that work, and
+:meth:`Rescuer.take_over` rescues it the same way, at once.
+
 The reservation is not released: the tokens stay booked for the re-run, so the quota never
 over-admits while it runs elsewhere, and its completion releases them as usual.
 """
@@ -36,6 +41,7 @@ from typing import Awaitable, Callable, Iterable
 from natsched.admitter.shared import SharedState
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
+from natsched.wire.fence import fenced
 from natsched.bus.connection import Bus
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, ReplyKind, ReplyStatus, WorkerId
@@ -113,19 +119,39 @@ class Rescuer:
         found: list[Stranded] = []
         for worker, subject in stranded(counts, is_live):
             found += await self._read_subject(worker, subject, min(counts[subject] + 16, self.max_per_sweep), report)
+        return await self._rescue_found(found, report)
+
+    async def take_over(self, worker: WorkerId, upto_seq: int, running: Callable[[str], bool]) -> RescueReport:
+        """Rescue what a restarted worker's predecessor left: the assignments stored on its subject
+        at or below ``upto_seq`` (the heartbeat's ``predecessor_seq``), except those the new
+        instance reports running (``running``: a copy redelivered to it after the ack wait).
+
+        The worker is alive, so :meth:`sweep` never looks at its subject; and its durable consumer
+        would hand that work to it only after the ack wait (30 s)."""
+        report = RescueReport()
+        found = [s for s in await self._read_subject(worker, S.work(worker), self.max_per_sweep, report, upto_seq)
+                 if not running(s.assignment.request.id)]
+        if found:
+            log.warning("worker %s restarted: rescuing %d requests its predecessor left unfinished", worker,
+                        len(found))
+        return await self._rescue_found(found, report)
+
+    async def _rescue_found(self, found: list[Stranded], report: RescueReport) -> RescueReport:
         if not found:
             return report
         await _overlapped(self._mark(s) for s in found)
-        done = await self._completed_unprocessed(await self._completions_caught_up())
+        done = await self._completed_unprocessed(await self.completions_caught_up())
         await _overlapped(self._rescue_one(s, report, done) for s in found)
         return report
 
-    async def _read_subject(self, worker: WorkerId, subject: str, limit: int, report: RescueReport) -> list[Stranded]:
-        """The assignments stored on a dead worker's subject (undecodable ones dead-lettered)."""
+    async def _read_subject(self, worker: WorkerId, subject: str, limit: int, report: RescueReport,
+                            upto_seq: int | None = None) -> list[Stranded]:
+        """The assignments stored on a dead worker's subject (undecodable ones dead-lettered),
+        at most ``limit``, none above ``upto_seq`` when given."""
         out, seq = [], 1
         for _ in range(limit):  # bounded: what arrives later waits for the next sweep
             got = await self.bus.next_message(S.STREAM_WORK, subject, seq)
-            if got is None:
+            if got is None or (upto_seq is not None and got[0] > upto_seq):
                 break
             seq, data = got
             try:
@@ -138,9 +164,11 @@ class Rescuer:
         return out
 
     async def _mark(self, s: Stranded) -> None:
+        # (the attempt moves on only in _rescue_one, once it is known not to have finished: a
+        # completion of this attempt still being processed must be able to release it)
         await self.shared.mark_moved(s.assignment.request.id, s.worker)
 
-    async def _completions_caught_up(self) -> tuple[int, int]:
+    async def completions_caught_up(self) -> tuple[int, int]:
         """Wait (bounded) until the admitters have processed every completion stored so far;
         returns (ack floor, newest completion) as last seen.
 
@@ -178,16 +206,18 @@ class Rescuer:
             log.warning("rescue: %d completions not processed; reading only the newest %d", last - acked,
                         self.max_scan)
         ids = set()
-        for _subject, data in await self.bus.messages_between(S.STREAM_COMPLETIONS, first, last):
+        for subject, data in await self.bus.messages_between(S.STREAM_COMPLETIONS, first, last):
             try:
-                ids.add(Completion.decode(data).request_id)
+                c = Completion.decode(data)
             except MessageError:
                 continue  # the admitters' consumer dead-letters it
+            if fenced(self.bus.fence_key, c, subject):  # a forged one finishes nothing
+                ids.add(c.request_id)
         return ids
 
     async def _rescue_one(self, s: Stranded, report: RescueReport, done: set[str]) -> None:
         a, worker, rid = s.assignment, s.worker, s.assignment.request.id
-        if rid in done or await self.shared.mark_moved(rid, worker) is None:
+        if rid in done or await self.shared.mark_moved(rid, worker, a.attempt + 1) is None:
             report.finished.append(rid)  # completed (or released) already: nothing to run again
         else:
             adm = readmission(a, worker, self.name)

@@ -25,21 +25,25 @@ from natsched.admitter.errors import AdmitterError, QuotaError
 from natsched.admitter import knobs as K
 from natsched.admitter.leases import LeaseTracker
 from natsched.admitter.metrics import AdmitterMetrics
-from natsched.admitter.policy import ALLOW, DEGRADE, QUEUE, AdmissionDecision, AdmissionSettings, AdmitterCore
+from natsched.admitter.policy import (ALLOW, DEGRADE, QUEUE, REJECT, AdmissionDecision, AdmissionSettings,
+                                      AdmitterCore, runtime_tokens)
 from natsched.admitter.quotas import Quotas
 from natsched.admitter.repair import Repairs
 from natsched.admitter.rescue import Rescuer
 from natsched.admitter.scaling import ScaleAdvisor, ScaleSettings, WorkerLoad
 from natsched.admitter.shared import Reservation, SharedState
 from natsched.admitter.usage import Usage
+from natsched.wire import fence
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.bus.aio import wait_event
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.errors import NatschedError
+from natsched import tracing
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import (Admitted, Completion, Decision, Reply, ReplyKind, ReplyStatus, Request,
                                   ScaleEvent)
+from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,22 +106,37 @@ class AdmitterService(Repairs):
         self.settings = s = settings or AdmitterServiceSettings()
         self.core = AdmitterCore(s.admission)
         self.shared = SharedState(bus, s.name)
+        self.shared.is_long = self.core.is_long
+        self.shared.pending = lambda: [res for _, res in (*self._releasing, *self._committing)]
+        self._refused_seen = 0
         self.credit = Credit(s.name, s.credit)  # blocks reserved ahead: allows without a write
         self._keeper_wake = asyncio.Event()
         self.leases = LeaseTracker(s.lease_missed)
         self.rescuer = Rescuer(bus, self.shared, s.name)
         self._started = time.monotonic()
         self._dead: dict[str, float] = {}  # worker -> when its lease expired here (until it heartbeats)
+        self._instances: dict[str, float] = {}  # worker -> started_at of its instance last heard (repair.py)
+        self._takeovers: dict[str, int] = {}  # restarted worker -> predecessor_seq, to rescue (repair.py)
+        self._taken_over: dict[str, int] = {}  # worker -> the predecessor_seq last taken over (repair.py)
+        self._takeover_wake = asyncio.Event()
+        self._recheck_upto: float = 0  # after a server change: REQUESTS sequences to check (_maybe_seen)
+        self._settling: asyncio.Future | None = None  # after a server change: completions catching up
+        self.refused_duplicates = 0  # copies of a reserved (or just released) request id refused
         self.dynamic = DynamicTotal(s.dynamic)
         self.scale = ScaleAdvisor(s.scale)
         self.knobs = self.base_knobs()  # plus the quotas bucket's setting.* entries (apply_knobs)
         self.metrics = metrics or AdmitterMetrics()
         self.held: dict[str, Held] = {}
+        self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
         self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
         self.quota_entries: dict[str, bytes] = {}
         self.worker_models: dict[str, tuple[str, float]] = {}  # worker -> (model it serves, last heard)
+        self._quota_errors: set[str] = set()
         self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
         self._releasing: list[tuple[Completion | None, Reservation]] = []  # waiting for the next commit
+        self._committing: list[tuple[Completion | None, Reservation]] = []  # in the commit running now
+        self._grow_wanted: dict[str, int] = {}  # request -> runtime tokens its worker says it holds
+        self._grow_wake = asyncio.Event()
         self._wake = asyncio.Event()
         self.router = router  # inline routing (see InlineRouter), or None: ADMITTED to the routers
         self._suspect: object = None  # drift seen on the previous reconciliation
@@ -131,6 +150,7 @@ class AdmitterService(Repairs):
                                   max_ack_pending=s.max_held, batch=s.fetch_batch)
 
     async def start(self) -> None:
+        self.bus.on_server_change(self._server_changed)
         await self.bus.provision()
         await self.shared.start()
         quotas_ready = asyncio.Event()
@@ -138,6 +158,7 @@ class AdmitterService(Repairs):
         await asyncio.wait_for(quotas_ready.wait(), 10)
         self.apply_quotas()  # the bucket's content at start; the watch applies every later change
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
+        await self.bus.subscribe(S.CANCELS_ALL, self._on_cancel)
         if self.router is not None:  # before the first request: it routes from the first batch on
             # fed from our COMPLETIONS consumer: with one admitter it sees every completion, with K
             # about 1/K (the rest the next heartbeat tells it, as for any completion it missed)
@@ -145,7 +166,7 @@ class AdmitterService(Repairs):
         await self.bus.consume_batches(self._completions_spec, self._on_completions, source="admitter")
         await self.bus.consume_batches(self._spec, self._on_requests, source="admitter")
         for loop in (self._dequeue_loop, self._keepalive_loop, self._lease_loop, self._reconcile_loop,
-                     self._dynamic_loop, self._keeper_loop, self._scale_loop):
+                     self._dynamic_loop, self._keeper_loop, self._grow_loop, self._scale_loop):
             self.bus.spawn(loop(), loop.__name__)
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -194,9 +215,11 @@ class AdmitterService(Repairs):
     def apply_quotas(self) -> None:
         self.apply_knobs()
         quotas, errors = Quotas.from_kv(self.quota_entries, previous=self.core.quotas)
-        for err in errors:
-            self.metrics.bad_quota_entries.inc()
-            log.error("quota entry ignored, last good value kept: %s", err)
+        for err in errors:  # counted and logged once each: every quota change re-reads them all
+            if err not in self._quota_errors:
+                self._quota_errors.add(err)
+                self.metrics.bad_quota_entries.inc()
+                log.error("quota entry refused, last good value kept until natsched quota set rewrites it: %s", err)
         try:
             self.core.set_quotas(quotas)
         except QuotaError as exc:
@@ -216,16 +239,20 @@ class AdmitterService(Repairs):
         """
         items: list[tuple[Delivery, Request]] = []
         seen: set[str] = set()
+        self.bus.check_server()  # a batch from a restarted server is checked like a redelivery
         for d in batch:
             try:
                 request = Request.decode(d.data)
             except MessageError as exc:  # error reply + dead letter + term
                 await self.bus.settle_failed(d, self._spec, "admitter", exc)
                 continue
+            if self._is_cancelled(request) and request.id not in self.held:  # cancelled before it got here
+                await self._drop_cancelled(request, d, 0.0)
+                continue
             held = self.held.get(request.id)
             if held is not None:  # our own held message, redelivered: keep holding the newest
                 held.delivery = d
-            elif d.num_delivered > 1 and await self._seen_before(request, d):
+            elif self._maybe_seen(d) and await self._seen_before(request, d):
                 continue
             elif request.id not in seen:
                 seen.add(request.id)
@@ -313,12 +340,49 @@ class AdmitterService(Repairs):
             self._keeper_wake.set()
         return {rid: self.credit.epoch for rid in paid}
 
+    def _maybe_seen(self, d: Delivery) -> bool:
+        """Whether this delivery may have been decided before: a redelivery, or, after the server
+        changed, any request stored before that (a restarted server can have lost the consumer
+        acks it had not written yet, and then delivers decided requests as if new)."""
+        return d.num_delivered > 1 or (self._recheck_upto > 0 and d.stream_seq <= self._recheck_upto)
+
+    def _server_changed(self) -> None:
+        """From the reconnect: check every delivery at once, then only up to what was stored."""
+        self._recheck_upto = float("inf")
+        self._settling = None  # a new wait for the completions stored by now
+        log.warning("admitter %s: the server changed; requests stored before now are checked against their "
+                    "reservations and release markers before they are decided", self.settings.name)
+        self.bus.spawn(self._bound_recheck(), "recheck-bound")
+
+    async def _completions_settled(self) -> None:
+        """Once per server change (shared by every delivery that asks): until the completions
+        stored so far are processed (bounded, as a rescue waits for them)."""
+        if self._settling is None:
+            self._settling = asyncio.ensure_future(self.rescuer.completions_caught_up())
+        try:
+            await asyncio.shield(self._settling)
+        except Exception as exc:  # the wait is a courtesy: on failure, decide as before
+            log.warning("admitter %s: completions not caught up after the server change: %s", self.settings.name, exc)
+
+    async def _bound_recheck(self) -> None:
+        try:
+            self._recheck_upto = await self.bus.stream_last_seq(S.STREAM_REQUESTS)
+        except Exception as exc:  # the bound stays infinite: slower (one read per request), never wrong
+            log.warning("admitter %s: could not read the request log's last sequence: %s", self.settings.name, exc)
+
     async def _seen_before(self, request: Request, d: Delivery) -> bool:
         """A redelivered request that was decided before (its ack was lost): settled here, True.
 
-        Only a redelivery can have been decided: the first copy of a request reaches one replica.
+        Only a redelivery can have been decided (the first copy of a request reaches one replica),
+        or, after a server restart, a copy whose ack the server lost (:meth:`_maybe_seen`).
         """
         res = await self.shared.lookup(request.id)
+        if res is not None and self._recheck_upto:
+            # after a server change its hand-off may have run and completed already, and JetStream's
+            # dedup no longer knows the consumed hand-off (it is rebuilt from what is stored): first
+            # let the completions stored so far release what they finished
+            await self._completions_settled()
+            res = await self.shared.lookup(request.id)
         if res is not None:  # allowed before: hand it off again
             await self._hand_off_again(request, d, res)
             return True
@@ -354,45 +418,95 @@ class AdmitterService(Repairs):
         from this replica's credit, with the epoch of the block (their records carry it).
         """
         now = time.time()
-        reservations, handoffs, routed = [], [], {}
+        reservations = []
         for request, dec, d, queue_wait, latency_ms in entries:
-            await self._record(request, dec, queue_wait, latency_ms)
-            rid = request.id
             if dec.decision == ALLOW:
-                res = Reservation(rid, request.tenant, request.model, dec.runtime_tokens, now, self.settings.name,
-                                  credit=(paid or {}).get(rid, ""))
-                reservations.append((res, self.shared.outgoing(res)))
+                reservations.append(Reservation(request.id, request.tenant, request.model, dec.runtime_tokens, now,
+                                                self.settings.name, credit=(paid or {}).get(request.id, ""),
+                                                ceiling=runtime_tokens(request)))
+        sent = time.perf_counter()
+        # the reservation records are stored before any hand-off (the completion that deletes one is
+        # a service or two further away), and each is a create: a request id reserved already
+        # (published again under another msg id) is refused here, never reserved or run twice
+        refused = await self._reserve(reservations)
+        handoffs, routed = [], {}
+        for request, dec, d, queue_wait, latency_ms in entries:
+            rid = request.id
+            if rid not in refused:
+                await self._record(request, dec, queue_wait, latency_ms)
+            trace = _admission_span(request, dec, d, queue_wait)  # None unless tracing is on
+            if dec.decision == ALLOW and rid not in refused:
                 admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                     admitter=self.settings.name, queue_wait=queue_wait)
-                r = self.router.decide(admitted) if self.router is not None else None
+                r = self.router.decide(admitted, trace=tracing.carry(trace)) if self.router is not None else None
                 if r is not None and r.outgoing is not None:  # straight to the worker's WORK subject
                     routed[rid] = r
                     handoffs.append(r.outgoing)
                 else:
-                    handoffs.append((S.admitted(request.cls, request.tenant), admitted, M.admitted(rid), None))
+                    handoffs.append((S.admitted(request.cls, request.tenant), admitted, M.admitted(rid),
+                                     tracing.carry(trace)))
             elif dec.decision == DEGRADE:
-                handoffs.append((S.offline(request.tenant), request, M.offline(rid), None))
+                handoffs.append((S.offline(request.tenant), request, M.offline(rid), tracing.carry(trace)))
             elif dec.decision == QUEUE:
                 self.held[rid] = Held(d, request, now)
-        # the reservation records go out first on this connection, so the server stores them
-        # before the hand-offs; the completion that deletes one is a service or two further away
-        outgoing = [out for _, out in reservations] + handoffs
-        sent = time.perf_counter()
-        acks = await self.bus.jpublish_batch(outgoing)
-        if outgoing:
+        await self.bus.jpublish_batch(handoffs)
+        if reservations or handoffs:
             self.metrics.handoff.observe(time.perf_counter() - sent)
-        for (res, _), ack in zip(reservations, acks):
-            self.shared.recorded(res, ack.seq)
         for request, dec, d, queue_wait, _ in entries:
+            if request.id in refused:
+                await self._refuse_duplicate(request, d)
+                continue
             await self._tell_producer(request, dec)
             if request.id in routed:  # its WORK message is stored: "assigned" follows "admitted"
                 await self.router.assigned(routed[request.id])
             if dec.decision != QUEUE:
                 await d.ack()
+            elif self._is_cancelled(request):  # cancelled while it was being queued
+                await self._cancel_held(request.tenant, request.id)
             self.metrics.decisions.labels(request.tenant, request.cls, dec.decision, dec.reason or "").inc()
             log.info("request %s %s tenant=%s class=%s tokens=%d%s%s", request.id, dec.decision, request.tenant,
                      request.cls, dec.runtime_tokens, f" reason={dec.reason}" if dec.reason else "",
                      f" waited={queue_wait:.3f}s" if queue_wait else "")
+
+    async def _reserve(self, reservations: list[Reservation]) -> set[str]:
+        """Store the records (creates); the ids refused because their key exists are returned, and
+        what their allow had committed to the usage (or spent of the credit) is given back."""
+        acks = await self.bus.jpublish_batch([self.shared.outgoing(res) for res in reservations])
+        refused = []
+        for res, ack in zip(reservations, acks):
+            if ack is None and not await self._ours_already(res):
+                refused.append(res)
+            elif ack is not None:
+                self.shared.recorded(res, ack.seq)
+        if refused:
+            pairs = await self._refund([(None, res) for res in refused])
+            if pairs:
+                await self._release_taken(pairs)
+        return {res.request_id for res in refused}
+
+    async def _ours_already(self, res: Reservation) -> bool:
+        """A create refused because the key holds *this* record: its first publish was stored and
+        only the ack was lost (a stalled server), so the retry met it. It is ours, recorded; a
+        second copy of the request, decided apart, has another time or admitter and is refused.
+        (The server checks the expected sequence before the msg id: a msg id cannot tell them apart.)"""
+        stored = await self.shared.lookup(res.request_id)
+        if stored is None or (stored.by, stored.ts, stored.tokens) != (res.by, res.ts, res.tokens):
+            return False
+        self.shared.recorded(res, stored.revision)
+        log.info("request %s: its reservation was stored before a lost ack; kept", res.request_id)
+        return True
+
+    async def _refuse_duplicate(self, request: Request, d: Delivery) -> None:
+        """A request id that is reserved already, or was released a moment ago: one run per id.
+
+        Nothing is said on its reply subject: that is the reserved request's too (a copy that came
+        back after a server restart, or was published again under another msg id), and its
+        producer is waiting for that request's outcome, which follows as usual."""
+        self.refused_duplicates += 1
+        self.metrics.decisions.labels(request.tenant, request.cls, "reject", "duplicate").inc()
+        log.warning("request %s: a copy refused, its id is reserved already or just finished (a redelivery, or "
+                    "published again under another msg id)", request.id)
+        await d.ack()
 
     async def _record(self, request: Request, dec: AdmissionDecision, queue_wait: float, latency_ms: float) -> None:
         record = Decision(
@@ -419,6 +533,43 @@ class AdmitterService(Repairs):
             reply = Reply(request_id=rid, kind=ReplyKind.ERROR, status=ReplyStatus.REJECTED, reason=dec.reason,
                           message=dec.message, retry_after=dec.retry_after)
         await self.bus.publish(request.reply, reply)
+
+    # --- cancels ------------------------------------------------------------------------
+    def _is_cancelled(self, request: Request) -> bool:
+        return S.cancel(request.tenant, request.id) in self.cancelled
+
+    async def _on_cancel(self, subject: str, data: bytes, headers: dict) -> None:
+        """A producer gave up (``cancel.<tenant>.<id>``): a request of that tenant held in this
+        replica's queue leaves it now; one not here yet is refused when it comes (every replica
+        remembers it). One admitted already is the router's or its worker's to stop."""
+        parsed = S.parse_cancel_subject(subject)
+        if parsed is None:
+            log.warning("ignoring a cancel on %s", subject)
+            return
+        self.cancelled.add(subject)
+        await self._cancel_held(*parsed)
+
+    async def _cancel_held(self, tenant: str, request_id: str) -> None:
+        held = self.held.get(request_id)
+        if held is None or held.request.tenant != tenant:  # not queued here, or not that tenant's
+            return
+        async with self._lock:  # not while a dequeue plans on the queue
+            if self.held.get(request_id) is not held:
+                return  # dequeued meanwhile: admitted, so the router or its worker stops it
+            del self.held[request_id]
+            self.core.forget(request_id)
+        await self._drop_cancelled(held.request, held.delivery, time.time() - held.since)
+        self._wake.set()  # its place in the queue is free
+
+    async def _drop_cancelled(self, request: Request, d: Delivery, queue_wait: float) -> None:
+        """Refuse a cancelled request before it holds anything: recorded, told, acked."""
+        dec = AdmissionDecision(REJECT, 0, "cancelled", "its producer cancelled it before it was admitted")
+        await self._record(request, dec, queue_wait, 0.0)
+        await self._tell_producer(request, dec)
+        await d.ack()
+        self.metrics.decisions.labels(request.tenant, request.cls, REJECT, "cancelled").inc()
+        log.info("request %s cancelled by its producer before admission tenant=%s%s", request.id, request.tenant,
+                 f" waited={queue_wait:.3f}s" if queue_wait else "")
 
     # --- the queue ----------------------------------------------------------------------
     async def _dequeue_loop(self) -> None:
@@ -538,12 +689,18 @@ class AdmitterService(Repairs):
         completions = []
         for d in batch:
             try:
-                completions.append(Completion.decode(d.data))
+                c = Completion.decode(d.data)
             except MessageError as exc:
                 await self.bus.settle_failed(d, self._completions_spec, "admitter", exc)
-        taken = await asyncio.gather(*(self.shared.take(c.request_id) for c in completions))
+                continue
+            if self._fenced_off(c, d.subject) is None:
+                completions.append(c)
+        stale = self.shared.stale
+        taken = await asyncio.gather(*(self.shared.take(c.request_id, c.attempt) for c in completions))
+        if self.shared.stale > stale:
+            self.metrics.refused_completions.labels(fence.STALE).inc(self.shared.stale - stale)
         pairs = [(c, res) for c, res in zip(completions, taken) if res is not None]
-        for c in completions:
+        for c in completions:  # (the fenced ones only: a forged one must not end a lease either)
             self.leases.forget(c.request_id)
             if self.router is not None:
                 self.router.observe_completion(c)
@@ -552,6 +709,17 @@ class AdmitterService(Repairs):
         if pairs:
             await self._release_taken(pairs)
         await asyncio.gather(*(d.ack() for d in batch if not d.settled))
+
+    def _fenced_off(self, c: Completion, subject: str) -> str | None:
+        """Why a completion may not release anything (:mod:`natsched.wire.fence`), counted and
+        logged; None when it comes from the worker its attempt was assigned to. A refused one
+        is acked and kept in COMPLETIONS (the audit checks the same fence): it frees nothing."""
+        problem = fence.problem(self.bus.fence_key, c, subject)
+        if problem is not None:
+            self.metrics.refused_completions.labels(problem).inc()
+            log.warning("completion of request %s on %s refused (%s): it releases nothing", c.request_id, subject,
+                        problem)
+        return problem
 
     async def _refund(self, pairs: list[tuple[Completion | None, Reservation]]):
         """Requests paid from this replica's live credit go back into it, without a write; the
@@ -591,6 +759,7 @@ class AdmitterService(Repairs):
         waiting for the lock: ``change`` sees the usage without them, like ``change_usage``'s
         function; they are put back for the next commit if this one fails."""
         releasing, self._releasing = self._releasing, []
+        self._committing = releasing
 
         def attempt(usage: Usage) -> tuple[Usage | None, T]:
             base = self._minus(usage, releasing)
@@ -602,6 +771,8 @@ class AdmitterService(Repairs):
         except BaseException:
             self._releasing[:0] = releasing
             raise
+        finally:
+            self._committing = []
         if releasing:
             self._released(releasing)
         return result
@@ -634,6 +805,47 @@ class AdmitterService(Repairs):
             log.info("request %s: %s", request_id, why)
         return res.tokens
 
+    # --- reservations that grow (a request running past its price) --------------------------
+    async def _grow_loop(self) -> None:
+        while True:
+            await self._grow_wake.wait()
+            self._grow_wake.clear()
+            wanted, self._grow_wanted = self._grow_wanted, {}
+            for rid, held in wanted.items():
+                try:
+                    await self.grow(rid, held)
+                except (AdmitterError, NatschedError) as exc:  # the next heartbeat asks again
+                    log.warning("reservation of %s not grown: %s", rid, exc)
+
+    async def grow(self, request_id: str, held: int) -> int:
+        """Grow a reservation its request has run past: runtime tokens include the generated
+        ones, and a request priced below what it ends up holding (a learned estimate, a
+        producer asking for more room later) must not hold more than the usage says. Returns
+        the runtime tokens added (0: nothing to do, or another replica did it).
+
+        The record is rewritten first by compare-and-swap (so of the replicas that hear the
+        same heartbeat, one grows it), then the usage in the next commit; a crash between the
+        two is drift the reconciliation repairs, as for an allow. It grows by at least a
+        quarter each time (a heartbeat per token would be a write per token), never past its
+        ceiling (prefill + ``max_tokens``: what pricing at ``max_tokens`` would have reserved).
+        Credit-paid records are not grown (they are short by construction)."""
+        res = self.shared.reservations.get(request_id) or await self.shared.lookup(request_id)
+        if res is None or res.credit or held <= res.tokens or res.tokens >= res.ceiling:
+            return 0
+        tokens = min(res.ceiling, max(held, res.tokens + max(1, res.tokens // 4)))
+        grown = await self.shared.regrow(res, tokens)
+        if grown is None:
+            return 0
+        old_long, new_long = self.core.is_long(res.tokens), self.core.is_long(tokens)
+        async with self._lock:
+            await self._commit(lambda u: (u.minus(res.tenant, res.model, res.tokens, old_long)
+                                          .plus(res.tenant, res.model, tokens, new_long), None))
+            self.core.usage = self.shared.usage
+        self.metrics.grown.inc(tokens - res.tokens)
+        log.info("request %s grew its reservation %d -> %d runtime tokens (its worker holds %d)", request_id,
+                 res.tokens, tokens, held)
+        return tokens - res.tokens
+
     async def _dynamic_loop(self) -> None:
         while True:
             await asyncio.sleep(self.dynamic.settings.interval_s)
@@ -643,7 +855,9 @@ class AdmitterService(Repairs):
         now = time.time()
         live = [(cap, used) for cap, used, seen in self.worker_load.values() if now - seen < 10.0]
         q = self.core.quotas
-        total = self.dynamic.next_total(q.total, q.hard_cap, sum(c for c, _ in live), sum(u for _, u in live))
+        # what every admitter has booked (the shared usage): the factor is measured from it
+        total = self.dynamic.next_total(q.total, q.hard_cap, sum(c for c, _ in live), sum(u for _, u in live),
+                                        reserved=self.shared.usage.used)
         if total != self.total:
             log.info("dynamic total %d runtime tokens (factor %.2f)", total, self.dynamic.factor)
         self.total = total
@@ -702,6 +916,9 @@ class AdmitterService(Repairs):
 
     def _refresh_gauges(self) -> None:
         self.refresh_served_models(time.time())
+        if self.shared.refused > self._refused_seen:
+            self.metrics.refused_values.inc(self.shared.refused - self._refused_seen)
+            self._refused_seen = self.shared.refused
         if self.shared.conflicts > self._conflicts_seen:
             self.metrics.cas_conflicts.inc(self.shared.conflicts - self._conflicts_seen)
             self._conflicts_seen = self.shared.conflicts
@@ -711,3 +928,13 @@ class AdmitterService(Repairs):
             self.metrics.queue_depth.labels(cls).set(depth)
         self.metrics.total.set(self.total)
         self.metrics.credit_unspent.set(sum(self.credit.free.values()))
+
+
+def _admission_span(request: Request, dec: AdmissionDecision, d: Delivery | None, queue_wait: float):
+    """The admission decision as a (finished) span, child of the producer's; None when tracing is off."""
+    span = tracing.start("natsched.admission", getattr(d, "headers", None), request.id, {
+        "natsched.tenant": request.tenant, "natsched.class": request.cls, "natsched.decision": dec.decision,
+        "natsched.reason": dec.reason, "natsched.runtime_tokens": dec.runtime_tokens,
+        "natsched.queue_wait_s": queue_wait, "natsched.est_wait_s": dec.est_wait})
+    tracing.end(span)
+    return span

@@ -33,7 +33,7 @@ import orjson
 from natsched.admitter.errors import AdmitterError, UsageError
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
-from natsched.bus.connection import Bus
+from natsched.bus.connection import CREATE_ONLY, Bus
 from natsched.bus.errors import ConflictError
 
 log = logging.getLogger(__name__)
@@ -61,20 +61,47 @@ class Reservation:
     revision: int = 0
     moved_from: str = ""  # the dead worker it was rescued from (its tokens stay reserved)
     credit: str = ""  # the epoch of ``by``'s credit block it was paid from ("": reserved on its own)
+    attempt: int = 0  # the attempt whose completion may release it (a rescue moves it on: fencing)
+    ceiling: int = 0  # what it may grow to (prefill + max_tokens of KV); 0: it is at its ceiling
 
     def to_json(self) -> bytes:
         record = {"tenant": self.tenant, "model": self.model, "tokens": self.tokens, "ts": self.ts, "by": self.by}
         if self.moved_from:
             record["moved_from"] = self.moved_from
+        if self.attempt:
+            record["attempt"] = self.attempt
+        if self.ceiling > self.tokens:
+            record["ceiling"] = self.ceiling
         if self.credit:
             record["credit"] = self.credit
         return orjson.dumps(record)
 
     @classmethod
     def from_json(cls, request_id: str, raw: bytes, revision: int) -> "Reservation":
-        d = orjson.loads(raw)
-        return cls(request_id, str(d["tenant"]), str(d.get("model", "default")), int(d["tokens"]), float(d["ts"]),
-                   str(d.get("by", "")), revision, str(d.get("moved_from", "")), str(d.get("credit", "")))
+        """Decode strictly (:class:`UsageError` for anything an admitter did not write): a record
+        with a field missing is not read as a reservation of 0 tokens of model "default"."""
+        try:
+            d = orjson.loads(raw)
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise UsageError(f"reservation {request_id} is not JSON: {exc}") from None
+        if not isinstance(d, dict) or set(d) - RECORD_FIELDS or not RECORD_REQUIRED <= set(d):
+            raise UsageError(f"reservation {request_id} is not one an admitter wrote: {bytes(raw[:80])!r}")
+        tokens, ts, attempt, ceiling = d["tokens"], d["ts"], d.get("attempt", 0), d.get("ceiling", 0)
+        counts = {"tokens", "ts", "attempt", "ceiling"}
+        if (not all(map(_is_count, (tokens, attempt, ceiling))) or isinstance(ts, bool) or not isinstance(ts, (int, float))
+                or not all(isinstance(d.get(k, ""), str) for k in RECORD_FIELDS - counts)):
+            raise UsageError(f"reservation {request_id} has a field of the wrong type: {bytes(raw[:80])!r}")
+        return cls(request_id, d["tenant"], d["model"], tokens, float(ts), d["by"], revision,
+                   d.get("moved_from", ""), d.get("credit", ""), attempt, ceiling)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+#: the fields of a reservation record (:meth:`Reservation.to_json`), and those always written
+RECORD_FIELDS = frozenset({"tenant", "model", "tokens", "ts", "by", "moved_from", "credit", "attempt", "ceiling"})
+RECORD_REQUIRED = frozenset({"tenant", "model", "tokens", "ts", "by"})
 
 
 class SharedState:
@@ -98,6 +125,17 @@ class SharedState:
         self.conflicts = 0
         #: revision of a ``usage`` value that cannot be decoded, until a write replaces it (0: none)
         self.corrupted = 0
+        #: values of the bucket refused as not written by an admitter (a usage revision counts
+        #: once), and how many times the usage was rebuilt from the records because of one
+        self.refused = 0
+        self.rebuilt = 0
+        self.stale = 0  # completions of an attempt since rescued, refused by take()
+        #: set by the service: whether a reservation of n tokens is a long one (the rebuild
+        #: counts ``long`` like the reconciliation), and the reservations taken (deleted) whose
+        #: release is not yet in the usage (a rebuild counts them: their commit subtracts them)
+        self.is_long: Callable[[int], bool] = lambda tokens: False
+        self.pending: Callable[[], list[Reservation]] = lambda: []
+        self._bad_records: dict[str, int] = {}  # key -> revision refused (logged once)
         self.ready = asyncio.Event()
 
     async def start(self) -> None:
@@ -129,8 +167,9 @@ class SharedState:
             usage = Usage() if value is None else Usage.from_json(value)
         except UsageError as exc:
             if self.corrupted != rev:
-                log.error("shared usage at revision %d cannot be decoded (%s): deciding on the last good "
-                          "value until it is overwritten", rev, exc)
+                self.refused += 1
+                log.error("shared usage at revision %d refused (%s): it is rebuilt from the reservation "
+                          "records before the next decision is committed", rev, exc)
             self.corrupted, self.revision = rev, rev
             return
         self.usage, self.revision, self.corrupted = usage, rev, 0
@@ -150,6 +189,8 @@ class SharedState:
         value after every lost race, so the caller's decision always matches what was written.
         """
         for attempt in range(self.max_attempts):
+            if self.corrupted:  # never decide on a value that is not what the admitters wrote
+                await self.rebuild()
             new, result = fn(self.usage)
             if new is None:
                 return result
@@ -169,13 +210,33 @@ class SharedState:
             return result
         raise AdmitterError(f"usage update lost {self.max_attempts} races in a row")
 
+    async def rebuild(self) -> None:
+        """Replace a refused usage with what the reservation records imply (every record, plus
+        the releases taken but not yet committed: their commit subtracts them), keeping the last
+        good value's credit entries. Lost to a newer write: that one is read instead."""
+        records = await self.snapshot()
+        for res in self.pending():
+            records.setdefault(res.request_id, res)
+        expected = self.drift(records, self.is_long, Usage(credits=self.usage.credits))
+        try:
+            rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(USAGE, expected.to_json(), self.corrupted)
+        except ConflictError:
+            await self.refresh()
+            return
+        self.usage, self.revision, self.corrupted = expected, rev, 0
+        self.rebuilt += 1
+        log.warning("shared usage rebuilt from %d reservation records: %d runtime tokens in flight",
+                    len(records), expected.used)
+
     async def record(self, res: Reservation) -> None:
         self.recorded(res, await self.bus.kv(S.BUCKET_INFLIGHT).put(S.reservation_key(res.request_id), res.to_json()))
 
     def outgoing(self, res: Reservation) -> tuple[str, bytes, None, None]:
         """The record as a message for :meth:`natsched.bus.connection.Bus.jpublish_batch` (a KV put is a
-        publish on the key's subject); :meth:`recorded` takes its ack's sequence = revision."""
-        return S.kv_subject(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id)), res.to_json(), None, None
+        publish on the key's subject); :meth:`recorded` takes its ack's sequence = revision. A
+        create: a request id already reserved (published again under another msg id, or still
+        marked released) gets a None ack, and is not reserved twice."""
+        return S.kv_subject(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id)), res.to_json(), None, CREATE_ONLY
 
     def recorded(self, res: Reservation, revision: int) -> None:
         res.revision = revision
@@ -205,26 +266,42 @@ class SharedState:
             rid = key[len(RES_PREFIX):]
             try:
                 records[rid] = Reservation.from_json(rid, value, rev)
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                log.error("ignoring corrupted reservation %s: %s", key, exc)
+            except UsageError as exc:
+                if self._bad_records.get(key) != rev:  # logged and counted once per value
+                    self._bad_records[key] = rev
+                    self.refused += 1
+                    log.error("reservation record refused: %s", exc)
         for rid in [rid for rid in self.reservations if rid not in records]:
             if self.reservations[rid].ts < started - SNAPSHOT_MARGIN_S:  # (one written meanwhile is kept)
                 del self.reservations[rid]
         return records
 
-    async def take(self, request_id: str) -> Reservation | None:
+    async def take(self, request_id: str, attempt: int | None = None) -> Reservation | None:
         """Delete a reservation once: the caller that wins frees its tokens, everyone else gets None.
+
+        ``attempt``: only a completion of the reservation's current attempt may free it; one of
+        an attempt since rescued (its old worker was only paused) is stale: counted in
+        ``stale``, None, and the reservation stays for the attempt that runs now.
 
         A record rewritten since the mirror saw it (a rescue marked it moved) is still the same
         reservation: the delete is retried once against the revision read back.
         """
         key = S.reservation_key(request_id)
         res = self.reservations.get(request_id)
-        for attempt in range(TAKE_ATTEMPTS):
+        fresh = False
+        for attempt_no in range(TAKE_ATTEMPTS):
             if res is None or not res.revision:  # not mirrored yet: read it (one more round trip)
-                res = await self._read(request_id)
+                res, fresh = await self._read(request_id), True
                 if res is None:
                     return None  # gone: someone else freed it
+            if attempt is not None and res.attempt != attempt:
+                if not fresh:  # remembered before a rescue moved it on: look again
+                    res = None
+                    continue
+                self.stale += 1
+                log.warning("completion of request %s attempt %d refused: the reservation is attempt %d's",
+                            request_id, attempt, res.attempt)
+                return None
             try:
                 await self.bus.kv(S.BUCKET_INFLIGHT).delete(key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
             except ConflictError:
@@ -232,13 +309,28 @@ class SharedState:
                 # until it is gone or ours; giving up would leave it reserved (and its request
                 # looking unfinished to a rescue)
                 res = None
-                await asyncio.sleep(min(0.2, 0.005 * 2 ** attempt))
+                await asyncio.sleep(min(0.2, 0.005 * 2 ** attempt_no))
                 continue
             self.reservations.pop(request_id, None)
             return res
         raise AdmitterError(f"reservation {request_id}: still changing after {TAKE_ATTEMPTS} attempts to free it")
 
-    async def mark_moved(self, request_id: str, worker: str) -> Reservation | None:
+    async def regrow(self, res: Reservation, tokens: int) -> Reservation | None:
+        """Rewrite ``res`` (as read, at its revision) to hold ``tokens``: the grown record, or
+        None when it changed meanwhile (another replica grew it, a rescue marked it, it was
+        released): the caller adds to the usage only what its own write grew."""
+        grown = Reservation(res.request_id, res.tenant, res.model, tokens, res.ts, res.by, 0, res.moved_from,
+                            res.credit, res.attempt, res.ceiling)
+        try:
+            grown.revision = await self.bus.kv(S.BUCKET_INFLIGHT).update(S.reservation_key(res.request_id),
+                                                                         grown.to_json(), res.revision)
+        except ConflictError:
+            return None
+        if self.remember:
+            self.reservations[res.request_id] = grown
+        return grown
+
+    async def mark_moved(self, request_id: str, worker: str, attempt: int = 0) -> Reservation | None:
         """Note on its record that a reservation's request was rescued from dead ``worker``.
 
         Returns the marked record, or None when it no longer exists: the request's completion
@@ -247,9 +339,9 @@ class SharedState:
         """
         for _ in range(self.max_attempts):
             res = await self._read(request_id)
-            if res is None or res.moved_from == worker:
+            if res is None or (res.moved_from == worker and res.attempt >= attempt):
                 return res
-            res.moved_from = worker
+            res.moved_from, res.attempt = worker, max(res.attempt, attempt)
             try:
                 res.revision = await self.bus.kv(S.BUCKET_INFLIGHT).update(S.reservation_key(request_id),
                                                         res.to_json(), res.revision)
@@ -264,7 +356,15 @@ class SharedState:
         if current is None:
             self.reservations.pop(request_id, None)
             return None
-        return Reservation.from_json(request_id, current[0], current[1])
+        try:
+            return Reservation.from_json(request_id, current[0], current[1])
+        except UsageError as exc:  # not a reservation: nothing to release (the reconciliation,
+            key = S.reservation_key(request_id)  # which skips it too, repairs the aggregate)
+            if self._bad_records.get(key) != current[1]:
+                self._bad_records[key] = current[1]
+                self.refused += 1
+                log.error("reservation record refused: %s", exc)
+            return None
 
     @staticmethod
     def drift(records: dict[str, Reservation], is_long: Callable[[int], bool], usage: Usage | None = None) -> Usage:

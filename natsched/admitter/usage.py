@@ -176,21 +176,38 @@ class Usage:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Usage":
-        """Decode; anything that is not a usage raises :class:`UsageError` naming what is wrong."""
+        """Decode strictly: exactly what :meth:`to_json` writes, or :class:`UsageError` naming
+        what is wrong.
+
+        Strict because a missing count read as 0 *is* an attack: the server's publish ack
+        ``{"stream": "REQUESTS", "seq": 7}`` written on this key (a reply-to injection) decoded
+        as an empty usage and let 25 requests in against a total that fits 5. Every field the
+        writer always writes is required, and no other field is accepted.
+        """
         try:
             data = orjson.loads(raw)
         except (orjson.JSONDecodeError, TypeError) as exc:
             raise UsageError(f"usage is not JSON: {exc}") from None
         if not isinstance(data, dict):
             raise UsageError(f"usage must be a JSON object, got {type(data).__name__}")
-        used = _count(data.get("used", 0), "used")
-        tenants = _counts(data.get("tenants", {}), "tenants")
-        models = _counts(data.get("models", {}), "models")
+        missing = [k for k in REQUIRED_FIELDS if k not in data]
+        unknown = sorted(set(data) - set(REQUIRED_FIELDS) - {"credits"})
+        if missing or unknown:
+            raise UsageError("usage is not one the admitters wrote: "
+                             + "; ".join(([f"missing {', '.join(missing)}"] if missing else [])
+                                         + ([f"unknown field(s) {', '.join(unknown)}"] if unknown else [])))
+        used = _count(data["used"], "used")
+        tenants = _counts(data["tenants"], "tenants")
+        models = _counts(data["models"], "models")
         credits = data.get("credits", {})
         if not isinstance(credits, dict):
             raise UsageError(f"usage field 'credits' must be an object, got {type(credits).__name__}")
-        return cls(used, tenants, models, _count(data.get("long", 0), "long"),
+        return cls(used, tenants, models, _count(data["long"], "long"),
                    {str(r): CreditEntry.from_obj(e, f"credits.{r}") for r, e in credits.items()})
+
+
+#: what :meth:`Usage.to_json` always writes (``credits`` only while a replica holds credit)
+REQUIRED_FIELDS = ("used", "tenants", "models", "long")
 
 
 def _add(counts: dict[str, int], key: str, delta: int) -> dict[str, int]:

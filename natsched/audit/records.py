@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from natsched.bus.streams import Stored
+from natsched.wire import fence
 from natsched.wire import msgids as M
 from natsched.errors import NatschedError
 from natsched.wire import subjects as S
@@ -174,6 +175,21 @@ def decode_all(records: Iterable[Stored], schema: type) -> list:
     return out
 
 
+def decode_completions(records: Iterable[Stored], fence_key: str | None) -> list[Completion]:
+    """The completions a worker published for an attempt assigned to it (:mod:`natsched.wire.fence`):
+    a forged or stale one is stored too (the server cannot tell), but it is no part of a
+    request's story, exactly as it released nothing."""
+    out = []
+    for r in records:
+        for c in decode_all([r], Completion):
+            if fence.fenced(fence_key, c, r.subject):
+                out.append(c)
+            else:
+                log.warning("audit: %s seq %d is not from the worker its attempt was assigned to; left out",
+                            r.subject, r.seq)
+    return out
+
+
 # ------------------------------------------------------------------ the two questions
 
 async def _find(bus: "Bus", stream: str, ids: set[str], since: float | None, until: float | None,
@@ -198,8 +214,8 @@ async def audit_request(bus: "Bus", request_id: str, since: float | None = None,
     t0 = found[0].ts - 1.0 if found else start
     decisions = decode_all(await _find(bus, S.STREAM_DECISIONS, ids, t0, until,
                                        S.decisions_of(tenant) if tenant else None), Decision)
-    completions = decode_all(await _find(bus, S.STREAM_COMPLETIONS, ids, t0, until,
-                                         S.completion(tenant) if tenant else None), Completion)
+    completions = decode_completions(await _find(bus, S.STREAM_COMPLETIONS, ids, t0, until,
+                                                 S.completions_of(tenant) if tenant else None), bus.fence_key)
     if not found and not decisions and not completions and job is None:
         kept = await bus.stream(S.STREAM_REQUESTS).retention()
         oldest = f"; the oldest stored request is from {when(kept.first_ts)}" if kept.first_ts else ""
@@ -229,8 +245,8 @@ async def audit_window(bus: "Bus", since: float, until: float | None = None, ten
         requests += 1
     decisions = decode_all([m async for m in bus.stream(S.STREAM_DECISIONS).window(
         since, until, S.decisions_of(tenant) if tenant else None)], Decision)
-    completions = decode_all([m async for m in bus.stream(S.STREAM_COMPLETIONS).window(
-        since, until, S.completion(tenant) if tenant else None)], Completion)
+    completions = decode_completions([m async for m in bus.stream(S.STREAM_COMPLETIONS).window(
+        since, until, S.completions_of(tenant) if tenant else None)], bus.fence_key)
     out = {"tenant": tenant, "since": since, "until": until, **summarize(requests, decisions, completions)}
     kept = await bus.stream(S.STREAM_REQUESTS).retention()
     if kept.lost_some and kept.first_ts is not None and since < kept.first_ts - 1.0:

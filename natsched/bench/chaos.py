@@ -37,7 +37,18 @@ after the last kill), lets the shared state settle (bounded) and reports:
 - ``leaked_runtime_tokens`` — after settling, ``used`` of the shared aggregate (key ``usage``
   of ``inflight``, decoded as the admitters do) with every request finished; it should be 0.
 
-The workers' restart comes after the lease window: a worker back under the same id before its
+- ``readmitted_after_completion`` — request ids admitted (``admitted.>``) or assigned
+  (``work.>``) again after an ``ok`` completion of theirs was seen; it should be 0.
+
+``--scenario NAME`` picks what goes wrong (:data:`SCENARIOS`): ``kills`` is the one-of-each run
+described here; ``worker-restart`` restarts a worker at once, inside its lease (its predecessor's
+work must be rescued from the new instance's first heartbeat, not after the ack wait);
+``server-restart`` SIGKILLs the only nats-server of a one-node system and starts it again on its
+data dir (``--sync`` says whether it fsyncs before acking); ``recovery`` does both. A scenario is
+a kill schedule plus *actors*, coroutines run beside the load that add their own report section
+and targets: hostile publishers and disconnecting clients join there.
+
+In ``kills``, the workers' restart comes after the lease window: a worker back under the same id before its
 lease expired renews it, and its old reservations would then wait for their redelivery. A
 restarted service that exits during start-up (e.g. its provisioning timed out while the cluster
 recovers) is started again, as ``natsched up`` does; ``kills[].start_attempts`` says how often.
@@ -56,9 +67,9 @@ import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import orjson
 
@@ -67,16 +78,21 @@ from natsched.wire import subjects as S
 from natsched.client.producer import Client, Timeouts, make_request
 from natsched.bus.connection import Bus
 from natsched.bus.errors import BusError
+from natsched.bus.server import DEFAULT_SYNC
 from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed, RequestTimeout
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Assignment, Completion, Heartbeat, Reply
+from natsched.wire.schema import Admitted, Assignment, Completion, Heartbeat, Reply
 from natsched.hosting.cluster import ClusterSettings, LocalCluster
 from natsched.hosting.supervisor import Child, Supervisor, UpSettings
+from natsched.bench import hostile
+from natsched.wire import fence
+from natsched.ops.auth import AuthDir, AuthSettings, init
 from natsched.stats import nearest_rank
 
 log = logging.getLogger(__name__)
 
 KINDS = ("worker", "admitter", "router", "node")
+SERVER = "server"  # the only nats-server of a one-node scenario, SIGKILLed and restarted on its data dir
 COMPLETED, REJECTED, LOST = "completed", "rejected", "lost"
 HELD_AT_KILL, ROUTED_WHILE_DOWN = "held_at_kill", "routed_while_down"
 # the producer's outcome of one request (prefixes; rejected/failed carry ":<reason>")
@@ -111,6 +127,10 @@ class ChaosSettings:
     ready_timeout_s: float = 60.0
     data_dir: Path | None = None  # None: a temporary dir, deleted afterwards
     child_log_level: str = "warning"
+    scenario: str = "kills"  # what goes wrong (SCENARIOS); "kills" is the classic one-of-each
+    sync: str = DEFAULT_SYNC  # the nodes' JetStream sync_interval (natsched.bus.server.SYNC_CHOICES)
+    #: clients that leave (natsched.bench.abandon): this many mid-stream and as many while waiting
+    disconnects: int = 0
 
     @property
     def send_s(self) -> float:
@@ -157,6 +177,82 @@ def kill_schedule(seed: int, send_s: float, down_s: float, names: dict[str, list
     return kills
 
 
+def _moments(seed: int, send_s: float, n: int, window: tuple[float, float]) -> tuple[random.Random, list[float]]:
+    """``n`` seeded moments, each in its own slot of the window (as :func:`kill_schedule`)."""
+    rng = random.Random(seed)
+    lo, hi = window[0] * send_s, window[1] * send_s
+    slot = (hi - lo) / max(1, n)
+    return rng, [round(lo + slot * (i + rng.random()), 3) for i in range(n)]
+
+
+def _worker_restart(s: "ChaosSettings", rng: random.Random, at: float) -> Kill:
+    """A worker SIGKILLed and started again at once: back (a process start, ~1-2 s) before its
+    lease (3 heartbeats) expires, the case that used to strand its work for the ack wait."""
+    return Kill("worker", rng.choice(target_names(s)["worker"]), at, at)
+
+
+def _server_restart(s: "ChaosSettings", at: float) -> Kill:
+    """The only nats-server SIGKILLed and started again on its data dir after ``down_s``."""
+    return Kill(SERVER, SERVER, at, round(at + s.down_s, 3))
+
+
+def _kills_classic(s: "ChaosSettings") -> list[Kill]:
+    return kill_schedule(s.seed, s.send_s, s.down_s, target_names(s), s.kill_window)
+
+
+def _kills_worker_restart(s: "ChaosSettings") -> list[Kill]:
+    rng, (at,) = _moments(s.seed, s.send_s, 1, s.kill_window)
+    return [_worker_restart(s, rng, at)]
+
+
+def _kills_server_restart(s: "ChaosSettings") -> list[Kill]:
+    _, (at,) = _moments(s.seed, s.send_s, 1, s.kill_window)
+    return [_server_restart(s, at)]
+
+
+def _kills_recovery(s: "ChaosSettings") -> list[Kill]:
+    rng, (first, second) = _moments(s.seed, s.send_s, 2, s.kill_window)
+    return [_worker_restart(s, rng, first), _server_restart(s, second)]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What goes wrong in one ``natsched chaos --scenario NAME`` run.
+
+    ``nodes``: the JetStream cluster's size (1: the server itself can be killed, kind ``server``).
+    ``kills``: the schedule, from the settings. ``actors``: coroutines run beside the load, each
+    ``actor(run, t0) -> dict`` whose result lands in the report under ``actors.<name>`` (and whose
+    ``targets`` entry, a dict of name -> bool, joins ``targets_met``): the place for hostile
+    publishers and disconnecting clients.
+    """
+
+    name: str
+    help: str
+    nodes: int
+    kills: Callable[["ChaosSettings"], list[Kill]]
+    actors: tuple[tuple[str, Callable[["ChaosRun", float], Awaitable[dict[str, Any]]]], ...] = ()
+    #: run under ``natsched auth init``'s accounts and permissions (the honest load and the
+    #: observer connect as the admin; hostile actors with the roles they attack with)
+    auth: bool = False
+    #: before the load, with the observer's (admin) connection: quotas the scenario needs
+    prepare: Callable[["ChaosRun", Bus], Awaitable[None]] | None = None
+
+
+SCENARIOS: dict[str, Scenario] = {sc.name: sc for sc in (
+    Scenario("kills", "one worker, admitter, router and NATS node of a 3-node cluster each SIGKILLed and restarted "
+                      "after --down seconds (past the lease)", 3, _kills_classic),
+    Scenario("worker-restart", "a worker SIGKILLed and restarted at once, inside its lease", 3,
+             _kills_worker_restart),
+    Scenario("server-restart", "the only nats-server SIGKILLed and restarted on its data dir", 1,
+             _kills_server_restart),
+    Scenario("recovery", "worker-restart, then server-restart, in one run on one nats-server", 1, _kills_recovery),
+    Scenario("hostile", "under auth init's accounts: a tenant's producer and a worker's credentials attack for the "
+                        "whole run (reply-to injection, declared costs, dedup collisions, forged completions); "
+                        "reports over-admission", 1, lambda s: [], actors=(("hostile", hostile.hostile),),
+             auth=True, prepare=hostile.prepare),
+)}
+
+
 @dataclass
 class Facts:
     """What a run observed; :func:`compute_report` turns it into the numbers."""
@@ -169,6 +265,11 @@ class Facts:
     leaked_runtime_tokens: int | None = None  # None: the usage could not be read
     heartbeat_s: float = 1.0
     lease_missed: int = 3
+    readmitted: list[str] = field(default_factory=list)  # admitted or assigned again after an ok completion
+    reclaim_expected: bool = True  # a worker was killed: its reclaim is a target (a scenario may kill none)
+    #: the reclaim's target when not the lease window: a worker restarted inside its lease is
+    #: rescued from its new instance's first heartbeat, so within its time down plus one lease
+    reclaim_window_s: float | None = None
 
 
 def classify(producer: str | None, completions: list[tuple[str, str | None]], finals: Sequence[str] = ()) -> str:
@@ -207,13 +308,16 @@ def compute_report(f: Facts) -> dict[str, Any]:
     counts = Counter(classes.values())
     dups = duplicated_ids(f)
     reclaim = max_reclaim(f.reclaims)
-    window = f.lease_missed * f.heartbeat_s
+    window = f.reclaim_window_s if f.reclaim_window_s is not None else f.lease_missed * f.heartbeat_s
     met = {"lost": counts[LOST] == 0, "duplicated": not dups, "leaked_runtime_tokens": f.leaked_runtime_tokens == 0,
-           "max_lease_reclaim_s": reclaim is not None and reclaim <= window}
+           "readmitted_after_completion": not f.readmitted}
+    if f.reclaim_expected:  # a worker was killed: its reservations must be reclaimed (or rescued) in time
+        met["max_lease_reclaim_s"] = reclaim is not None and reclaim <= window
     met["all"] = all(met.values())
     return {
         "requests": len(f.requests), "completed": counts[COMPLETED], "rejected": counts[REJECTED],
         "lost": counts[LOST], "duplicated": len(dups), "max_lease_reclaim_s": reclaim,
+        "readmitted_after_completion": len(f.readmitted), "readmitted_ids": sorted(f.readmitted)[:20],
         "duplicated_completions": sum(1 for r in f.requests if len(f.completions.get(r, [])) > 1),
         "duplicated_replies": sum(1 for r in f.requests if len(f.final_replies.get(r, [])) > 1),
         "leaked_runtime_tokens": f.leaked_runtime_tokens, "targets_met": met,
@@ -249,12 +353,14 @@ def _detail(f: Facts, ids: list[str]) -> dict[str, dict[str, Any]]:
 
 def format_report(report: dict[str, Any]) -> str:
     """A table, the kills and the targets, for the terminal."""
-    cols = ["requests", "completed", "rejected", "lost", "duplicated", "max_lease_reclaim_s", "leaked_runtime_tokens"]
+    cols = ["requests", "completed", "rejected", "lost", "duplicated", "readmitted_after_completion",
+            "max_lease_reclaim_s", "leaked_runtime_tokens"]
     cells = [_cell(report.get(c)) for c in cols]
     widths = [max(len(c), len(v)) for c, v in zip(cols, cells)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths)), "  ".join(v.rjust(w) for v, w in zip(cells, widths))]
     for k in report.get("kills", []):
         lines.append(f"  killed {k['kind']} {k['name']} at {k.get('killed_at_s')}s, back at {k.get('ready_at_s')}s"
+                     + (" (inside its lease)" if k.get("inside_lease") else "")
                      + (f" ({k['error']})" if k.get("error") else ""))
     for worker, d in report.get("reclaim_detail", {}).items():
         held, routed = d[HELD_AT_KILL], d[ROUTED_WHILE_DOWN]
@@ -264,12 +370,29 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("e2e_p50_s") is not None:
         lines.append(f"  producer e2e of completed requests: p50 {report['e2e_p50_s']}s, p99 {report['e2e_p99_s']}s, "
                      f"max {report['e2e_max_s']}s")
-    want = {"lost": "0", "duplicated": "0", "leaked_runtime_tokens": "0",
-            "max_lease_reclaim_s": f"<= {report.get('lease_window_s')}"}
-    lines.append("targets:")
+    hostile_report = report.get("actors", {}).get("hostile")
+    if hostile_report and "error" not in hostile_report:
+        lines.append(f"  hostile publishers: sent {hostile_report['sent']}; over-admission "
+                     f"{hostile_report['over_admission']} (max held / total {hostile_report['total']}), max reserved "
+                     f"{hostile_report['max_reserved_ratio']} of it; values no admitter wrote "
+                     f"{hostile_report['foreign_values'] or 0}")
+    want = {"lost": "0", "duplicated": "0", "leaked_runtime_tokens": "0", "readmitted_after_completion": "0",
+            "max_lease_reclaim_s": f"<= {report.get('lease_window_s')}", "over_admission": "<= 1.0",
+            "max_reserved_ratio": "<= 1.0", "foreign_values": "none", "attacks_ran": "every attack sent"}
+    if "disconnects" in report and "streams" in report["disconnects"]:
+        from natsched.bench.abandon import format_abandon
+
+        lines += ["  " + line for line in format_abandon(report["disconnects"])]
+        d = report["disconnects"]
+        report = {**report, "abandoned_tokens_beyond_one_step": d["streams"]["tokens_beyond_one_step"]
+                  + d["waiting"]["tokens_beyond_one_step"],
+                  "abandoned_unaccounted": d["streams"]["unaccounted"] + d["waiting"]["unaccounted"]}
+        want.update({"abandoned_tokens_beyond_one_step": "0", "abandoned_unaccounted": "0"})
+    lines.append(f"targets: (scenario {report.get('scenario', 'kills')})")
     for name, ok in report["targets_met"].items():
         if name != "all":
-            lines.append(f"  [{'ok' if ok else 'MISSED'}] {name}: want {want[name]}, got {_cell(report.get(name))}")
+            got = report.get(name, (hostile_report or {}).get(name))
+            lines.append(f"  [{'ok' if ok else 'MISSED'}] {name}: want {want.get(name, 'ok')}, got {_cell(got)}")
     return "\n".join(lines)
 
 
@@ -285,10 +408,12 @@ class ChaosRun:
     """Starts the system, drives it, kills and restarts its parts, collects the :class:`Facts`."""
 
     def __init__(self, settings: ChaosSettings) -> None:
-        self.s = settings
+        self.scenario = SCENARIOS[settings.scenario]
+        self.s = settings = replace(settings, nodes=self.scenario.nodes)
         self.run_id = uuid.uuid4().hex[:8]
         self.cluster: LocalCluster | None = None
         self.sup: Supervisor | None = None
+        self.abandon_report: dict[str, Any] | None = None  # the disconnecting clients' (--disconnects)
         self.ids: list[str] = []
         self.producer: dict[str, str] = {}
         self.e2e: list[float] = []  # seconds from submit to the producer's outcome, completed requests
@@ -306,6 +431,11 @@ class ChaosRun:
         self.phases: dict[str, float] = {}  # seconds after the first send when each phase ended
         self.t0 = 0.0
         self._gave_up = False
+        self.completed_ok: set[str] = set()  # an ok completion was seen for it
+        self.readmitted: set[str] = set()  # admitted or assigned again after that
+        self.actor_reports: dict[str, dict[str, Any]] = {}
+        self.auth: AuthDir | None = None  # the scenario runs under auth init's config (Scenario.auth)
+        self.forged_stored = 0  # completion records no assigned worker published (see _completions)
 
     def run(self) -> dict[str, Any]:
         """The whole run; everything started is stopped, whatever happens."""
@@ -327,21 +457,29 @@ class ChaosRun:
 
     def _start(self, root: Path) -> None:
         s = self.s
+        secured: dict[str, Any] = {}
+        if self.scenario.auth:
+            workers = [f"w{i + 1}" for i in range(s.workers)]  # as natsched up names them
+            init(AuthSettings(out=root / "auth", tenants=[*s.tenants, hostile.HOSTILE_TENANT], workers=workers))
+            self.auth = AuthDir.open(root / "auth")
+            secured = {"config_file": self.auth.config, "credentials": self.auth.creds("admin")}
         self.cluster = LocalCluster(ClusterSettings(nodes=s.nodes, base_port=None, data_dir=root / "cluster",
-                                                    ready_timeout_s=s.ready_timeout_s))
+                                                    ready_timeout_s=s.ready_timeout_s, sync=s.sync, **secured))
         self.cluster.start()  # provisions: 3 replicas on 3 nodes
         self.sup = Supervisor(UpSettings(
             workers=s.workers, admitters=s.admitters, routers=s.routers, inline_routing=s.inline_routing,
             engine="sim", nats_url=self.cluster.url,
             time_scale=s.time_scale, log_level=s.child_log_level, ready_timeout_s=s.ready_timeout_s, offline=False,
-            log_dir=root / "logs", extra_worker_args=["--heartbeat", str(s.heartbeat_s)]))
+            log_dir=root / "logs", extra_worker_args=["--heartbeat", str(s.heartbeat_s)],
+            auth_dir=self.auth.root if self.auth else None))
         self.sup.start(quiet=True)
 
     async def _drive(self) -> dict[str, Any]:
         s = self.s
-        observer = await Bus.connect(self.cluster.url, name="chaos-observer", connect_budget_s=30)
+        creds = self.auth.creds("admin") if self.auth else None
+        observer = await Bus.connect(self.cluster.url, name="chaos-observer", connect_budget_s=30, credentials=creds)
         producer = await Bus.connect(self.cluster.url, name="chaos-producer", connect_budget_s=30,
-                                     publish_budget_s=30)
+                                     publish_budget_s=30, credentials=creds)
         t = s.finish_timeout_s
         client = Client(producer, Timeouts(publish=30.0, admission=t, queued=t, idle=t))
         tasks: list[asyncio.Task] = []
@@ -349,23 +487,33 @@ class ChaosRun:
         try:
             await self._observe(observer)
             await self._wait_for_workers()
-            kills = kill_schedule(s.seed, s.send_s, s.down_s, target_names(s), s.kill_window)
+            if self.scenario.prepare is not None:
+                await self.scenario.prepare(self, observer)
+            kills = self.scenario.kills(s)
             self.t0 = t0 = time.monotonic()
             chaos = [asyncio.create_task(self._kill_and_restart(k, t0, observer)) for k in kills]
+            chaos += [asyncio.create_task(self._act(name, actor, t0)) for name, actor in self.scenario.actors]
+            if s.disconnects:
+                chaos.append(asyncio.create_task(self._abandon()))
             tasks = await self._send(client, t0)
             self._phase("sent")
             await self._finish(tasks, producer)
             self._phase("outcomes")
-            await asyncio.wait(chaos, timeout=max(k.restart_s for k in kills) + 2 * s.ready_timeout_s)
+            if chaos:
+                await asyncio.wait(chaos, timeout=max((k.restart_s for k in kills), default=s.send_s)
+                                   + 2 * s.ready_timeout_s)
             self._phase("restarts")
             reclaims = await self._reclaims()
             self._phase("reclaims")
-            await asyncio.sleep(max(0.0, t0 + max(k.at_s for k in kills) + s.redelivery_s - time.monotonic()))
+            if kills:
+                await asyncio.sleep(max(0.0, t0 + max(k.at_s for k in kills) + s.redelivery_s - time.monotonic()))
             self._phase("redeliveries")
             leaked, leftover = await self._settle(observer)
             self._phase("settled")
             facts = Facts(self.ids, self.producer, dict(self.final_replies), await self._completions(observer),
-                          reclaims, leaked, s.heartbeat_s, s.lease_missed)
+                          reclaims, leaked, s.heartbeat_s, s.lease_missed, sorted(self.readmitted),
+                          reclaim_expected=any(k.kind == "worker" for k in kills),
+                          reclaim_window_s=self._restart_window())
             self._phase("read_back")
             return self._report(facts, leftover)
         finally:
@@ -373,6 +521,22 @@ class ChaosRun:
                 task.cancel()
             await producer.close()
             await observer.close()
+
+    def _restart_window(self) -> float | None:
+        """With a worker restarted inside its lease: its time down plus one lease (see Facts)."""
+        lease = self.s.lease_missed * self.s.heartbeat_s
+        downs = [e["ready_at_s"] - e["killed_at_s"] for e in self.events
+                 if e["kind"] == "worker" and e.get("inside_lease") and "ready_at_s" in e]
+        return round(max(downs) + lease, 2) if downs else None
+
+    async def _act(self, name: str, actor: Callable[["ChaosRun", float], Awaitable[dict[str, Any]]],
+                   t0: float) -> None:
+        """One scenario actor beside the load; what it reports (or how it failed) is kept."""
+        try:
+            self.actor_reports[name] = await actor(self, t0)
+        except Exception as exc:  # reported, never hidden
+            log.exception("chaos actor %s failed", name)
+            self.actor_reports[name] = {"error": f"{type(exc).__name__}: {exc}", "targets": {name: False}}
 
     # --- watching ---------------------------------------------------------------------
     async def _observe(self, bus: Bus) -> None:
@@ -383,6 +547,7 @@ class ChaosRun:
             except MessageError:
                 return
             self.assigned[a.request.id] = a.worker
+            self._again(a.request.id)
             if a.worker in self.down:
                 self.routed_to_dead[a.worker] += 1
                 self.reclaim_watch.setdefault(a.worker, {}).setdefault(a.request.id, ROUTED_WHILE_DOWN)
@@ -399,6 +564,20 @@ class ChaosRun:
                 self.final_replies[rid].append(" ".join(str(x) for x in (reply.kind, reply.status, reply.reason,
                                                                          reply.worker) if x))
 
+        async def on_admitted(subject: str, data: bytes, headers: dict) -> None:
+            try:
+                self._again(Admitted.decode(data).request.id)
+            except MessageError:
+                return
+
+        async def on_completion(subject: str, data: bytes, headers: dict) -> None:
+            try:
+                c = Completion.decode(data)
+            except MessageError:
+                return
+            if c.status == "ok" and fence.fenced(bus.fence_key, c, subject):  # (a forged one finished nothing)
+                self.completed_ok.add(c.request_id)
+
         async def on_heartbeat(subject: str, data: bytes, headers: dict) -> None:
             try:
                 self.seen_workers.add(Heartbeat.decode(data).worker)
@@ -408,7 +587,14 @@ class ChaosRun:
         await bus.subscribe(S.WORK_ALL, on_work)
         await bus.subscribe("resp.>", on_reply)
         await bus.subscribe(S.HEARTBEATS_ALL, on_heartbeat)
+        await bus.subscribe(S.ADMITTED_ALL, on_admitted)
+        await bus.subscribe(S.COMPLETIONS_ALL, on_completion)
         await bus.flush()
+
+    def _again(self, rid: str) -> None:
+        """An admission or assignment of ``rid``: after its ok completion, a re-admission."""
+        if rid in self.completed_ok:
+            self.readmitted.add(rid)
 
     async def _wait_for_workers(self) -> None:
         """Until every worker's heartbeat was seen (the routers see them too), at most 15 s."""
@@ -432,6 +618,8 @@ class ChaosRun:
 
     async def _submit(self, client: Client, i: int) -> None:
         rid = f"chaos-{self.run_id}-{i:06d}"
+        if self.scenario.auth:  # random, as clients' ids are: predictable ids can be taken (bench.hostile)
+            rid += "-" + uuid.uuid4().hex[:8]
         tenant = self.s.tenants[i % len(self.s.tenants)]
         self.ids.append(rid)
         request = make_request(tenant, f"request {i}: summarise the incident report in two lines. " * 3,
@@ -492,6 +680,8 @@ class ChaosRun:
             log.error("restarting %s %s failed: %s", kill.kind, kill.name, exc)
         self.down.pop(kill.name, None)
         event["ready_at_s"] = round(time.monotonic() - t0, 2)
+        if kill.kind == "worker":  # its first heartbeat goes out before its READY line
+            event["inside_lease"] = time.time() - killed_at < self.s.lease_missed * self.s.heartbeat_s
 
     def _child(self, kill: Kill) -> Child:
         name = f"worker {kill.name}" if kill.kind == "worker" else kill.name
@@ -501,6 +691,9 @@ class ChaosRun:
         """SIGKILL: no goodbye, no last heartbeat, no flushed state."""
         if kill.kind == "node":
             self.cluster.node(kill.name).kill()
+            return
+        if kill.kind == SERVER:
+            self.cluster.servers[0].kill()
             return
         proc = self._child(kill).proc
         if proc is not None and proc.poll() is None:
@@ -515,6 +708,9 @@ class ChaosRun:
         would, and the attempts are reported."""
         if kill.kind == "node":
             self.cluster.node(kill.name).start()  # same data dir: it rejoins and catches up
+            return
+        if kill.kind == SERVER:
+            self.cluster.servers[0].start()  # same port and data dir: JetStream recovers from it
             return
         child = self._child(kill)
         deadline = time.monotonic() + self.s.ready_timeout_s
@@ -630,16 +826,35 @@ class ChaosRun:
         return used, left
 
     async def _completions(self, bus: Bus) -> dict[str, list[tuple[str, str | None]]]:
+        """Each request's completion records, as the admitters count them: one its own worker's
+        attempt published (:mod:`natsched.wire.fence`); forged ones (the ``hostile`` scenario's)
+        are stored too, counted apart in ``forged_completions_stored``, and are no run."""
         ours = set(self.ids)
         out: dict[str, list[tuple[str, str | None]]] = defaultdict(list)
-        for _, data in await bus.stream_messages(S.STREAM_COMPLETIONS):
+        for subject, data in await bus.stream_messages(S.STREAM_COMPLETIONS):
             try:
                 c = Completion.decode(data)
             except MessageError:
                 continue
-            if c.request_id in ours:
+            if not fence.fenced(bus.fence_key, c, subject):
+                self.forged_stored += 1
+            elif c.request_id in ours:
                 out[c.request_id].append((c.status, c.reason))
         return dict(out)
+
+    async def _abandon(self) -> None:
+        """Clients that leave mid-stream and while waiting, beside the load (natsched.bench.abandon)."""
+        from natsched.bench.abandon import AbandonSettings, Abandoners
+
+        s = self.s
+        settings = AbandonSettings(streams=s.disconnects, waiting=s.disconnects, seed=s.seed,
+                                   spread_s=s.send_s * 0.8)
+        try:
+            self.abandon_report = await Abandoners(self.cluster.url, settings).run()
+        except Exception as exc:  # reported as a missed target, never hidden
+            log.exception("the disconnecting clients failed")
+            self.abandon_report = {"error": f"{type(exc).__name__}: {exc}",
+                                   "targets": {"abandoned_tokens_beyond_one_step": False}}
 
     def _phase(self, name: str) -> None:
         self.phases[name] = round(time.monotonic() - self.t0, 1)
@@ -647,8 +862,16 @@ class ChaosRun:
     def _report(self, facts: Facts, leftover: int) -> dict[str, Any]:
         s = self.s
         report = compute_report(facts)
+        if s.disconnects:
+            abandon = self.abandon_report or {"targets": {"abandoned_unaccounted": False}}
+            report["disconnects"] = abandon
+            report["targets_met"].update(abandon["targets"])
+        for name, actor in self.actor_reports.items():
+            report["targets_met"].update(actor.get("targets", {}))
+        report["targets_met"]["all"] = all(v for k, v in report["targets_met"].items() if k != "all")
         report.update({
-            "leftover_reservations": leftover,
+            "scenario": self.scenario.name, "sync": s.sync, "actors": self.actor_reports,
+            "leftover_reservations": leftover, "forged_completions_stored": self.forged_stored,
             "routed_to_dead_worker": dict(self.routed_to_dead), "reclaim_detail": self.reclaim_detail,
             "kills": self.events, "phases_s": self.phases,
             "seed": s.seed, "rate": s.rate, "heartbeat_s": s.heartbeat_s, "down_s": s.down_s,

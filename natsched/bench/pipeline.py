@@ -44,7 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
 from natsched.wire.schema import Reply, Request
-from natsched.bus.server import free_port, free_ports
+from natsched.bus.server import DEFAULT_SYNC, free_port, free_ports
 from natsched.stats import nearest_rank
 from natsched.bench.memory import MemorySampler, memory_report, read_cpu_s
 from natsched.hosting.supervisor import Supervisor, UpSettings
@@ -63,6 +63,7 @@ class PipelineRun:
     audit_max_bytes: int | None = None  # cap REQUESTS, DECISIONS, COMPLETIONS (a soak that reaches retention)
     floor: bool = False  # a bare relay instead of admitters and routers (natsched.bench.relay)
     credit: bool = True  # False: admitters --no-credit (every allow committed to the shared usage)
+    sync: str = DEFAULT_SYNC  # the embedded server's JetStream sync_interval (natsched.bus.server.SYNC_CHOICES)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -269,7 +270,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None,
         nats_rtt, js_rtt = await reference_rtts(bus)
         result = {
             "rate": run.rate, "duration_s": run.duration_s, "admitters": run.admitters, "routers": run.routers,
-            "inline_routing": run.inline_routing, "floor": run.floor, "credit": run.credit,
+            "inline_routing": run.inline_routing, "floor": run.floor, "credit": run.credit, "sync": run.sync,
             "requests": total, "published": tally.published, "assigned": assigned,
             "completed": tally.completed, "rejected": tally.rejected,
             "lost": total - tally.finals,
@@ -321,7 +322,7 @@ def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
         run = replace(run, admitters=0, routers=0, inline_routing=False)
     up = UpSettings(workers=run.workers, admitters=run.admitters, routers=run.routers,
                     inline_routing=run.inline_routing, credit=run.credit, engine="null",
-                    nats_url=nats_url, port=free_port(), data_dir=data_dir, log_level="warning")
+                    nats_url=nats_url, port=free_port(), data_dir=data_dir, sync=run.sync, log_level="warning")
     sup = Supervisor(replace(up, metrics_port=free_ports(up.metered())))  # the admitters' batch metrics
     relay = None
     try:

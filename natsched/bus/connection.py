@@ -27,11 +27,13 @@ from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from natsched.wire import subjects as S
+from natsched.bus.aio import Mailbox
 from natsched.bus.acks import AckInbox
-from natsched.bus.errors import BusTimeout, ConnectError, NoServerError
+from natsched.bus.errors import BusError, BusTimeout, ConnectError, NoServerError
 from natsched.wire.errors import MessageError
-from natsched.bus.provision import (ProvisionSettings, StreamLimits, apply_retention, cluster_nodes, overrides_to_json,
-                                    provision, provision_jobs, stored_overrides, stored_settings)
+from natsched.bus.provision import (ProvisionSettings, StreamLimits, apply_retention, cluster_nodes,
+                                    fit_stored_limits, overrides_to_json, provision, provision_jobs,
+                                    stored_overrides, stored_settings)
 from natsched.bus.puller import Puller
 from natsched.wire.schema import DeadLetter, Reply, Schema
 from natsched.bus.kv import KV
@@ -42,6 +44,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 JS_NO_MESSAGE_FOUND = 10057  # JetStream's err_code for a message sequence that is not stored
+JS_WRONG_LAST_SEQUENCE = 10071  # ... for a conditional publish whose subject moved on
+HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+#: headers that make a publish on a KV key's subject a create: refused when the key has a value,
+#: or a delete marker (a released reservation's lives MARKER_TTL_S): one record per request id
+CREATE_ONLY = {HDR_EXPECTED_LAST_SUBJECT_SEQ: "0"}
 _RETRYABLE = (NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError, asyncio.TimeoutError)
 #: "nobody took the request" (no stream leader, e.g. during an election): a compare-and-swap may be
 #: sent again without risk; after a timeout it may have been applied, and the caller must re-read
@@ -156,6 +163,12 @@ class Credentials:
     tls_ca: str | None = None  # CA that signed the server's certificate
     tls_cert: str | None = None  # client certificate (servers that verify clients)
     tls_key: str | None = None
+    #: the JetStream API prefix of a role outside the services' account (its account imports
+    #: the services' API under this name: ``natsched.wire.roles.IMPORTED_JS_API``)
+    js_prefix: str | None = None
+    #: the key that signs and checks assignments' fencing tokens (``natsched.wire.fence``): only
+    #: the scheduler's services (admitter, router, admin) are given it
+    fence_key: str | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "Credentials":
@@ -230,13 +243,22 @@ class Subscription:
 
 
 class Inbox(Subscription):
-    """A subscription read one message at a time (a producer's reply stream)."""
+    """A subscription read one message at a time (a producer's reply stream).
+
+    Not nats-py's ``next_msg``: it waits with ``asyncio.wait_for``, which on Python 3.11 swallows
+    a cancellation that meets a message (:mod:`natsched.bus.aio`): a gateway whose client left
+    cancelled the reader once, the reader went on, and the request ran to its end for nobody.
+    """
+
+    def __init__(self, sub: Any, box: Mailbox) -> None:
+        super().__init__(sub)
+        self._box = box
 
     async def next_msg(self, timeout: float) -> Received:
         """The next message; :class:`BusTimeout` when none comes within ``timeout`` seconds."""
         try:
-            return Received(await self._sub.next_msg(timeout=timeout))
-        except (NatsTimeout, asyncio.TimeoutError):
+            return Received(await self._box.get(timeout))
+        except TimeoutError:
             raise BusTimeout(f"nothing on {self._sub.subject} within {timeout:g}s") from None
 
 
@@ -252,8 +274,37 @@ class Bus:
         self._kv: dict[str, Any] = {}
         self.closing = False  # loops check it: nats-py's fetch can swallow a cancellation
         self.lost_publishes = 0
+        self.fence_key: str | None = None  # natsched.wire.fence (None: the public default)
         self._acks: AckInbox | None = None
         self._acks_lock = asyncio.Lock()
+        self.server_id = self._server_id()
+        self.server_changes = 0  # reconnects that found another server process (a restart, or another node)
+        self._on_server_change: list[Callable[[], None]] = []
+
+    def _server_id(self) -> str:
+        return str((getattr(self.nc, "_server_info", None) or {}).get("server_id", ""))
+
+    def check_server(self) -> None:
+        """Notice a server change now, if the reconnect callback has not run yet: nats-py delivers
+        messages of the new connection before it calls the callback, so a consumer asks first."""
+        self._reconnected()
+
+    def on_server_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (synchronously, from the reconnect) whenever a reconnect finds another
+        server than before: a nats-server restarted (each start draws a new id) or another cluster
+        node. What that server acknowledged but had not yet written may be gone (docs/reliability.md)."""
+        self._on_server_change.append(callback)
+
+    def _reconnected(self) -> None:
+        new = self._server_id()
+        if new == self.server_id:
+            return
+        log.warning("%s reconnected to another server process (%s -> %s)", self.name, self.server_id[:8] or "?",
+                    new[:8] or "?")
+        self.server_id = new
+        self.server_changes += 1
+        for callback in self._on_server_change:
+            callback()
 
     @classmethod
     async def connect(
@@ -271,11 +322,18 @@ class Bus:
         ``credentials`` (or a path to a credentials file) authenticates; other ``options``
         go to ``nats.connect`` as they are.
         """
+        js_prefix = fence_key = None
         if credentials is not None:
             creds = credentials if isinstance(credentials, Credentials) else Credentials.load(credentials)
             options = {**creds.options(), **options}
+            js_prefix, fence_key = creds.js_prefix, creds.fence_key
         servers = server_urls(url)
         deadline = time.monotonic() + connect_budget_s
+        made: list[Bus] = []  # the Bus once built: the reconnect callback reports to it
+
+        async def reconnected() -> None:
+            if made:
+                made[0]._reconnected()
         last: Exception | None = None
         while time.monotonic() < deadline:
             try:
@@ -290,6 +348,7 @@ class Bus:
                         max_reconnect_attempts=1,
                         reconnect_time_wait=0.2,
                         error_cb=_log_first_connect,  # our loop retries: the last error is raised
+                        reconnected_cb=reconnected,
                         **options,
                     ),
                     remaining,
@@ -297,7 +356,12 @@ class Bus:
                 nc.options["allow_reconnect"] = True  # once connected, reconnect forever
                 nc.options["max_reconnect_attempts"] = -1
                 nc._error_cb = _log_error  # nats-py keeps the callback here: a lost connection is news
-                return cls(nc, name, publish_budget_s)
+                bus = cls(nc, name, publish_budget_s)
+                bus.fence_key = fence_key
+                if js_prefix:
+                    bus.js = nc.jetstream(prefix=js_prefix)
+                made.append(bus)
+                return made[0]
             except (NoServersError, OSError, NatsTimeout, asyncio.TimeoutError) as exc:
                 last = exc
                 await asyncio.sleep(0.2)
@@ -329,6 +393,11 @@ class Bus:
         """Create or update OUTCOMES and bucket ``jobs`` (idempotent; a batch reader may be the
         first natsched process on a fresh server)."""
         await provision_jobs(self.js)
+
+    async def fit_to_disk(self, free_bytes: int) -> dict[str, StreamLimits]:
+        """Size every stream's limits to a disk with ``free_bytes`` free, stored as retention
+        overrides (:func:`natsched.bus.provision.fit_stored_limits`); ProvisionError when too small."""
+        return await fit_stored_limits(self.js, free_bytes)
 
     async def stored_overrides(self) -> dict[str, StreamLimits]:
         """What ``natsched retention set`` stored (:func:`natsched.bus.provision.stored_overrides`)."""
@@ -397,10 +466,13 @@ class Bus:
             await self.nc.close()
 
     # --- publishing ---------------------------------------------------------------------
-    async def publish(self, subject: str, msg: Schema | bytes, headers: dict[str, str] | None = None) -> None:
-        """Core NATS publish (at most once): replies, heartbeats, cache events."""
+    async def publish(self, subject: str, msg: Schema | bytes, headers: dict[str, str] | None = None,
+                      reply: str = "") -> None:
+        """Core NATS publish (at most once): replies, heartbeats, cache events. ``reply``: the NATS
+        reply subject (natsched's own traffic names none; ``natsched chaos --scenario hostile``
+        does, as an attacker would)."""
         data = msg if isinstance(msg, bytes) else msg.encode()
-        await self.nc.publish(subject, data, headers=headers)
+        await self.nc.publish(subject, data, reply=reply, headers=headers)
 
     async def jpublish(
         self,
@@ -436,14 +508,16 @@ class Bus:
             ack.duplicate = False
         return ack
 
-    async def jpublish_batch(self, items: list[Outgoing]) -> list[api.PubAck]:
+    async def jpublish_batch(self, items: list[Outgoing]) -> list[api.PubAck | None]:
         """Publish several messages (in this order on the connection) and wait once for every ack.
 
         The same guarantee as :meth:`jpublish` for each, at a fraction of its cost: one reply
         future per message on a shared inbox instead of a request with its own timer, and one
         wait for the batch. A message whose ack is an error or does not come within
         ``BATCH_ACK_WAIT_S`` is published again through :meth:`jpublish` (with its msg id, a
-        copy the server did store is deduplicated); what still fails raises, as there.
+        copy the server did store is deduplicated); what still fails raises, as there. A
+        create-only message (:data:`CREATE_ONLY`: a KV put made a create) whose subject holds a
+        message gets None instead: the key exists, or was deleted a moment ago.
         """
         inbox = await self._ack_inbox()
         futures = []
@@ -456,9 +530,16 @@ class Bus:
         for (subject, msg, msg_id, headers), f in zip(items, futures):
             if f.done() and not f.cancelled() and f.exception() is None:
                 acks.append(f.result())
+            elif f.done() and not f.cancelled() and _refused_condition(f.exception(), headers):
+                acks.append(None)  # a create-only write (expected last subject sequence 0) found the key
             else:
                 inbox.forget(f)
-                acks.append(await self.jpublish(subject, msg, msg_id=msg_id, headers=headers))
+                try:
+                    acks.append(await self.jpublish(subject, msg, msg_id=msg_id, headers=headers))
+                except APIError as exc:
+                    if not _refused_condition(exc, headers):
+                        raise
+                    acks.append(None)
         return acks
 
     async def _ack_inbox(self) -> AckInbox:
@@ -548,7 +629,8 @@ class Bus:
 
     async def inbox(self, subject: str, max_pending: int = 100_000) -> Inbox:
         """A subscription read with ``await sub.next_msg(timeout)`` (producers' reply streams)."""
-        return Inbox(await self.nc.subscribe(subject, pending_msgs_limit=max_pending))
+        box = Mailbox(subject, max_pending)
+        return Inbox(await self.nc.subscribe(subject, cb=box.put, pending_msgs_limit=max_pending), box)
 
     # --- durable consumers --------------------------------------------------------------
     async def consume(self, spec: ConsumerSpec, handler: Handler, source: str) -> asyncio.Task:
@@ -785,6 +867,19 @@ class Bus:
         task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
         self._tasks.append(task)
         return task
+
+
+def _refused_condition(exc: BaseException | None, headers: dict[str, str] | None) -> bool:
+    """A create-only publish (:data:`CREATE_ONLY`) refused because its subject holds a message; any
+    other refused condition is an error, raised."""
+    return (isinstance(exc, APIError) and exc.err_code == JS_WRONG_LAST_SEQUENCE
+            and (headers or {}).get(HDR_EXPECTED_LAST_SUBJECT_SEQ) == "0")
+
+
+def transport_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is the bus failing (a server away, a timeout, a closed connection), not the
+    caller's own code: services report those as ``bus_unavailable``, never as their own error."""
+    return isinstance(exc, (NatsError, BusError, asyncio.TimeoutError, ConnectionError))
 
 
 async def _log_error(exc: Exception) -> None:

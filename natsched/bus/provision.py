@@ -125,6 +125,17 @@ def auto_replicas(js) -> int:
     return 3 if cluster_nodes(js) >= 3 else 1
 
 
+#: JetStream's err_code when a stream's max_bytes does not fit in what the server may still reserve
+JS_INSUFFICIENT_STORAGE = 10047
+
+
+def _no_room(name: str, max_bytes: int) -> ProvisionError:
+    return ProvisionError(
+        f"stream {name} needs {max_bytes / GiB:.2f} GiB of JetStream file storage and the server has no room "
+        f"left for it (natsched's streams and buckets reserve {total_reserved() / GiB:.1f} GiB): free disk, give "
+        f"nats-server a larger max_file_store, or lower the limits (natsched retention set)")
+
+
 async def _add_stream(js, config: api.StreamConfig, attempts: int = 5) -> None:
     """Create a stream; the server may briefly refuse ("error creating store") right after a
     stream of the same name was deleted, while it still removes the old files."""
@@ -132,7 +143,9 @@ async def _add_stream(js, config: api.StreamConfig, attempts: int = 5) -> None:
         try:
             await js.add_stream(config)
             return
-        except ServerError:
+        except ServerError as exc:
+            if exc.err_code == JS_INSUFFICIENT_STORAGE:
+                raise _no_room(config.name, config.max_bytes) from None
             if attempt == attempts - 1:
                 raise
             await asyncio.sleep(0.2 * (attempt + 1))
@@ -161,6 +174,10 @@ async def ensure_stream(js, config: api.StreamConfig) -> None:
         await js.update_stream(config)
     except BadRequestError as exc:
         raise ProvisionError(f"stream {config.name} cannot be updated to natsched's config: {exc}") from exc
+    except ServerError as exc:
+        if exc.err_code == JS_INSUFFICIENT_STORAGE:
+            raise _no_room(config.name, config.max_bytes) from None
+        raise
 
 
 async def ensure_bucket(js, bucket: str, replicas: int | None) -> None:
@@ -183,7 +200,12 @@ async def ensure_bucket(js, bucket: str, replicas: int | None) -> None:
                 await js.update_stream(info.config)
                 log.info("bucket %s scaled to %d replicas", bucket, replicas)
         return
-    await js.create_key_value(api.KeyValueConfig(bucket=bucket, history=history, ttl=ttl, replicas=replicas))
+    try:
+        await js.create_key_value(api.KeyValueConfig(bucket=bucket, history=history, ttl=ttl, replicas=replicas))
+    except ServerError as exc:
+        if exc.err_code == JS_INSUFFICIENT_STORAGE:
+            raise _no_room(f"KV_{bucket}", 0) from None
+        raise
     log.info("created bucket %s", bucket)
 
 
@@ -362,9 +384,14 @@ async def ensure_jobs_bucket(js, limits: JobStoreLimits, replicas: int | None) -
     try:
         await js.key_value(S.BUCKET_JOBS)
     except BucketNotFoundError:
-        await js.create_key_value(api.KeyValueConfig(
-            bucket=S.BUCKET_JOBS, history=1, ttl=limits.max_age_s, max_bytes=limits.max_bytes,
-            max_value_size=limits.max_value_bytes, replicas=replicas, direct=True))
+        try:
+            await js.create_key_value(api.KeyValueConfig(
+                bucket=S.BUCKET_JOBS, history=1, ttl=limits.max_age_s, max_bytes=limits.max_bytes,
+                max_value_size=limits.max_value_bytes, replicas=replicas, direct=True))
+        except ServerError as exc:
+            if exc.err_code == JS_INSUFFICIENT_STORAGE:
+                raise _no_room(f"KV_{S.BUCKET_JOBS}", limits.max_bytes) from None
+            raise
         log.info("created bucket %s", S.BUCKET_JOBS)
         return
     info = await js.stream_info(f"KV_{S.BUCKET_JOBS}")
@@ -396,3 +423,70 @@ async def provision_jobs(js, settings: ProvisionSettings | None = None, jobs: Jo
         stored = overrides[S.BUCKET_JOBS]
         jobs = JobStoreLimits(max_age_s=stored.max_age_s, max_bytes=stored.max_bytes)
     await ensure_jobs_bucket(js, jobs or JobStoreLimits(), settings.replicas)
+
+
+# --- sized to the disk (natsched up's embedded server) -----------------------------------------
+
+#: nats-server's default max_file_store is 75% of the free disk at its start
+SERVER_STORE_SHARE = 0.75
+#: natsched's limits take at most this share of what the server may store (room for the KV
+#: buckets without limits, other accounts and what an operator adds)
+DISK_SHARE = 0.5
+#: below this in all, a system would keep minutes of audit data: refused instead of shrunk further
+MIN_TOTAL_BYTES = 256 * MiB
+
+
+def total_reserved(overrides: dict[str, StreamLimits] | None = None) -> int:
+    """What every stream's and the ``jobs`` bucket's max_bytes add up to (with ``overrides``)."""
+    overrides = overrides or {}
+    return sum(overrides.get(t, default_limits(t)).max_bytes for t in retention_targets())
+
+
+def fit_to_disk(free_bytes: int, overrides: dict[str, StreamLimits] | None = None) -> dict[str, StreamLimits]:
+    """Retention overrides that make natsched's limits fit a disk with ``free_bytes`` free: empty
+    when the configured ones fit already, else every limit scaled down alike (ages kept), the
+    operator's own overrides included. A disk too small for :data:`MIN_TOTAL_BYTES` raises
+    :class:`ProvisionError` with one line saying what is needed.
+
+    Why: each stream's ``max_bytes`` is reserved by the server at creation; on a small disk the
+    first stream past the server's store limit is refused and nothing starts."""
+    overrides = dict(overrides or {})
+    need = total_reserved(overrides)
+    budget = int(free_bytes * SERVER_STORE_SHARE * DISK_SHARE)
+    if need <= budget:
+        return {}
+    if budget < MIN_TOTAL_BYTES:
+        raise ProvisionError(
+            f"the disk has {free_bytes / GiB:.2f} GiB free: natsched's streams need at least "
+            f"{MIN_TOTAL_BYTES / MiB / SERVER_STORE_SHARE / DISK_SHARE / 1024:.2f} GiB free "
+            f"({need / GiB:.1f} GiB for the default retention); free disk or use another --data-dir")
+    scale = budget / need
+    out = {}
+    for target in retention_targets():
+        limits = overrides.get(target, default_limits(target))
+        out[target] = StreamLimits(limits.max_age_s, max(MiB, int(limits.max_bytes * scale)))
+    return out
+
+
+async def fit_stored_limits(js, free_bytes: int, replicas: int | None = None) -> dict[str, StreamLimits]:
+    """Size natsched's limits to a disk with ``free_bytes`` free (plus what its streams store
+    already, which a restart must not count against them): the overrides :func:`fit_to_disk`
+    computes are stored where ``natsched retention set`` stores them, so every service's own
+    provisioning uses them too. Returns what was stored (empty: the limits fit)."""
+    stored = 0
+    for name in retention_targets():
+        try:
+            info = await js.stream_info(f"KV_{name}" if name == S.BUCKET_JOBS else name)
+        except NotFoundError:
+            continue
+        stored += info.state.bytes or 0
+    current = await stored_overrides(js)
+    fitted = fit_to_disk(free_bytes + stored, current)
+    if fitted:
+        await ensure_bucket(js, S.BUCKET_CONFIG, replicas)
+        kv = await js.key_value(S.BUCKET_CONFIG)
+        await kv.put(S.KEY_RETENTION, overrides_to_json(fitted))
+        log.warning("the disk has %.2f GiB free: natsched's streams are sized to %.2f GiB in all (stored as "
+                    "retention overrides; natsched retention set changes them)", free_bytes / GiB,
+                    total_reserved(fitted) / GiB)
+    return fitted

@@ -25,6 +25,17 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 4222
 DEFAULT_URL = f"nats://{DEFAULT_HOST}:{DEFAULT_PORT}"
 
+#: JetStream's ``sync_interval`` (server-wide, ``jetstream {}`` block; nothing per stream):
+#: ``always`` fsyncs every write before it is acknowledged; ``interval`` is the server's default,
+#: an fsync every 2 minutes, which acknowledges writes a power failure or an OS crash can lose
+#: (Jepsen, NATS 2.12.1, Dec 2025). docs/reliability.md, "Durability", says what each stream needs.
+SYNC_ALWAYS = "always"
+SYNC_INTERVAL = "interval"
+SYNC_CHOICES = (SYNC_ALWAYS, SYNC_INTERVAL)
+DEFAULT_SYNC = SYNC_ALWAYS
+#: the generated config beside the data: the sync setting, and ``include`` of the given config
+GENERATED_CONFIG = "natsched-server.conf"
+
 
 _PR_SET_PDEATHSIG = 1
 
@@ -128,7 +139,9 @@ class EmbeddedServer:
     """A JetStream-enabled nats-server child process; a context manager that always stops it.
 
     ``config_file`` (``-c``) carries what flags cannot: accounts, users and permissions, TLS
-    (``natsched auth init`` writes it); ``cluster`` makes it one node of a cluster.
+    (``natsched auth init`` writes it); ``cluster`` makes it one node of a cluster. ``sync``
+    (:data:`SYNC_CHOICES`) has no command-line flag: with ``always`` the server runs a config
+    written into its data dir that sets it and includes ``config_file``.
     """
 
     def __init__(
@@ -140,7 +153,10 @@ class EmbeddedServer:
         log_file: Path | str | None = None,
         config_file: Path | str | None = None,
         cluster: ClusterMember | None = None,
+        sync: str = DEFAULT_SYNC,
     ) -> None:
+        if sync not in SYNC_CHOICES:
+            raise ServerError(f"sync must be one of {', '.join(SYNC_CHOICES)}, got {sync!r}")
         self.host = host
         self.port = port
         self.data_dir = Path(data_dir) if data_dir else default_data_dir()
@@ -148,6 +164,7 @@ class EmbeddedServer:
         self.log_file = Path(log_file) if log_file else None
         self.config_file = Path(config_file) if config_file else None
         self.cluster = cluster
+        self.sync = sync
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -162,8 +179,9 @@ class EmbeddedServer:
             )
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [find_binary(), "-js", "-a", self.host, "-p", str(self.port), "-sd", str(self.data_dir)]
-        if self.config_file is not None:
-            args += ["-c", str(self.config_file)]
+        config = self._config()
+        if config is not None:
+            args += ["-c", str(config)]
         if self.cluster is not None:
             args += self.cluster.args(self.host)
         args += self.extra_args
@@ -176,8 +194,26 @@ class EmbeddedServer:
         except BaseException:
             self.stop()
             raise
-        log.info("nats-server listening on %s (data %s)", self.url, self.data_dir)
+        log.info("nats-server listening on %s (data %s, sync %s)", self.url, self.data_dir, self.sync)
         return self
+
+    def _config(self) -> Path | None:
+        """The ``-c`` file: ``config_file`` as given, or (sync ``always``) one that sets the sync
+        and includes it. nats-server resolves an ``include`` relative to the including file (an
+        absolute path is refused), hence the relative path."""
+        if self.sync == SYNC_INTERVAL:
+            return self.config_file
+        lines = ["# written by natsched at every start: durability chosen, not defaulted (docs/reliability.md)",
+                 f"jetstream {{ sync_interval: {SYNC_ALWAYS} }}"]
+        if self.config_file is not None:
+            lines.append(f'include "{os.path.relpath(self.config_file.resolve(), self.data_dir.resolve())}"')
+        path = self.data_dir / GENERATED_CONFIG
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def alive(self) -> bool:
+        """Whether the server process runs (False once it exited or was never started)."""
+        return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (lets JetStream flush), then SIGKILL if it does not exit in time."""

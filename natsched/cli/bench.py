@@ -24,6 +24,7 @@ import orjson
 from natsched.cli.argtypes import fraction, non_negative_int, positive_float, positive_int
 from natsched.cli.options import fail as _fail
 from natsched.workers.profiles import DEFAULT_PROFILE, PROFILES
+from natsched.bus.server import DEFAULT_SYNC, SYNC_CHOICES
 
 DEFAULT_RATE = 1000.0  # bench pipeline, requests per second
 DEFAULT_DURATION_S = 10.0
@@ -54,8 +55,9 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
                       help="pick the speed-up at which least_loaded keeps workers busy this share of the time "
                            "(e.g. 0.8), then use it for every policy")
     rt.add_argument("--limit", type=positive_int, default=None, help="keep only the first N requests")
-    rt.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
-                    help=f"engine profile (default {DEFAULT_PROFILE})")
+    rt.add_argument("--profile", default=DEFAULT_PROFILE, type=_profiles,
+                    help=f"engine profile (default {DEFAULT_PROFILE}), or several, comma-separated, that the "
+                         f"workers take in turn (a mixed cluster); known: {', '.join(sorted(PROFILES))}")
     rt.add_argument("--kv-blocks", type=positive_int, default=None, metavar="N",
                     help="KV cache blocks per simulated worker (default: the profile's KV capacity / the trace's "
                          "block size): what more or less KV would do")
@@ -78,7 +80,14 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
                     help="the sweep covers speed-up x [1-F, 1+F] (default 0.05)")
     rt.set_defaults(handler=_cmd_routing)
     _add_pipeline_parser(bsub)
+    _add_health_parser(bsub)
     add_admission_parser(bsub)
+    from natsched.bench.server import add_server_bench_parser
+
+    add_server_bench_parser(bsub)
+    from natsched.cli.scenarios import add_scenarios_parser
+
+    add_scenarios_parser(bsub)
     ss = bsub.add_parser("shared-state", help="cost of the admitters' compare-and-swap on the shared usage",
                          description="Replicas commit one-token reservations by KV compare-and-swap as fast as "
                                      "they can; prints commits/s, lost races per commit and lost updates.")
@@ -87,7 +96,73 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
     ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     ss.set_defaults(handler=_cmd_shared)
+    add_scale_parser(bsub)
+    cd = bsub.add_parser("codec", help="decode-and-validate cost per message: natsched's validator vs msgspec",
+                         description="Time decoding and validating the same encoded messages with natsched's "
+                                     "schema engine and with msgspec's typed decoder; both refuse the same "
+                                     "malformed inputs (checked first).")
+    cd.add_argument("--n", type=positive_int, default=20_000, help="decodes per round (default 20000)")
+    cd.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+    cd.set_defaults(handler=_cmd_codec)
     return bench
+
+
+def _cmd_codec(args) -> int:
+    from natsched.bench.codec import codec_table, refusals, run_codec_benchmark
+
+    differ = [name for name, (ours, theirs) in refusals().items() if not (ours and theirs)]
+    if differ:
+        return _fail(f"the contenders do not refuse the same input: {', '.join(differ)}")
+    rows = run_codec_benchmark(args.n)
+    print(codec_table(rows))
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
+    return 0
+
+
+def add_scale_parser(bsub) -> None:
+    """``natsched bench scale`` (:mod:`natsched.sim.scale`)."""
+    sc = bsub.add_parser("scale", help="partitioned admission: commits/s, conflicts, fairness as partitions grow",
+                         description="Simulate P admission partitions (each with its own usage key and admitter "
+                                     "replicas) under the hierarchical budget; print commits/s, efficiency, "
+                                     "conflicts, decision latency, floors and over-admission for each P.")
+    sc.add_argument("--partitions", default="1,2,4,8", help="partition counts, comma separated (default 1,2,4,8)")
+    sc.add_argument("--replicas", type=positive_int, default=2, help="admitter replicas per partition (default 2)")
+    sc.add_argument("--cores", type=positive_int, default=2, help="cores per JetStream server (default 2)")
+    sc.add_argument("--duration", type=positive_float, default=8.0, help="simulated seconds per run (default 8)")
+    sc.add_argument("--seed", type=int, default=1)
+    sc.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+    sc.set_defaults(handler=_cmd_scale)
+
+
+def _cmd_scale(args) -> int:
+    from natsched.sim.scale import ScaleBenchSettings, run_scale_benchmark, scale_table
+
+    try:
+        parts = tuple(int(x) for x in args.partitions.split(",") if x.strip())
+        if not parts or min(parts) < 1:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--partitions must be positive integers, got {args.partitions!r}")
+    if args.duration <= 1.0:
+        return _fail("--duration must be longer than the 1 s warm-up")
+    report = run_scale_benchmark(ScaleBenchSettings(partitions=parts, replicas=args.replicas, cores=args.cores,
+                                                    duration_s=args.duration, seed=args.seed,
+                                                    kill_coordinator_at=args.duration / 2), sys.stderr)
+    print(scale_table(report))
+    return _write_json(args.json, report)
+
+
+def _write_json(path: Path | None, report) -> int:
+    """Write a benchmark's JSON report when ``--json`` asked for it: 0, or 1 with a message."""
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        except OSError as exc:
+            return _fail(f"cannot write {path}: {exc.strerror or exc}")
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
 
 
 def add_admission_parser(bench_subparsers) -> argparse.ArgumentParser:
@@ -105,6 +180,47 @@ def add_admission_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     p.set_defaults(handler=run_admission)
     return p
+
+
+def _profiles(value: str) -> str:
+    """``--profile``: one engine profile, or several comma-separated (a mixed cluster), all known."""
+    names = [p.strip() for p in value.split(",") if p.strip()]
+    unknown = [n for n in names if n not in PROFILES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown engine profile {', '.join(unknown) or repr(value)}; "
+                                         f"known: {', '.join(sorted(PROFILES))}")
+    return ",".join(names)
+
+
+def _add_health_parser(bsub) -> None:
+    hp = bsub.add_parser("health", help="how fast a slowed worker leaves online work and comes back",
+                         description="Simulate the shipped router on a trace while one worker runs at a third of "
+                                     "its speed for a minute; print when it went half-open and healthy again, "
+                                     "its share of routed requests, and TTFT with and without the health rule.")
+    hp.add_argument("--trace", type=Path, default=MOONCAKE_TRACE, help="Mooncake JSONL trace (default: the shipped one)")
+    hp.add_argument("--workers", type=positive_int, default=8, help="simulated workers (default 8)")
+    hp.add_argument("--speedup", type=positive_float, default=0.8, help="arrival speed-up (default 0.8)")
+    hp.add_argument("--speed", type=positive_float, default=1 / 3, help="the slowed worker's speed (default 1/3)")
+    hp.add_argument("--slow-at", type=positive_float, default=400.0, help="seconds after the first arrival (400)")
+    hp.add_argument("--slow-for", type=positive_float, default=60.0, help="seconds slowed (default 60)")
+    hp.add_argument("--worker", type=int, default=3, help="index of the worker slowed (default 3)")
+    hp.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+    hp.set_defaults(handler=_cmd_health)
+
+
+def _cmd_health(args) -> int:
+    from natsched.sim.bench_health import HealthBenchSettings, format_health, run_health_benchmark
+    from natsched.sim.errors import SimError
+    from natsched.sim.trace import load_mooncake
+
+    try:
+        settings = HealthBenchSettings(workers=args.workers, speedup=args.speedup, worker=args.worker,
+                                       speed=args.speed, slow_at=args.slow_at, slow_for=args.slow_for)
+        report = run_health_benchmark(load_mooncake(str(args.trace)), settings)
+    except SimError as exc:
+        return _fail(str(exc))
+    print(format_health(report))
+    return _write_json(args.json, report)
 
 
 def _add_pipeline_parser(bsub) -> None:
@@ -133,6 +249,9 @@ def _add_pipeline_parser(bsub) -> None:
                     help="admitters without credit (natsched admitter --no-credit): every allow committed to the "
                          "shared usage before its request goes out, for comparison")
     pp.add_argument("--workers", type=positive_int, default=2, help="null-engine workers (default 2)")
+    pp.add_argument("--sync", choices=SYNC_CHOICES, default=DEFAULT_SYNC,
+                    help=f"the embedded server's JetStream sync_interval, as natsched up --sync (default "
+                         f"{DEFAULT_SYNC}): run both to see what fsync-before-ack costs")
     mode = pp.add_mutually_exclusive_group()
     mode.add_argument("--find-max", action="store_true",
                       help="ramp the rate (250, 500, 1000, 1500, ...), halve the gap to the first rate that "
@@ -273,6 +392,7 @@ def _cmd_pipeline(args) -> int:
         return _fail(str(exc))
     base = PipelineRun(args.rate or DEFAULT_RATE, duration, args.admitters, routers, args.workers,
                        inline_routing=args.inline_routing, floor=args.floor, credit=not args.no_credit,
+                       sync=args.sync,
                        sample_every_s=args.sample_every,
                        audit_max_bytes=args.audit_max_mib * 2**20 if args.audit_max_mib else None)
     try:

@@ -26,20 +26,41 @@ def add_parsers(sub) -> None:
     ch.add_argument("--inline-routing", action="store_true",
                     help="the admitters route in their own process (natsched admitter --route) and no router runs: "
                          "the admitter kill then also kills a router")
+    ch.add_argument("--disconnects", type=int, default=0, metavar="N",
+                    help="also N clients that leave a long stream after its first chunk and N that leave while "
+                         "queued or routed; reports the tokens generated for them (natsched.bench.abandon)")
     ch.add_argument("--data-dir", type=Path, default=None,
                     help="nodes' data and the processes' logs, kept (default: a temporary dir, deleted)")
+    # the names are natsched.bench.chaos.SCENARIOS' (not imported here: the parser stays light;
+    # tests/bench/test_chaos.py keeps this help naming every one)
+    ch.add_argument("--scenario", default="kills", metavar="NAME",
+                    help="what goes wrong: kills (default: one worker, admitter, router and NATS node of a 3-node "
+                         "cluster each SIGKILLed, restarted after --down s); worker-restart (a worker SIGKILLed "
+                         "and restarted at once, inside its lease); server-restart (the only nats-server "
+                         "SIGKILLed, restarted on its data dir after --down s); recovery (worker-restart, then "
+                         "server-restart); hostile (under auth init's accounts, a tenant's producer and a worker's "
+                         "credentials attack the whole run: reply-to injection, declared costs, dedup collisions, "
+                         "forged completions; reports over-admission)")
+    ch.add_argument("--down", type=positive_float, default=6.0, metavar="S",
+                    help="seconds a killed process (or server) stays down before its restart (default 6)")
+    ch.add_argument("--sync", choices=("always", "interval"), default="always",
+                    help="the nodes' JetStream sync_interval, as natsched up --sync (default always)")
     ch.set_defaults(handler=cmd_chaos)
 
 
 def cmd_chaos(args) -> int:
     import orjson
 
-    from natsched.bench.chaos import ChaosRun, ChaosSettings, format_report
+    from natsched.bench.chaos import SCENARIOS, ChaosRun, ChaosSettings, format_report
     from natsched.errors import NatschedError
 
+    if args.scenario not in SCENARIOS:
+        return fail(f"unknown --scenario {args.scenario!r}: one of {', '.join(SCENARIOS)}")
     settings = ChaosSettings(requests=args.requests, rate=args.rate, seed=args.seed,
                              finish_timeout_s=args.finish_timeout, data_dir=args.data_dir,
-                             inline_routing=args.inline_routing, routers=0 if args.inline_routing else 2)
+                             inline_routing=args.inline_routing, routers=0 if args.inline_routing else 2,
+                             scenario=args.scenario, down_s=args.down, sync=args.sync,
+                             disconnects=max(0, args.disconnects))
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: finally stops all
     # the producer's publish retries during a leader election are expected, one line per request:
     # their effect is in the report

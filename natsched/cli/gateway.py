@@ -8,6 +8,7 @@ the ``natsched`` parser imports no HTTP stack: the server is imported when the c
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from natsched.cli.options import fail, no_server, url_flag
@@ -31,9 +32,31 @@ def add_parsers(sub) -> None:
                     help="a model to list before any worker serves it (repeatable)")
     gw.add_argument("--max-wait", type=float, default=600.0,
                     help="longest a request is held, queued and running, whatever the client's timeout (s)")
+    gw.add_argument("--ttft-timeout", type=float, default=None, metavar="S",
+                    help="first token within S seconds, unless the x-natsched-ttft-timeout header says (default: none)")
+    gw.add_argument("--stream-idle-timeout", type=float, default=None, metavar="S",
+                    help="next token of a stream within S seconds, unless x-natsched-stream-idle-timeout says "
+                         "(default: none)")
+    gw.add_argument("--keepalive", type=float, default=15.0, metavar="S",
+                    help="an SSE comment line on a stream quiet for S seconds (default 15)")
     gw.add_argument("--max-body", type=int, default=768 * 1024, help="largest request body in bytes (413 above)")
     gw.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens when a request names none")
     gw.add_argument("--no-status", action="store_true", help="do not serve /status (nor follow decisions for it)")
+    edge = gw.add_argument_group("edge limits", "what a connection may cost before it is a call (docs/gateway.md)")
+    edge.add_argument("--max-connections", type=int, default=1024,
+                      help="open sockets; one more is answered 503 and closed as it is accepted (default 1024)")
+    edge.add_argument("--header-timeout", type=float, default=10.0,
+                      help="seconds from a connection (or a request's first byte) to its last header: 408 (default 10)")
+    edge.add_argument("--body-timeout", type=float, default=30.0,
+                      help="seconds from the last header to the end of the body: 408 (default 30)")
+    edge.add_argument("--idle-timeout", type=float, default=5.0,
+                      help="seconds a kept-alive connection may wait for its next request (default 5)")
+    edge.add_argument("--max-per-key", type=int, default=64,
+                      help="inference calls in flight per API key; more get 429 (default 64; open: all callers)")
+    edge.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=[], metavar="NAME",
+                      help="--insecure-open: a Host name to answer besides loopback and --host ('*': any); repeatable")
+    edge.add_argument("--allowed-origin", dest="allowed_origins", action="append", default=[], metavar="URL",
+                      help="--insecure-open: a browser origin that may call the API (http://app:3000); repeatable")
     gw.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     gw.add_argument("--name", default="gateway", help="connection name on the bus")
     gw.set_defaults(handler=cmd_gateway)
@@ -55,10 +78,24 @@ def settings_from_args(args: argparse.Namespace):
         raise ConfigError(f"--port must be 1-65535, got {args.port}")
     if args.max_wait <= 0 or args.max_body <= 0 or args.default_max_tokens <= 0:
         raise ConfigError("--max-wait, --max-body and --default-max-tokens must be positive")
+    limits = (args.max_connections, args.header_timeout, args.body_timeout, args.idle_timeout, args.max_per_key)
+    if min(limits) <= 0:
+        raise ConfigError("--max-connections, --header-timeout, --body-timeout, --idle-timeout and --max-per-key "
+                          "must be positive")
+    for flag, value in (("--ttft-timeout", args.ttft_timeout), ("--stream-idle-timeout", args.stream_idle_timeout),
+                        ("--keepalive", args.keepalive)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} must be a positive number of seconds, got {value}")
     settings = GatewaySettings(host=args.host, port=args.port, max_body_bytes=args.max_body,
                                default_max_tokens=args.default_max_tokens, max_wait_s=args.max_wait,
+                               ttft_timeout_s=args.ttft_timeout, stream_idle_timeout_s=args.stream_idle_timeout,
+                               keepalive_s=args.keepalive,
                                models=tuple(args.models), status_page=not args.no_status,
-                               metrics_port=args.metrics_port, name=args.name)
+                               metrics_port=args.metrics_port, name=args.name,
+                               max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                               body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout,
+                               max_per_key=args.max_per_key, allowed_hosts=tuple(args.allowed_hosts),
+                               allowed_origins=tuple(args.allowed_origins))
     return settings, keys
 
 

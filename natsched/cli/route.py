@@ -20,6 +20,10 @@ def add_parsers(sub) -> None:
     rset.add_argument("--weights", default=None, help='JSON object of policy weights, e.g. \'{"sticky_s": 20}\'')
     rset.add_argument("--canary", default=None, help="second policy for a share of traffic")
     rset.add_argument("--canary-share", type=float, default=0.0, help="share of requests for the canary (0..1)")
+    rset.add_argument("--learn", default=None,
+                      help='JSON object of learned-cost settings (docs/learned-cost.md), e.g. \'{"tau_s": 20}\'')
+    rset.add_argument("--health", default=None,
+                      help='JSON object of health settings (docs/routing-health.md), e.g. \'{"slow_factor": 3}\'')
     rset.add_argument("--json", action="store_true", help="print the config written as JSON")
     rset.set_defaults(handler=cmd_route)
     rback = ro_sub.add_parser("rollback", help="restore an earlier routing config from the bucket's history",
@@ -60,6 +64,16 @@ async def _route(args) -> int:
                 return fail("--canary-share must be within (0, 1]")
         config = {"policy": args.policy, "weights": weights, "canary": args.canary,
                   "canary_share": args.canary_share if args.canary else 0.0}
+        from natsched.router.core import RouterCore
+
+        for name in ("learn", "health"):  # refuse unknown or ill-typed settings before writing
+            raw = getattr(args, name)
+            if raw is not None:
+                value = orjson.loads(raw)
+                if not isinstance(value, dict):
+                    return fail(f"--{name} must be a JSON object")
+                RouterCore().set_learning(**{name: value})
+                config[name] = value
     bus = await connect(args)
     try:
         await bus.provision()

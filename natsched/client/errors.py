@@ -3,8 +3,9 @@
 ::
 
     ClientError
+    ├── ClientSettingsError     a bad Timeouts or Retry value (nothing is sent)
     ├── RequestError            a request that did not end in a result
-    │   ├── RequestTimeout      a wait ran out (publish ack, admission, first token, result)
+    │   ├── RequestTimeout      a wait ran out (``reason``: publish, admission, queued, idle, ttft, total)
     │   ├── DuplicateRequest    the request id was already accepted within the dedup window
     │   ├── Rejected            admission refused it (reason code + retry_after)
     │   └── RequestFailed       it was admitted but failed (no worker, engine error, ...)
@@ -31,8 +32,18 @@ class RequestError(ClientError):
         self.request_id = request_id
 
 
+class ClientSettingsError(ClientError, ValueError):
+    """A Timeouts or Retry value that makes no sense; raised before anything is sent."""
+
+
 class RequestTimeout(RequestError):
-    """A wait ran out; the message names the stage (publish, admission, result)."""
+    """A wait ran out; the message names the stage, ``reason`` says which limit: ``publish``,
+    ``admission``, ``queued``, ``idle`` (the stage waits), ``ttft``, ``total``, ``stream_idle``
+    (the request's own limits)."""
+
+    def __init__(self, message: str, request_id: str | None = None, reason: str = "timeout") -> None:
+        super().__init__(message, request_id)
+        self.reason = reason
 
 
 class DuplicateRequest(RequestError):

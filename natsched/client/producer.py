@@ -8,8 +8,11 @@ stage it was waiting for.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import enum
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,7 +23,10 @@ from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.bus.connection import Bus
 from natsched.bus.errors import BusTimeout
-from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed, RequestTimeout
+from natsched.client.errors import (ClientSettingsError, DuplicateRequest, Rejected, RequestError, RequestFailed,
+                                    RequestTimeout)
+from natsched.client.retry import Retry
+from natsched import tracing
 from natsched.wire.errors import DecodeError, SchemaError
 from natsched.wire.schema import Control, Reply, ReplyKind, ReplyStatus, Request, RequestId, TenantId, WorkerId
 from natsched.bus.server import DEFAULT_URL
@@ -84,16 +90,51 @@ class Result:
     e2e: float = 0.0
     job_id: str | None = None
     statuses: list[ReplyStatus] = field(default_factory=list)  # queued / admitted / assigned, in order
+    est_wait: float | None = None  # the admitter's estimate when it queued the request (None: not queued)
+    attempts: int = 1  # tries it took (more than one with a retry policy)
 
 
 @dataclass
 class Timeouts:
-    """How long to wait for each stage (seconds)."""
+    """How long to wait (seconds): the stage waits, and the request's own three limits.
+
+    The stage waits bound each wait on the bus. The limits (None: none) are the tiers a caller
+    sets per request — time to first token, total, stream idle — and travel with it
+    (``ttft_deadline``, ``deadline``, ``idle_timeout``), so the worker stops the run at the same
+    limit even when this client is gone. A non-streaming caller sees no tokens: its TTFT limit is
+    enforced by the worker alone (the failure reason is then ``ttft_timeout``).
+    """
 
     publish: float = 10.0  # JetStream ack of the request, retries included
     admission: float = 30.0  # first status from the admitter
     queued: float = 600.0  # total wait while the admitter holds the request in its queue
     idle: float = 120.0  # between two messages once admitted (first token, next token)
+    ttft: float | None = None  # submitted -> first token
+    total: float | None = None  # submitted -> result (retries included): the request's deadline
+    stream_idle: float | None = None  # between two tokens of a stream
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name in LIMITS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ClientSettingsError(f"timeout {f.name} must be a positive number of seconds"
+                                          f"{' or None' if f.name in LIMITS else ''}, got {value!r}")
+
+    def apply(self, request: Request, now: float) -> None:
+        """Put the limits on the request (an earlier deadline it already has is kept)."""
+        if self.total is not None:
+            request.deadline = min(request.deadline or math.inf, now + self.total)
+        if self.ttft is not None:
+            request.ttft_deadline = now + self.ttft
+        if self.stream_idle is not None and request.stream:
+            request.idle_timeout = self.stream_idle
+
+
+#: the per-request limits of :class:`Timeouts` (the rest are stage waits)
+LIMITS = ("ttft", "total", "stream_idle")
 
 
 @dataclass
@@ -103,6 +144,7 @@ class _Progress:
     worker: WorkerId | None = None
     final: bool = False
     abandoned: set[str] = field(default_factory=set)  # workers it was rescued from
+    est_wait: float | None = None  # the admitter's estimate, once it queued the request
 
 
 class Stream:
@@ -112,32 +154,44 @@ class Stream:
     its worker: nobody reads the rest, so the engine stops generating it.
     """
 
-    def __init__(self, client: "Client", request: Request) -> None:
+    def __init__(self, client: "Client", request: Request, timeouts: Timeouts | None = None,
+                 retry: Retry | None = None) -> None:
         self._client = client
         self._request = request
+        self._timeouts = timeouts
+        self._retry = retry
+        self._progress = _Progress()
         self.result: Result | None = None
+        self.produced = 0  # tokens yielded so far (what a consumer that leaves early has been given)
+
+    @property
+    def est_wait(self) -> float | None:
+        """The admitter's estimated wait, once it queued the request (None: not queued)."""
+        return self._progress.est_wait
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return self._run()
 
     async def _run(self) -> AsyncIterator[Chunk]:
-        exchange = self._client._exchange(self._request)
+        attempts = self._client._attempts(self._request, self._timeouts, self._retry, self)
         try:
-            async for item in exchange:
+            async for item in attempts:
                 if isinstance(item, Chunk):
+                    self.produced += len(item.token_ids) if item.token_ids else int(bool(item.text))
                     yield item
                 else:
                     self.result = item
         finally:  # closed at a yield (the consumer stopped): end the exchange now, not at GC
-            await exchange.aclose()
+            await attempts.aclose()
 
 
 class Client:
     """Submit requests to natsched over an existing :class:`Bus` (or one it connects)."""
 
-    def __init__(self, bus: Bus, timeouts: Timeouts | None = None) -> None:
+    def __init__(self, bus: Bus, timeouts: Timeouts | None = None, retry: Retry | None = None) -> None:
         self.bus = bus
         self.timeouts = timeouts or Timeouts()
+        self.retry = retry  # the default policy of submit/stream (None: one try)
 
     @classmethod
     async def connect(cls, url: str = DEFAULT_URL, timeouts: Timeouts | None = None, **kw: Any) -> "Client":
@@ -146,65 +200,127 @@ class Client:
     async def close(self) -> None:
         await self.bus.close()
 
-    async def submit(self, request: Request) -> Result:
-        """Publish and wait for the final result (raises Rejected / RequestFailed / RequestTimeout)."""
+    async def submit(self, request: Request, *, timeouts: Timeouts | None = None,
+                     retry: Retry | None = None) -> Result:
+        """Publish and wait for the final result (raises Rejected / RequestFailed / RequestTimeout).
+
+        ``timeouts`` (default: the client's) and ``retry`` (default: the client's; None: one try)
+        are this request's: see :class:`Timeouts` and :class:`~natsched.client.retry.Retry`.
+        """
         result = None
-        async for item in self._exchange(request):
+        async for item in self._attempts(request, timeouts, retry):
             if isinstance(item, Result):
                 result = item
         assert result is not None
         return result
 
-    def stream(self, request: Request) -> Stream:
-        """Like :meth:`submit`, streaming output chunks as the worker produces them."""
+    def stream(self, request: Request, *, timeouts: Timeouts | None = None, retry: Retry | None = None) -> Stream:
+        """Like :meth:`submit`, streaming output chunks as the worker produces them. A retry
+        policy retries a stream that already yielded output only with ``after_output``."""
         request.stream = True
-        return Stream(self, request)
+        return Stream(self, request, timeouts, retry)
 
-    async def cancel(self, request_id: str, worker: str) -> None:
-        """Tell ``worker`` to stop running ``request_id`` (it closes it with reason ``cancelled``)."""
-        await self.bus.publish(S.control(WorkerId(worker)), Control(kind="cancel", ts=time.time(), by=self.bus.name,
-                                                                    request_id=RequestId(request_id)))
+    async def _attempts(self, request: Request, timeouts: Timeouts | None, retry: Retry | None,
+                        stream: Stream | None = None) -> AsyncIterator[Chunk | Result]:
+        """The exchange, tried again under ``retry`` after an outcome a retry can change, each try
+        under a fresh id (``<id>-r<n>``: every stage dedups on the id), never past the deadline."""
+        timeouts = timeouts or self.timeouts
+        retry = retry if retry is not None else self.retry
+        timeouts.apply(request, time.time())
+        attempt, current = 1, request
+        while True:
+            progress = stream._progress if stream is not None else _Progress()
+            produced = False
+            exchange = self._exchange(current, timeouts, progress)
+            try:
+                async for item in exchange:
+                    produced = produced or isinstance(item, Chunk)
+                    if isinstance(item, Result):
+                        item.attempts = attempt
+                    yield item
+                return
+            except RequestError as exc:
+                wait = retry.next_delay(exc, attempt, produced, time.time(), current.deadline) if retry else None
+                if wait is None:
+                    raise
+                log.info("request %s: %s; try %d in %.2fs", current.id, exc, attempt + 1, wait)
+            finally:  # closed at a yield (the consumer stopped): end the exchange now, not at GC
+                await exchange.aclose()
+            await asyncio.sleep(wait)
+            current = _next_try(request, attempt)
+            attempt += 1
+            if stream is not None:
+                stream._progress = _Progress()
+            if current.ttft_deadline is not None and timeouts.ttft is not None:
+                current.ttft_deadline = time.time() + timeouts.ttft  # each try gets its own first-token wait
 
-    async def _exchange(self, request: Request) -> AsyncIterator[Chunk | Result]:
+    async def cancel(self, tenant: str, request_id: str) -> None:
+        """Give up on a request of ``tenant``, wherever it is: queued in an admitter, admitted and
+        waiting for a router, or running on its worker (``cancel.<tenant>.<request_id>``; each of
+        them ends it and a reservation it holds is released with reason ``cancelled``)."""
+        await self.bus.publish(S.cancel(TenantId(tenant), RequestId(request_id)),
+                               Control(kind="cancel", ts=time.time(), by=self.bus.name,
+                                       request_id=RequestId(request_id)))
+
+    async def _exchange(self, request: Request, timeouts: Timeouts | None = None,
+                        progress: _Progress | None = None) -> AsyncIterator[Chunk | Result]:
+        timeouts = timeouts or self.timeouts
         reply_to = request.reply or S.tenant_reply(request.tenant, request.id)
         request.reply = reply_to
         request.created = request.created or time.time()
         sub = await self.bus.inbox(reply_to)
-        progress = _Progress()
+        progress = progress if progress is not None else _Progress()
+        duplicate = False
         try:
             ack = await self.bus.jpublish(
                 S.request(request.cls, request.tenant),
                 request,
                 msg_id=M.request(request.id),
-                headers={S.HDR_REPLY: reply_to},
-                budget_s=self.timeouts.publish,
+                headers=tracing.carry(tracing.current.get(), {S.HDR_REPLY: reply_to}),
+                budget_s=timeouts.publish,
             )
             if ack.duplicate:
+                duplicate = True
                 raise DuplicateRequest(
                     f"request {request.id} was already submitted within the dedup window; "
                     "it runs once and its result went to the first submitter",
                     request.id,
                 )
-            async for item in self._replies(sub, request, progress):
+            async for item in self._replies(sub, request, progress, timeouts):
                 yield item
         finally:
-            await sub.unsubscribe()
-            if progress.worker is not None and not progress.final:  # given up before its end
-                try:
-                    await self.cancel(request.id, progress.worker)
-                except Exception as exc:  # best effort: the connection may be gone already
-                    log.warning("could not cancel %s on %s: %s", request.id, progress.worker, exc)
+            # shielded: a canceller that cancels again (natsched.bus.aio.cancel_and_wait) must not
+            # cut the cancel short. A duplicate is the first submitter's request, not ours to cancel
+            await asyncio.shield(self._close(sub, request, cancel=not duplicate and not progress.final))
 
-    async def _replies(self, sub: Any, request: Request, progress: _Progress) -> AsyncIterator[Chunk | Result]:
+    async def _close(self, sub: Any, request: Request, cancel: bool) -> None:
+        """End an exchange: stop listening and, if it ended before its final reply (even with a
+        publish whose ack was lost: it may be stored), cancel it in whatever state it is."""
+        if cancel:  # first: every token generated meanwhile is for nobody
+            try:
+                await self.cancel(request.tenant, request.id)
+            except Exception as exc:  # best effort: the connection may be gone already
+                log.warning("could not cancel %s: %s", request.id, exc)
+        try:
+            await sub.unsubscribe()
+        except Exception as exc:  # the connection may be gone already
+            log.warning("could not unsubscribe from %s: %s", request.reply, exc)
+
+    async def _replies(self, sub: Any, request: Request, progress: _Progress,
+                       timeouts: Timeouts) -> AsyncIterator[Chunk | Result]:
         started = time.monotonic()
         statuses: list[str] = []
         texts: list[str] = []
-        wait, stage = self.timeouts.admission, "an admission decision (is an admitter running?)"
+        wait, stage, reason = timeouts.admission, "an admission decision (is an admitter running?)", "admission"
         while True:
+            left, why, what = _binding_wait(request, bool(texts), wait, reason, stage)
             try:
-                msg = await sub.next_msg(timeout=wait)
+                if left <= 0:
+                    raise BusTimeout("limit already passed")
+                msg = await sub.next_msg(timeout=left)
             except BusTimeout:
-                raise RequestTimeout(f"request {request.id}: no {stage} within {wait:.0f}s", request.id) from None
+                raise RequestTimeout(f"request {request.id}: no {what} within {max(left, 0):.3g}s", request.id,
+                                     why) from None
             try:
                 reply = Reply.decode(msg.data)
             except (DecodeError, SchemaError):
@@ -223,13 +339,15 @@ class Client:
                 if reply.status is not None:
                     statuses.append(reply.status)
                 if reply.status == ReplyStatus.DEGRADED:
+                    progress.final = True  # the offline path owns it now: leaving cancels nothing
                     yield Result(request.id, ResultStatus.DEGRADED, job_id=reply.job_id, statuses=statuses,
-                                 e2e=time.monotonic() - started)
+                                 e2e=time.monotonic() - started, est_wait=progress.est_wait)
                     return
                 if reply.status == ReplyStatus.QUEUED:
-                    wait, stage = self.timeouts.queued, "dequeue from the admission queue"
+                    progress.est_wait = reply.est_wait
+                    wait, stage, reason = timeouts.queued, "dequeue from the admission queue", "queued"
                 else:
-                    wait, stage = self.timeouts.idle, "progress from the router or worker"
+                    wait, stage, reason = timeouts.idle, "progress from the router or worker", "idle"
             elif reply.kind == ReplyKind.TOKEN:
                 texts.append(reply.text or "")
                 yield Chunk(reply.text or "", reply.token_ids, reply.index or 0)
@@ -249,8 +367,30 @@ class Client:
                     tpot=reply.tpot,
                     e2e=time.monotonic() - started,
                     statuses=statuses,
+                    est_wait=progress.est_wait,
                 )
                 return
+
+
+def _binding_wait(request: Request, got_token: bool, wait: float, reason: str,
+                  stage: str) -> tuple[float, str, str]:
+    """(seconds, reason, what was awaited) of the wait that ends first: the stage's or a limit."""
+    now = time.time()
+    waits = [(wait, reason, stage)]
+    if request.deadline is not None:
+        waits.append((request.deadline - now, "total", "result before the request's total limit"))
+    if request.stream and not got_token and request.ttft_deadline is not None:
+        waits.append((request.ttft_deadline - now, "ttft", "first token within the TTFT limit"))
+    if got_token and request.idle_timeout is not None:
+        waits.append((request.idle_timeout, "stream_idle", "next token within the stream-idle limit"))
+    return min(waits, key=lambda w: w[0])
+
+
+def _next_try(request: Request, tries: int) -> Request:
+    """The request again under a fresh id (``<id>-r<n>``) and its own reply subject."""
+    rid = RequestId(f"{request.id}-r{tries}")
+    own_reply = request.reply in (None, S.tenant_reply(request.tenant, request.id))
+    return dataclasses.replace(request, id=rid, reply=None if own_reply else request.reply)
 
 
 def _rerouted(request: Request, reply: Reply, progress: "_Progress", texts: list[str]) -> None:

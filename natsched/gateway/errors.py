@@ -9,12 +9,17 @@ never a stack trace. The tree::
     └── ApiError               an HTTP answer (status, type, code, message, param, headers)
         ├── BadRequest         400 invalid_request_error: malformed JSON, a wrong field, a bad role
         ├── Unauthorized       401 authentication_error: missing or unknown API key
-        ├── Forbidden          403 permission_error: a class above the key's
+        ├── Forbidden          403 permission_error: a class above the key's, /status without a status key,
+        │                      a foreign Host or Origin in the open mode
         ├── NotFound           404 not_found_error: unknown model or path
         ├── MethodNotAllowed   405 invalid_request_error
         ├── Conflict           409 conflict_error: the request id was already submitted
         ├── PayloadTooLarge    413 invalid_request_error: the body is over the limit
-        ├── RateLimited        429 rate_limit_error with Retry-After: admission refused it for now
+        ├── UnsupportedMedia   415 invalid_request_error: not application/json (the open mode)
+        ├── Degraded           422 natsched_degraded: moved to the offline path as a job (job_id,
+        │                      Location: /v1/natsched/jobs/{id}; x-should-retry: false)
+        ├── RateLimited        429 rate_limit_error with Retry-After: admission refused it for now,
+        │                      or the key has its limit of calls in flight
         ├── Upstream           502 api_error: it failed on its worker
         ├── Unavailable        503 service_unavailable with Retry-After: no healthy worker
         └── GatewayTimeout     504 timeout_error: it did not finish within the client's timeout
@@ -47,12 +52,13 @@ class ApiError(GatewayError):
         self.code = code
         self.param = param
         self.retry_after = retry_after
+        self.extra_headers: dict[str, str] = {}
 
     @property
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
-            return {}
-        return {"retry-after": str(max(1, math.ceil(self.retry_after)))}
+            return dict(self.extra_headers)
+        return {"retry-after": str(max(1, math.ceil(self.retry_after))), **self.extra_headers}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -84,6 +90,31 @@ class Conflict(ApiError):
 
 class PayloadTooLarge(ApiError):
     status, type = 413, "invalid_request_error"
+
+
+class UnsupportedMedia(ApiError):
+    status, type = 415, "invalid_request_error"
+
+
+class Degraded(ApiError):
+    """Not an error of the request: it runs later, as a job. An error status all the same, because
+    OpenAI clients take any 2xx for the completion they asked for."""
+
+    status, type = 422, "natsched_degraded"
+
+    def __init__(self, message: str, code: str, job_id: str, location: str) -> None:
+        super().__init__(message, code=code)
+        self.job_id = job_id
+        self.location = location
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"location": self.location, "x-should-retry": "false", "x-natsched-job-id": self.job_id}
+
+    def body(self) -> dict[str, Any]:
+        out = super().body()
+        out["error"].update(job_id=self.job_id, job_url=self.location)
+        return out
 
 
 class RateLimited(ApiError):

@@ -1,6 +1,8 @@
 """API keys -> tenants. Pure: the file is read once at start; lookups need no I/O.
 
-The keys file is JSON: ``{"KEY": {"tenant": "T", "class": "online"}}``. A key may be written
+The keys file is JSON: ``{"KEY": {"tenant": "T", "class": "online"}}``; ``"status": true`` lets
+a key read ``/status`` and ``/status.json`` (which show every tenant's usage: on a keyed gateway
+no other key may). A key may be written
 as ``"sha256:<hex digest of the key>"`` so the file need not hold the secret itself. The class
 is the highest the key may use (``online`` > ``batch`` > ``offline``); a request may ask for a
 lower one with the ``x-natsched-class`` header, never a higher one.
@@ -11,9 +13,11 @@ much of a guessed key was right.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -26,7 +30,7 @@ log = logging.getLogger(__name__)
 #: classes from the most to the least urgent; a header may only move down this list
 CLASS_RANK = {S.ONLINE: 0, S.BATCH: 1, S.OFFLINE: 2}
 CLASS_HEADER = "x-natsched-class"
-_FIELDS = {"tenant", "class"}
+_FIELDS = {"tenant", "class", "status"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class Principal:
 
     tenant: str
     cls: str
+    key: str = field(default="", compare=False)  # which key (a digest prefix): the per-key limits count by it
+    status: bool = field(default=False, compare=False)  # may read /status (every tenant's usage)
 
 
 def _digest(key: str) -> str:
@@ -62,7 +68,8 @@ class KeyRing:
     @classmethod
     def open(cls, tenant: str = "open", klass: str = S.ONLINE) -> "KeyRing":
         """No keys: every request runs as ``tenant`` (``--insecure-open``)."""
-        return cls({}, Principal(_check_tenant(tenant, "--open-tenant"), _check_class(klass, "open class")))
+        return cls({}, Principal(_check_tenant(tenant, "--open-tenant"), _check_class(klass, "open class"),
+                                 key="open", status=True))
 
     @classmethod
     def from_file(cls, path: str | Path) -> "KeyRing":
@@ -90,11 +97,14 @@ class KeyRing:
             unknown = sorted(set(entry) - _FIELDS)
             if unknown:
                 raise ConfigError(f"{who}: unknown field(s) {', '.join(unknown)}")
-            principal = Principal(_check_tenant(entry.get("tenant"), who),
-                                  _check_class(entry.get("class", S.ONLINE), who))
             digest = key[len("sha256:"):].lower() if key.startswith("sha256:") else _digest(key)
             if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
                 raise ConfigError(f"{who}: a sha256: key needs 64 hex digits")
+            status = entry.get("status", False)
+            if not isinstance(status, bool):
+                raise ConfigError(f"{who}: 'status' must be true or false")
+            principal = Principal(_check_tenant(entry.get("tenant"), who),
+                                  _check_class(entry.get("class", S.ONLINE), who), key=digest[:16], status=status)
             if digest in entries:
                 raise ConfigError(f"{who}: listed twice")
             entries[digest] = principal
@@ -116,6 +126,21 @@ class KeyRing:
         if principal is None:
             raise Unauthorized("incorrect API key provided", code="invalid_api_key")
         return principal
+
+
+def status_credentials(authorization: str | None) -> str | None:
+    """The ``Authorization`` header of a ``/status`` request as a Bearer header: a browser
+    (asked by ``WWW-Authenticate: Basic``) sends the key as the password of Basic credentials."""
+    if not authorization:
+        return authorization
+    scheme, _, value = authorization.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return authorization
+    try:
+        _, _, password = base64.b64decode(value.strip(), validate=True).decode().partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        return "Basic"  # malformed: refused as such
+    return f"Bearer {password}"
 
 
 def effective_class(principal: Principal, requested: str | None) -> str:

@@ -30,5 +30,10 @@ class GatewayMetrics:
         self.tokens = Counter("natsched_gateway_tokens", "Tokens of completed requests by tenant and kind "
                               "(prompt, cached, output)", ["tenant", "kind"], registry=r)
         self.inflight = Gauge("natsched_gateway_inflight_requests", "Inference requests being answered", registry=r)
+        self.shed = Counter("natsched_gateway_shed", "Connections and requests refused before any bus work, by "
+                            "why (connections, header_timeout, body_timeout, header_too_large, per_key, "
+                            "client_abort)", ["reason"], registry=r)
         self.cancelled = Counter("natsched_gateway_cancelled", "Requests given up before their end, by why "
-                                 "(disconnect, timeout)", ["reason"], registry=r)
+                                 "(disconnect, timeout, ttft_timeout, idle_timeout)", ["reason"], registry=r)
+        self.keepalives = Counter("natsched_gateway_sse_keepalives", "SSE comment lines sent on quiet streams",
+                                  registry=r)

@@ -17,9 +17,12 @@ from typing import Any
 from natsched.gateway.errors import BadRequest
 from natsched.wire import chat
 from natsched.wire.errors import ChatError
+from natsched.wire.schema import MAX_TOKEN_ID
 
 CHAT, COMPLETION = "chat", "completion"
 MAX_MODEL_NAME = 256
+#: the default bound on token ids in one prompt (``GatewaySettings.max_prompt_token_ids``)
+MAX_PROMPT_TOKEN_IDS = 131072
 
 
 @dataclass
@@ -36,7 +39,8 @@ class Inference:
     system_prompt: str | None = None
 
 
-def parse(kind: str, body: Any, default_max_tokens: int, max_tokens_limit: int) -> Inference:
+def parse(kind: str, body: Any, default_max_tokens: int, max_tokens_limit: int,
+          max_token_ids: int = MAX_PROMPT_TOKEN_IDS) -> Inference:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", code="invalid_body")
     model = body.get("model")
@@ -57,7 +61,7 @@ def parse(kind: str, body: Any, default_max_tokens: int, max_tokens_limit: int) 
         except ChatError as exc:
             raise BadRequest(str(exc), code=exc.code, param=exc.param) from None
     else:
-        inf.prompt, inf.prompt_token_ids = _prompt(body.get("prompt"))
+        inf.prompt, inf.prompt_token_ids = _prompt(body.get("prompt"), max_token_ids)
     return inf
 
 
@@ -95,20 +99,33 @@ def _refuse_unsupported(body: dict) -> None:
             raise BadRequest(f"'{name}' is not supported by this gateway", code="unsupported_parameter", param=name)
 
 
-def _prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
+def _prompt(prompt: Any, max_token_ids: int) -> tuple[str | None, list[int] | None]:
+    """A string, token ids, or a one-element array of either (OpenAI's batch form with one
+    prompt): unwrapped once, never recursively (a prompt of 1,000 nested arrays is a 400, not a
+    RecursionError)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, list) and prompt:
         if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
-            if min(prompt) < 0:
-                raise BadRequest("token ids must be non-negative integers", code="invalid_prompt", param="prompt")
-            return None, list(prompt)
-        if len(prompt) == 1:
-            return _prompt(prompt[0])
-        raise BadRequest("one prompt per request: send an array of several prompts as separate requests",
-                         code="unsupported_parameter", param="prompt")
+            return None, token_ids(prompt, max_token_ids)
+        if len(prompt) > 1 and all(isinstance(x, (str, list)) for x in prompt):
+            raise BadRequest("one prompt per request: send an array of several prompts as separate requests",
+                             code="unsupported_parameter", param="prompt")
     raise BadRequest("'prompt' is required: a string, or an array of token ids", code="invalid_prompt",
                      param="prompt")
+
+
+def token_ids(ids: list[int], limit: int) -> list[int]:
+    """Token ids as the engines take them: at most ``limit``, each in ``0 .. MAX_TOKEN_ID``."""
+    if len(ids) > limit:
+        raise BadRequest(f"a prompt of {len(ids)} token ids is over the limit of {limit}", code="invalid_prompt",
+                         param="prompt")
+    if min(ids) < 0 or max(ids) > MAX_TOKEN_ID:
+        raise BadRequest(f"token ids must be integers from 0 to {MAX_TOKEN_ID}", code="invalid_prompt",
+                         param="prompt")
+    return list(ids)
 
 
 # --- responses ---------------------------------------------------------------------------
@@ -165,7 +182,17 @@ def chunk(inf: Inference, request_id: str, created: int, text: str | None = None
     return out
 
 
-def models_body(models: dict[str, bool], created: int | None = None) -> dict[str, Any]:
+def models_body(models: dict[str, bool], created: int | None = None,
+                cards: dict[str, dict] | None = None) -> dict[str, Any]:
+    """The OpenAI model list, with vLLM's entry fields (``root``, ``parent``, ``max_model_len``):
+    from the engine server's own entry where a worker fronts one (``cards``), else natsched's."""
     created = int(time.time()) if created is None else created
-    return {"object": "list", "data": [{"id": m, "object": "model", "created": created, "owned_by": "natsched",
-                                        "ready": ready} for m, ready in sorted(models.items())]}
+    cards = cards or {}
+    data = []
+    for m, ready in sorted(models.items()):
+        entry = {"id": m, "object": "model", "created": created, "owned_by": "natsched", "root": m, "parent": None,
+                 "max_model_len": None}
+        entry.update({k: v for k, v in cards.get(m, {}).items() if v is not None or k == "parent"})
+        entry["ready"] = ready
+        data.append(entry)
+    return {"object": "list", "data": data}

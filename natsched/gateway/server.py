@@ -13,6 +13,7 @@ import logging
 import uvicorn
 
 from natsched.gateway.app import build_app
+from natsched.gateway.edge import EdgeLimits, EdgeProtocol
 from natsched.gateway.errors import ConfigError
 from natsched.gateway.service import Gateway
 
@@ -31,7 +32,12 @@ class GatewayServer:
         self.gateway = gateway
         s = gateway.settings
         config = uvicorn.Config(build_app(gateway), host=s.host, port=s.port, log_level="warning",
-                                access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                                http=EdgeProtocol, timeout_keep_alive=s.idle_timeout_s)  # type: ignore[arg-type]
+        shed = gateway.metrics.shed
+        config.natsched_edge = EdgeLimits(  # type: ignore[attr-defined]  (read by EdgeProtocol)
+            max_connections=s.max_connections, header_timeout_s=s.header_timeout_s, body_timeout_s=s.body_timeout_s,
+            max_header_bytes=s.max_header_bytes, shed=lambda reason: shed.labels(reason).inc())
         self.server = _Server(config)
         self._task: asyncio.Task | None = None
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
+from natsched.bus.aio import cancel_and_wait
+
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -35,31 +37,42 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        task.cancel()
+        await asyncio.shield(cancel_and_wait(task))
         raise
     finally:
         watcher.cancel()
     if task in done:
         return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    # again and again until it is done: one cancel can be swallowed on Python 3.11 (bus.aio)
+    await cancel_and_wait(task)
+    if not task.cancelled():
+        task.exception()  # it ended on its own as the client left: nobody wants what it raised
     raise ClientGone()
 
 
 class EventStream:
     """An ASGI ``text/event-stream`` response fed by ``events``; a disconnect cancels the feed.
 
-    ``on_disconnect`` runs (once) when the client left before the feed ended.
+    ``on_disconnect`` runs (once) when the client left before the feed ended; ``on_close`` once
+    the response is over, however it ended (even if the feed never started).
     """
 
     def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None,
-                 on_disconnect: Callable[[], None] | None = None) -> None:
+                 on_disconnect: Callable[[], None] | None = None, on_close: Callable[[], None] | None = None) -> None:
         self.events = events
         self.headers = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
                         "x-accel-buffering": "no", **(headers or {})}
         self.on_disconnect = on_disconnect
+        self.on_close = on_close
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        try:
+            await self._serve(receive, send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
+
+    async def _serve(self, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(k.encode(), v.encode()) for k, v in self.headers.items()]})
 

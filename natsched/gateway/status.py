@@ -5,7 +5,10 @@ so it works against any cluster it can reach on the bus):
 
 - workers — their own heartbeats (``worker.*.hb``): state, load (runtime tokens in use over
   capacity), KV use, heartbeat age; the hit ratio is cached / prompt tokens of their recent
-  completions (``done.>``). A worker silent for three heartbeat intervals shows as ``stale``;
+  completions (``done.>``). A worker silent for three heartbeat intervals shows as ``stale``; one
+  that reports healthy but that a router judged much slower than its learned prediction shows as
+  ``half_open`` (the routers' records ``cost.<worker>.<router>`` in bucket ``workers``,
+  :mod:`natsched.router.health`), with the prefill rate the routers learned for it;
 - tenants — the ``quotas`` bucket (floor, cap) and the ``inflight`` bucket's ``usage`` key;
 - queue depths by class — admission records (``decision.admission.*``): a request whose last
   record is ``queue`` is still held; the class limit is the quotas' ``class.<c>.queue``;
@@ -40,6 +43,12 @@ log = logging.getLogger(__name__)
 
 #: a worker is stale after this many missed heartbeat intervals (the admitter's lease default)
 STALE_AFTER_INTERVALS = 3.0
+#: the gateway refuses a model at once (503) only when its workers have been silent this long at
+#: least: a late heartbeat or two (a loaded host, a GC pause) is the router's to wait out, not a
+#: reason to fail a request that a worker would serve a moment later
+REFUSE_AFTER_S = 2.0
+#: a router's verdict on a worker counts while its record is younger than this (routers publish every second)
+ROUTER_VERDICT_S = 30.0
 
 
 @dataclass
@@ -64,6 +73,7 @@ class WorkerRow:
     kv_total_blocks: int
     heartbeat_age_s: float
     hit_ratio: float | None  # cached / prompt tokens of its completions in the window
+    prefill_tps: float | None = None  # prefill tokens/s the routers learned for it (their mean)
 
     @property
     def load(self) -> float | None:
@@ -120,6 +130,26 @@ class StatusState:
         self.queued: dict[str, tuple[str, float]] = {}  # request id -> (class, when queued)
         self.rejections: deque[tuple[float, str]] = deque()
         self.served: dict[str, deque[tuple[float, int, int]]] = {}  # worker -> (ts, prompt, cached)
+        self.verdicts: dict[str, dict[str, tuple[str, float | None, float]]] = {}  # worker -> router -> (health, tps, at)
+
+    def on_cost_record(self, key: str, value: bytes) -> None:
+        """A router's learned view of a worker (bucket ``workers``, ``cost.<worker>.<router>``)."""
+        parsed = S.parse_cost_key(key)
+        try:
+            rec = orjson.loads(value)
+            at, health = float(rec["at"]), str(rec.get("health", "healthy"))
+            tps = rec.get("estimate", {}).get("prefill_tokens_per_s")
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            return
+        if parsed is not None:
+            self.verdicts.setdefault(parsed[0], {})[parsed[1]] = (
+                health, float(tps) if isinstance(tps, (int, float)) else None, at)
+
+    def _router_view(self, worker: str, now: float) -> tuple[bool, float | None]:
+        """(some router holds it half-open, the mean learned prefill rate) from fresh records."""
+        fresh = [v for v in self.verdicts.get(worker, {}).values() if now - v[2] <= ROUTER_VERDICT_S]
+        rates = [v[1] for v in fresh if v[1]]
+        return any(v[0] == "half_open" for v in fresh), (sum(rates) / len(rates) if rates else None)
 
     def on_heartbeat(self, hb: Heartbeat, now: float) -> None:
         self.heartbeats[hb.worker] = (hb, now)
@@ -149,12 +179,25 @@ class StatusState:
         self.heartbeats = {w: hb for w, hb in self.heartbeats.items() if now - hb[1] <= s.forget_worker_s}
 
     def models(self, now: float) -> dict[str, bool]:
-        """Every model a live worker serves -> whether a healthy worker serves it now."""
+        """Every model (and LoRA adapter) a live worker serves -> whether a healthy worker serves it now."""
         out: dict[str, bool] = {}
         for hb, seen in self.heartbeats.values():
-            fresh = now - seen <= STALE_AFTER_INTERVALS * max(hb.interval, 0.1)
-            out[hb.model] = out.get(hb.model, False) or (fresh and hb.state == "healthy")
+            window = max(STALE_AFTER_INTERVALS * max(hb.interval, 0.1), REFUSE_AFTER_S)
+            ok = now - seen <= window and hb.state == "healthy"
+            for name in {hb.model, *(m.id for m in hb.served)}:
+                out[name] = out.get(name, False) or ok
         return out
+
+    def model_cards(self) -> dict[str, dict]:
+        """The engine servers' own ``/v1/models`` entries by id (workers fronting ``vllm serve``),
+        the newest heartbeat's winning: ``object``, ``created``, ``owned_by``, ``root``, ``parent``,
+        ``max_model_len``."""
+        cards: dict[str, dict] = {}
+        for hb, _ in sorted(self.heartbeats.values(), key=lambda x: x[1]):
+            for m in hb.served:
+                cards[m.id] = {"object": m.object, "created": m.created or None, "owned_by": m.owned_by,
+                               "root": m.root, "parent": m.parent, "max_model_len": m.max_model_len}
+        return cards
 
     def view(self, quota_entries: dict[str, bytes], usage_raw: bytes | None, now: float) -> StatusView:
         self.prune(now)
@@ -189,11 +232,14 @@ class StatusState:
             served = self.served.get(worker) or ()
             prompt = sum(p for _, p, _ in served)
             state = "stale" if age > STALE_AFTER_INTERVALS * max(hb.interval, 0.1) else hb.state
+            half_open, tps = self._router_view(worker, now)
+            if state == "healthy" and half_open:
+                state = "half_open"
             rows.append(WorkerRow(
                 id=worker, state=state, model=hb.model, running=hb.running, waiting=hb.waiting,
                 runtime_tokens=hb.runtime_tokens, capacity_tokens=hb.capacity_tokens,
                 kv_used_blocks=hb.kv_used_blocks, kv_total_blocks=hb.kv_total_blocks, heartbeat_age_s=age,
-                hit_ratio=(sum(c for _, _, c in served) / prompt) if prompt else None,
+                hit_ratio=(sum(c for _, _, c in served) / prompt) if prompt else None, prefill_tps=tps,
             ))
         return rows
 
@@ -254,6 +300,11 @@ class StatusCollector:
         # one filtered snapshot, not a watch plus a get per key: a role may be allowed this read
         # without the rights a watch needs (natsched.ops.auth, the gateway's role)
         entries = {key: value async for key, value in self.bus.kv(S.BUCKET_QUOTAS).entries()}
+        try:  # the routers' verdicts: a role without read rights on bucket workers shows reported states
+            async for key, value in self.bus.kv(S.BUCKET_WORKERS).entries(S.COST_KEYS):
+                self.state.on_cost_record(key, value)
+        except Exception as exc:
+            log.debug("status: no router verdicts (%s)", exc)
         usage = await self.bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE)
         return self.state.view(entries, usage[0] if usage else None, time.time())
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ServerError
-from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, ClusterMember, EmbeddedServer, default_data_dir, free_port
+from natsched.bus.server import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SYNC, ClusterMember, EmbeddedServer,
+                                  default_data_dir, free_port)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class ClusterSettings:
     credentials: Path | None = None  # used for the readiness check and provisioning (admin)
     ready_timeout_s: float = 30.0  # JetStream's first leader election takes ~5 s
     provision: bool = True
+    sync: str = DEFAULT_SYNC  # every node's JetStream sync_interval (natsched.bus.server.SYNC_CHOICES)
 
 
 class LocalCluster:
@@ -67,7 +69,7 @@ class LocalCluster:
         self.servers = [
             EmbeddedServer(
                 port, self.data_dir / f"n{i + 1}", settings.host, log_file=self.data_dir / f"n{i + 1}.log",
-                config_file=settings.config_file,
+                config_file=settings.config_file, sync=settings.sync,
                 cluster=ClusterMember(f"n{i + 1}", routes[i], routes, settings.name) if settings.nodes > 1 else None,
             )
             for i, port in enumerate(ports)

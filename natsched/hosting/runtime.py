@@ -15,6 +15,7 @@ import sys
 from typing import Awaitable, Callable
 
 from natsched.bus.connection import Bus
+from natsched import tracing
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,12 @@ async def serve(
     until: Callable[[], Awaitable[None]] | None = None,
     credentials=None,
 ) -> None:
-    """Connect, run ``start(bus)``, announce, then wait for SIGINT/SIGTERM (or ``until``)."""
+    """Connect, run ``start(bus)``, announce, then wait for SIGINT/SIGTERM (or ``until``).
+
+    Traces are on when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (:mod:`natsched.tracing`); a
+    bad tracing setting stops the service here, before it connects.
+    """
+    tracing.configure_from_env(f"natsched-{component}")
     bus = await Bus.connect(url, name=component, credentials=credentials)
     try:
         detail = await start(bus)
@@ -102,3 +108,4 @@ async def serve(
             await stop()
     finally:
         await bus.close()
+        tracing.shutdown()  # the batch exporter sends what it holds

@@ -3,12 +3,17 @@
 Children run in their own session (Ctrl-C reaches only the supervisor, which stops them in
 order) and carry PR_SET_PDEATHSIG, so even a supervisor killed with SIGKILL leaves no orphans.
 The nats-server's data dir survives a stop; the next ``up`` finds its streams and quotas.
+
+Everything it started is supervised, the embedded nats-server included: a server that dies is
+started again on the same port and data dir (JetStream recovers its streams from it; the
+services reconnect on their own), a child that dies is started again with the same command.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,21 +24,24 @@ from pathlib import Path
 
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ServerError
-from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, EmbeddedServer, die_with_parent
+from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SYNC, EmbeddedServer, die_with_parent
 from natsched.ops.auth import AuthDir, AuthError
 from natsched.hosting.runtime import DRAINED_PREFIX, READY_PREFIX
 
 log = logging.getLogger(__name__)
 
 
-async def _provision(url: str, credentials: Path | None = None) -> list[str]:
+async def _provision(url: str, credentials: Path | None = None, data_dir: Path | None = None) -> list[str]:
     """Every stream and bucket, the offline runner's included: under auth only the admin may
-    create them (the services' roles may read stream info, not change it). Returns the notes on
-    settings the data dir carries from earlier runs (:mod:`natsched.ops.persisted`)."""
+    create them (the services' roles may read stream info, not change it). ``data_dir``: the
+    embedded server's, whose disk the limits are sized to (or refused with one line). Returns the
+    notes on settings the data dir carries from earlier runs (:mod:`natsched.ops.persisted`)."""
     from natsched.ops.persisted import persisted_notes
 
     bus = await Bus.connect(url, name="natsched-up", credentials=credentials)
     try:
+        if data_dir is not None:
+            await bus.fit_to_disk(shutil.disk_usage(data_dir).free)
         await bus.provision(jobs=True)
         return await persisted_notes(bus)
     finally:
@@ -62,6 +70,7 @@ class UpSettings:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     data_dir: Path | None = None
+    sync: str = DEFAULT_SYNC  # the embedded server's JetStream sync_interval (natsched.bus.server.SYNC_CHOICES)
     policy: str = "natsched"
     time_scale: float = 1.0
     log_level: str = "info"
@@ -74,8 +83,20 @@ class UpSettings:
     log_dir: Path | None = None  # children's stderr to <log_dir>/<name>.log; None: this process's stderr
     admitter_settings: list[str] = field(default_factory=list)  # --set GROUP.NAME=VALUE for every admitter
     metrics_port: int | None = None  # Prometheus on this port and the next ones: admitters, routers, workers, gateway
+    # engine "vllm-server": the servers to front, one worker agent each (``workers`` follows), and
+    # their KV-event endpoints in the same order (fewer: the rest run without cache summaries)
+    server_urls: list[str] = field(default_factory=list)
+    server_kv_events: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.engine == "vllm-server":
+            if not self.server_urls:
+                raise ValueError("--engine vllm-server needs --vllm-url URL (once per server)")
+            if len(self.server_kv_events) > len(self.server_urls):
+                raise ValueError("more --kv-events than --vllm-url: give them in the servers' order")
+            self.workers = len(self.server_urls)
+        elif self.server_urls:
+            raise ValueError("--vllm-url needs --engine vllm-server")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - self.metered() + 1:
             raise ValueError(f"--metrics-port {self.metrics_port}: the {self.metered()} services need "
                              f"ports {self.metrics_port}..{self.metrics_port + self.metered() - 1} within 1..65535")
@@ -106,6 +127,7 @@ class Supervisor:
         self.auth: AuthDir | None = None
         self._open_tenant: str | None = None  # an open gateway's tenant under auth
         self.metrics_ports: dict[str, int] = {}  # child name -> its Prometheus port (metrics_port set)
+        self.server_restarts = 0  # how often the embedded server was started again after it died
 
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "natsched", "--log-level", self.s.log_level, *args]
@@ -131,9 +153,9 @@ class Supervisor:
                               user="router"))
         if self.s.offline:
             kids.append(Child("offline", self._cmd("offline", *common, "--name", "offline"), user="offline"))
-        for wid in self.worker_ids():
+        for i, wid in enumerate(self.worker_ids()):
             args = ["worker", *common, "--id", wid, "--engine", self.s.engine,
-                    "--time-scale", str(self.s.time_scale), *self.s.extra_worker_args]
+                    "--time-scale", str(self.s.time_scale), *self.s.extra_worker_args, *self._server_args(i)]
             kids.append(Child(f"worker {wid}", self._cmd(*args), user=f"worker-{wid}"))
         if self.s.gateway_port is not None:
             auth = ["--keys", str(self.s.gateway_keys)] if self.s.gateway_keys else ["--insecure-open"]
@@ -146,6 +168,15 @@ class Supervisor:
                 kid.args += ["--credentials", str(self.auth.creds(kid.user))]
         self._assign_metrics_ports(kids)
         return kids
+
+    def _server_args(self, i: int) -> list[str]:
+        """Worker ``i``'s server (engine vllm-server): its URL and KV-event endpoint."""
+        if self.s.engine != "vllm-server":
+            return []
+        out = ["--url", self.s.server_urls[i]]
+        if i < len(self.s.server_kv_events):
+            out += ["--kv-events", self.s.server_kv_events[i]]
+        return out
 
     def _assign_metrics_ports(self, kids: list[Child]) -> None:
         """Consecutive ``--metrics-port``s from ``metrics_port``, in the plan's order."""
@@ -240,12 +271,14 @@ class Supervisor:
         self._open_auth()
         if url is None:
             self.server = EmbeddedServer(self.s.port, self.s.data_dir, self.s.host,
-                                         config_file=self.auth.config if self.auth else None).start()
+                                         config_file=self.auth.config if self.auth else None, sync=self.s.sync,
+                                         log_file=self._server_log()).start()
             url = self.server.url
-            say(f"ready: nats-server {url} (JetStream, data {self.server.data_dir}"
-                + (f", auth {self.auth.config})" if self.auth else ")"), flush=True)
+            say(f"ready: nats-server {url} (pid {self.server.proc.pid}, JetStream, data {self.server.data_dir}, "
+                f"sync {self.s.sync}" + (f", auth {self.auth.config})" if self.auth else ")"), flush=True)
         admin = self.auth.creds("admin") if self.auth else None
-        notes = asyncio.run(_provision(url, admin))  # once, before the components race to create streams
+        # once, before the components race to create streams
+        notes = asyncio.run(_provision(url, admin, self.server.data_dir if self.server is not None else None))
         for note in notes:  # a canary or quota set once persists: say so before it applies
             say(f"note: {note}", flush=True)
             log.warning("data dir state: %s", note)
@@ -305,9 +338,17 @@ class Supervisor:
         finally:
             self.stop()
 
+    def _server_log(self) -> Path | None:
+        if self.s.log_dir is None:
+            return None
+        self.s.log_dir.mkdir(parents=True, exist_ok=True)
+        return self.s.log_dir / "nats-server.log"
+
     def _restart_dead(self) -> None:
-        """Start crashed children again; one an operator drained stays stopped (the drain asked
-        for it to leave: ``natsched worker drain ID``; the next ``natsched up`` starts it)."""
+        """The server first (the children need it), then every child that exited; one an operator
+        drained stays stopped (``natsched worker drain ID``; the next ``natsched up`` starts it)."""
+        if self.server is not None and not self.server.alive() and not self._stop.is_set():
+            self.restart_server()
         for child in self.children:
             if child.proc is not None and child.proc.poll() is not None and not self._stop.is_set():
                 if child.reader is not None:
@@ -321,6 +362,22 @@ class Supervisor:
                 print(f"{child.name} exited with code {child.proc.returncode}; restarting", flush=True)
                 time.sleep(1.0)
                 self._spawn(child)
+
+    def restart_server(self) -> bool:
+        """Start the embedded server again on its port and data dir; False when it failed (the
+        next watch tries again: its port may still be held for a moment)."""
+        code = self.server.proc.returncode if self.server.proc is not None else None
+        print(f"nats-server exited with code {code}; restarting it on {self.server.data_dir}", flush=True)
+        log.warning("nats-server exited with code %s; restarting it on %s", code, self.server.data_dir)
+        try:
+            self.server.start()
+        except ServerError as exc:
+            print(f"nats-server did not start again: {exc}; retrying", flush=True)
+            return False
+        self.server_restarts += 1
+        print(f"ready: nats-server {self.server.url} (pid {self.server.proc.pid}, restart {self.server_restarts})",
+              flush=True)
+        return True
 
     def stop(self, timeout: float = 10.0, quiet: bool = False) -> None:
         """Workers first, then router and admitter, then the server: nothing is left running."""

@@ -50,10 +50,11 @@ def render_text(view: StatusView, scale: ScaleEvent | None = None) -> str:
     out.append("")
     out.append(f"WORKERS ({len(view.workers)})")
     out.append(f"  {'worker':<16}{'state':<11}{'model':<16}{'run':>5}{'wait':>6}{'load':>7}{'kv':>7}"
-               f"{'hit':>7}{'hb age':>9}")
+               f"{'hit':>7}{'hb age':>9}{'prefill/s':>11}")
     for w in view.workers:
+        tps = "-" if w.prefill_tps is None else f"{w.prefill_tps:,.0f}"
         out.append(f"  {w.id[:15]:<16}{w.state:<11}{w.model[:15]:<16}{w.running:>5}{w.waiting:>6}"
-                   f"{_pct(w.load):>7}{_pct(w.kv_use):>7}{_pct(w.hit_ratio):>7}{w.heartbeat_age_s:>8.1f}s")
+                   f"{_pct(w.load):>7}{_pct(w.kv_use):>7}{_pct(w.hit_ratio):>7}{w.heartbeat_age_s:>8.1f}s{tps:>11}")
     if not view.workers:
         out.append("  (no worker heartbeats)")
     out.append("")

@@ -7,6 +7,10 @@ simulator does the same in virtual time. It owns the shared pieces and wires the
   our assignments);
 - :class:`~natsched.router.index.PrefixIndex` — which worker holds which prefix (events + our decisions);
 - :class:`~natsched.router.feedback.ClaimTracker` — are a worker's cache claims coming true;
+- :class:`~natsched.router.learned.CostBook` — each worker's cost model, learned from its completions
+  against what was predicted when it was routed;
+- :class:`~natsched.router.health.LatencyHealth` — a worker much slower than its own prediction
+  goes half-open;
 - the live policy and an optional canary policy, both built on the same :class:`PolicyDeps`.
 
 Time (``now``) is the caller's clock in seconds (wall time in the service, virtual time in the
@@ -17,15 +21,18 @@ from __future__ import annotations
 
 import logging
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from natsched.wire.schema import CacheEvent, Completion, CompletionStatus, Heartbeat, RequestId, WorkerId
 from natsched.router.costmodel import CostModel
-from natsched.router.deps import PolicyDeps, cached_tokens
+from natsched.router.deps import PolicyDeps, build_params, cached_tokens
 from natsched.router.errors import ConfigError
 from natsched.router.feedback import ClaimTracker, FeedbackSettings
+from natsched.router.health import HealthSettings, LatencyHealth, completion_ratio
 from natsched.router.index import IndexSettings, PrefixIndex
+from natsched.router.learned import CostBook, LearnSettings, Sample
 from natsched.router.policies import make_policy
 from natsched.router.policy import RouteDecision, RouteRequest, RoutingPolicy, WorkerView
 from natsched.router.registry import Assignment, RegistrySettings, WorkerRegistry, WorkerState
@@ -47,7 +54,10 @@ class RouterSettings:
     canary_share: float = 0.0  # share of requests (by request-id hash) the canary decides
     index: IndexSettings = field(default_factory=IndexSettings)
     feedback: FeedbackSettings = field(default_factory=FeedbackSettings)
-    cost: CostModel = field(default_factory=CostModel)
+    cost: CostModel = field(default_factory=CostModel)  # the fixed model: priors, capacities
+    learn: LearnSettings = field(default_factory=LearnSettings)  # per-worker learned cost models
+    health: HealthSettings = field(default_factory=HealthSettings)  # latency-tied half-open state
+    keep_predictions: int = 0  # per worker, (observed, predicted, fixed-model) TTFTs kept (benchmarks)
 
     def registry_settings(self) -> RegistrySettings:
         return RegistrySettings(
@@ -59,6 +69,22 @@ class RouterSettings:
         )
 
 
+def prefer_loaded(candidates: list[WorkerView], model: str) -> list[WorkerView]:
+    """For an adapter's request: the healthy candidates that have it in their batch now and room
+    left (load below capacity), when there are any; else every candidate.
+
+    A vLLM server holds ``--max-loras`` adapters on the device at once; one that is not there
+    is loaded first (from CPU memory or disk), which delays the request and evicts another
+    adapter. The Gateway API inference extension (the scheduler llm-d builds on) filters for
+    LoRA affinity from the same ``vllm:lora_requests_info`` gauge. Restricting the policy's choice, rather than scoring
+    it, keeps every policy's own logic as documented; the capacity test keeps a busy
+    worker from taking all of an adapter's traffic.
+    """
+    loaded = [w for w in candidates if model in w.active and w.state == "healthy"
+              and (not w.capacity_tokens or w.load_tokens < w.capacity_tokens)]
+    return loaded or candidates
+
+
 def in_canary(request_id: str, share: float) -> bool:
     """Deterministic: the same request id always lands on the same side (retries, replicas)."""
     return zlib.crc32(request_id.encode()) % 10_000 < share * 10_000
@@ -68,9 +94,14 @@ class RouterCore:
     def __init__(self, settings: RouterSettings | None = None, policy: RoutingPolicy | None = None) -> None:
         s = self.settings = settings or RouterSettings()
         self.index = PrefixIndex(s.index)
-        self.registry = WorkerRegistry(s.registry_settings(), s.cost)
+        self.costs = CostBook(s.cost, s.learn)
+        self.health = LatencyHealth(s.health)
+        self.registry = WorkerRegistry(s.registry_settings(), s.cost, self.costs, self.health)
         self.claims = ClaimTracker(s.feedback)
-        self.deps = PolicyDeps(self.index, s.cost, s.block_size)
+        self.deps = PolicyDeps(self.index, s.cost, s.block_size, self.costs)
+        # worker -> (its completion count, observed TTFT, predicted, fixed model's), see keep_predictions
+        self.predictions: dict[WorkerId, deque] = {}
+        self._completed: dict[WorkerId, int] = {}
         self.workers: dict[WorkerId, WorkerView] = self.registry.views
         self.policy: RoutingPolicy = policy or make_policy(s.policy, self.deps, s.policy_weights.get(s.policy))
         self.canary: RoutingPolicy | None = None
@@ -84,6 +115,8 @@ class RouterCore:
     def on_heartbeat(self, hb: Heartbeat, now: float) -> None:
         w = hb.worker
         joined = w not in self.registry.views
+        if joined:  # pooled with the workers of the same model and deployment (natsched.router.learned)
+            self.costs.set_group(w, f"{hb.model}/{hb.deployment or ''}")
         if self.registry.on_heartbeat(hb, now):
             self.index.reset_worker(w, now)
             self.claims.reset(w)
@@ -97,7 +130,7 @@ class RouterCore:
     def on_cache_event(self, ev: CacheEvent, now: float) -> bool:
         """Apply a cache delta; False when a sequence gap means a snapshot is needed."""
         ok = self.index.apply(ev, now)
-        if ev.kind == "snapshot":
+        if ev.kind == "snapshot" and ev.tier != "host":
             self.claims.reset(ev.worker)
             self._snapshot_requests.pop(ev.worker, None)
         if ev.worker in self.registry.views:
@@ -110,6 +143,7 @@ class RouterCore:
         a = self.registry.on_completion(c.request_id, c.worker, c.runtime_tokens)
         if a is None or c.status != CompletionStatus.OK or (c.worker is not None and c.worker != a.worker):
             return False  # not routed by us (another replica judges it), failed, or re-routed
+        self._learn(a, c, now)
         if not self._claim_failed(a, c.cached_tokens):
             return False
         w = a.worker
@@ -117,6 +151,37 @@ class RouterCore:
         if self.index.distrust(w, reason) and self.index.needs_snapshot(w, now):
             self._snapshot_requests[w] = None
         return True
+
+    def _learn(self, a: Assignment, c: Completion, now: float) -> None:
+        """Teach the worker's cost model what this completion took, then judge its health.
+
+        A report the model refuses (negative or non-finite times, cached > prompt, impossible
+        rates) is counted in ``costs.refused`` and judged by nobody.
+        """
+        w = a.worker
+        prompt = c.prompt_tokens or a.prompt_tokens
+        cached = c.cached_tokens
+        if cached > prompt:
+            self.costs.refused["bad_counts"] += 1
+            return
+        self.costs.freeze(w, self.health.learning_frozen(w, now))
+        sample = Sample(prompt - cached, cached, c.ttft, c.tpot, a.pred_wait_s, a.batch, a.batch_kv,
+                        min(a.host_tokens, cached))
+        if self.costs.observe(w, sample, now) is not None:
+            return
+        n = self._completed[w] = self._completed.get(w, 0) + 1
+        keep = self.settings.keep_predictions
+        if keep and c.ttft is not None:
+            log_ = self.predictions.get(w)
+            if log_ is None:
+                log_ = self.predictions[w] = deque(maxlen=keep)
+            log_.append((n, c.ttft, a.pred_ttft_s, a.fixed_ttft_s))
+        ratio = completion_ratio(c.ttft, a.pred_ttft_s, c.tpot, a.pred_tpot_s)
+        # judged against its *learned* prediction only: the fixed model is no yardstick for a worker
+        # of another GPU or model, nor is a prior that has not met the worker yet
+        if ratio is not None and self.costs.settings.enabled and self.costs.samples(w) >= self.health.settings.min_learned:
+            self.health.observe(w, ratio, now)
+            self.costs.freeze(w, self.health.learning_frozen(w, now))
 
     def _claim_failed(self, a: Assignment, actual: int) -> bool:
         """Score one completion against the worker's own claim; True when it must be demoted.
@@ -145,9 +210,15 @@ class RouterCore:
     # ------------------------------------------------------------------ routing
 
     def candidates(self, req: RouteRequest, now: float) -> list[WorkerView]:
-        """Workers that may take ``req`` now (state, heartbeat age, model, size for BACKOFF)."""
+        """Workers that may take ``req`` now (state, heartbeat age, model, size for BACKOFF), and of
+        them, for a LoRA adapter's request, those with the adapter loaded (:func:`prefer_loaded`)."""
         eligible = self.registry.eligible
-        return [w for w in self.workers.values() if eligible(w, req, now)]
+        out = prefer_loaded([w for w in self.workers.values() if eligible(w, req, now)], req.model)
+        if not out and any(self.health.is_half_open(w) for w in self.workers):
+            # a half-open worker is slow, not gone: when nothing else can take it, it may
+            out = prefer_loaded([w for w in self.workers.values() if eligible(w, req, now, ignore_health=True)],
+                                req.model)
+        return out
 
     def route(self, req: RouteRequest, now: float) -> RouteDecision:
         """Ask the live (or canary) policy, then book the assignment: pending load, ledger entry
@@ -171,13 +242,49 @@ class RouterCore:
             if belief is None:  # cache-blind policy: still audit what the index predicted
                 decision.expected_cached_tokens = expected
         claimed = self._claimed(req, w, now) if expected > 0 else 0  # precise <= any claim
+        host = self._host_tokens(req, w, now)  # before our own claim covers the chain
         self.index.record_route(req.hashes, w, now)
         kv = req.runtime_tokens or prompt + req.expected_output
         uncached = prompt - expected
-        self.registry.on_assigned(req.id, Assignment(
-            w, kv, uncached, expected, now, claimed_cached=claimed, hashes=req.hashes, mark=self.index.mark(),
-            prompt_tokens=prompt, prefill_s=self.deps.cost.prefill_ctx_s(uncached, expected)))
+        a = Assignment(w, kv, uncached, expected, now, claimed_cached=claimed, hashes=req.hashes,
+                       mark=self.index.mark(), prompt_tokens=prompt, host_tokens=host)
+        self._predict(a, self.workers[w], now, req.expected_output)
+        self.registry.on_assigned(req.id, a)
+        self._audit(decision, w, now)
         return decision
+
+    def _host_tokens(self, req: RouteRequest, w: WorkerId, now: float) -> int:
+        """Prompt tokens ``w``'s host tier holds right after its GPU match (loaded, not recomputed)."""
+        if not self.index.has_host:
+            return 0
+        bt, prompt = self.deps.block_tokens, req.prompt_tokens
+        start = self.index.match_one(req.hashes, w, now)
+        more = self.index.match_host(req.hashes, w, start)
+        return cached_tokens(start + more, bt, prompt) - cached_tokens(start, bt, prompt) if more else 0
+
+    def _predict(self, a: Assignment, view: WorkerView, now: float, output: int = 0) -> None:
+        """What the worker's own model expects of this request (judged at its completion)."""
+        wc = self.costs.of(a.worker)
+        base = self.settings.cost
+        uncached, cached = a.prefill_tokens, a.expected_cached
+        a.prefill_s = wc.prefill_ctx_s(uncached, cached)
+        a.pred_wait_s = wc.wait_s(view, now)
+        host = a.host_tokens if a.host_tokens < cached else cached
+        a.pred_ttft_s = a.pred_wait_s + wc.first_token_s(uncached, cached, host)
+        a.batch = view.inflight + 1
+        a.batch_kv = wc.batch_kv_tokens(view) + a.kv_tokens
+        a.pred_tpot_s = wc.step_s(a.batch_kv, a.batch)
+        a.pred_e2e_s = a.pred_ttft_s + max(0, output - 1) * a.pred_tpot_s
+        a.fixed_ttft_s = base.backlog_s(view) + base.prefill_ctx_s(uncached, cached)
+
+    def _audit(self, decision: RouteDecision, w: WorkerId, now: float) -> None:
+        """Every policy's audit terms name the cost estimate behind the pick, and a half-open pick."""
+        terms = decision.terms.setdefault(w, {})
+        for k, v in self.costs.describe(w).items():
+            terms.setdefault(k, v)
+        if self.health.is_half_open(w):
+            terms["half_open"] = 1.0
+            decision.reason = (decision.reason or "") + "+half_open"
 
     def _claimed(self, req: RouteRequest, w: WorkerId, now: float) -> int:
         """Prompt tokens ``w``'s own cache reports say it can serve, as an engine counts them: whole
@@ -196,6 +303,18 @@ class RouterCore:
         policy = make_policy(name, self.deps, weights)
         log.info("routing policy %s -> %s (weights %s)", self.policy.name, name, dict(weights or {}))
         self.policy = policy
+
+    def set_learning(self, learn: Mapping[str, Any] | None = None, health: Mapping[str, Any] | None = None) -> None:
+        """Replace the learned cost model's and the health rule's settings (fields not named keep
+        their defaults); raises ConfigError and keeps the old ones on error. What was learned stays."""
+        new_learn = build_params(LearnSettings, learn, "learn") if learn is not None else None
+        new_health = build_params(HealthSettings, health, "health") if health is not None else None
+        if new_learn is not None:
+            self.costs.reconfigure(new_learn)
+            log.info("learned cost settings %s", dict(learn))
+        if new_health is not None:
+            self.health.settings = new_health
+            log.info("health settings %s", dict(health))
 
     def set_canary(self, name: str | None, share: float = 0.0, weights: Mapping[str, Any] | None = None) -> None:
         """Let policy ``name`` decide ``share`` (0..1) of requests; ``None`` or 0 removes it."""
@@ -216,10 +335,41 @@ class RouterCore:
             self.index.forget_worker(w, now)
             self.claims.reset(w)
             self._snapshot_requests.pop(w, None)
+            self.costs.forget(w)
+            self.health.forget(w)
+            self._completed.pop(w, None)
+            self.predictions.pop(w, None)
         self.index.expire(now)
+        self._judge_overdue(now)
         for w in self.index.untrusted():
             if w in self.registry.views and self.index.needs_snapshot(w, now):
                 self._snapshot_requests[w] = None
+
+    def _judge_overdue(self, now: float) -> None:
+        """An outstanding request past ``slow_factor`` x its predicted end is evidence of slowness
+        *before* it completes (a slowed worker's completions come late by the very slowdown).
+
+        The prefill the worker's heartbeats say is still queued there now (which the prediction at
+        routing time may not have known: another router's burst) is added to the allowance: a
+        request waiting in a queue the router can see is late, not evidence of a slow worker."""
+        hs = self.health.settings
+        if not hs.enabled or not self.costs.settings.enabled:
+            return
+        factor = hs.slow_factor
+        views = self.workers
+        for a in self.registry.ledger.values():
+            if a.overdue or a.pred_e2e_s <= 0.0:
+                continue
+            age = now - a.routed_at
+            if age <= factor * a.pred_e2e_s:
+                continue
+            view = views.get(a.worker)
+            if view is None or self.costs.samples(a.worker) < hs.min_learned:
+                continue
+            if age > factor * a.pred_e2e_s + self.costs.of(a.worker).wait_s(view, now):
+                a.overdue = True
+                self.health.observe(a.worker, age / a.pred_e2e_s, now, completed=False)
+                self.costs.freeze(a.worker, self.health.learning_frozen(a.worker, now))
 
     def pop_snapshot_requests(self) -> list[WorkerId]:
         """Workers the service should send a ``snapshot`` control message to (drained)."""
@@ -245,4 +395,6 @@ class RouterCore:
             "policy": self.policy.name,
             "canary": self.canary.name if self.canary is not None else None,
             "canary_share": self.canary_share,
+            "cost_refused": dict(self.costs.refused),
+            "half_open": sorted(w for w in self.workers if self.health.is_half_open(w)),
         }

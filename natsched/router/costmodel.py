@@ -9,7 +9,14 @@ arithmetic in ARCHITECTURE.md ("Default engine profile"):
 - prefill: ~2 x 8e9 FLOPs/token plus attention, at ~60 % of 989 TFLOP/s  -> ~35k tokens/s;
 - decode step: weights (16 GB) / (~80 % of 3.35 TB/s)                     -> ~6 ms,
   plus the KV of every running sequence: 128 KiB/token                    -> ~0.05 ms per 1k tokens;
-- KV room ~400k tokens; vLLM's default ``max_num_seqs`` is 256.
+- KV room ~400k tokens; vLLM's default ``max_num_seqs`` is 256;
+- a host-tier KV hit (vLLM CPU offloading, LMCache) is loaded, not recomputed: ~50 GB/s of
+  effective PCIe Gen5 x16 over 128 KiB/token -> ~400k tokens/s, ~10x cheaper than a prefill.
+
+These constants are the *fixed* model. Routing uses, per worker, the model learned from that
+worker's completions (:mod:`natsched.router.learned`), which starts from them (or from a stored
+calibration) and replaces ``prefill_tokens_per_s``, ``attention_ctx_tokens``, ``ttft_overhead_s``
+and the decode terms with fitted values; the fields below are therefore the whole interface.
 """
 
 from __future__ import annotations
@@ -33,10 +40,16 @@ class CostModel:
     # attention: 4 x layers x d_model FLOPs per token per token of context, against 2 x params
     # for the weights: they are equal at 2 x 8e9 / (4 x 32 x 4096) ~ 30.5k tokens of context
     attention_ctx_tokens: float = 30_500.0
+    # fitted by the learned model; 0 in the fixed one (its numbers above have no such terms)
+    ttft_overhead_s: float = 0.0  # first-token overhead of a request (at least one engine step)
+    decode_s_per_seq: float = 0.0  # extra step time per running sequence (sampling, scheduling)
+    host_tokens_per_s: float = 400_000.0  # KV tokens/s loaded from a host tier (see the docstring)
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.decode_step_s <= 0 or self.max_running <= 0:
             raise ConfigError("cost model rates must be positive")
+        if self.host_tokens_per_s <= 0 or self.ttft_overhead_s < 0 or self.decode_s_per_seq < 0:
+            raise ConfigError("cost model: host_tokens_per_s > 0, ttft_overhead_s and decode_s_per_seq >= 0")
 
     def prefill_s(self, tokens: float) -> float:
         """Seconds to prefill ``tokens`` uncached prompt tokens."""
@@ -53,9 +66,19 @@ class CostModel:
             return 0.0
         return tokens / self.prefill_tokens_per_s * (1.0 + (ctx_start + tokens / 2.0) / self.attention_ctx_tokens)
 
-    def step_s(self, ctx_tokens: float) -> float:
-        """Seconds of one decode step while ``ctx_tokens`` KV tokens are in the batch."""
-        return self.decode_step_s + self.decode_s_per_1k_ctx * ctx_tokens / 1000.0
+    def first_token_s(self, tokens: float, ctx_start: float = 0.0, host_tokens: float = 0.0) -> float:
+        """Seconds from the start of this request's prefill to its first token: the overhead, the
+        uncached ``tokens`` after ``ctx_start`` cached ones, and ``host_tokens`` of those cached
+        ones that must first be loaded from a host tier."""
+        return self.ttft_overhead_s + self.prefill_ctx_s(tokens, ctx_start) + self.host_load_s(host_tokens)
+
+    def host_load_s(self, tokens: float) -> float:
+        """Seconds to load ``tokens`` of KV from the host tier into GPU memory."""
+        return tokens / self.host_tokens_per_s if tokens > 0 else 0.0
+
+    def step_s(self, ctx_tokens: float, seqs: float = 0.0) -> float:
+        """Seconds of one decode step while ``ctx_tokens`` KV tokens of ``seqs`` sequences are in the batch."""
+        return self.decode_step_s + self.decode_s_per_1k_ctx * ctx_tokens / 1000.0 + self.decode_s_per_seq * seqs
 
     # --- worker-level estimates (what the heartbeat plus our own assignments say) ---
 
@@ -99,7 +122,7 @@ class CostModel:
 
     def decode_s(self, w: WorkerView, output: float, need: float) -> float:
         """Seconds to decode ``output`` tokens on ``w`` for a request holding ``need`` KV tokens."""
-        return output * self.step_s(self.batch_kv_tokens(w) + need)
+        return output * self.step_s(self.batch_kv_tokens(w) + need, w.inflight + 1)
 
     def kv_wait_s(self, w: WorkerView, need_tokens: float, ctx: float | None = None) -> float:
         """Seconds a request needing ``need_tokens`` of KV waits for room on ``w``.
@@ -127,7 +150,10 @@ class CostModel:
         need = prompt + output
         tps = self.prefill_tokens_per_s
         step = self.decode_step_s + self.decode_s_per_1k_ctx * (ctx + need) / 1000.0
+        if self.decode_s_per_seq:
+            step += self.decode_s_per_seq * (w.inflight + 1)
         est = (w.queued_prefill_tokens + w.pending_prefill_tokens + uncached) / tps + output * step
+        est += self.ttft_overhead_s
         if w.capacity_tokens <= 0 or ctx + need > w.capacity_tokens:  # rare: maybe no KV room
             est += self.kv_wait_s(w, need, ctx)
         return est

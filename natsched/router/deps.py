@@ -1,8 +1,10 @@
 """What a routing policy may be given at construction: shared knowledge, never I/O.
 
 :class:`natsched.router.core.RouterCore` builds one :class:`PolicyDeps` and hands it to every policy it
-makes (the live one and a canary), so all of them read the same prefix index and cost model and a
-benchmark compares like with like. Also the helpers for policy weights and tie-breaking.
+makes (the live one and a canary), so all of them read the same prefix index and cost models and a
+benchmark compares like with like. ``cost`` is the fixed model (capacities, defaults); ``costs``
+gives each worker's own, learned one (:mod:`natsched.router.learned`): a policy that reasons in
+seconds asks ``deps.costs.of(worker_id)``. Also the helpers for policy weights and tie-breaking.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Mapping
 from natsched.router.costmodel import CostModel
 from natsched.router.errors import ConfigError
 from natsched.router.index import PrefixIndex
+from natsched.router.learned import CostBook, LearnSettings
 from natsched.router.policy import WorkerView
 
 
@@ -22,10 +25,13 @@ class PolicyDeps:
     index: PrefixIndex = field(default_factory=PrefixIndex)
     cost: CostModel = field(default_factory=CostModel)
     block_tokens: int = 32  # tokens per block of RouteRequest.hashes (512 for Mooncake traces)
+    costs: CostBook | None = None  # per-worker models; None: the fixed ``cost`` for every worker
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
             raise ConfigError("block_tokens must be >= 1")
+        if self.costs is None:
+            self.costs = CostBook(self.cost, LearnSettings(enabled=False))
 
 
 def build_params(params_cls: type | None, weights: Mapping[str, Any] | None, policy: str) -> Any:

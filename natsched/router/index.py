@@ -27,6 +27,13 @@ simply not counted, then disappear with LRU eviction or :meth:`PrefixIndex.expir
 
 Encoding of a claim (one float per worker per block, to keep the hot path to one dict get):
 ``-(epoch + 1)`` for a precise claim, the routing time (>= 0) for an approximate one.
+
+Tiers: blocks a worker reports in its *host* tier (``CacheEvent.tier = "host"``: CPU offloading,
+LMCache) are kept apart, in a second LRU of the same bound with their own epoch per worker (a
+host snapshot replaces only them; a GPU snapshot or a reset voids both). :meth:`PrefixIndex.match`
+answers for the GPU tier as before; :meth:`PrefixIndex.match_host` says how far a worker's host
+tier continues a prefix past its GPU match, which the cost model prices at the transfer time
+(:meth:`natsched.router.costmodel.CostModel.host_load_s`) instead of a recompute.
 """
 
 from __future__ import annotations
@@ -56,6 +63,20 @@ class IndexSettings:
             raise ConfigError("index: max_entries, approx_ttl_s, min_prefix_blocks, removed_log_entries must be positive")
 
 
+def _claim_chain(entries: OrderedDict, hashes: Sequence[int], w: WorkerId, claim: float,
+                 keep: float | None = None) -> None:
+    """Set ``w``'s claim on every block of a chain, leaf first: the shared root ends most recently
+    used. A claim equal to ``keep`` (a stronger one) is left as it is."""
+    for h in reversed(hashes):
+        claims = entries.get(h)
+        if claims is None:
+            entries[h] = {w: claim}
+        else:
+            entries.move_to_end(h)
+            if keep is None or claims.get(w) != keep:
+                claims[w] = claim
+
+
 class PrefixIndex:
     """Block hash -> {worker: claim}; answers "how many leading blocks does each worker hold"."""
 
@@ -71,6 +92,8 @@ class PrefixIndex:
         self._mark = 0  # bumped by every removal, see "Eviction log"
         self._removed: OrderedDict[tuple[WorkerId, BlockHash], int] = OrderedDict()
         self._reset_mark: dict[WorkerId, int] = {}  # mark of the worker's last wholesale reset
+        self._host: OrderedDict[BlockHash, dict[WorkerId, int]] = OrderedDict()  # host tier: block -> epochs
+        self._host_epoch: dict[WorkerId, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -85,7 +108,7 @@ class PrefixIndex:
         worker restarted its stream with an empty cache; stamped earlier, it is a redelivery.
         """
         w = ev.worker
-        if ev.kind == "snapshot":
+        if ev.kind == "snapshot" and ev.tier != "host":
             self._reset_claims(w, now)
             self._store(w, ev.hashes)
             self._seq[w] = ev.seq
@@ -104,8 +127,26 @@ class PrefixIndex:
             self._mark_untrusted(w, f"seq gap: expected {(last or 0) + 1}, got {ev.seq}")
         self._seq[w] = ev.seq
         self._ts[w] = ev.ts
-        self._apply_delta(w, ev, now)
+        if ev.tier == "host":
+            self._apply_host(w, ev)
+        else:
+            self._apply_delta(w, ev, now)
         return not self.needs_snapshot(w, now)
+
+    def _apply_host(self, w: WorkerId, ev: CacheEvent) -> None:
+        """A host-tier delta: its own claims, no effect on the GPU tier's."""
+        host = self._host
+        if ev.kind in ("snapshot", "cleared"):
+            self._host_epoch[w] = self._host_epoch.get(w, 0) + 1
+        if ev.kind in ("snapshot", "stored"):
+            _claim_chain(host, ev.hashes, w, self._host_epoch.get(w, 0))
+            while len(host) > self.settings.max_entries:
+                host.popitem(last=False)
+        elif ev.kind == "removed":
+            for h in ev.hashes:
+                claims = host.get(h)
+                if claims is not None and claims.pop(w, None) is not None and not claims:
+                    del host[h]
 
     def _apply_delta(self, w: WorkerId, ev: CacheEvent, now: float) -> None:
         if ev.kind == "stored":
@@ -129,15 +170,7 @@ class PrefixIndex:
             log.warning("index: worker %s sent unknown cache event kind %r (ignored)", w, ev.kind)
 
     def _store(self, w: WorkerId, hashes: Sequence[int]) -> None:
-        claim = -(self._epoch.get(w, 0) + 1)
-        entries = self._entries
-        for h in reversed(hashes):  # leaf first: the shared root ends most recently used
-            claims = entries.get(h)
-            if claims is None:
-                entries[h] = {w: claim}
-            else:
-                entries.move_to_end(h)
-                claims[w] = claim
+        _claim_chain(self._entries, hashes, w, -(self._epoch.get(w, 0) + 1))
         self._trim()
 
     # ------------------------------------------------------------------ routing decisions
@@ -148,16 +181,8 @@ class PrefixIndex:
             return
         if now < 0:
             raise ConfigError("router time must be >= 0 (approximate claims are timestamps)")
-        precise = -(self._epoch.get(w, 0) + 1)
-        entries = self._entries
-        for h in reversed(hashes):
-            claims = entries.get(h)
-            if claims is None:
-                entries[h] = {w: now}
-            else:
-                entries.move_to_end(h)
-                if claims.get(w) != precise:  # a precise claim is stronger: keep it
-                    claims[w] = now
+        # a precise claim is stronger: keep it
+        _claim_chain(self._entries, hashes, w, now, keep=-(self._epoch.get(w, 0) + 1))
         self._trim()
 
     def _trim(self) -> None:
@@ -203,6 +228,25 @@ class PrefixIndex:
             counts[t[0]] = depth
         least = self.settings.min_prefix_blocks
         return {w: n for w, n in counts.items() if n >= least}
+
+    @property
+    def has_host(self) -> bool:
+        """Whether any worker reported a host tier (policies skip the lookup otherwise)."""
+        return bool(self._host)
+
+    def match_host(self, hashes: Sequence[int], w: WorkerId, start: int) -> int:
+        """Blocks of ``hashes`` after the first ``start`` that trusted ``w`` holds in its host tier."""
+        if w in self._untrusted or not self._host:
+            return 0
+        epoch = self._host_epoch.get(w, 0)
+        host = self._host
+        n = 0
+        for h in hashes[start:]:
+            claims = host.get(h)
+            if claims is None or claims.get(w) != epoch:
+                break
+            n += 1
+        return n
 
     def match_one(self, hashes: Sequence[int], w: WorkerId, now: float, precise: bool = False) -> int:
         """Leading blocks of ``hashes`` that trusted worker ``w`` holds (0 if untrusted/short).
@@ -261,6 +305,7 @@ class PrefixIndex:
 
     def _reset_claims(self, w: WorkerId, now: float) -> None:
         self._epoch[w] = self._epoch.get(w, 0) + 1
+        self._host_epoch[w] = self._host_epoch.get(w, 0) + 1
         self._approx_after[w] = now
         self._mark += 1
         self._reset_mark[w] = self._mark
@@ -327,4 +372,4 @@ class PrefixIndex:
 
     def stats(self) -> dict[str, int]:
         return {"entries": len(self._entries), "untrusted": len(self._untrusted), "workers": len(self._seq),
-                "removed_log": len(self._removed)}
+                "removed_log": len(self._removed), "host_entries": len(self._host)}

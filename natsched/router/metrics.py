@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-STATES = ("healthy", "backoff", "quiescing", "reregister", "stale")
+STATES = ("healthy", "backoff", "quiescing", "reregister", "stale", "half_open")
 
 
 class RouterMetrics:
@@ -48,8 +48,11 @@ class RouterMetrics:
                                       "Workers demoted because their cache claims kept failing", ["worker"],
                                       registry=r)
         self.index_entries = Gauge("natsched_routing_index_entries", "Block hashes in the prefix index", registry=r)
-        self.bad_reports = Counter("natsched_routing_bad_reports", "Heartbeats and cache events refused",
-                                   ["kind"], registry=r)
+        self.bad_reports = Counter("natsched_routing_bad_reports",
+                                   "Heartbeats, cache events and shared cost statistics refused", ["kind"], registry=r)
+        self.cost_refused = Counter("natsched_routing_cost_refused",
+                                    "Completions the learned cost model refused (negative or non-finite times, "
+                                    "impossible rates), by reason", ["reason"], registry=r)
 
     def set_worker_states(self, states: list[str]) -> None:
         for state in STATES:

@@ -13,6 +13,12 @@ For each candidate worker ``w`` (lower score wins)::
              - warm-up     (w joined less than warmup_s ago)
              - home        (optional: w owns the prefix's route key on a bounded-load hash ring)
 
+Every "seconds" above is the candidate's own: its learned cost model (``deps.costs.of(w)``,
+:mod:`natsched.router.learned`), so a slower GPU or a larger model costs what it really costs;
+``own`` includes its first-token overhead, and a prefix that continues in its *host* KV tier is
+priced at the transfer time instead of a recompute (``host_tokens`` in the terms). The audit
+terms name the estimate used (``cost_learned``, ``cost_samples``, ``cost_prefill_tps``, ...).
+
 Choices, and why (numbers: `natsched bench routing` on the Mooncake synthetic trace, 8 workers,
 ~80 % busy, and a generated chat/document trace with another sharing structure):
 
@@ -33,7 +39,8 @@ Choices, and why (numbers: `natsched bench routing` on the Mooncake synthetic tr
   prefix hits there; a copy elsewhere costs a full prefill now and cache room later). It fades
   as the mean utilisation ``u`` (KV or batch slots) of the candidates nears 1, so balance
   decides at saturation (when prefill, not KV, is the bottleneck, ``u`` stays low and locality
-  keeps nearly full strength until queues form). Boost 6, fading linearly (k = 1): at boost 1
+  keeps nearly full strength until queues form; KV counts only while requests wait for room, see
+  :func:`queue_pressure`). Boost 6, fading linearly (k = 1): at boost 1
   a holder was abandoned as soon as its queue exceeded twice the saving, which lost 0.5-1 point
   of hit ratio to policies that always exploit; at 8 requests waited behind long prefills and
   the TTFT tail grew. Boost 4 with k = 2 was chosen on loads that were really 67-88 % busy (the
@@ -112,6 +119,18 @@ class NatschedParams:
             raise ConfigError("natsched: decode_weight, churn_weight >= 0 and churn_window_s > 0")
 
 
+def queue_pressure(cost, w: WorkerView) -> float:
+    """How close ``w`` is to making new work wait, in [0, 1]: its batch slots in use, and its KV in
+    use only while requests wait for room. Full KV alone is no pressure: on a small GPU a handful
+    of running sequences fill it at any load (an L4 holds four 8k-token chats), and fading locality
+    on it threw cache hits away at moderate load (chat-rag on 8 L4s: hit ratio 71 % against a
+    cache-aware peer's 83 %, TTFT p99 2x theirs)."""
+    slots = w.inflight / cost.max_running
+    kv = w.load_tokens / cost.capacity_tokens(w) if w.waiting > 0 else 0.0
+    u = kv if kv > slots else slots
+    return 1.0 if u > 1.0 else u
+
+
 class Churn:
     """Per-worker count of uncached tokens routed to it, decaying exponentially over ``window_s``."""
 
@@ -156,15 +175,27 @@ class NatschedPolicy:
         sticky = self._sticky_worker(req.hashes, depth, now) if useful else None
         home = self._home(req, workers) if p.consistent_hash and not useful else None
         terms: dict[str, dict[str, float]] = {}
-        scores = self._score(req, pool, workers, useful, sticky, home, now, terms)
+        host = self._host_hits(req, pool, raw) if d.index.has_host else {}
+        scores = self._score(req, pool, workers, useful, sticky, home, now, terms, host)
         best = min(pool, key=lambda w: (scores[w.id], w.inflight, w.id))
         self._remember(req.hashes, depth, best.id, now)
-        expected = cached_tokens(raw.get(best.id, 0), d.block_tokens, prompt)
+        expected = cached_tokens(raw.get(best.id, 0), d.block_tokens, prompt) + host.get(best.id, 0)
         self.churn.add(best.id, prompt - expected, now)
         reason = "sticky" if best.id == sticky else "cache" if best.id in useful else "home" if best.id == home else "load"
         if capped:
             reason += "+capped"
         return RouteDecision(best.id, self.name, scores, expected, reason, terms)
+
+    def _host_hits(self, req: RouteRequest, pool: Sequence[WorkerView], raw: dict[WorkerId, int]) -> dict[WorkerId, int]:
+        """Prompt tokens each worker's host tier holds right after its GPU match."""
+        bt, prompt, index = self.deps.block_tokens, req.prompt_tokens, self.deps.index
+        out = {}
+        for w in pool:
+            start = raw.get(w.id, 0)
+            more = index.match_host(req.hashes, w.id, start)
+            if more:
+                out[w.id] = cached_tokens(start + more, bt, prompt) - cached_tokens(start, bt, prompt)
+        return out
 
     def _useful(self, raw: dict[WorkerId, int], prompt: int) -> dict[WorkerId, int]:
         """Cached tokens per worker, keeping only matches worth at least ``min_gain`` of the prompt."""
@@ -187,39 +218,41 @@ class NatschedPolicy:
             return workers, False  # the prefix needs more replicas than it has
         return holders, True
 
-    def _score(self, req, pool, workers, useful, sticky, home, now, terms=None) -> dict[str, float]:
+    def _score(self, req, pool, workers, useful, sticky, home, now, terms=None, host=None) -> dict[str, float]:
         """Lower is better: estimated seconds to first token, minus the bonuses below.
 
         ``terms`` (when given) receives each candidate's parts for the audit trail."""
-        p, cost = self.p, self.deps.cost
+        p, cost, costs = self.p, self.deps.cost, self.deps.costs
         prompt, out = req.prompt_tokens, req.expected_output
         need = prompt + out
-        u = sum(cost.utilisation(w) for w in workers) / len(workers)
+        u = sum(queue_pressure(cost, w) for w in workers) / len(workers)
         locality = p.locality_boost * (1.0 - u) ** p.locality_exponent
-        full_prefill = cost.prefill_s(prompt)
         churn = {w.id: self.churn.at(w.id, now) for w in workers} if p.churn_weight else {}
         mean_churn = (sum(churn.values()) / len(churn) if churn else 0.0) or 1.0
         scores: dict[str, float] = {}
         for w in pool:
+            wc = costs.of(w.id)  # this worker's own (learned) seconds
             c = useful.get(w.id, 0)
-            own = cost.prefill_ctx_s(prompt - c, c)
-            wait = cost.wait_s(w, now)
-            decode = p.decode_weight * cost.decode_s(w, out, need)
+            ht = host.get(w.id, 0) if host else 0  # host tier: loaded at its bandwidth, not recomputed
+            compute = wc.prefill_ctx_s(prompt - c - ht, c + ht)
+            own = wc.ttft_overhead_s + compute + (wc.host_load_s(ht) if ht else 0.0)
+            wait = wc.wait_s(w, now)
+            decode = p.decode_weight * wc.decode_s(w, out, need)
             est = wait + own + decode
             if w.capacity_tokens <= 0 or w.load_tokens + need > w.capacity_tokens:  # rare: maybe no KV room
-                est += cost.kv_wait_s(w, need)
-            cache = locality * cost.prefill_ctx_s(c)
-            pressure = p.churn_weight * own * churn[w.id] / mean_churn if churn else 0.0
+                est += wc.kv_wait_s(w, need)
+            cache = locality * wc.prefill_ctx_s(c)
+            pressure = p.churn_weight * compute * churn[w.id] / mean_churn if churn else 0.0
             sticky_bonus = max(p.stickiness_s, p.stickiness * est) if w.id == sticky else 0.0
             age = now - w.joined_at
-            warm = p.warmup_boost * (1.0 - age / p.warmup_s) * full_prefill if age < p.warmup_s else 0.0
+            warm = p.warmup_boost * (1.0 - age / p.warmup_s) * wc.prefill_s(prompt) if age < p.warmup_s else 0.0
             home_bonus = p.home_bonus * est if w.id == home else 0.0
             s = est - cache + pressure - sticky_bonus - warm - home_bonus
             scores[w.id] = s
             if terms is not None:
                 terms[w.id] = {"wait_s": wait, "prefill_s": own, "decode_s": decode, "cached_tokens": c,
                                "cache_bonus": cache, "pressure": pressure, "sticky": sticky_bonus, "warmup": warm,
-                               "home": home_bonus, "score": s}
+                               "home": home_bonus, "score": s, "host_tokens": ht, **costs.describe(w.id)}
         return scores
 
     # ------------------------------------------------------------------ stickiness

@@ -2,8 +2,8 @@
 
 Names (``POLICIES``): ``natsched`` (default, cache- and load-aware, :mod:`natsched.router.natsched`),
 ``round_robin``, ``least_loaded``, ``consistent_hash`` (baselines, here), and the peers
-``sglang_cache_aware`` (:mod:`natsched.router.sglang`), ``dynamo_kv``, ``llmd_scorers``, ``preble_e2``
-(:mod:`natsched.router.peers`). All share one interface (:class:`natsched.router.policy.RoutingPolicy`) and one
+``sglang_cache_aware`` (:mod:`natsched.router.sglang`), ``dynamo_kv``, ``llmd_scorers``, ``preble_e2``,
+``llmd_affinity``, ``vllm_smetric``, ``aibrix_prefix`` (:mod:`natsched.router.peers`). All share one interface (:class:`natsched.router.policy.RoutingPolicy`) and one
 constructor shape ``Policy(deps, params)``, so the service, the simulator and a canary build
 them alike.
 """
@@ -18,7 +18,7 @@ from natsched.router.deps import PolicyDeps, build_params
 from natsched.router.errors import ConfigError, UnknownPolicyError
 from natsched.router.hashring import HashRing
 from natsched.router.natsched import NatschedPolicy
-from natsched.router.peers import DynamoKv, LlmdScorers, PrebleE2
+from natsched.router.peers import AibrixPrefix, DynamoKv, LlmdAffinity, LlmdScorers, PrebleE2, VllmSmetric
 from natsched.router.policy import RouteDecision, RouteRequest, RoutingPolicy, WorkerView
 from natsched.router.sglang import SglangCacheAware
 
@@ -105,6 +105,9 @@ POLICIES: dict[str, type] = {
         DynamoKv,
         LlmdScorers,
         PrebleE2,
+        LlmdAffinity,
+        VllmSmetric,
+        AibrixPrefix,
     )
 }
 

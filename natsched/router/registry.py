@@ -8,6 +8,9 @@ States (the worker reports the first three in ``Heartbeat.state``; the router de
     REREGISTER  came back with a new ``started_at`` (or said "reregister"): its cache claims were
                 dropped and it takes nothing until the router's index has its fresh state
     STALE       (derived) silent for 2 of its heartbeat periods (at most ``heartbeat_timeout_s``): excluded
+    HALF_OPEN   (derived) reports healthy but its completions are much slower than its own learned
+                prediction (:mod:`natsched.router.health`): takes only batch/offline work, short
+                prompts and a small probe share, until its latency recovers
 
 Load accounting, so a burst between two heartbeats does not pile onto one worker: every
 assignment is *pending* until a heartbeat lists its request id in ``inflight`` (or is older than
@@ -28,6 +31,8 @@ from natsched.wire.ids import BlockHash
 from natsched.router.backlog import advance, queued_prefill_s
 from natsched.router.costmodel import CostModel
 from natsched.router.errors import ConfigError
+from natsched.router.health import LatencyHealth
+from natsched.router.learned import CostBook, LearnSettings
 from natsched.router.policy import RouteRequest, WorkerView
 
 log = logging.getLogger(__name__)
@@ -39,6 +44,7 @@ class WorkerState(str, enum.Enum):
     QUIESCING = "quiescing"
     REREGISTER = "reregister"
     STALE = "stale"
+    HALF_OPEN = "half_open"
 
 
 _REPORTED = {s.value for s in (WorkerState.HEALTHY, WorkerState.BACKOFF, WorkerState.QUIESCING, WorkerState.REREGISTER)}
@@ -76,14 +82,28 @@ class Assignment:
     # for the busy-until estimate (natsched.router.backlog)
     prompt_tokens: int = 0
     prefill_s: float = 0.0  # estimated seconds to prefill its uncached tokens
+    # what the worker's cost model predicted at routing time (natsched.router.learned, .health)
+    pred_wait_s: float = 0.0  # queue ahead
+    pred_ttft_s: float = 0.0  # queue ahead + its own first token
+    pred_tpot_s: float = 0.0  # one decode step with the batch it joined
+    batch: int = 0  # sequences on the worker with it
+    batch_kv: float = 0.0  # their KV tokens
+    fixed_ttft_s: float = 0.0  # the fixed model's prediction (for the benchmark's comparison)
+    pred_e2e_s: float = 0.0  # first token + its expected decode: past slow_factor x this it is overdue
+    overdue: bool = False  # already counted as overdue (natsched.router.health)
+    host_tokens: int = 0  # expected cached tokens in the worker's host tier (loaded, not recomputed)
 
 
 class WorkerRegistry:
     """Worker views plus the ledger of our assignments; the state machine lives here."""
 
-    def __init__(self, settings: RegistrySettings | None = None, cost: CostModel | None = None) -> None:
+    def __init__(self, settings: RegistrySettings | None = None, cost: CostModel | None = None,
+                 costs: CostBook | None = None, health: LatencyHealth | None = None) -> None:
         self.settings = settings or RegistrySettings()
         self.cost = cost or CostModel()
+        # per-worker seconds for the busy-until estimate: learned when the core passes its book
+        self.costs = costs or CostBook(self.cost, LearnSettings(enabled=False))
+        self.health = health or LatencyHealth()
         self.views: dict[WorkerId, WorkerView] = {}
         self.ledger: dict[RequestId, Assignment] = {}
         self._pending: dict[WorkerId, dict[RequestId, Assignment]] = {}
@@ -143,6 +163,9 @@ class WorkerRegistry:
     @staticmethod
     def _copy_load(view: WorkerView, hb: Heartbeat, now: float) -> None:
         view.model = hb.model
+        if hb.served or view.serves:
+            view.serves = frozenset(m.id for m in hb.served)
+            view.active = frozenset(m.id for m in hb.served if m.active)
         view.running, view.waiting = hb.running, hb.waiting
         view.kv_used_blocks, view.kv_total_blocks = hb.kv_used_blocks, hb.kv_total_blocks
         view.runtime_tokens, view.capacity_tokens = hb.runtime_tokens, hb.capacity_tokens
@@ -173,7 +196,7 @@ class WorkerRegistry:
         ours = [a for rid in hb.inflight if (a := ledger.get(rid)) is not None and not a.pending and a.worker == view.id]
         ours.sort(key=lambda a: a.routed_at, reverse=True)
         busy = now + queued_prefill_s(hb.queued_prefill_tokens, ((a.prompt_tokens, a.prefill_tokens) for a in ours),
-                                      self.cost)
+                                      self.costs.of(view.id))
         for a in self._pending.get(view.id, {}).values():
             busy = advance(busy, a.routed_at, a.prefill_s)
         view.busy_until = busy
@@ -237,16 +260,21 @@ class WorkerRegistry:
         view = self.views[w]
         if now - view.last_heartbeat > self.silence_limit(view):
             return WorkerState.STALE
+        if view.state == WorkerState.HEALTHY and self.health.is_half_open(w):
+            return WorkerState.HALF_OPEN
         return WorkerState(view.state) if view.state in _REPORTED else view.state
 
-    def eligible(self, view: WorkerView, req: RouteRequest, now: float) -> bool:
-        """May ``view`` take ``req`` now? Healthy: yes; Backoff: short prompts only; else no."""
-        if view.model != req.model or now - view.last_heartbeat > self.silence_limit(view):
+    def eligible(self, view: WorkerView, req: RouteRequest, now: float, ignore_health: bool = False) -> bool:
+        """May ``view`` take ``req`` now? Only if it serves the request's model (its own, or one
+        of its ``served`` models and adapters); then Healthy: yes (half-open: batch, short or probe
+        requests); Backoff: short prompts only; else no."""
+        if (view.model != req.model and req.model not in view.serves) or \
+                now - view.last_heartbeat > self.silence_limit(view):
             return False
         if view.id in req.avoid:
             return False
         if view.state == "healthy":
-            return True
+            return ignore_health or self.health.admits(view.id, req.id, req.cls, req.prompt_tokens)
         return view.state == "backoff" and req.prompt_tokens <= self.settings.backoff_max_prompt_tokens
 
     # ------------------------------------------------------------------ housekeeping

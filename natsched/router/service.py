@@ -1,9 +1,20 @@
-"""The router service: decode -> RouterCore.route -> publish. All I/O lives here."""
+"""The router service: decode -> RouterCore.route -> publish. All I/O lives here.
+
+Learned cost models are shared through bucket ``workers`` (``subjects.md``): every tick a replica
+puts its own statistics of each worker it learned something new about under
+``cost.<worker>.<replica>`` and watches ``cost.>``; the others' statistics are merged into its book
+(:meth:`natsched.router.learned.CostBook.merge`), so every replica solves the same fit. A record
+older than ``cost_share_ttl_s`` (a replica that left) is dropped. A worker's heartbeat naming its
+``deployment`` makes the router read the calibration stored for it and start that worker's model
+from the measured speed.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import secrets
 from collections import OrderedDict
 import time
 from dataclasses import dataclass, field
@@ -11,6 +22,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from natsched.wire import subjects as S
+from natsched.wire import fence
 from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
@@ -19,8 +31,11 @@ from natsched.wire.schema import (Admitted, Assignment, CacheEvent, Completion, 
                                   Heartbeat, Reply, ReplyKind, ReplyStatus)
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.errors import ConfigError
+from natsched.router.learned import calibrated_prior
 from natsched.router.metrics import RouterMetrics
 from natsched.router.policy import RouteDecision, RouteRequest
+from natsched import tracing
+from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +49,8 @@ class RouterServiceSettings:
     tick_s: float = 1.0  # upkeep: stale workers, index expiry, snapshot requests
     migration_memory: int = 100_000  # first blocks remembered for the migration-rate metric
     metrics_port: int | None = None  # serve Prometheus metrics here (natsched.router.metrics)
+    share_costs: bool = True  # publish and merge learned cost statistics (bucket workers)
+    cost_share_ttl_s: float = 120.0  # another replica's statistics older than this are dropped
 
 
 @dataclass
@@ -57,7 +74,15 @@ class RouterService:
         self.core = RouterCore(self.settings.core)
         self.metrics = metrics or RouterMetrics()
         self._last_worker: OrderedDict[int, str] = OrderedDict()
+        self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
         attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
+        # the key part of this replica's cost statistics: unique per process, so replicas that share
+        # a name do not overwrite each other's
+        self.instance = f"{self.settings.name}-{secrets.token_hex(3)}"
+        self._published: dict[str, float] = {}  # worker -> newest own sample published
+        self._others: dict[tuple[str, str], float] = {}  # (worker, replica) -> its record's time
+        self._priors: dict[tuple[str, str], object] = {}  # (model, deployment) -> prior or None (asked)
+        self._refused_seen: dict[str, int] = {}  # reason -> refusals already counted in the metrics
         self._spec = ConsumerSpec(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL, max_deliver=attempts + 3,
                                   redeliver_delay_s=self.settings.retry_delay_s, batch=256)
 
@@ -71,8 +96,11 @@ class RouterService:
             self.apply_config(current[0])
         self.bus.spawn(self._watch_config(), "router-config")
         self.bus.spawn(self._tick_loop(), "router-tick")
+        if self.settings.share_costs:
+            self.bus.spawn(self._watch_costs(), "router-costs")
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
         await self.bus.subscribe(S.CACHE_EVENTS_ALL, self._on_cache_event)
+        await self.bus.subscribe(S.CANCELS_ALL, self._on_cancel)
         # completions are watched, not consumed: every replica sees each one (it releases the load
         # of what it routed itself), and a missed one costs only accuracy until the next heartbeat
         if watch_completions:
@@ -85,7 +113,7 @@ class RouterService:
         log.info("router ready (policy %s)", self.core.policy.name)
 
     def apply_config(self, raw: bytes) -> bool:
-        """Apply ``{"policy", "weights", "canary", "canary_share"}`` from the config bucket.
+        """Apply ``{"policy", "weights", "canary", "canary_share", "learn", "health"}`` from the config bucket.
 
         A value that cannot be used is logged and ignored: the running policy stays.
         """
@@ -100,6 +128,8 @@ class RouterService:
                 canary = cfg["canary"]
                 self.core.set_canary(canary, float(cfg.get("canary_share", 0.0)),
                                      weights.get(canary) if canary else None)
+            if cfg.get("learn") is not None or cfg.get("health") is not None:
+                self.core.set_learning(cfg.get("learn"), cfg.get("health"))
         except (orjson.JSONDecodeError, ConfigError, TypeError, ValueError, AttributeError) as exc:
             log.error("ignoring router config %r: %s; keeping policy %s", raw[:120], exc, self.core.policy.name)
             self.metrics.config_errors.inc()
@@ -119,7 +149,87 @@ class RouterService:
             self.metrics.set_worker_states([str(getattr(s, "value", s)) for s in
                                             (self.core.registry.state(w, now) for w in list(self.core.workers))])
             self.metrics.index_entries.set(self.core.index.stats()["entries"])
+            self._count_refused()
             await self._ask_snapshots()
+            if self.settings.share_costs:
+                try:
+                    await self.publish_costs(now)
+                except Exception as exc:  # the bucket is unreachable for now: the next tick tries again
+                    log.warning("could not publish learned cost statistics: %s", exc)
+
+    def _count_refused(self) -> None:
+        for reason, n in self.core.costs.refused.items():
+            seen = self._refused_seen.get(reason, 0)
+            if n > seen:
+                self.metrics.cost_refused.labels(reason).inc(n - seen)
+                self._refused_seen[reason] = n
+
+    async def publish_costs(self, now: float) -> int:
+        """Put this replica's new statistics of each worker in bucket ``workers``; how many."""
+        costs, n = self.core.costs, 0
+        for w in costs.workers():
+            last = costs.last_sample(w)
+            if last is None or self._published.get(w) == last:
+                continue
+            rec = costs.record(w, now, self.core.health.state(w))
+            if rec is None:
+                continue
+            await self.bus.kv(S.BUCKET_WORKERS).put(S.cost_key(w, self.instance), orjson.dumps(rec))
+            self._published[w] = last
+            n += 1
+        cutoff = now - self.settings.cost_share_ttl_s
+        for (w, replica), at in list(self._others.items()):
+            if at < cutoff:  # that replica left (or stopped learning this worker): its old view goes
+                del self._others[(w, replica)]
+                costs.merge(w, replica, None)
+        return n
+
+    async def _watch_costs(self) -> None:
+        async for key, value, _rev in self.bus.kv(S.BUCKET_WORKERS).watch(S.COST_KEYS):
+            self.apply_cost_record(key, value, time.time())
+
+    def apply_cost_record(self, key: str, value: bytes | None, now: float) -> bool:
+        """Merge another replica's statistics of a worker; a bad record is logged, counted, ignored."""
+        parsed = S.parse_cost_key(key)
+        if parsed is None or parsed[1] == self.instance:
+            return False
+        w, replica = parsed
+        try:
+            if value is None:
+                self.core.costs.merge(w, replica, None)
+                self._others.pop((w, replica), None)
+                return True
+            rec = orjson.loads(value)
+            if not isinstance(rec, dict) or not isinstance(rec.get("at"), (int, float)) or not math.isfinite(rec["at"]):
+                raise ValueError("a cost record needs a finite 'at'")
+            if rec["at"] < now - self.settings.cost_share_ttl_s:
+                return False
+            self.core.costs.merge(w, replica, rec.get("stats"))
+            self._others[(w, replica)] = float(rec["at"])
+            return True
+        except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
+            log.warning("ignoring cost statistics %s: %s", key, exc)
+            self.metrics.bad_reports.labels("cost").inc()
+            return False
+
+    async def _load_prior(self, model: str, deployment: str, worker: str) -> None:
+        """Start ``worker``'s model from the calibration stored for (model, deployment), if any."""
+        from natsched.workers.calibrate import load_calibration
+
+        key = (model, deployment)
+        if key not in self._priors:
+            self._priors[key] = None  # asked (once per deployment, even if it fails)
+            try:
+                cal = await load_calibration(self.bus, model, deployment)
+                if cal is not None:
+                    self._priors[key] = calibrated_prior(self.core.settings.cost, cal.baseline_ttft, cal.baseline_tpot,
+                                                         cal.prompt_tokens)
+            except Exception as exc:  # no bucket, a bad record: the fixed model stays the prior
+                log.warning("no calibration prior for %s/%s: %s", model, deployment, exc)
+        prior = self._priors.get(key)
+        if prior is not None:
+            self.core.costs.set_prior(worker, prior, "calibration")
+            log.info("worker %s starts from calibration %s/%s", worker, model, deployment)
 
     async def _ask_snapshots(self) -> None:
         for worker in self.core.pop_snapshot_requests():
@@ -138,7 +248,10 @@ class RouterService:
             log.warning("ignoring heartbeat of %s published on %s", hb.worker, subject)
             self.metrics.bad_reports.labels("heartbeat").inc()
             return
+        known = hb.worker in self.core.workers
         self.core.on_heartbeat(hb, time.time())
+        if not known and hb.deployment:
+            self.bus.spawn(self._load_prior(hb.model, hb.deployment, hb.worker), "router-prior")
         await self._ask_snapshots()  # a worker first heard mid-stream: ask now, not at the next tick
 
     async def _on_cache_event(self, subject: str, data: bytes, headers: dict) -> None:
@@ -163,6 +276,10 @@ class RouterService:
         except MessageError as exc:  # the admitters' durable consumer dead-letters it
             log.warning("ignoring an undecodable completion on %s: %s", subject, exc)
             return
+        if not fence.fenced(self.bus.fence_key, c, subject):  # a forged one frees no load, teaches nothing
+            log.warning("ignoring completion of %s on %s: not from the worker it was assigned to", c.request_id,
+                        subject)
+            return
         self.observe_completion(c)
 
     def observe_completion(self, c: Completion) -> None:
@@ -182,6 +299,11 @@ class RouterService:
             except MessageError as exc:
                 await self.bus.settle_failed(d, self._spec, "router", exc)
                 continue
+            if self.is_cancelled(adm):  # admitted, then its producer gave up: never routed
+                await self._fail(adm, RouteDecision(None, self.core.policy.name, reason="cancelled"), "cancelled",
+                                 "its producer cancelled it before it was routed")
+                await d.ack()
+                continue
             routed.append(self.decide(adm, d))
         assigned = [r for r in routed if r.decision.worker is not None]
         for r in routed:
@@ -192,11 +314,26 @@ class RouterService:
             for r in assigned:
                 await self.assigned(r)
 
-    def decide(self, adm: Admitted, d: Delivery | None = None) -> "Routed":
+    async def _on_cancel(self, subject: str, data: bytes, headers: dict) -> None:
+        """Remember a producer's cancel (``cancel.<tenant>.<id>``): an admitted request of that
+        tenant not routed yet is failed as ``cancelled`` when it comes (waiting for a worker, it
+        comes back within the retry delay); one routed already is its worker's to stop."""
+        if S.parse_cancel_subject(subject) is None:
+            log.warning("ignoring a cancel on %s", subject)
+            return
+        self.cancelled.add(subject)
+
+    def is_cancelled(self, adm: Admitted) -> bool:
+        """Whether the request's own tenant cancelled it (the subject names the tenant: a cancel
+        by another tenant for the same id is another key)."""
+        return S.cancel(adm.request.tenant, adm.request.id) in self.cancelled
+
+    def decide(self, adm: Admitted, d: Delivery | None = None, trace: dict[str, str] | None = None) -> "Routed":
         """Route one admitted request (state in, decision out) and build its WORK message.
 
         Also the inline path (``natsched.admitter.service`` with a router in its process): the admitter
         publishes ``outgoing`` with its own batch and calls :meth:`assigned` once it is stored.
+        ``trace``: the admission span's headers there (else the delivery's carry the context).
         """
         started = time.perf_counter()
         rr = RouteRequest.from_request(adm.request, self.core.settings.block_size, adm.runtime_tokens)
@@ -210,12 +347,16 @@ class RouterService:
             r.assignment = Assignment(request=req, worker=decision.worker, runtime_tokens=adm.runtime_tokens,
                                       admitted_at=adm.admitted_at, routed_at=time.time(), policy=decision.policy,
                                       expected_cached_tokens=decision.expected_cached_tokens, attempt=adm.attempt,
-                                      avoid=adm.avoid)
+                                      avoid=adm.avoid,
+                                      fence=fence.sign(self.bus.fence_key, req.id, decision.worker, adm.attempt))
             # one id per request and attempt: a router that crashes after this publish and re-routes
             # on redelivery is deduplicated by the server instead of running the request twice; a
             # rescue (its worker died) is a new attempt, which must not be deduplicated away
             msg_id = M.work(req.id, adm.attempt)
-            r.outgoing = (S.work(decision.worker), r.assignment, msg_id, None)
+            span = _routing_span(adm, decision, d.headers if d is not None else trace)
+            r.outgoing = (S.work(decision.worker), r.assignment, msg_id, tracing.carry(span))
+        else:
+            _routing_span(adm, decision, d.headers if d is not None else trace)
         return r
 
     async def _no_worker(self, d: Delivery, adm: Admitted, decision: RouteDecision) -> None:
@@ -264,10 +405,12 @@ class RouterService:
     async def _fail(self, adm: Admitted, decision: RouteDecision, reason: str, message: str) -> None:
         """Close an admitted request that cannot run: its completion releases the reservation."""
         req = adm.request
+        token = fence.sign(self.bus.fence_key, req.id, S.ROUTER_SOURCE, adm.attempt)
         completion = Completion(request_id=req.id, tenant=req.tenant, cls=req.cls, model=req.model,
                                 status=CompletionStatus.ERROR, runtime_tokens=adm.runtime_tokens, reason=reason,
-                                ts=time.time())
-        await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=M.completion(req.id))
+                                ts=time.time(), worker=S.ROUTER_SOURCE, attempt=adm.attempt, fence=token)
+        await self.bus.jpublish(S.completion(req.tenant, S.ROUTER_SOURCE), completion,
+                                msg_id=M.completion(req.id, token))
         await self._record(adm, decision, "fail", 0.0, reason)
         self.metrics.decisions.labels(decision.policy or "", "fail", reason).inc()
         if req.reply:
@@ -285,3 +428,17 @@ class RouterService:
                           expected_cached_tokens=decision.expected_cached_tokens, by=self.settings.name,
                           latency_ms=latency_ms, runtime_tokens=adm.runtime_tokens)
         await self.bus.jpublish_nowait(S.decision("routing", req.tenant), record, msg_id=M.routing(req.id))
+
+
+def _routing_span(adm: Admitted, decision: RouteDecision, parent: dict[str, str] | None):
+    """The routing decision as a (finished) span: the worker, the policy and its terms per
+    candidate (what the audit's routing record holds); None when tracing is off."""
+    if not tracing.enabled():
+        return None
+    span = tracing.start("natsched.routing", parent, adm.request.id, {
+        "natsched.worker": decision.worker, "natsched.policy": decision.policy, "natsched.reason": decision.reason,
+        "natsched.expected_cached_tokens": decision.expected_cached_tokens, "natsched.attempt": adm.attempt,
+        "natsched.route.terms": orjson.dumps({str(k): decision.terms.get(k, v)
+                                              for k, v in decision.scores.items()}).decode()})
+    tracing.end(span)
+    return span

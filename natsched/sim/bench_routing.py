@@ -6,6 +6,12 @@ and SimCore objects) in its own process (``jobs`` at a time: two on a 2-core mac
 whole trace (:mod:`natsched.sim.calibrate`), then used for every policy. The result prints as a table and
 serialises to the JSON documented in :meth:`RoutingReport.to_json`; :mod:`natsched.sim.plot` draws it.
 
+``profile`` may name several engine profiles (``"h100-llama8b,h100-27b-int4"``): the workers take
+them in turn, a mixed cluster. Every run also reports how well the router predicted time to first
+token (:func:`prediction_errors`): the median relative error of the learned per-worker cost model
+(:mod:`natsched.router.learned`) that routed, against the fixed model's prediction for the very
+same requests, counted after each worker's first ``PREDICTION_WARMUP`` completions.
+
 An admission hook factory (``admission``) can be plugged in: it is called once per run, in the
 process that runs it, so every policy meets a fresh hook (see :mod:`natsched.sim.admission`).
 """
@@ -40,6 +46,25 @@ METRIC_KEYS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s
 CALIBRATION_POLICY = "least_loaded"
 REFINE_TOL = 0.005  # the whole trace's busy within this of the target (the prefix's: 0.01)
 REFINE_ROUNDS = 8  # rounds on the whole trace, from the prefix's answer, before interpolating
+PREDICTION_WARMUP = 500  # completions per worker before its prediction errors count (the issue's target)
+KEEP_PREDICTIONS = 1_000_000  # per worker: every completion of a benchmark run
+
+
+def prediction_errors(predictions: dict[str, list], warmup: int = PREDICTION_WARMUP) -> dict[str, Any]:
+    """Median |predicted - observed| / observed TTFT of the learned and the fixed model, over the
+    completions after each worker's first ``warmup`` (all of a worker's, if it never got there:
+    ``warm`` says how many workers did)."""
+    learned, fixed, warm = [], [], 0
+    for rows in predictions.values():
+        later = [r for r in rows if r[0] > warmup]
+        warm += bool(later)
+        for _, obs, pred, fix in (later or rows):
+            if obs > 0:
+                learned.append(abs(pred - obs) / obs)
+                fixed.append(abs(fix - obs) / obs)
+    med = (lambda v: sorted(v)[len(v) // 2] if v else None)
+    return {"ttft_pred_err_learned": med(learned), "ttft_pred_err_fixed": med(fixed),
+            "ttft_pred_samples": len(learned), "ttft_pred_warm_workers": warm}
 
 
 def available_policies() -> list[str]:
@@ -101,20 +126,33 @@ class RoutingBenchSettings:
         if self.kv_blocks is not None and (not isinstance(self.kv_blocks, int) or self.kv_blocks < 1):
             raise SimConfigError(f"kv_blocks must be an integer >= 1, got {self.kv_blocks!r}")
         try:
-            get_profile(self.profile)
+            for name in self.profiles:
+                get_profile(name)
         except ValueError as exc:
             raise SimConfigError(str(exc)) from None
 
+    @property
+    def profiles(self) -> list[str]:
+        """The engine profiles, one per worker in turn (one name: a uniform cluster)."""
+        names = [p.strip() for p in self.profile.split(",") if p.strip()]
+        if not names:
+            raise SimConfigError("no engine profile named")
+        return names
+
     def sim_settings(self, policy: str) -> SimSettings:
-        extra = {**self.sim, "kv_blocks": self.kv_blocks} if self.kv_blocks is not None else self.sim
-        return SimSettings(workers=self.workers, policy=policy, profile=self.profile, hb_interval=self.hb_interval,
+        extra = {**self.sim, "kv_blocks": self.kv_blocks} if self.kv_blocks is not None else dict(self.sim)
+        extra["router"] = {"keep_predictions": KEEP_PREDICTIONS, **extra.get("router", {})}
+        profiles = self.profiles
+        if len(profiles) > 1:
+            extra.setdefault("worker_profiles", profiles)
+        return SimSettings(workers=self.workers, policy=policy, profile=profiles[0], hb_interval=self.hb_interval,
                            net_delay_s=self.net_delay_s, **extra)
 
     def kv_blocks_for(self, block_size: int) -> int:
         """The KV blocks each simulated worker has: what :meth:`sim_settings` gives every run, else
         the profile's (``SimCore``'s default)."""
         chosen = self.sim_settings(CALIBRATION_POLICY).kv_blocks
-        return chosen if chosen is not None else get_profile(self.profile).kv_blocks(block_size)
+        return chosen if chosen is not None else min(get_profile(p).kv_blocks(block_size) for p in self.profiles)
 
 
 @dataclass
@@ -137,7 +175,8 @@ class RoutingReport:
     def to_json(self) -> dict[str, Any]:
         """``{"trace", "requests", "workers", "profile", "speedup", "ceiling_hit_ratio",
         "policies": {NAME: {<METRIC_KEYS>, plus "wall_s", "steps", "preemptions",
-        "backoff_changes", "router_warnings"}}}``, plus ``"block_size"``, ``"kv_blocks"`` (per worker),
+        "backoff_changes", "router_warnings", "half_open_changes", "ttft_pred_err_learned",
+        "ttft_pred_err_fixed", "ttft_pred_samples", "ttft_pred_warm_workers"}}}``, plus ``"block_size"``, ``"kv_blocks"`` (per worker),
         ``"pooled_hit_ratio"``, ``"wall_s"`` and, when calibrated, ``"calibration"``."""
         out: dict[str, Any] = {
             "trace": self.trace, "requests": self.requests, "workers": self.workers, "profile": self.profile,
@@ -223,7 +262,8 @@ def _run_job(kind: str, policy: str, speedup: float, limit: int | None, label: s
         return {"busy": metrics["busy"], "speedup": speedup}
     ttft = sorted(r.first_token - r.arrival for r in result.records if r.status == "ok")
     metrics.update(wall_s=round(result.wall_s, 3), steps=result.steps, preemptions=result.preemptions,
-                   backoff_changes=result.backoff_changes, router_warnings=logs.count)
+                   backoff_changes=result.backoff_changes, router_warnings=logs.count,
+                   half_open_changes=len(result.health_changes), **prediction_errors(result.predictions))
     if logs.examples:
         metrics["router_warning_examples"] = logs.examples
     return {"policy": policy, "metrics": metrics, "ttft": ttft}
@@ -369,6 +409,26 @@ def _s(v: float | None) -> str:
     return f"{v:.1f}"
 
 
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def format_predictions(report: RoutingReport) -> str:
+    """How well each run's router predicted TTFT: the learned cost model against the fixed one."""
+    rows = [("policy", "learned err", "fixed err", "completions", "half-open changes")]
+    for name, m in report.policies.items():
+        rows.append((name, _pct(m.get("ttft_pred_err_learned")), _pct(m.get("ttft_pred_err_fixed")),
+                     str(m.get("ttft_pred_samples", 0)), str(m.get("half_open_changes", 0))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    warm = min((m.get("ttft_pred_warm_workers", 0) for m in report.policies.values()), default=0)
+    return "\n".join([f"TTFT prediction error, median |predicted - observed| / observed, after each worker's first "
+                      f"{PREDICTION_WARMUP} completions ({warm} of {report.workers} workers got there in every run; "
+                      f"the others count whole): the learned per-worker model that routed, and the fixed model on "
+                      f"the same requests", *lines])
+
+
 def format_table(report: RoutingReport) -> str:
     head = ("policy", "ttft p50", "p90", "p99", "e2e p50", "p99", "tpot p50", "hit", "thr tok/s", "load cv",
             "migr", "busy", "done", "rej")
@@ -395,5 +455,6 @@ def format_table(report: RoutingReport) -> str:
             f"wall {report.wall_s:.1f} s")
     t = targets(report.policies)
     verdict = [format_targets(t, "(this run)")] if t else []
+    verdict += ["", format_predictions(report)]
     sweep = ["", format_summary(report.sweep)] if report.sweep is not None else []
     return "\n".join([title, "", *lines, "", foot, *verdict, *sweep])

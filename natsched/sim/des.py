@@ -16,6 +16,26 @@ Before routing, an :class:`~natsched.sim.admission.AdmissionHook` decides allow 
 A request with no routable worker is retried every ``route_retry_s`` for up to ``no_worker_wait_s``
 (the router service's nak/redeliver loop), then rejected. Messages travel instantly unless
 ``net_delay_s`` is set. Everything is deterministic: same trace and settings, same result.
+
+The scenario suite (:mod:`natsched.sim.scenarios`) adds what a changing cluster needs:
+
+- ``worker_specs``: one :class:`WorkerSpec` (engine profile, model, KV) per worker, for clusters of
+  unequal machines serving several models;
+- ``events``: :class:`WorkerEvent` s at fixed virtual times — ``add`` a cold worker, ``kill`` one
+  (its unfinished requests are lost on it), ``slow`` one to a share of its speed for a while (a
+  noisy neighbour: ``SimCore.set_speed``, every step takes 1 / factor as long);
+- what happens to a killed worker's requests: with ``rescue_s`` set, the scheduler re-routes them
+  itself that long after the death (natsched's admitter rescue: the reservation stays held, the
+  dead worker is avoided); without it, the client sees an error and retries;
+- ``client_retry``: refused requests (admission rejects, no worker, a lost worker without rescue)
+  come back after the client's backoff — ``retry_after`` when the refusal carries one, else the
+  OpenAI SDK's exponential backoff (:class:`ClientRetry`) — until its retries run out. So a retry
+  storm can happen: every refusal returns as more load a second or two later.
+
+Clusters need not be uniform: ``worker_profiles`` gives each worker its engine profile (in turn),
+``host_blocks`` / ``host_bandwidth`` give every engine a host KV tier (its changes are published
+as cache events with ``tier = "host"``), and ``speed_events`` change a worker's speed while the
+run goes on (``(seconds after the first arrival, worker index, speed)``; 1.0 nominal).
 """
 
 from __future__ import annotations
@@ -23,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -46,10 +67,71 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 # event kinds; the periodic ones (heartbeats, ticks) come last
-_ARRIVE, _STEP_END, _RETRY, _DELIVER, _HEARTBEAT, _ADMIT_TICK, _ROUTER_TICK = range(7)
+_ARRIVE, _STEP_END, _RETRY, _DELIVER, _WORKER_EVENT, _SPEED, _HEARTBEAT, _ADMIT_TICK, _ROUTER_TICK = range(9)
+EVENT_KINDS = ("add", "kill", "slow")
 _PERIODIC = _HEARTBEAT  # kinds >= this recur forever; the others are "activity"
 
 ProgressFn = Callable[[int, int], None]  # (requests done, total)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One simulated worker: its engine profile (a name or an :class:`EngineProfile`), the model it
+    serves and, optionally, its KV blocks and batch slots (default: the profile's)."""
+
+    profile: EngineProfile | str = DEFAULT_PROFILE
+    model: str = "default"
+    kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+
+    def engine_profile(self) -> EngineProfile:
+        return self.profile if isinstance(self.profile, EngineProfile) else get_profile(self.profile)
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """A change of the cluster at ``at`` virtual seconds after the first arrival: ``add`` a cold
+    worker (``spec``), ``kill`` worker ``worker``, or ``slow`` it to ``factor`` of its speed for
+    ``duration_s`` seconds (None: for good)."""
+
+    at: float
+    kind: str
+    worker: str | None = None
+    spec: WorkerSpec | None = None
+    factor: float = 1.0
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in EVENT_KINDS:
+            raise SimConfigError(f"worker event kind must be one of {', '.join(EVENT_KINDS)}, got {self.kind!r}")
+        if self.kind in ("kill", "slow") and not self.worker:
+            raise SimConfigError(f"a {self.kind} event names its worker")
+        if self.kind == "slow" and not 0.0 < self.factor <= 1.0:
+            raise SimConfigError(f"a slow event's factor is a share of the speed in (0, 1], got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ClientRetry:
+    """How a refused client retries: the OpenAI Python SDK's defaults (``openai/_constants.py``:
+    ``DEFAULT_MAX_RETRIES = 2``, ``INITIAL_RETRY_DELAY = 0.5``, ``MAX_RETRY_DELAY = 8.0``,
+    ``MAX_RETRY_AFTER_DELAY = 120``; ``_base_client.py`` ``_calculate_retry_timeout``): a
+    ``retry_after`` in (0, 120] s is honoured as is, a longer one is not retried at all, otherwise
+    ``min(0.5 x 2^n, 8)`` seconds for the n-th retry (n from 0), less a random 0-25 % (jitter)."""
+
+    max_retries: int = 2
+    initial_s: float = 0.5
+    max_s: float = 8.0
+    jitter: float = 0.25
+    max_retry_after_s: float = 120.0
+
+    def delay(self, retries_done: int, retry_after: float | None, rng: random.Random) -> float | None:
+        """Seconds until the next attempt, or None: the client gives up."""
+        if retries_done >= self.max_retries:
+            return None
+        if retry_after is not None and retry_after > 0:
+            return retry_after if retry_after <= self.max_retry_after_s else None
+        sleep = min(self.initial_s * 2.0 ** retries_done, self.max_s)
+        return sleep * (1.0 - self.jitter * rng.random())
 
 
 @dataclass
@@ -72,8 +154,23 @@ class SimSettings:
     tenant: str = "trace"
     cls: str = "online"
     router: dict = field(default_factory=dict)  # extra RouterSettings fields (by name)
+    worker_specs: tuple[WorkerSpec, ...] | None = None  # one per worker (then `workers` is their count)
+    events: tuple[WorkerEvent, ...] = ()
+    client_retry: ClientRetry | None = None  # None: a refusal is final
+    rescue_s: float | None = None  # re-route a dead worker's requests after this long (None: the client's error)
+    seed: int = 0  # the clients' retry jitter
+    worker_profiles: list[str] | None = None  # per worker, in turn (a mixed cluster); None: ``profile``
+    host_blocks: int = 0  # host-tier KV blocks per engine (0: no host tier)
+    host_bandwidth: float = 0.0  # bytes/s from the host tier into GPU memory
+    speed_events: list[tuple[float, int, float]] = field(default_factory=list)  # (t after first arrival, worker, speed)
 
     def __post_init__(self) -> None:
+        if self.worker_specs is not None:
+            if not self.worker_specs:
+                raise SimConfigError("worker_specs needs at least one worker")
+            self.workers = len(self.worker_specs)
+        if self.rescue_s is not None and self.rescue_s < 0:
+            raise SimConfigError(f"rescue_s must be >= 0, got {self.rescue_s}")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise SimConfigError(f"workers must be >= 1, got {self.workers!r}")
         if self.warmup_s < 0:
@@ -85,9 +182,21 @@ class SimSettings:
         if self.net_delay_s < 0 or self.route_retry_s <= 0 or self.no_worker_wait_s < 0 or self.router_tick_s <= 0:
             raise SimConfigError("net_delay_s and no_worker_wait_s must be >= 0, route_retry_s and router_tick_s > 0")
         try:
-            get_profile(self.profile)
+            for name in [self.profile, *(self.worker_profiles or [])]:
+                get_profile(name)
         except ValueError as exc:
             raise SimConfigError(str(exc)) from None
+        if self.worker_profiles is not None and not self.worker_profiles:
+            raise SimConfigError("worker_profiles must name at least one profile (or be left out)")
+        if self.host_blocks < 0 or (self.host_blocks and self.host_bandwidth <= 0):
+            raise SimConfigError("host_blocks must be >= 0, and host_bandwidth > 0 with a host tier")
+        for ev in self.speed_events:
+            if len(ev) != 3 or not 0 <= int(ev[1]) < self.workers or not ev[2] > 0 or ev[0] < 0:
+                raise SimConfigError(f"speed event {ev!r}: (t >= 0, worker index < workers, speed > 0)")
+
+    def profile_of(self, i: int) -> str:
+        """The engine profile of worker ``i``."""
+        return self.worker_profiles[i % len(self.worker_profiles)] if self.worker_profiles else self.profile
 
 
 def make_router(settings: SimSettings, block_size: int) -> RouterCore:
@@ -104,10 +213,16 @@ def make_router(settings: SimSettings, block_size: int) -> RouterCore:
 
 
 class _Worker:
-    __slots__ = ("id", "engine", "core", "backoff", "state", "stepping", "hb_seq", "kv_seq", "busy_window")
+    __slots__ = ("id", "engine", "core", "backoff", "state", "stepping", "hb_seq", "kv_seq", "busy_window",
+                 "model", "alive", "joined", "deployment")
 
-    def __init__(self, wid: WorkerId, engine: SimEngine, backoff) -> None:
+    def __init__(self, wid: WorkerId, engine: SimEngine, backoff, model: str = "default", joined: float = 0.0,
+                 deployment: str | None = None) -> None:
         self.id = wid
+        self.model = model
+        self.alive = True
+        self.joined = joined
+        self.deployment = deployment  # its engine profile: what a real worker's calibration key names
         self.engine = engine  # stats() only: the heartbeat reports what a live SimEngine would
         self.core: SimCore = engine.core  # stepped by the simulator's clock
         self.backoff = backoff
@@ -133,6 +248,8 @@ class SimResult:
     preemptions: int
     wall_s: float
     backoff_changes: int = 0
+    predictions: dict = field(default_factory=dict)  # RouterCore.predictions (keep_predictions > 0)
+    health_changes: list = field(default_factory=list)  # (t, worker, state) of the router's health
 
     def metrics(self) -> dict:
         return summarize(self.records, self.busy_time, self.busy_window, self.window)
@@ -156,18 +273,18 @@ class Simulator:
         self.router = router or make_router(s, self.block_size)
         self.admission = admission or AllowAll()
         self.progress = progress
-        width = len(str(s.workers - 1))
+        specs = s.worker_specs or tuple(WorkerSpec(s.profile_of(i), s.model, s.kv_blocks, s.max_num_seqs)
+                                        for i in range(s.workers))
+        added = sum(1 for e in s.events if e.kind == "add")
+        self._width = len(str(len(specs) + added - 1))
         self.workers: dict[WorkerId, _Worker] = {}
-        for i in range(s.workers):
-            wid = WorkerId(f"w{i:0{width}d}")
-            engine = SimEngine(self.profile, self.block_size, kv_blocks=s.kv_blocks, max_num_seqs=s.max_num_seqs,
-                               max_model_len=1 << 62)  # max_model_len is checked here (SimSettings)
-            backoff = BackoffMonitor() if s.worker_backoff and BackoffMonitor is not None else None
-            self.workers[wid] = _Worker(wid, engine, backoff)
+        for spec in specs:
+            self._new_worker(spec, 0.0)
         self.t0 = s.warmup_s  # virtual time of the trace's first arrival
         self.records = [
             RequestRecord(index=r.index, arrival=self.t0 + r.arrival, prompt_tokens=max(1, r.input_length),
-                          output_tokens=max(1, r.output_length), first_block=r.hashes[0] if r.hashes else None)
+                          output_tokens=max(1, r.output_length), first_block=r.hashes[0] if r.hashes else None,
+                          tenant=r.tenant or s.tenant, cls=r.cls or s.cls)
             for r in trace.requests
         ]
         self._route_reqs: dict[int, RouteRequest] = {}
@@ -183,6 +300,21 @@ class Simulator:
         self.backoff_changes = 0  # healthy <-> backoff transitions announced by workers
         self._active = 0  # queued events that are not periodic (arrivals, steps, retries, messages)
         self._last_active = 0.0
+
+    def _new_worker(self, spec: WorkerSpec, now: float) -> _Worker:
+        s = self.settings
+        wid = WorkerId(f"w{len(self.workers):0{self._width}d}")
+        engine = SimEngine(spec.engine_profile(), self.block_size,
+                           kv_blocks=spec.kv_blocks if spec.kv_blocks is not None else s.kv_blocks,
+                           max_num_seqs=spec.max_num_seqs if spec.max_num_seqs is not None else s.max_num_seqs,
+                           max_model_len=1 << 62,  # max_model_len is checked here (SimSettings)
+                           host_blocks=s.host_blocks, host_bandwidth=s.host_bandwidth)
+        backoff = BackoffMonitor() if s.worker_backoff and BackoffMonitor is not None else None
+        w = self.workers[wid] = _Worker(wid, engine, backoff, spec.model, now, spec.engine_profile().name)
+        return w
+
+    def live_workers(self) -> list[_Worker]:
+        return [w for w in self.workers.values() if w.alive]
 
     # ------------------------------------------------------------------ event queue
     def _push(self, t: float, kind: int, a=None, b=None) -> None:
@@ -205,11 +337,19 @@ class Simulator:
         n_workers = len(self.workers)
         for i, w in enumerate(self.workers.values()):
             # WorkerAgent.start(): a cache snapshot, then a heartbeat; then one every interval (staggered)
-            self._publish_cache(w, "snapshot", w.core.cached_hashes(), 0.0)
+            self._snapshot(w, 0.0)
             self._heartbeat(w, 0.0)
             self._push(s.hb_interval * (1.0 + i / n_workers), _HEARTBEAT, w)
         for r in self.trace.requests:
             self._push(self.t0 + r.arrival, _ARRIVE, r)
+        for ev in s.events:
+            self._push(self.t0 + ev.at, _WORKER_EVENT, ev)
+        bind = getattr(self.admission, "bind", None)
+        if bind is not None:
+            bind(self)
+        ids = list(self.workers)
+        for t, i, speed in s.speed_events:
+            self._push(self.t0 + t, _SPEED, self.workers[ids[int(i)]], float(speed))
         tick = self.admission.tick_s
         if tick:
             self._push(tick, _ADMIT_TICK)
@@ -233,10 +373,15 @@ class Simulator:
             elif kind == _ARRIVE:
                 self._arrive(a, now)
             elif kind == _HEARTBEAT:
-                self._heartbeat(a, now)
-                self._push(now + s.hb_interval, _HEARTBEAT, a)
+                if a.alive:
+                    self._heartbeat(a, now)
+                    self._push(now + s.hb_interval, _HEARTBEAT, a)
+            elif kind == _WORKER_EVENT:
+                self._worker_event(a, now)
             elif kind == _DELIVER:
                 a(*b, now)
+            elif kind == _SPEED:
+                a.core.set_speed(b)
             elif kind == _RETRY:
                 self._route(a, now)
             elif kind == _ROUTER_TICK:
@@ -253,6 +398,8 @@ class Simulator:
             raise SimError(f"simulation ended with {total - self._done} request(s) unfinished")
         if self.progress is not None:
             self.progress(total, total)
+        for i in getattr(self.admission, "degraded", ()):
+            self.records[i].degraded = True
         return SimResult(
             policy=getattr(self.router.policy, "name", s.policy), trace=self.trace.source, workers=n_workers,
             speedup=self.trace.speedup, records=self.records,
@@ -263,10 +410,12 @@ class Simulator:
             preemptions=sum(w.core.preemptions for w in self.workers.values()),
             backoff_changes=self.backoff_changes,
             wall_s=time.perf_counter() - started,
+            predictions={w: list(v) for w, v in getattr(self.router, "predictions", {}).items()},
+            health_changes=list(getattr(getattr(self.router, "health", None), "transitions", ())),
         )
 
     def _stalled(self, now: float) -> None:
-        stuck = [r for r in self.records if r.status not in ("ok", "rejected")]
+        stuck = [r for r in self.records if r.status not in ("ok", "rejected", "failed")]
         by_status: dict[str, int] = {}
         for r in stuck:
             by_status[r.status] = by_status.get(r.status, 0) + 1
@@ -277,13 +426,16 @@ class Simulator:
     # ------------------------------------------------------------------ requests
     def _arrive(self, req: TraceRequest, now: float) -> None:
         verdict = self.admission.admit(req, now)
+        retry_after = None
+        if isinstance(verdict, tuple):  # (reject, retry_after)
+            verdict, retry_after = verdict
         rec = self.records[req.index]
         if verdict == ALLOW:
             self._admit(req, now)
         elif verdict == QUEUE:
             rec.status = "queued"
         elif verdict == REJECT:
-            self._reject(rec, "admission", now)
+            self._refuse(req, retry_after, "admission", now)
         else:
             raise SimConfigError(f"admission hook {self.admission.name!r} returned {verdict!r}; "
                                  f"expected allow, queue or reject")
@@ -291,6 +443,28 @@ class Simulator:
     def _release(self, now: float) -> None:
         for req in self.admission.release(now):
             self._admit(req, now)
+        expired = getattr(self.admission, "expired", None)
+        if expired is not None:  # queued requests the hook gave up on (queue timeouts)
+            for req, retry_after in expired(now):
+                self._refuse(req, retry_after, "admission", now)
+
+    def _refuse(self, req: TraceRequest, retry_after: float | None, reason: str, now: float,
+                status: str = "rejected") -> None:
+        """A refusal the client sees: it retries (``client_retry``) or it is final."""
+        rec = self.records[req.index]
+        rec.refused += 1
+        if retry_after is not None:
+            rec.refused_retry_after += 1
+        retry = self.settings.client_retry
+        if retry is not None:
+            rng = random.Random(f"{self.settings.seed}:{req.index}:{rec.attempts}")
+            delay = retry.delay(rec.attempts - 1, retry_after, rng)
+            if delay is not None:
+                rec.attempts += 1
+                rec.status = "retrying"
+                self._push(now + delay, _ARRIVE, req)
+                return
+        self._reject(rec, reason, now, status)
 
     def _admit(self, req: TraceRequest, now: float) -> None:
         s = self.settings
@@ -298,25 +472,29 @@ class Simulator:
         prompt = max(1, req.input_length)
         output = max(1, req.output_length)
         too_long = s.max_model_len is not None and prompt + output > s.max_model_len
-        if too_long or not self._fits(prompt, output):
+        if too_long or not self._fits(prompt, output, req.model or s.model):
             # the engine refuses it (SimEngine.generate); nothing to route
             self.admission.on_finish(req, False, now)
             self._reject(self.records[req.index], "too_large", now)
             return
         self._route_reqs[req.index] = RouteRequest(
-            id=RequestId(req.id), tenant=TenantId(s.tenant), prompt_tokens=prompt, hashes=req.hashes,
-            expected_output=output, runtime_tokens=runtime_tokens(req), cls=s.cls, model=s.model,
-            route_key=req.hashes[0] if req.hashes else None,
+            id=RequestId(req.id), tenant=TenantId(req.tenant or s.tenant), prompt_tokens=prompt, hashes=req.hashes,
+            expected_output=output, runtime_tokens=runtime_tokens(req), cls=req.cls or s.cls,
+            model=req.model or s.model, route_key=req.hashes[0] if req.hashes else None,
         )
         self._route(req, now)
 
-    def _fits(self, prompt: int, output: int) -> bool:
-        """Whether one engine can ever run it alone (vLLM and SimEngine refuse it up front)."""
-        core = next(iter(self.workers.values())).core
-        fits = getattr(core, "fits", None)
-        if fits is not None:
-            return fits(prompt, output)
-        return -(-(prompt + output) // self.block_size) <= core.kv_blocks
+    def _fits(self, prompt: int, output: int, model: str | None = None) -> bool:
+        """Whether the engines of the model can run it alone (vLLM and SimEngine refuse it up front); in a
+        mixed cluster it must fit on every one of them (the router may pick any)."""
+        cores = [w.core for w in self.workers.values() if model is None or w.model == model] or [
+            w.core for w in self.workers.values()]
+        for core in cores:
+            fits = getattr(core, "fits", None)
+            ok = fits(prompt, output) if fits is not None else -(-(prompt + output) // self.block_size) <= core.kv_blocks
+            if not ok:
+                return False
+        return True
 
     def _route(self, req: TraceRequest, now: float) -> None:
         rr = self._route_reqs[req.index]
@@ -328,10 +506,10 @@ class Simulator:
             else:
                 del self._route_reqs[req.index]
                 self.admission.on_finish(req, False, now)
-                self._reject(rec, "no_worker", now)
                 self._send(now, self._deliver_completion, Completion(
                     request_id=rr.id, tenant=rr.tenant, cls=rr.cls, model=rr.model, status=CompletionStatus.ERROR,
                     runtime_tokens=rr.runtime_tokens, reason="no_worker", ts=now))
+                self._refuse(req, None, "no_worker", now)
             return
         rec.worker = decision.worker
         rec.routed = now
@@ -343,13 +521,16 @@ class Simulator:
         self._send(now, self._start_on_worker, w, req, rr)
 
     def _start_on_worker(self, w: _Worker, req: TraceRequest, rr: RouteRequest, now: float) -> None:
+        if not w.alive:  # routed to a worker that died: nobody takes it
+            self._lost(req, w, now)
+            return
         w.core.add(rr.id, rr.prompt_tokens, rr.hashes, rr.expected_output, now)
         self._by_seq_id[rr.id] = req
         if not w.stepping:
             self._step(w, now)
 
-    def _reject(self, rec: RequestRecord, reason: str, now: float) -> None:
-        rec.status = "rejected"
+    def _reject(self, rec: RequestRecord, reason: str, now: float, status: str = "rejected") -> None:
+        rec.status = status
         rec.reason = reason
         self._done += 1
         self._end = max(self._end, now)
@@ -372,10 +553,16 @@ class Simulator:
 
     def _step_end(self, w: _Worker, res: StepResult, now: float) -> None:
         w.stepping = False
+        if not w.alive:  # it died during the step: nothing it computed is reported
+            return
         if res.removed:
             self._publish_cache(w, "removed", res.removed, now)
         if res.stored:
             self._publish_cache(w, "stored", res.stored, now)
+        if res.host_removed:
+            self._publish_cache(w, "removed", res.host_removed, now, "host")
+        if res.host_stored:
+            self._publish_cache(w, "stored", res.host_stored, now, "host")
         for seq in res.finished:
             self._finish(w, seq, now)
         if w.core.has_work():
@@ -403,16 +590,83 @@ class Simulator:
         self.admission.on_finish(req, True, now)
         self._release(now)
 
+    # ------------------------------------------------------------------ cluster changes
+    def _worker_event(self, ev: WorkerEvent, now: float) -> None:
+        if ev.kind == "add":
+            w = self._new_worker(ev.spec or WorkerSpec(self.profile, self.settings.model), now)
+            self._publish_cache(w, "snapshot", [], now)
+            self._heartbeat(w, now)
+            self._push(now + self.settings.hb_interval, _HEARTBEAT, w)
+            log.info("worker %s added at t=%.1f", w.id, now)
+        else:
+            w = self.workers.get(WorkerId(ev.worker))
+            if w is None or not w.alive:
+                raise SimConfigError(f"{ev.kind} event at {ev.at:g}s: no live worker {ev.worker!r}; "
+                                     f"workers: {', '.join(self.workers)}")
+            if ev.kind == "kill":
+                self._kill(w, now)
+            elif ev.factor == 1.0:  # the end of a slowdown
+                w.core.set_speed(1.0)
+            else:
+                w.core.set_speed(ev.factor)  # the engines' own speed factor (SimCore.set_speed)
+                log.info("worker %s slowed to %.0f%% at t=%.1f", w.id, 100 * ev.factor, now)
+                if ev.duration_s is not None:
+                    back = dataclasses.replace(ev, at=ev.at + ev.duration_s, factor=1.0, duration_s=None)
+                    self._push(now + ev.duration_s, _WORKER_EVENT, back)
+        hook = getattr(self.admission, "on_cluster_change", None)
+        if hook is not None:
+            hook(now)
+
+    def _kill(self, w: _Worker, now: float) -> None:
+        """The worker stops: no more steps, heartbeats or reports; what it held is lost on it."""
+        w.alive = False
+        # everything it held, including sequences that finished inside the step it was running
+        # (their completions were never published)
+        mine = [sid for sid, req in self._by_seq_id.items() if self.records[req.index].worker == w.id]
+        lost = [self._by_seq_id.pop(sid) for sid in mine]
+        w.core.waiting.clear()
+        w.core.running.clear()
+        w.core.seqs.clear()
+        log.info("worker %s killed at t=%.1f with %d request(s) on it", w.id, now, len(lost))
+        for req in lost:
+            self._lost(req, w, now)
+
+    def _lost(self, req: TraceRequest, w: _Worker, now: float) -> None:
+        """A request that died with ``w``: rescued by the scheduler (``rescue_s``) or failed to the client."""
+        rr = self._route_reqs[req.index]
+        rec = self.records[req.index]
+        self._send(now, self._deliver_completion, Completion(
+            request_id=rr.id, tenant=rr.tenant, cls=rr.cls, model=rr.model, status="error", worker=w.id,
+            runtime_tokens=rr.runtime_tokens, reason="worker_lost", ts=now))
+        rescue = self.settings.rescue_s
+        if rescue is not None:
+            rec.rescued += 1
+            rec.status = "queued"
+            rr.avoid = rr.avoid | {w.id}
+            self._admitted_at[req.index] = now + rescue
+            self._push(now + rescue, _RETRY, req)
+            return
+        del self._route_reqs[req.index]
+        self.admission.on_finish(req, False, now)
+        self._refuse(req, None, "worker_lost", now, status="failed")
+
     # ------------------------------------------------------------------ reports
-    def _publish_cache(self, w: _Worker, kind: str, hashes: list[int], now: float) -> None:
+    def _publish_cache(self, w: _Worker, kind: str, hashes: list[int], now: float, tier: str | None = None) -> None:
         w.kv_seq += 1
-        ev = CacheEvent(worker=w.id, seq=w.kv_seq, kind=kind, ts=now, hashes=list(hashes), block_size=self.block_size)
+        ev = CacheEvent(worker=w.id, seq=w.kv_seq, kind=kind, ts=now, hashes=list(hashes), block_size=self.block_size,
+                        tier=tier)
         self._send(now, self._deliver_cache_event, w, ev)
+
+    def _snapshot(self, w: _Worker, now: float) -> None:
+        """A GPU snapshot, then (with a host tier) the host tier's: what the agent publishes."""
+        self._publish_cache(w, "snapshot", w.core.cached_hashes(), now)
+        if w.core.host_blocks:
+            self._publish_cache(w, "snapshot", list(w.core.host), now, "host")
 
     def _deliver_cache_event(self, w: _Worker, ev: CacheEvent, now: float) -> None:
         if not self.router.on_cache_event(ev, now):
             # the router service answers a gap with Control(snapshot); the agent then publishes one
-            self._publish_cache(w, "snapshot", w.core.cached_hashes(), now)
+            self._snapshot(w, now)
 
     def _deliver_completion(self, c: Completion, now: float) -> None:
         self.router.on_completion(c, now)
@@ -440,12 +694,12 @@ class Simulator:
                 self.backoff_changes += 1
         w.hb_seq += 1
         hb = Heartbeat(
-            worker=w.id, seq=w.hb_seq, ts=now, state=w.state, model=self.settings.model,
+            worker=w.id, seq=w.hb_seq, ts=now, state=w.state, model=w.model,
             running=st.running, waiting=st.waiting, kv_used_blocks=st.kv_used_blocks,
             kv_total_blocks=st.kv_total_blocks, runtime_tokens=st.runtime_tokens,
             capacity_tokens=st.capacity_tokens, queued_prefill_tokens=st.queued_prefill_tokens,
-            block_size=self.block_size, started_at=0.0, interval=self.settings.hb_interval, kv_seq=w.kv_seq,
-            inflight=list(w.core.seqs),
+            block_size=self.block_size, started_at=w.joined, interval=self.settings.hb_interval, kv_seq=w.kv_seq,
+            inflight=list(w.core.seqs), deployment=w.deployment,
         )
         self._send(now, self.router.on_heartbeat, hb)
 

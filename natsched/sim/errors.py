@@ -8,6 +8,7 @@
     │   └── EmptyTraceError     a trace (or the part kept by --limit) with no request in it
     ├── SimConfigError          a setting that cannot be used: speedup <= 0, workers < 1, unknown
     │                           policy or profile, target busy outside (0, 1) (also a ValueError)
+    │   └── ScenarioError       a scenario file that cannot be used (names the file and the field)
     ├── CalibrationError        --target-busy cannot be reached within the speed-up range searched
     ├── PlotUnavailableError    --plot asked for, but matplotlib is not installed
     └── ReplayError             (natsched.sim.replay) a recorded window that cannot be replayed
@@ -54,3 +55,16 @@ class CalibrationError(SimError):
 
 class PlotUnavailableError(SimError):
     """Plotting needs matplotlib, which is an optional extra."""
+
+
+class ScenarioError(SimConfigError):
+    """A scenario file (or dict) that cannot be used; ``field`` is the dotted path of the culprit."""
+
+    def __init__(self, source: str, field: str, message: str) -> None:
+        super().__init__(f"{source}: {field}: {message}" if field else f"{source}: {message}")
+        self.source = source
+        self.field = field
+        self.detail = message
+
+    def __reduce__(self):
+        return (type(self), (self.source, self.field, self.detail))

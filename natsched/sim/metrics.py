@@ -20,7 +20,7 @@ Definitions (each is a key of the routing benchmark's JSON):
   different worker than the previous request with that first block (how often a prefix moves);
 - ``busy``: mean over workers of the busy share of the arrival window [first, last arrival];
 - ``completed`` / ``rejected``: requests that finished / that never ran (admission, no worker, too
-  large for one engine).
+  large for one engine); ``failed``: lost when their worker died and the client's retries ran out.
 """
 
 from __future__ import annotations
@@ -49,8 +49,15 @@ class RequestRecord:
     finish: float | None = None
     cached_tokens: int = 0
     expected_cached_tokens: int = 0
-    status: str = "pending"  # pending | queued | running | ok | rejected
-    reason: str | None = None  # why it was rejected
+    status: str = "pending"  # pending | queued | running | ok | rejected | failed
+    reason: str | None = None  # why it was rejected (or failed: lost with a worker, retries used up)
+    tenant: str = ""
+    cls: str = "online"
+    attempts: int = 1  # times the client sent it (1 + its retries)
+    refused: int = 0  # refusals it met (each answered by a retry, or the last one final)
+    refused_retry_after: int = 0  # ... of which carried a retry_after
+    degraded: bool = False  # the admission moved it to the offline path
+    rescued: int = 0  # times the scheduler re-ran it elsewhere after its worker died
 
 
 def ceiling_hit_ratio(requests: Iterable[TraceRequest], block_size: int) -> float:
@@ -138,4 +145,5 @@ def summarize(records: Sequence[RequestRecord], busy_time: Sequence[float], busy
         "busy": min(1.0, busy),
         "completed": len(done),
         "rejected": sum(1 for r in records if r.status == "rejected"),
+        "failed": sum(1 for r in records if r.status == "failed"),
     }

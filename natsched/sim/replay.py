@@ -87,7 +87,7 @@ async def load_recording(bus: "Bus", since: float, until: float | None = None, t
         since, horizon, S.decision("routing", tenant) if tenant else None)], Decision)
         if d.stage == "routing"]
     completions = decode_all([m async for m in bus.stream(S.STREAM_COMPLETIONS).window(
-        since, horizon, S.completion(tenant) if tenant else None)], Completion)
+        since, horizon, S.completions_of(tenant) if tenant else None)], Completion)
     return Recording(since, until, len(stored), match(requests, routing, completions))
 
 

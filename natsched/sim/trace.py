@@ -61,6 +61,10 @@ class TraceRequest:
     input_length: int
     output_length: int
     hashes: list[int]  # chained hashes of the full prompt blocks
+    # who sent it (generated scenario traffic; None: the simulator's single tenant / class / model)
+    tenant: str | None = None
+    cls: str | None = None
+    model: str | None = None
 
     @property
     def id(self) -> str:

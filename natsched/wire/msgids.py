@@ -8,7 +8,7 @@ stage, and one per attempt where a stage may run again::
     <id>                       the request (producer, batch): REQUESTS
     <id>:adm[:<attempt>]       admitted (admitter, offline runner; a rescue's re-admission): ADMITTED
     <id>:work[:<attempt>]      assigned to a worker (router, inline routing): WORK
-    <id>:done                  its completion (worker, or the router when it cannot route): COMPLETIONS
+    <id>:done:<fence>          its completion (worker, or the router when it cannot route): COMPLETIONS
     <id>:admission | :queue    the admission decision (a queued request is decided twice): DECISIONS
     <id>:rescue:<attempt>      a rescue from a dead worker: DECISIONS
     <id>:routing               the routing decision: DECISIONS
@@ -69,9 +69,11 @@ def work(request_id: str, attempt: int = 0) -> str:
     return _with(request_id, Kind.WORK, _attempt(attempt))
 
 
-def completion(request_id: str) -> str:
-    """On COMPLETIONS: ``<id>:done`` (one per admitted request, whoever closes it)."""
-    return _with(request_id, Kind.COMPLETION)
+def completion(request_id: str, fence: str = "") -> str:
+    """On COMPLETIONS: ``<id>:done:<fence>``, one per attempt and worker. The assignment's fencing
+    token (:mod:`natsched.wire.fence`) is in it so that no other worker can know it in advance
+    and take the real completion's dedup slot (``<id>:done`` without one: no fence known)."""
+    return _with(request_id, Kind.COMPLETION, f"{SEP}{fence}" if fence else "")
 
 
 def admission(request_id: str, queued: bool = False) -> str:

@@ -5,8 +5,9 @@ Pure: roles and their allow-lists as data, rendered from :mod:`natsched.wire.sub
 inboxes). :mod:`natsched.ops.auth` (``natsched auth init``) writes them as a nats-server config
 and credentials files; ``subjects.md`` ("Roles and permissions") summarises them. The roles:
 
-- ``producer-<tenant>``: publishes ``req.*.<tenant>`` only (the subject names the tenant, and the
-  admitter refuses a body whose tenant differs); subscribes to its replies ``resp.<tenant>.>``
+- ``producer-<tenant>``: publishes ``req.*.<tenant>`` and ``cancel.<tenant>.*`` only (the subject
+  names the tenant: the admitter refuses a request body whose tenant differs, and every service
+  acts on a cancel only for a request of the subject's tenant); subscribes to its replies ``resp.<tenant>.>``
   and its own inbox. Nothing else: no JetStream API, no KV, no other tenant's replies.
 - ``worker-<id>``: its own consumer on ``work.<id>``, its heartbeat/cache subjects and control
   subject, completions and replies; it cannot publish admission (``adm.>``) or decisions.
@@ -16,7 +17,8 @@ and credentials files; ``subjects.md`` ("Roles and permissions") summarises them
   routing decision), reserves in ``inflight`` (``usage``, ``res.*``) like an admitter, reads quotas
   and writes job records (``job.*.*.*``), never quotas or batch manifests.
 - ``gateway``: a producer for the tenants its API keys map to (``req.*.<tenant>``,
-  ``resp.<tenant>.>``, ``--gateway-tenants``), ``cancel`` on ``worker.*.ctl``, and what
+  ``resp.<tenant>.>``, ``cancel.<tenant>.*``, ``--gateway-tenants``), nothing on the workers'
+  control subjects (it can neither drain a worker nor cancel another tenant's request), and what
   ``/v1/models`` and ``/status`` show: heartbeats, the DECISIONS and COMPLETIONS records (no
   prompts or outputs), quotas and the ``inflight`` usage. No other tenant's requests or replies.
 - ``batch-<tenant>`` (``natsched batch``/``jobs``): publishes ``req.*.<tenant>``; reads and writes
@@ -47,6 +49,41 @@ JS_API = "$JS.API"
 JS_ACK = "$JS.ACK"
 JS_FC = "$JS.FC"  # flow-control replies of push consumers (KV watches)
 INBOX_ROOT = "_INBOX"
+
+# --- accounts: who shares a namespace with the scheduler's streams and buckets ---------------
+#: the services' account: JetStream, every stream and bucket, admin, admitter, router, workers
+SERVICES_ACCOUNT = "NATSCHED"
+#: the HTTP gateway's own account
+GATEWAY_ACCOUNT = "GATEWAY"
+#: kinds of role that run outside the services' account (see :func:`tenant_account`)
+OUTSIDE_KINDS = frozenset({"producer", "batch", "gateway"})
+#: kinds of role given the key that signs assignments (routers) and checks completions
+#: (admitters, the audit): never a worker, producer or gateway
+FENCE_KINDS = frozenset({"admin", "admitter", "router", "scheduler"})
+#: where an outside account sees the services' JetStream API: every account already answers
+#: ``$JS.API.>`` itself (with "JetStream not enabled"), so an import under the same name would
+#: race it; the client names this prefix instead (its credentials file carries it)
+IMPORTED_JS_API = "JS.NATSCHED.API"
+
+
+def local_subject(subject: str) -> str:
+    """What an outside role publishes for ``subject`` of the services' account: the JetStream
+    API under :data:`IMPORTED_JS_API`, anything else under its own name."""
+    return IMPORTED_JS_API + subject[len(JS_API):] if subject.startswith(JS_API + ".") else subject
+
+
+def tenant_account(tenant: str) -> str:
+    """A tenant's own account (its producer and batch producer): ``TENANT_<tenant>``.
+
+    Why an account and not only permissions: a permission limits the subjects a connection
+    names, but a JetStream publish also names a *reply* subject, and the server writes its
+    publish ack there with its own rights. In the services' account a reply-to of
+    ``$KV.inflight.usage`` made the server overwrite the admitters' usage. In an account of its
+    own, a tenant reaches the services only through the imports it is given (its ``req.*.<t>``
+    subjects, its JetStream reads), and the server maps every reply back into the tenant's
+    account: nothing it names can land in the services' namespace.
+    """
+    return f"TENANT_{S.token(tenant, 'tenant')}"
 
 
 # --- subjects -------------------------------------------------------------------------------
@@ -171,8 +208,43 @@ class Role:
     def inbox(self) -> str:
         return inbox_prefix(self.user)
 
+    @property
+    def account(self) -> str:
+        """The account the user lives in: producers and batch producers in their tenant's,
+        the gateway in its own, everything else in the services' (:func:`tenant_account`)."""
+        if self.kind == "gateway":
+            return GATEWAY_ACCOUNT
+        if self.kind in OUTSIDE_KINDS:
+            return tenant_account(self.tenants[0])
+        return SERVICES_ACCOUNT
+
+    @property
+    def fenced(self) -> bool:
+        """Whether the role holds the fence key (signs or checks assignments: natsched.wire.fence)."""
+        return self.kind in FENCE_KINDS
+
+    @property
+    def outside(self) -> bool:
+        return self.account != SERVICES_ACCOUNT
+
+    @property
+    def js_prefix(self) -> str | None:
+        """The JetStream API prefix the role's client uses (None: the default ``$JS.API``)."""
+        return IMPORTED_JS_API if self.outside else None
+
+    def imports(self) -> tuple[list[str], list[str]]:
+        """(services, streams) an outside role imports from the services' account: every
+        subject it may publish is a service import (the server maps its reply back into the
+        role's account; :func:`local_subject` is its name there), every subject it may
+        receive a stream import, with its own inbox (push consumers deliver there). Nothing
+        for a role inside the services' account."""
+        if not self.outside:
+            return [], []
+        return _unique(self.publish), _unique([*self.subscribe, f"{self.inbox}.>"])
+
     def permissions(self) -> dict:
-        return {"publish": {"allow": _unique(self.publish)},
+        publish = [local_subject(p) for p in self.publish] if self.outside else self.publish
+        return {"publish": {"allow": _unique(publish)},
                 "subscribe": {"allow": _unique([f"{self.inbox}.>", *self.subscribe])}}
 
 
@@ -206,17 +278,21 @@ def admitter_role() -> Role:
         S.SCALE_ALL, _js("STREAM", "INFO", _kv_stream(S.BUCKET_CONFIG)),
         *kv_write_permissions(S.BUCKET_CONFIG, S.KEY_SCALE),
     ]
-    return Role("admitter", "admitter", publish=pub, subscribe=[S.HEARTBEATS_ALL])
+    return Role("admitter", "admitter", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CANCELS_ALL])
 
 
 def router_role() -> Role:
     pub = _service_base() + [
-        S.WORK_ALL, S.COMPLETIONS_ALL, subject("decision", stage="routing"), subject("control"),
+        S.WORK_ALL, subject("completion", worker=S.ROUTER_SOURCE), subject("decision", stage="routing"),
+        subject("control"),
         S.deadletter("router"),
         *consumer_permissions(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL),
         *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG),
+        # learned cost statistics shared between replicas, and the calibrations they start from
+        *kv_read_permissions(S.BUCKET_WORKERS), *kv_write_permissions(S.BUCKET_WORKERS, S.COST_KEYS),
     ]
-    return Role("router", "router", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CACHE_EVENTS_ALL, S.COMPLETIONS_ALL])
+    return Role("router", "router", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CACHE_EVENTS_ALL, S.COMPLETIONS_ALL,
+                                                                S.CANCELS_ALL])
 
 
 def scheduler_role() -> Role:
@@ -228,13 +304,18 @@ def scheduler_role() -> Role:
 
 
 def worker_role(worker: str) -> Role:
+    """A worker: completions on its own ``done.*.<worker>`` only, so that the server vouches for
+    the worker a completion names (the admitter checks it against the assignment's fence:
+    :mod:`natsched.wire.fence`)."""
     S.token(worker, "worker id")
+    if worker == S.ROUTER_SOURCE:
+        raise ValueError(f"worker id {worker!r} is reserved: the router's own completions use it")
     pub = _service_base() + [
-        S.COMPLETIONS_ALL, S.heartbeat(worker), S.cache_events(worker), S.deadletter("worker"),
+        subject("completion", worker=worker), S.heartbeat(worker), S.cache_events(worker), S.deadletter("worker"),
         *consumer_permissions(S.STREAM_WORK, S.worker_consumer(worker), S.work(worker)),
         *kv_read_permissions(S.BUCKET_WORKERS),
     ]
-    return Role(f"worker-{worker}", "worker", publish=pub, subscribe=[S.control(worker)])
+    return Role(f"worker-{worker}", "worker", publish=pub, subscribe=[S.control(worker), S.CANCELS_ALL])
 
 
 def offline_role() -> Role:
@@ -256,14 +337,16 @@ def offline_role() -> Role:
 
 def gateway_role(tenants: list[str]) -> Role:
     """The HTTP gateway: a producer for the tenants its API keys map to (requests, their replies,
-    cancels on the workers' control subjects), plus what ``/v1/models`` and ``/status`` show:
+    their cancels; nothing on the workers' control subjects), plus what ``/v1/models`` and ``/status`` show:
     heartbeats, admission records and completions (no prompts or outputs), quotas and usage."""
     if not tenants:
         raise ValueError("the gateway role needs at least one tenant")
     records = (S.STREAM_DECISIONS, S.STREAM_COMPLETIONS)
-    pub = [*(S.requests_of(t) for t in tenants), subject("control"),
+    pub = [*(S.requests_of(t) for t in tenants), *(S.cancels_of(t) for t in tenants),
            *(_js("STREAM", "INFO", st) for st in records), *(_js("STREAM", "MSG", "GET", st) for st in records),
            *filtered_read_permissions(_kv_stream(S.BUCKET_QUOTAS), _kv_key(S.BUCKET_QUOTAS)),
+           # the routers' verdicts on workers (half-open, learned rates) for its status page
+           *filtered_read_permissions(_kv_stream(S.BUCKET_WORKERS), _kv_key(S.BUCKET_WORKERS, S.COST_KEYS)),
            *kv_get_permissions(S.BUCKET_INFLIGHT, S.KEY_USAGE)]
     sub = [*(S.replies_of(t) for t in tenants), S.HEARTBEATS_ALL, S.DECISIONS_ALL, S.COMPLETIONS_ALL]
     return Role("gateway", "gateway", publish=pub, subscribe=sub, tenants=list(tenants))
@@ -290,7 +373,7 @@ def batch_role(tenant: str) -> Role:
 
 
 def producer_role(tenant: str) -> Role:
-    return Role(f"producer-{S.token(tenant, 'tenant')}", "producer", publish=[S.requests_of(tenant)],
+    return Role(f"producer-{S.token(tenant, 'tenant')}", "producer", publish=[S.requests_of(tenant), S.cancels_of(tenant)],
                 subscribe=[S.replies_of(tenant)], tenants=[tenant])
 
 

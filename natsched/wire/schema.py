@@ -40,6 +40,16 @@ def _check_id(value: str, name: str) -> None:
         raise SchemaError(f"field '{name}' must match {TOKEN} (it is used in subjects)", name)
 
 
+#: the largest token id any message may carry: engines index vocabularies with 32-bit ints, so a
+#: larger one can only be an attack or a bug (it would crash the engine, not be refused)
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _check_token_ids(ids: list[int] | None, name: str) -> None:
+    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+        raise SchemaError(f"field '{name}' holds a token id outside 0..{MAX_TOKEN_ID}", name)
+
+
 def _check_counts(obj: Any, names: tuple[str, ...]) -> None:
     """Counts of tokens, blocks or attempts are never negative (None = not given)."""
     for name in names:
@@ -67,6 +77,8 @@ class Request(Schema):
     max_tokens: int = 128
     expected_output_tokens: int | None = None
     deadline: float | None = None  # unix seconds; past it the request is not worth running
+    ttft_deadline: float | None = None  # unix seconds; a run with no first token by then is stopped
+    idle_timeout: float | None = None  # seconds; a run with no next token within it is stopped
     reply: str | None = None  # producer's subject for status, tokens and the result
     stream: bool = False  # send token chunks, not only the final result
     degradable: bool = False  # may be moved to the offline path under pressure
@@ -78,6 +90,9 @@ class Request(Schema):
         _check_id(self.tenant, "tenant")
         if self.prompt is None and self.prompt_token_ids is None:
             raise SchemaError("missing required field 'prompt' (or 'prompt_token_ids')", "prompt")
+        _check_token_ids(self.prompt_token_ids, "prompt_token_ids")
+        if self.idle_timeout is not None and not self.idle_timeout > 0:
+            raise SchemaError(f"field 'idle_timeout' must be > 0 seconds, got {self.idle_timeout}", "idle_timeout")
         if self.reply is not None and not reply_allowed(self.reply, self.tenant):
             raise SchemaError(f"field 'reply' must be one of the tenant's reply subjects "
                               f"(resp.<tenant>.<id>), got {self.reply[:80]!r}", "reply")
@@ -137,6 +152,7 @@ class Assignment(Schema):
     expected_cached_tokens: int = 0
     attempt: int = 0  # copied from Admitted: a rescue re-admits it with the next one
     avoid: list[str] = field(default_factory=list)
+    fence: str = ""  # natsched.wire.fence.sign(request, worker, attempt): the worker's proof in its completion
     v: int = SCHEMA_VERSION
 
     def __post_init_check__(self) -> None:
@@ -213,7 +229,9 @@ class CompletionStatus(enum.StrEnum):
 
 @dataclass
 class Completion(Schema):
-    """One per admitted request, on ``done.<tenant>``: releases its reservation, feeds learning."""
+    """One per admitted request and attempt, on ``done.<tenant>.<worker>``: releases its reservation
+    (only with the ``fence`` of the assignment's worker and the reservation's current ``attempt``:
+    :mod:`natsched.wire.fence`), feeds learning."""
 
     request_id: RequestId
     tenant: TenantId
@@ -232,13 +250,33 @@ class Completion(Schema):
     e2e: float | None = None
     expected_cached_tokens: int | None = None
     ts: float = 0.0
+    attempt: int = 0  # the assignment's: a completion of an attempt since rescued is stale
+    fence: str = ""  # copied from the Assignment
     v: int = SCHEMA_VERSION
 
     def __post_init_check__(self) -> None:
         _check_id(self.request_id, "request_id")
         _check_id(self.tenant, "tenant")
         _check_counts(self, ("runtime_tokens", "prompt_tokens", "cached_tokens", "output_tokens",
-                             "expected_cached_tokens"))
+                             "expected_cached_tokens", "attempt"))
+
+
+@dataclass
+class ServedModel(Schema):
+    """One model a worker's engine serves, as ``vllm serve`` lists it in ``/v1/models``.
+
+    A LoRA adapter has ``parent`` (its base model); ``active`` says it is in the engine's batch
+    now (loaded on the device: the router prefers such a worker for the adapter's requests).
+    """
+
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "vllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    active: bool = False
 
 
 @dataclass
@@ -262,14 +300,27 @@ class Heartbeat(Schema):
     interval: float = 1.0
     kv_seq: int = 0  # last cache-event sequence number published
     inflight: list[str] = field(default_factory=list)
+    served: list[ServedModel] = field(default_factory=list)  # every model and adapter it serves (besides ``model``)
+    deployment: str | None = None  # the calibration key part: routers read its measured speed as a prior
+    #: the WORK stream sequence up to which this worker id's durable consumer had delivered when
+    #: this instance started: what ``work.<worker>`` still stores at or below it is a
+    #: predecessor's unfinished work (the admitters rescue it at once); 0: none
+    predecessor_seq: int = 0
+    #: request id -> runtime tokens it holds now (2 x prompt + generated), for the requests that
+    #: ran past what their assignment reserved: the admitters grow those reservations
+    over: dict[str, int] = field(default_factory=dict)
     v: int = SCHEMA_VERSION
 
     _COUNTS = ("seq", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "runtime_tokens",
-               "capacity_tokens", "queued_prefill_tokens", "kv_seq")
+               "capacity_tokens", "queued_prefill_tokens", "kv_seq", "predecessor_seq")
 
     def __post_init_check__(self) -> None:
         _check_id(self.worker, "worker")
         _check_counts(self, self._COUNTS)  # a negative load would make a worker look better than idle
+        for rid, tokens in self.over.items():
+            _check_id(rid, "over")
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+                raise SchemaError(f"field 'over' must map request ids to counts >= 0, got {tokens!r}", "over")
         if self.block_size <= 0 or self.interval <= 0:
             raise SchemaError("fields 'block_size' and 'interval' must be > 0", "block_size")
 
@@ -280,6 +331,10 @@ class CacheEvent(Schema):
 
     ``kind``: ``stored`` / ``removed`` (``hashes`` changed), ``cleared`` (all gone),
     ``snapshot`` (``hashes`` is the whole content; resets the reader's view).
+
+    ``tier``: where the blocks are, ``gpu`` (default, omitted) or ``host`` (an offload tier in host
+    memory: vLLM's CPU offloading, LMCache). A ``host`` snapshot or ``cleared`` replaces only the
+    host tier's view; a GPU one resets both (the worker follows it with a host snapshot).
     """
 
     worker: WorkerId
@@ -288,9 +343,11 @@ class CacheEvent(Schema):
     ts: float
     hashes: list[int] = field(default_factory=list)
     block_size: int = 32
+    tier: str | None = None
     v: int = SCHEMA_VERSION
 
     KINDS = ("stored", "removed", "cleared", "snapshot")
+    TIERS = ("gpu", "host")
 
     def __post_init_check__(self) -> None:
         _check_id(self.worker, "worker")
@@ -300,11 +357,15 @@ class CacheEvent(Schema):
             raise SchemaError(f"field 'kind' must be one of {', '.join(self.KINDS)}, got {self.kind!r}", "kind")
         if self.block_size <= 0:
             raise SchemaError(f"field 'block_size' must be > 0, got {self.block_size}", "block_size")
+        if self.tier is not None and self.tier not in self.TIERS:
+            raise SchemaError(f"field 'tier' must be one of {', '.join(self.TIERS)}, got {self.tier!r}", "tier")
 
 
 @dataclass
 class Control(Schema):
-    """A control message on ``worker.<id>.ctl``: ``drain``, ``snapshot``, ``resume``, ``cancel``.
+    """A control message on ``worker.<id>.ctl``: ``drain``, ``snapshot``, ``resume``, ``cancel``;
+    also the body of a producer's ``cancel.<tenant>.<request_id>`` (informational there: the
+    subject, which the server authorised, says what is cancelled).
 
     ``cancel`` names ``request_id``: its producer went away (an HTTP client disconnected), so
     the worker stops generating and closes the request with reason ``cancelled``.

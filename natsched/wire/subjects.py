@@ -164,9 +164,27 @@ def decision(stage: str, tenant: TenantId) -> str:
     return f"decision.{token(stage, 'stage')}.{token(tenant, 'tenant')}"
 
 
-def completion(tenant: TenantId) -> str:
-    """A completion record: ``done.<tenant>``."""
-    return f"done.{token(tenant, 'tenant')}"
+#: the ``<worker>`` of a completion the router publishes itself (no worker could take it);
+#: ``natsched auth init`` refuses it as a worker id
+ROUTER_SOURCE = "_router"
+
+
+def completion(tenant: TenantId, worker: WorkerId) -> str:
+    """A completion record: ``done.<tenant>.<worker>`` (the worker that ran it, or
+    :data:`ROUTER_SOURCE`). The worker is in the subject so that a per-worker permission
+    (``done.*.<worker>``) makes the server vouch for who published it."""
+    return f"done.{token(tenant, 'tenant')}.{token(worker, 'worker id')}"
+
+
+def completions_of(tenant: TenantId) -> str:
+    """A filter over one tenant's completions from any worker: ``done.<tenant>.*``."""
+    return f"done.{token(tenant, 'tenant')}.*"
+
+
+def completion_source(subject: str) -> str | None:
+    """The worker a ``done.<tenant>.<worker>`` subject names, or None for any other subject."""
+    parts = subject.split(".")
+    return parts[2] if len(parts) == 3 and parts[0] == "done" and is_token(parts[2]) else None
 
 
 def offline(tenant: TenantId) -> str:
@@ -190,6 +208,33 @@ def cache_events(worker: WorkerId) -> str:
 def control(worker: WorkerId) -> str:
     """Control messages to one worker (drain, snapshot): ``worker.<id>.ctl``."""
     return f"worker.{token(worker, 'worker id')}.ctl"
+
+
+#: every cancel, whoever's: what the admitters, routers and workers listen to
+CANCELS_ALL = "cancel.>"
+
+
+def cancel(tenant: TenantId, request_id: RequestId) -> str:
+    """A producer gave up on its request: ``cancel.<tenant>.<request_id>`` (core NATS).
+
+    Per tenant, so the server can let a producer (or the gateway) cancel its own tenant's
+    requests and nothing else: the services act on a cancel only for a request whose tenant is
+    the subject's, and the subject, not the body, says who may (``natsched.wire.roles``).
+    """
+    return f"cancel.{token(tenant, 'tenant')}.{token(request_id, 'request id')}"
+
+
+def cancels_of(tenant: TenantId) -> str:
+    """Every cancel of one tenant: ``cancel.<tenant>.*`` (what its producer may publish)."""
+    return f"cancel.{token(tenant, 'tenant')}.*"
+
+
+def parse_cancel_subject(subject: str) -> tuple[TenantId, RequestId] | None:
+    """``cancel.<tenant>.<request_id>`` -> (tenant, request id), or None if it is not one."""
+    parts = subject.split(".")
+    if len(parts) != 3 or parts[0] != "cancel" or not (is_token(parts[1]) and is_token(parts[2])):
+        return None
+    return TenantId(parts[1]), RequestId(parts[2])
 
 
 def worker_consumer(worker: WorkerId) -> str:
@@ -228,12 +273,15 @@ PATTERNS = {
     "work": "work.<worker>",
     "reply": "resp.<request_id>",
     "decision": "decision.<stage>.<tenant>",
-    "completion": "done.<tenant>",
+    "completion": "done.<tenant>.<worker>",
+    "completions_of": "done.<tenant>.*",
     "offline": "offline.<tenant>",
     "deadletter": "dead.<source>",
     "heartbeat": "worker.<worker>.hb",
     "cache_events": "worker.<worker>.kv",
     "control": "worker.<worker>.ctl",
+    "cancel": "cancel.<tenant>.<request_id>",
+    "cancels_of": "cancel.<tenant>.*",
     "worker_consumer": "worker-<worker>",
     "tenant_quota_key": "tenant.<tenant>",
     "reservation_key": "res.<request_id>",
@@ -252,6 +300,23 @@ _KV_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 def _kv_part(value: str) -> str:
     """A reversible, KV-key-safe spelling (``.`` and ``/`` in model names become ``=2E``, ``=2F``)."""
     return _KV_UNSAFE.sub(lambda m: "".join(f"={b:02X}" for b in m.group().encode()), value) or "=00"
+
+
+#: a router replica's learned statistics of one worker (natsched.router.learned): ``cost.<worker>.<replica>``
+COST_KEYS = "cost.>"
+
+
+def cost_key(worker: str, replica: str) -> str:
+    """Bucket ``workers`` key of ``replica``'s cost statistics of ``worker`` (both single tokens)."""
+    return f"cost.{worker}.{replica}"
+
+
+def parse_cost_key(key: str) -> tuple[str, str] | None:
+    """``cost.<worker>.<replica>`` -> (worker, replica), or None."""
+    parts = key.split(".")
+    if len(parts) != 3 or parts[0] != "cost" or not parts[1] or not parts[2]:
+        return None
+    return parts[1], parts[2]
 
 
 def calibration_key(model: str, deployment: str) -> str:

@@ -10,6 +10,10 @@ Its own state, announced in every heartbeat (only ``healthy`` workers get new wo
 - ``backoff`` — set by the agent itself while the engine is overloaded (KV nearly full, a
   preemption storm; :mod:`natsched.workers.backoff` has the thresholds and the hysteresis); it keeps
   running what it has and returns to ``healthy`` when the pressure is gone;
+- ``backoff`` / ``quiescing`` while an engine behind a network hop (``vllm serve``:
+  :mod:`natsched.workers.vllm_server`) does not answer: backoff at once, quiescing once it has
+  been silent ``unreachable_leave_s`` (it takes nothing; what it ran ended with
+  ``server_unavailable``), and ``healthy`` again by itself when the server answers;
 - ``quiescing`` — after ``drain`` (``natsched worker drain ID``) or when the engine died
   (``failure`` says why): it takes nothing new, finishes (or fails, reported) what it runs,
   then :meth:`WorkerAgent.wait_drained` returns and the process leaves; :meth:`WorkerAgent.stop`
@@ -29,21 +33,22 @@ from dataclasses import dataclass, field
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
-from natsched.bus.connection import Bus, ConsumerSpec, Delivery
+from natsched.bus.aio import RECANCEL_S
+from natsched.bus.connection import Bus, ConsumerSpec, Delivery, transport_failure
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import (Assignment, CacheEvent, Completion, CompletionStatus, Control, Heartbeat, Reply,
                                   ReplyKind, ReplyStatus, WorkerId)
 from natsched.workers.backoff import BackoffMonitor, BackoffSettings
 from natsched.workers.calibrate import load_calibration
 from natsched.workers.engine import Engine, EngineOutput, EngineRequest, EngineStats
+from natsched.workers.errors import RunTimeout
+from natsched.workers.limits import limited
+from natsched import tracing
 from natsched.workers.metrics import WorkerMetrics
-from natsched.workers.recent import RecentIds
+from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
 
-#: how long a cancel is remembered for a request the worker has not received yet (the dedup window)
-CANCEL_MEMORY_S = 120.0
-CANCEL_MEMORY_MAX = 10_000
 #: a copy of a finished request's message comes back when its ack was lost (e.g. during a NATS
 #: leader election): after ack_wait (30 s), up to max_deliver (3) times, so within about 90 s.
 #: Three minutes covers that; at 250 requests/s a worker holds ~45k ids (~7 MiB), then no more.
@@ -64,6 +69,7 @@ class WorkerSettings:
     calibration_timeout_s: float = 3.0
     backoff: BackoffSettings = field(default_factory=BackoffSettings)
     metrics_port: int | None = None  # serve Prometheus metrics here (natsched.workers.metrics)
+    unreachable_leave_s: float = 5.0  # an engine server silent this long: the worker leaves until it is back
 
 
 class WorkerAgent:
@@ -88,12 +94,26 @@ class WorkerAgent:
         self.finished = RecentIds(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)  # completed here: never run again
         self._redelivered: set[str] = set()  # running from a WORK message delivered before (to us or our predecessor)
         self._progress: dict[str, tuple[Delivery, float]] = {}  # running: its message, when the server last heard
+        self.predecessor_seq = 0  # set at start: see _predecessor_seq
+        self._reported: set[str] = set()  # running, and its completion is stored already
+        self.completion_retries = 0  # completions that outlived a publish budget, waiting for the bus
+        self._over: dict[str, int] = {}  # running past its reservation: runtime tokens held now (heartbeats)
+        self._away = False  # quiescing because the engine server does not answer (not a drain: it comes back)
+        self._epoch = 0.0  # the engine's cache epoch last announced (engines that have one)
+        self._tenant_of: dict[str, str] = {}  # running: whose request it is (a cancel must name that tenant)
+        self._produced: dict[str, tuple[int, int]] = {}  # running: (prompt, output) tokens so far
+        self._stopped_runs: set[str] = set()  # running, cancelled, and the cancel has reached its task
+        self._stoppers: set[asyncio.Task] = set()
+        self._traces: dict[str, _RunTrace] = {}  # running, traced: its span and token times
+        self._tail = tracing.TailTracker()  # the p99 above which a run's token timing is kept
 
     async def start(self) -> None:
         await self.engine.start()
         self.engine.set_cache_listener(self._on_cache_change)
         await self._load_calibration()
         await self.bus.subscribe(S.control(self.id), self._on_control)
+        self.predecessor_seq = await self._predecessor_seq()
+        await self.bus.subscribe(S.CANCELS_ALL, self._on_tenant_cancel)
         spec = ConsumerSpec(
             stream=S.STREAM_WORK,
             durable=S.worker_consumer(self.id),
@@ -106,13 +126,29 @@ class WorkerAgent:
         await self.bus.consume(spec, self._on_assignment, source="worker")
         self.bus.spawn(self._heartbeat_loop(), "heartbeat")
         self.bus.spawn(self._keep_alive_loop(), "keep-alive")
-        await self._publish_cache("snapshot", self.engine.cached_hashes())
+        await self._snapshot()
         await self._heartbeat()
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
 
             start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
         log.info("worker %s ready (model %s, concurrency %d)", self.id, self.settings.model, self.settings.concurrency)
+
+    async def _predecessor_seq(self) -> int:
+        """Where this id's durable consumer stands before this instance pulls anything: what it
+        delivered up to and has not acked is a predecessor's unfinished work (work-queue retention
+        deletes what is acked). A restart inside the lease renews the lease, so nothing else would
+        rescue that work before its ack wait; the heartbeats say so, and the admitters rescue it."""
+        try:
+            acked, delivered = await self.bus.consumer_progress(S.STREAM_WORK, S.worker_consumer(self.id))
+        except Exception as exc:  # no consumer yet (a first start), or the server is slow: nothing to hand over
+            log.debug("worker %s: no predecessor consumer state (%s)", self.id, exc)
+            return 0
+        if delivered <= acked:
+            return 0
+        log.warning("worker %s restarted: its predecessor left work delivered up to WORK sequence %d un-acked "
+                    "(acked up to %d); the admitters rescue it", self.id, delivered, acked)
+        return delivered
 
     async def stop(self) -> None:
         """Leave: cancel what still runs, say so (last heartbeat, cache cleared), stop the engine."""
@@ -137,6 +173,14 @@ class WorkerAgent:
         received = time.time()  # the moment the scheduler's hand-off ends (Reply.received_at)
         assignment = Assignment.decode(d.data)  # MessageError -> dead letter (by the Bus)
         rid = assignment.request.id
+        if assignment.worker != self.id:  # its fence names another worker: its completion could not count
+            self.metrics.misrouted.inc()
+            log.error("request %s: assignment names worker %s, not %s; refused, not run", rid, assignment.worker,
+                      self.id)
+            await self.bus.dead_letter_raw(d.subject, d.data, "worker", "misrouted",
+                                           f"assignment for {assignment.worker} delivered to {self.id}")
+            await d.ack()
+            return
         if rid in self.inflight:
             return  # a redelivery of something we are running: its task acks it
         if rid in self.finished:  # finished here, its ack was lost: ack the copy, run nothing
@@ -146,10 +190,12 @@ class WorkerAgent:
         if self.state == "quiescing":
             await d.nak(delay=1.0)  # not ours to run any more; redelivered to us or re-routed later
             return
-        if rid in self.cancelled:  # its producer gave up before it reached us: close it, run nothing
+        if self._is_cancelled(assignment.request):  # its producer gave up before it reached us: run nothing
+            self.metrics.cancelled.inc()
             await self._finish(assignment, _CANCELLED, time.time(), None, received=received)
             await d.ack()
             return
+        self._tenant_of[rid] = assignment.request.tenant
         self.inflight[rid] = asyncio.create_task(self._run(assignment, d, received), name=f"run:{rid}")
 
     async def _run(self, a: Assignment, d: Delivery, received: float) -> None:
@@ -160,6 +206,10 @@ class WorkerAgent:
             self._redelivered.add(req.id)
         self.metrics.dispatch_wait.observe(max(0.0, started - a.routed_at))
         log.info("request %s running on %s", req.id, self.id)
+        span = tracing.start("natsched.worker", d.headers, req.id, {"natsched.worker": self.id,
+                             "natsched.model": req.model, "natsched.attempt": a.attempt})
+        if span is not None:
+            self._traces[req.id] = _RunTrace(span, started)
         try:
             if req.deadline is not None and started > req.deadline:
                 final = EngineOutput(0, finished=True, finish_reason="error", error="deadline_exceeded")
@@ -168,24 +218,43 @@ class WorkerAgent:
                 await self._generate(a, started, received=received)
             await d.ack()
         except asyncio.CancelledError:
-            if req.id not in self.cancelled:
+            if not self._is_cancelled(req):
                 raise  # the agent is stopping: left un-acked, redelivered elsewhere
-            asyncio.current_task().uncancel()  # our own cancel: the request ends, reported
-            await self._finish(a, _CANCELLED, started, None, received=received)
+            self._stopped_runs.add(req.id)  # (before any await) _stop_run stops cancelling
+            task = asyncio.current_task()
+            while task.cancelling():  # our own cancel, perhaps sent more than once: the request ends, reported
+                task.uncancel()
+            await self._finish(a, self._cancelled_output(req.id), started, None, received=received)
             await d.ack()
-        except Exception as exc:  # engine failure: recorded as an outcome, never dropped
-            log.exception("request %s failed on %s", req.id, self.id)
-            await self._finish(a, EngineOutput(0, finished=True, finish_reason="error", error=f"engine_error: {exc}"),
+        except RunTimeout as exc:  # past its TTFT, idle or total limit: stopped, reported with what it produced
+            log.info("request %s stopped on %s: %s", req.id, self.id, exc.reason)
+            self.metrics.timeouts.labels(exc.reason).inc()
+            await self._finish(a, self._cancelled_output(req.id, exc.reason), started, None, received=received)
+            await d.ack()
+        except Exception as exc:  # engine or bus failure: recorded as an outcome, never dropped
+            if req.id in self._reported:  # its outcome is out; only the ack failed: a copy finds it finished
+                log.warning("request %s: ack failed after its outcome was stored (%s)", req.id, exc)
+                return
+            # the bus failing (a server restarting) is not the engine's fault, and says so
+            reason = "bus_unavailable" if transport_failure(exc) else "engine_error"
+            log.exception("request %s failed on %s (%s)", req.id, self.id, reason)
+            await self._finish(a, EngineOutput(0, finished=True, finish_reason="error", error=f"{reason}: {exc}"),
                                started, None, received=received)
             await d.ack()
         finally:
             self._progress.pop(req.id, None)
+            self._over.pop(req.id, None)
+            self._end_trace(req.id, None)  # still open: it ended without _finish (the agent stopping)
+            self._produced.pop(req.id, None)
+            self._stopped_runs.discard(req.id)
+            self._tenant_of.pop(req.id, None)
             self._redelivered.discard(req.id)
+            self._reported.discard(req.id)
             if d.settled:  # its outcome is published and it was acked: a copy must not run it again
                 self.finished.add(req.id)
             self.inflight.pop(req.id, None)
             self._check_engine()
-            if self.state == "quiescing" and not self.inflight:
+            if self.state == "quiescing" and not self.inflight and not self._away:
                 self._stopped.set()
 
     async def _generate(self, a: Assignment, started: float, *, received: float) -> None:
@@ -198,12 +267,26 @@ class WorkerAgent:
             prompt=((req.system_prompt or "") + (req.prompt or "")) if req.prompt is not None else None,
             prompt_token_ids=req.prompt_token_ids,
             output_tokens_hint=req.expected_output_tokens,
+            model=req.model,
         )
         first_at = None
         texts: list[str] = []
-        async for out in self.engine.generate(engine_req):
+        produced = 0
+        async for out in limited(self.engine.generate(engine_req), req, _is_token):
             if first_at is None and not out.error:
                 first_at = time.time()
+            # runtime tokens as the admitter counts them (prefill + KV held), generated ones included:
+            # past the reservation, the next heartbeat asks the admitters to grow it
+            # (engines give totals on the last output only: before it, the index counts the steps)
+            held = 2 * (out.prompt_tokens or engine_req.prompt_tokens) + max(out.output_tokens, out.index + 1)
+            if held > a.runtime_tokens:
+                self._over[req.id] = held
+            if not out.finished:  # what a cancel reports as really produced (the final output has the totals)
+                produced += len(out.token_ids) if out.token_ids else int(bool(out.text))
+                self._produced[req.id] = (engine_req.prompt_tokens, produced)
+            trace = self._traces.get(req.id)
+            if trace is not None and _is_token(out):
+                trace.token_at(time.time())
             texts.append(out.text)
             if req.stream and req.reply and (out.text or out.token_ids) and not out.error:
                 await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.TOKEN, text=out.text,
@@ -229,8 +312,10 @@ class WorkerAgent:
             reason=None if ok else out.error.split(":")[0], prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, ttft=ttft, tpot=tpot,
             e2e=now - (req.created or started), expected_cached_tokens=a.expected_cached_tokens, ts=now,
+            attempt=a.attempt, fence=a.fence,  # the assignment's proof: the admitter checks it
         )
-        ack = await self.bus.jpublish(S.completion(req.tenant), completion, msg_id=M.completion(req.id))
+        ack = await self._publish_completion(completion)
+        self._reported.add(req.id)
         answered = False
         if ack.duplicate:
             # another run's completion is stored: that one is counted. Its worker answered too. If
@@ -258,6 +343,47 @@ class WorkerAgent:
             await self.bus.publish(req.reply, reply)
         log.info("request %s %s on %s: %d prompt (%d cached), %d out", req.id, completion.status, self.id,
                  out.prompt_tokens, out.cached_tokens, out.output_tokens)
+        self._end_trace(req.id, completion)
+
+    def _end_trace(self, rid: str, c: Completion | None) -> None:
+        """The run's spans: first token, done, and token timing when it is kept (sampled, p99, error)."""
+        trace = self._traces.pop(rid, None)
+        if trace is None:
+            return
+        now = time.time()
+        failed = c is None or c.status != CompletionStatus.OK
+        attrs: dict = {}
+        if c is not None:
+            attrs = {"natsched.status": str(c.status), "natsched.reason": c.reason,
+                     "natsched.finish_reason": c.finish_reason, "natsched.prompt_tokens": c.prompt_tokens,
+                     "natsched.cached_tokens": c.cached_tokens, "natsched.output_tokens": c.output_tokens}
+        why = tracing.keep_token_timing(self._tail, now - trace.started, failed)
+        if why is not None:
+            attrs["natsched.tokens.kept"] = why
+            attrs["natsched.tokens.offsets_ms"] = tracing.token_offsets_ms(trace.started, trace.times)
+        trace.close(rid, now)
+        tracing.end(trace.span, attrs, error=(c.reason or "error") if c is not None and failed else
+                    ("stopped" if c is None else None))
+
+    async def _publish_completion(self, c: Completion):
+        """Publish a completion until it is stored: a server away (restarting) for longer than the
+        publish budget must not turn a request that ran into an error, nor leave its reservation
+        held. The request stays in flight meanwhile (heartbeats list it; a copy redelivered after
+        the ack wait finds it running here)."""
+        delay = 0.2
+        while True:
+            try:
+                # on its own subject, the assignment's fence in its msg id (natsched.wire.fence)
+                return await self.bus.jpublish(S.completion(c.tenant, c.worker or self.id), c,
+                                               msg_id=M.completion(c.request_id, c.fence))
+            except Exception as exc:
+                if not transport_failure(exc) or self.bus.closing:
+                    raise
+                self.completion_retries += 1
+                log.warning("completion of %s not stored yet (%s: %s); retrying", c.request_id,
+                            type(exc).__name__, exc)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
 
     def _observe(self, c: Completion) -> None:
         m = self.metrics
@@ -288,13 +414,22 @@ class WorkerAgent:
                         log.warning("could not mark %s in progress: %s", rid, exc)
 
     # --- reports --------------------------------------------------------------------------
-    def _on_cache_change(self, kind: str, hashes: list) -> None:
-        self.bus.spawn(self._publish_cache(kind, hashes), "cache-event")
+    def _on_cache_change(self, kind: str, hashes: list, tier: str | None = None) -> None:
+        self.bus.spawn(self._publish_cache(kind, hashes, None if tier == "gpu" else tier), "cache-event")
 
-    async def _publish_cache(self, kind: str, hashes: list) -> None:
+    async def _snapshot(self) -> None:
+        """Everything cached: the GPU tier's blocks, then the host tier's when the engine has one."""
+        await self._publish_cache("snapshot", self.engine.cached_hashes())
+        host = getattr(self.engine, "host_hashes", None)
+        if host is not None:
+            hashes = host()
+            if hashes:
+                await self._publish_cache("snapshot", hashes, "host")
+
+    async def _publish_cache(self, kind: str, hashes: list, tier: str | None = None) -> None:
         self._kv_seq += 1
         ev = CacheEvent(worker=self.id, seq=self._kv_seq, kind=kind, ts=time.time(), hashes=list(hashes),
-                        block_size=self.engine.block_size)
+                        block_size=self.engine.block_size, tier=tier)
         await self.bus.publish(S.cache_events(self.id), ev)
 
     async def _heartbeat_loop(self) -> None:
@@ -305,9 +440,19 @@ class WorkerAgent:
             except Exception:
                 log.exception("heartbeat failed")
 
+    def _started_at(self) -> float:
+        """This worker's start, or the start of the engine's cache it reports, if later: a server
+        that restarted (or whose events were lost) makes the router drop the old claims."""
+        epoch = getattr(self.engine, "epoch", None) or 0.0
+        return max(self.started_at, epoch)
+
     async def _heartbeat(self) -> None:
         st = self.engine.stats()
         self._update_state(st)
+        started_at = self._started_at()
+        new_epoch = started_at != self._epoch and self._epoch != 0.0
+        self._epoch = started_at
+        served = getattr(self.engine, "served_models", None)
         self._hb_seq += 1
         hb = Heartbeat(
             worker=self.id, seq=self._hb_seq, ts=time.time(), state=self.state, model=self.settings.model,
@@ -315,10 +460,15 @@ class WorkerAgent:
             kv_total_blocks=st.kv_total_blocks, runtime_tokens=st.runtime_tokens,
             capacity_tokens=self.capacity_tokens or st.capacity_tokens,
             queued_prefill_tokens=st.queued_prefill_tokens, block_size=self.engine.block_size,
-            started_at=self.started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
-            inflight=list(self.inflight),
+            started_at=started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
+            inflight=list(self.inflight), served=served() if served is not None else [],
+            deployment=self.deployment,
+            predecessor_seq=self.predecessor_seq, over=dict(self._over),
         )
         await self.bus.publish(S.heartbeat(self.id), hb)
+        if new_epoch:  # after the heartbeat that resets the router's view: what the engine holds now
+            log.warning("worker %s: its engine's cache began anew; snapshot sent", self.id)
+            await self._publish_cache("snapshot", self.engine.cached_hashes())
         m = self.metrics
         m.running.set(st.running)
         m.waiting.set(st.waiting)
@@ -342,6 +492,8 @@ class WorkerAgent:
 
     def _update_state(self, st: EngineStats) -> None:
         self._check_engine()
+        if self._reachability(st):
+            return
         if self.state not in ("healthy", "backoff"):
             return
         active = self.backoff.update(st, time.monotonic())
@@ -352,6 +504,32 @@ class WorkerAgent:
             else:
                 log.info("worker %s healthy again", self.id)
             self.state = new
+
+    def _reachability(self, st: EngineStats) -> bool:
+        """An engine server that does not answer: backoff, then away (quiescing, no new work), and
+        healthy again when it answers. True while that decides the state."""
+        if st.unreachable_s <= 0:
+            if self._away:
+                self._away = False
+                self.state = "healthy"
+                log.info("worker %s back: its engine server answers again", self.id)
+            return False
+        if self.state not in ("healthy", "backoff") and not self._away:
+            return True  # drained or failed: stays so
+        if st.unreachable_s >= self.settings.unreachable_leave_s:
+            if not self._away:
+                log.warning("worker %s leaving until its engine server is back (silent %.1fs: %s)", self.id,
+                            st.unreachable_s, st.unreachable_reason)
+            self._away, self.state = True, "quiescing"
+        elif self.state != "backoff":
+            log.warning("worker %s backing off: engine server does not answer (%s)", self.id, st.unreachable_reason)
+            self.state = "backoff"
+        return True
+
+    @property
+    def deployment(self) -> str | None:
+        """The calibration key part (routers read the measured speed under it as a prior)."""
+        return self.settings.deployment or getattr(self.engine, "deployment", None)
 
     async def _load_calibration(self) -> None:
         """Use a stored calibration as capacity, unless the operator gave one (never fatal)."""
@@ -379,10 +557,10 @@ class WorkerAgent:
             log.warning("ignoring bad control message on %s: %s", subject, exc)
             return
         if ctl.kind == "snapshot":
-            await self._publish_cache("snapshot", self.engine.cached_hashes())
+            await self._snapshot()
         elif ctl.kind == "drain":
             log.info("worker %s quiescing (drain requested by %s)", self.id, ctl.by or "?")
-            self.state = "quiescing"
+            self.state, self._away = "quiescing", False
             self.drained_by = ctl.by or "?"
             await self._heartbeat()
             if not self.inflight:
@@ -399,6 +577,43 @@ class WorkerAgent:
         else:
             log.warning("unknown control kind %r on %s", ctl.kind, subject)
 
+    def _is_cancelled(self, req) -> bool:
+        """Cancelled by its own tenant (``cancel.<tenant>.<id>``) or by an operator (control)."""
+        return req.id in self.cancelled or S.cancel(req.tenant, req.id) in self.cancelled
+
+    def _cancelled_output(self, rid: str, reason: str = "cancelled") -> EngineOutput:
+        """How a cancelled (or timed-out: ``reason``) request ends: an error completion (its
+        reservation is released) with that reason and the tokens it really produced (the audit and
+        the usage count them)."""
+        prompt, output = self._produced.get(rid, (0, 0))
+        return EngineOutput(0, finished=True, finish_reason=reason, error=reason if reason != "cancelled"
+                            else _CANCELLED.error, prompt_tokens=prompt, output_tokens=output)
+
+    async def _on_tenant_cancel(self, subject: str, data: bytes, headers: dict) -> None:
+        """A producer gave up on its request (``cancel.<tenant>.<id>``, every worker hears it).
+
+        Only for a request of that tenant: the server lets a producer publish its own tenant's
+        cancels only, so a cancel naming another tenant's running request is refused here. One
+        for a request not here (yet) is remembered under (tenant, id), like a control cancel.
+        """
+        parsed = S.parse_cancel_subject(subject)
+        if parsed is None:
+            log.warning("worker %s: ignoring a cancel on %s", self.id, subject)
+            return
+        tenant, rid = parsed
+        owner = self._tenant_of.get(rid)
+        if owner is not None and owner != tenant:
+            log.warning("worker %s: cancel of request %s by tenant %s refused: it is %s's", self.id, rid, tenant,
+                        owner)
+            self.metrics.cancels_refused.inc()
+            return
+        self.cancelled.add(subject)  # == S.cancel(tenant, rid)
+        task = self.inflight.get(rid)
+        if task is not None:
+            self.metrics.cancelled.inc()
+            log.info("request %s cancelled by tenant %s", rid, tenant)
+            self._spawn_stop(rid, task)
+
     def _cancel(self, rid: str | None, by: str | None) -> None:
         """End a request whose producer went away: its task stops the engine and reports ``cancelled``.
 
@@ -413,8 +628,49 @@ class WorkerAgent:
         task = self.inflight.get(rid)
         log.info("request %s cancelled by %s%s", rid, by or "?", "" if task else " (not running here yet)")
         if task is not None:
+            self._spawn_stop(rid, task)
+
+    def _spawn_stop(self, rid: str, task: asyncio.Task) -> None:
+        stopper = asyncio.create_task(self._stop_run(rid, task), name=f"cancel:{rid}")
+        self._stoppers.add(stopper)  # held until done (the loop keeps only weak references)
+        stopper.add_done_callback(self._stoppers.discard)
+
+    async def _stop_run(self, rid: str, task: asyncio.Task) -> None:
+        """Cancel a running request's task until the cancel has reached it: on Python 3.11 a
+        cancel that meets a just-finished ``wait_for`` inside the engine or the bus client is
+        swallowed, and the request would run to its end for nobody (natsched.bus.aio). Once the
+        task's handler has it, no more: the handler publishes the outcome, which must not be cut."""
+        while not task.done() and rid not in self._stopped_runs:
             task.cancel()
+            await asyncio.wait({task}, timeout=RECANCEL_S)
 
 
 #: how a cancelled request ends: an error completion (its reservation is released) with reason ``cancelled``
 _CANCELLED = EngineOutput(0, finished=True, finish_reason="cancelled", error="cancelled: the producer went away")
+
+
+def _is_token(out: EngineOutput) -> bool:
+    """An engine output that is a token (the first one ends the run's TTFT wait)."""
+    return bool(out.text or out.token_ids) and not out.error
+
+
+@dataclass
+class _RunTrace:
+    """A traced run: its span, when it started, when each token came (unix seconds)."""
+
+    span: object
+    started: float
+    times: list[float] = field(default_factory=list)
+
+    def token_at(self, t: float) -> None:
+        self.times.append(t)
+
+    def close(self, rid: str, now: float) -> None:
+        """The two phase spans, from the times seen: run start -> first token -> the end."""
+        ns = 1_000_000_000
+        first = self.times[0] if self.times else now
+        tracing.end(tracing.child("natsched.worker.first_token", self.span, rid, start_time_ns=int(self.started * ns)),
+                    end_time_ns=int(first * ns))
+        if self.times:
+            tracing.end(tracing.child("natsched.worker.done", self.span, rid, {"natsched.tokens": len(self.times)},
+                                      start_time_ns=int(first * ns)), end_time_ns=int(now * ns))

@@ -5,7 +5,9 @@ Every error here derives from :class:`WorkerError`::
     WorkerError
     ├── EngineUnavailable     the engine's package (vllm) is not installed or cannot be imported
     ├── EngineStartError      the engine could not be built (bad model path, bad options, no memory)
-    └── CalibrationError      a capacity calibration could not measure anything usable
+    ├── CalibrationError      a capacity calibration could not measure anything usable
+    └── RunTimeout            a run passed its TTFT, idle or total limit (the agent turns it into
+                              a failed outcome with that reason; :mod:`natsched.workers.limits`)
 
 Failures *of a request* are not exceptions: an engine answers them with an
 :class:`~natsched.workers.engine.EngineOutput` carrying ``error`` (``"<code>: <message>"``), so the agent
@@ -31,3 +33,11 @@ class EngineStartError(WorkerError):
 
 class CalibrationError(WorkerError):
     """A calibration run produced no usable measurement."""
+
+
+class RunTimeout(WorkerError):
+    """A run passed one of its limits; ``reason``: ``ttft_timeout``, ``idle_timeout`` or ``deadline_exceeded``."""
+
+    def __init__(self, reason: str, request_id: str) -> None:
+        super().__init__(f"request {request_id}: {reason}")
+        self.reason = reason

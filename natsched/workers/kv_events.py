@@ -21,6 +21,13 @@ Two parts:
   no race for a port. Frames it cannot decode, sequence gaps and unresolvable parents are
   counted; garbage and gaps also ask for a snapshot, because the reader's view may be stale.
 
+Tiers: vLLM's events name the ``medium`` of a block. ``GPU`` (or none) is the prefix cache
+proper; ``CPU`` is an offload tier (vLLM's KV offloading connector, a host pool). A CPU block's
+vLLM hash is the hash of the GPU block it copies (offloading keeps the key), so it is translated
+through the GPU map (or, when the event carries whole blocks of token ids, computed like a GPU
+block); the resulting deltas carry the tier (``(kind, hashes, "host")``) and the router prices
+such a hit by its transfer time. Other media and KV groups are counted as ignored.
+
 Decoding is deliberately untyped (msgpack -> Python, then checked field by field) so an event
 type or field added by a newer vLLM is skipped and counted, never fatal for the whole batch.
 """
@@ -38,16 +45,18 @@ from natsched.wire.ids import BlockHash
 
 log = logging.getLogger(__name__)
 
-Delta = tuple[str, list[BlockHash]]
+Delta = tuple  # (kind, hashes) for the GPU tier, (kind, hashes, "host") for the host tier
 
 #: positional field order of events in vLLM versions that encoded them as arrays
-_ARRAY_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+_ARRAY_FIELDS = {  # vLLM's older encoding, and SGLang's (python/sglang/srt/disaggregation/kv_events.py)
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
 #: the tier vLLM's scheduler allocates from; offload tiers (CPU, storage) are not "cached here"
 PRIMARY_MEDIA = (None, "GPU")
+#: vLLM's host-memory offload tier, reported to the router as tier "host"
+HOST_MEDIA = ("CPU",)
 
 
 class EventFormatError(ValueError):
@@ -96,11 +105,16 @@ class KvTranslator:
         self._live: dict[BlockHash, int] = {}  # our token hash -> live vLLM hashes mapping to it
         self._aliases: OrderedDict[BlockHash, set[BlockHash]] = OrderedDict()  # token hash -> text hashes
         self._alias_live: dict[BlockHash, int] = {}  # text hash -> live token blocks it is attached to
+        self._host: OrderedDict[Hashable, BlockHash] = OrderedDict()  # vLLM hash -> ours, CPU tier
 
     # ------------------------------------------------------------------ queries
     def cached_hashes(self) -> list[BlockHash]:
         """Everything cached now: token-block hashes and the text hashes attached to them."""
         return list(self._live) + list(self._alias_live)
+
+    def host_hashes(self) -> list[BlockHash]:
+        """Everything in the CPU offload tier now (our hashes)."""
+        return list(dict.fromkeys(self._host.values()))
 
     def is_cached(self, h: int) -> bool:
         return h in self._live or h in self._alias_live
@@ -121,7 +135,9 @@ class KvTranslator:
                 self.counters.undecodable += 1
                 log.warning("kv events: undecodable event skipped: %s", exc)
                 continue
-            if kind == "BlockStored":
+            if kind in ("BlockStored", "BlockRemoved") and self._is_host(ev):
+                self._host_event(kind, ev, out)
+            elif kind == "BlockStored":
                 self._stored(ev, out)
             elif kind == "BlockRemoved":
                 self._removed(ev, out)
@@ -138,6 +154,7 @@ class KvTranslator:
         self._by_vllm.clear()
         self._live.clear()
         self._alias_live.clear()
+        self._host.clear()
 
     def _stored(self, ev: dict, out: "_DeltaList") -> None:
         if not self._primary(ev):
@@ -161,8 +178,9 @@ class KvTranslator:
             # partial/null blocks or another block size: these tokens cannot be cut into our chain
             self.counters.unmappable += 1
             return
-        if parent is None:
-            our_parent = self.root
+        if parent is None:  # a LoRA adapter's blocks chain from its own name, as its requests do
+            lora = ev.get("lora_name")
+            our_parent = root_hash(lora) if isinstance(lora, str) and lora else self.root
         else:
             entry = self._by_vllm.get(parent)
             if entry is None:
@@ -206,6 +224,56 @@ class KvTranslator:
                 del self._by_vllm[vh]
                 removed.extend(self._drop_ours(entry.ours))
         out.add("removed", removed)
+
+    @staticmethod
+    def _is_host(ev: dict) -> bool:
+        return ev.get("medium") in HOST_MEDIA and ev.get("group_idx") in (None, 0)
+
+    def _host_event(self, kind: str, ev: dict, out: "_DeltaList") -> None:
+        """A CPU-tier store or removal: translated through the GPU map (same vLLM hash)."""
+        try:
+            hashes = _hash_list(ev.get("block_hashes"), "block_hashes")
+        except EventFormatError as exc:
+            self.counters.undecodable += 1
+            log.warning("kv events: bad host-tier %s skipped: %s", kind, exc)
+            return
+        changed: list[BlockHash] = []
+        if kind == "BlockRemoved":
+            for vh in hashes:
+                ours = self._host.pop(vh, None)
+                if ours is None:
+                    self.counters.unknown_removed += 1
+                elif ours not in self._host.values():
+                    changed.append(ours)
+            out.add("removed", changed, "host")
+            return
+        ours_list = self._host_ours(ev, hashes)
+        for vh, ours in zip(hashes, ours_list):
+            if ours is None:
+                self.counters.unresolved_parent += 1
+                continue
+            if vh not in self._host:
+                changed.append(ours)
+            self._host[vh] = ours
+            self._host.move_to_end(vh)
+        while len(self._host) > self.max_entries:
+            self._host.popitem(last=False)
+            self.counters.evicted += 1
+        out.add("stored", changed, "host")
+
+    def _host_ours(self, ev: dict, hashes: list) -> list[BlockHash | None]:
+        """Our hash of each CPU block: the GPU block's it copies, else computed from whole token blocks."""
+        known = [e.ours if (e := self._by_vllm.get(vh)) is not None else self._host.get(vh) for vh in hashes]
+        tokens, size = ev.get("token_ids"), ev.get("block_size")
+        if all(k is not None for k in known) or size != self.block_size or not isinstance(tokens, list) \
+                or len(tokens) != len(hashes) * self.block_size:
+            return known
+        parent = ev.get("parent_block_hash")
+        entry = self._by_vllm.get(parent) if parent is not None else None
+        our_parent = self.root if parent is None else (entry.ours if entry is not None else self._host.get(parent))
+        if our_parent is None:
+            return known
+        return list(token_block_hashes(tokens, size, our_parent))
 
     def _primary(self, ev: dict) -> bool:
         if ev.get("medium") not in PRIMARY_MEDIA or ev.get("group_idx") not in (None, 0):
@@ -300,13 +368,14 @@ class _DeltaList:
     def __init__(self) -> None:
         self.deltas: list[Delta] = []
 
-    def add(self, kind: str, hashes: list[BlockHash]) -> None:
+    def add(self, kind: str, hashes: list[BlockHash], tier: str | None = None) -> None:
         if not hashes and kind != "cleared":
             return
-        if self.deltas and self.deltas[-1][0] == kind and kind != "cleared":
-            self.deltas[-1][1].extend(hashes)
+        last = self.deltas[-1] if self.deltas else None
+        if last is not None and last[0] == kind and kind != "cleared" and (last[2] if len(last) > 2 else None) == tier:
+            last[1].extend(hashes)
         else:
-            self.deltas.append((kind, list(hashes)))
+            self.deltas.append((kind, list(hashes)) if tier is None else (kind, list(hashes), tier))
 
 
 def _check_hash(value: Any, what: str) -> None:
@@ -357,6 +426,10 @@ def decode_batch(payload: bytes) -> tuple[float, list]:
     return float(ts), events
 
 
+#: how long a replay socket may take to answer before the gap is declared
+REPLAY_TIMEOUT_S = 5.0
+
+
 class KvEventSubscriber:
     """Reads vLLM's ZMQ KV-event stream and feeds a :class:`KvTranslator` on the event loop.
 
@@ -367,11 +440,13 @@ class KvEventSubscriber:
     def __init__(
         self,
         translator: KvTranslator,
-        emit: Callable[[str, list[BlockHash]], None],
+        emit: Callable[..., None],
         resync: Callable[[str], None],
         host: str = "127.0.0.1",
         port: int = 0,
         topic: str = "",
+        connect: str | None = None,
+        replay: str | None = None,
     ) -> None:
         self.translator = translator
         self.emit = emit
@@ -379,6 +454,11 @@ class KvEventSubscriber:
         self.host = host
         self.port = port
         self.topic = topic.encode()
+        self.connect = connect  # a publisher that binds (``vllm serve``'s ``tcp://*:PORT``): we connect to it
+        # its replay socket (``replay_endpoint``): batches we missed — a gap, or everything before
+        # we connected — are asked for again there before a gap is declared
+        self.replay = replay
+        self.replayed = 0  # batches recovered from the replay socket
         self.endpoint: str | None = None
         self._ctx: Any = None
         self._sock: Any = None
@@ -390,7 +470,8 @@ class KvEventSubscriber:
         return self.translator.counters
 
     def bind(self) -> str:
-        """Bind the SUB socket; returns the endpoint vLLM's publisher must *connect* to."""
+        """Bind the SUB socket (or connect it, given ``connect``); returns the endpoint vLLM's
+        publisher must *connect* to (or the one we connected to)."""
         import zmq
         import zmq.asyncio
 
@@ -399,6 +480,10 @@ class KvEventSubscriber:
         self._sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if self.connect:
+            self._sock.connect(self.connect)  # ZMQ reconnects by itself when the server restarts
+            self.endpoint = self.connect
+            return self.endpoint
         if self.port:
             self._sock.bind(f"tcp://{self.host}:{self.port}")
         else:
@@ -434,7 +519,49 @@ class KvEventSubscriber:
                 log.warning("kv events: receive failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
+            if self.replay and len(frames) == 3 and len(frames[1]) == 8:
+                seq, expected = int.from_bytes(frames[1], "big", signed=True), self._next_seq
+                if (expected is None and seq > 0) or (expected is not None and seq > expected):
+                    await self.catch_up(0 if expected is None else expected, seq)
             self.handle_frames(frames)
+
+    async def catch_up(self, start: int, stop: int) -> bool:
+        """Ask the replay socket for batches ``start..stop-1`` and apply them in order; True when
+        the sequence is whole again (else the gap stands, and is handled as one).
+
+        The publisher answers ``[b"", (topic,) seq, payload]`` per buffered batch from ``start``,
+        then ``seq = -1`` (vLLM sends the topic frame, SGLang does not).
+        """
+        import zmq
+
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.replay)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                if not await sock.poll(REPLAY_TIMEOUT_S * 1000):
+                    log.warning("kv events: replay of %d..%d from %s timed out", start, stop - 1, self.replay)
+                    break
+                frames = await sock.recv_multipart()
+                body = frames[1:] if frames and frames[0] == b"" else frames
+                if len(body) not in (2, 3) or len(body[-2]) != 8:
+                    self._garbage(f"replay frame of {len(frames)} parts")
+                    break
+                seq = int.from_bytes(body[-2], "big", signed=True)
+                if seq < 0:
+                    break  # end of the buffer
+                if seq < stop and (self._next_seq is None or seq == self._next_seq):
+                    self.handle_frames([b"", body[-2], body[-1]])
+                    self.replayed += 1
+        except Exception as exc:  # the replay socket is a help, never a reason to stop reading
+            log.warning("kv events: replay from %s failed: %s", self.replay, exc)
+        finally:
+            sock.close(linger=0)
+        whole = self._next_seq == stop
+        if whole:
+            log.info("kv events: recovered batches %d..%d from the replay socket", start, stop - 1)
+        return whole
 
     def handle_frames(self, frames: Sequence[bytes]) -> None:
         """One ZMQ message ``[topic, seq (8 bytes, big endian), payload]``; never raises."""
@@ -455,8 +582,8 @@ class KvEventSubscriber:
             log.exception("kv events: batch %d could not be applied", seq)
             self._garbage(f"apply failed: {exc}")
             return
-        for kind, hashes in deltas:
-            self.emit(kind, hashes)
+        for delta in deltas:
+            self.emit(*delta)
         if self.counters.undecodable > before:
             self._request_resync("undecodable events in batch %d" % seq)
 

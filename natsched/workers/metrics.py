@@ -38,6 +38,12 @@ class WorkerMetrics:
                                      registry=r)
         self.output_tokens = Counter("natsched_worker_output_tokens", "Generated tokens", registry=r)
         self.cancelled = Counter("natsched_worker_cancelled", "Requests cancelled by their producer", registry=r)
+        self.misrouted = Counter("natsched_worker_misrouted_assignments",
+                                 "Assignments naming another worker, refused (dead-lettered, not run)", registry=r)
+        self.timeouts = Counter("natsched_worker_timeouts", "Runs stopped by their own time limit, by reason "
+                                "(ttft_timeout, idle_timeout, deadline_exceeded)", ["reason"], registry=r)
+        self.cancels_refused = Counter("natsched_worker_cancels_refused",
+                                       "Cancels naming a running request of another tenant (refused)", registry=r)
         self.duplicate_runs = Counter("natsched_worker_duplicate_runs",
                                       "Requests whose completion another run had already stored", registry=r)
         self.running = Gauge("natsched_worker_running", "Requests running in the engine", registry=r)

@@ -6,6 +6,11 @@ import time
 from collections import OrderedDict
 
 
+#: how long a cancel is remembered for a request not seen yet (the dedup window), and how many
+CANCEL_MEMORY_S = 120.0
+CANCEL_MEMORY_MAX = 10_000
+
+
 class RecentIds:
     """Ids remembered for ``max_age_s``, at most ``max_size`` of them (the oldest go first).
 

@@ -8,7 +8,15 @@ What it models (vLLM v1 semantics, simplified where the scheduler cannot tell th
   blocks become cached, blocks nobody references stay cached until evicted in LRU order;
 - finite KV: a sequence is admitted only when its prompt blocks fit; a decode that cannot get
   a block preempts the youngest sequence (recompute, as vLLM does);
-- step time from the :class:`~natsched.workers.profiles.EngineProfile` roofline.
+- step time from the :class:`~natsched.workers.profiles.EngineProfile` roofline, divided by a
+  runtime ``speed`` factor (1.0 nominal; 1/3 is a noisy neighbour or a throttled GPU): the
+  scenario suite slows and restores a worker through it while the run goes on;
+- optionally a **host tier** (vLLM's CPU offloading, LMCache): ``host_blocks`` blocks of host
+  memory that keep what the GPU evicts, in their own LRU. A new sequence whose prefix continues
+  in the host tier loads those blocks (they take GPU blocks as computed ones would) at
+  ``host_bandwidth`` bytes/s instead of recomputing them; the load is added to that step's
+  duration (it precedes the prefill of the rest). Host copies stay when loaded back, so a block
+  may be in both tiers. ``StepResult.host_stored`` / ``host_removed`` report the tier's changes.
 
 ``step(now)`` returns how long the step takes and what happened; the live ``SimEngine`` sleeps
 that long in real time, the simulator advances its virtual clock by it.
@@ -38,6 +46,7 @@ class SimSeq:
     anon_blocks: int = 0  # blocks it holds that carry no shareable hash
     first_token_at: float | None = None
     admitted_once: bool = False
+    host_cached_tokens: int = 0  # of ``cached_tokens``, those loaded from the host tier
 
     @property
     def kv_tokens(self) -> int:
@@ -53,6 +62,8 @@ class StepResult:
     stored: list[int]
     removed: list[int]
     preempted: int = 0
+    host_stored: list[int] = field(default_factory=list)  # blocks the host tier took (GPU evictions)
+    host_removed: list[int] = field(default_factory=list)  # blocks the host tier evicted
 
 
 def _ceil(a: int, b: int) -> int:
@@ -69,8 +80,14 @@ class SimCore:
         kv_blocks: int | None = None,
         max_num_seqs: int | None = None,
         max_batched_tokens: int | None = None,
+        speed: float = 1.0,
+        host_blocks: int = 0,
+        host_bandwidth: float = 0.0,
     ) -> None:
+        if host_blocks < 0 or (host_blocks and host_bandwidth <= 0):
+            raise ValueError("host tier: host_blocks >= 0, and host_bandwidth > 0 when it has blocks")
         self.profile = profile
+        self.speed = speed  # runtime factor on every step's duration (see set_speed)
         self.block_size = block_size
         self.kv_blocks = kv_blocks if kv_blocks is not None else profile.kv_blocks(block_size)
         self.max_num_seqs = max_num_seqs or profile.max_num_seqs
@@ -83,6 +100,19 @@ class SimCore:
         self.seqs: dict[str, SimSeq] = {}
         self.busy_time = 0.0
         self.preemptions = 0
+        self.host_blocks = host_blocks
+        self.host_bandwidth = host_bandwidth  # bytes/s from host memory into the GPU's KV
+        self.host: OrderedDict[int, None] = OrderedDict()  # host-tier blocks, LRU first
+        self._host_stored: list[int] = []
+        self._host_removed: list[int] = []
+        self._load_s = 0.0  # host-tier loads of the current step
+        self.set_speed(speed)
+
+    def set_speed(self, speed: float) -> None:
+        """Run at ``speed`` x the profile's rate from the next step on (1.0 nominal, > 0)."""
+        if not speed > 0 or speed != speed or speed == float("inf"):
+            raise ValueError(f"speed must be a positive finite factor, got {speed!r}")
+        self.speed = float(speed)
 
     # --- queries ------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -147,8 +177,32 @@ class SimCore:
             h, _ = self.evictable.popitem(last=False)
             removed.append(h)
             self.free += 1
+            if self.host_blocks:
+                self._to_host(h)
         self.free -= n
         return True
+
+    def _to_host(self, h: int) -> None:
+        """A block the GPU evicts is kept in the host tier (most recent), evicting its LRU."""
+        host = self.host
+        if h in host:
+            host.move_to_end(h)
+            return
+        host[h] = None
+        self._host_stored.append(h)
+        while len(host) > self.host_blocks:
+            old, _ = host.popitem(last=False)
+            self._host_removed.append(old)
+
+    def host_prefix_blocks(self, hashes: Sequence[int], start: int) -> int:
+        """Blocks of ``hashes`` after the first ``start`` that continue the prefix in the host tier."""
+        n = 0
+        host = self.host
+        for h in hashes[start:]:
+            if h not in host:
+                break
+            n += 1
+        return n
 
     def _release(self, seq: SimSeq) -> None:
         # tail first, as vLLM frees them: the LRU evicts a prefix's deepest blocks before its
@@ -165,11 +219,15 @@ class SimCore:
 
     def _admit(self, seq: SimSeq, removed: list[int]) -> bool:
         bs = self.block_size
-        matched = min(self.cached_prefix_blocks(seq.hashes), (seq.target - 1) // bs)
+        most = (seq.target - 1) // bs
+        matched = min(self.cached_prefix_blocks(seq.hashes), most)
+        loaded = min(self.host_prefix_blocks(seq.hashes, matched), most - matched) if self.host else 0
         need = _ceil(seq.target, bs) - matched
         reused_idle = sum(1 for h in seq.hashes[:matched] if h in self.evictable)
         if self.free + len(self.evictable) - reused_idle < need:
             return False  # checked first: evicting for this seq must never evict its own prefix
+        for h in seq.hashes[matched:matched + loaded]:
+            self.host.move_to_end(h)  # most recent: what the GPU evicts below must not push them out
         for h in seq.hashes[:matched]:
             if h in self.evictable:
                 del self.evictable[h]
@@ -177,11 +235,19 @@ class SimCore:
             else:
                 self.refs[h] += 1
         self._take(need, removed)
+        if loaded:
+            loaded = min(loaded, self.host_prefix_blocks(seq.hashes, matched))
         seq.held = list(seq.hashes[:matched])
         seq.anon_blocks = need
         seq.computed = matched * bs
+        if loaded:  # host blocks are copied into freshly taken GPU blocks, then count as computed
+            self._load_s += loaded * bs * self.profile.kv_bytes_per_token / self.host_bandwidth
+            before = seq.computed
+            seq.computed += loaded * bs
+            self._register_computed(seq, before, self._loaded_stored)
         if not seq.admitted_once:
             seq.cached_tokens = seq.computed
+            seq.host_cached_tokens = loaded * bs
             seq.admitted_once = True
         return True
 
@@ -208,6 +274,7 @@ class SimCore:
     def step(self, now: float) -> StepResult:
         removed: list[int] = []
         stored: list[int] = []
+        self._loaded_stored = stored
         tokens: list[tuple[str, int]] = []
         finished: list[SimSeq] = []
         preempted = self._grow_decode_blocks(removed)
@@ -229,7 +296,9 @@ class SimCore:
             budget = self.max_batched_tokens - len(decoding) - self._spent
         self._spent = 0
         kv_read = sum(s.kv_tokens for s in self.running)
-        duration = self.profile.step_seconds(prefill_s, kv_read) if (decoding or prefill_s) else 0.0
+        loading, self._load_s = self._load_s, 0.0
+        work = decoding or prefill_s or loading
+        duration = (self.profile.step_seconds(prefill_s, kv_read) + loading) / self.speed if work else 0.0
         end = now + duration
         for seq in self.running:
             if seq in decoding or seq.computed >= seq.target:
@@ -244,9 +313,13 @@ class SimCore:
             self._release(seq)
             self.seqs.pop(seq.id, None)
         self.busy_time += duration
-        return StepResult(duration, tokens, finished, stored, removed, preempted)
+        host_stored, host_removed = self._host_stored, self._host_removed
+        if host_stored or host_removed:
+            self._host_stored, self._host_removed = [], []
+        return StepResult(duration, tokens, finished, stored, removed, preempted, host_stored, host_removed)
 
     _spent = 0
+    _loaded_stored: list[int] = []
 
     def _prefill(self, seq: SimSeq, budget: int, stored: list[int]) -> float:
         n = min(budget, seq.target - seq.computed)

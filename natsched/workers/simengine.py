@@ -3,6 +3,10 @@
 It lets ``natsched up`` and the tests exercise the whole pipeline — batching, prefix-cache hits,
 cache events, streaming — on a machine without a GPU. Output tokens are synthetic
 (``" tok<N>"``); their timing follows the engine profile, scaled by ``time_scale``.
+
+``speed`` (1.0 nominal) slows or speeds the engine at run time (:meth:`SimEngine.set_speed`);
+``host_blocks`` / ``host_bandwidth`` give it a host KV tier (:mod:`natsched.workers.simcore`), whose
+changes reach the cache listener with tier ``"host"``.
 """
 
 from __future__ import annotations
@@ -31,11 +35,15 @@ class SimEngine:
         kv_blocks: int | None = None,
         max_num_seqs: int | None = None,
         max_model_len: int = 131072,
+        speed: float = 1.0,
+        host_blocks: int = 0,
+        host_bandwidth: float = 0.0,
     ) -> None:
         self.block_size = block_size
         self.time_scale = time_scale
         self.max_model_len = max_model_len
-        self.core = SimCore(profile, block_size, kv_blocks=kv_blocks, max_num_seqs=max_num_seqs)
+        self.core = SimCore(profile, block_size, kv_blocks=kv_blocks, max_num_seqs=max_num_seqs, speed=speed,
+                            host_blocks=host_blocks, host_bandwidth=host_bandwidth)
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -52,8 +60,20 @@ class SimEngine:
     def set_cache_listener(self, listener: CacheListener) -> None:
         self._listener = listener
 
+    @property
+    def speed(self) -> float:
+        return self.core.speed
+
+    def set_speed(self, speed: float) -> None:
+        """Run at ``speed`` x nominal from the next step on (a noisy neighbour: 1/3)."""
+        self.core.set_speed(speed)
+
     def cached_hashes(self) -> list[BlockHash]:
         return [BlockHash(h) for h in self.core.cached_hashes()]
+
+    def host_hashes(self) -> list[BlockHash]:
+        """What the host tier holds (snapshots report it with tier ``"host"``)."""
+        return [BlockHash(h) for h in self.core.host]
 
     def stats(self) -> EngineStats:
         c = self.core
@@ -111,6 +131,10 @@ class SimEngine:
                 self._listener("removed", [BlockHash(h) for h in result.removed])
             if self._listener and result.stored:
                 self._listener("stored", [BlockHash(h) for h in result.stored])
+            if self._listener and result.host_removed:
+                self._listener("removed", [BlockHash(h) for h in result.host_removed], "host")
+            if self._listener and result.host_stored:
+                self._listener("stored", [BlockHash(h) for h in result.host_stored], "host")
             self._deliver(result)
             if not result.duration:
                 await asyncio.sleep(0.001)  # nothing could run (KV full): do not spin

@@ -223,9 +223,16 @@ class VllmEngine:
     def cached_hashes(self) -> list[BlockHash]:
         return self.translator.cached_hashes()
 
-    def _emit(self, kind: str, hashes: list[BlockHash]) -> None:
+    def host_hashes(self) -> list[BlockHash]:
+        """What vLLM's CPU offload tier holds (its ``medium = "CPU"`` events), for snapshots."""
+        return self.translator.host_hashes()
+
+    def _emit(self, kind: str, hashes: list[BlockHash], tier: str | None = None) -> None:
         if self._listener is not None:
-            self._listener(kind, hashes)
+            if tier is None:
+                self._listener(kind, hashes)
+            else:
+                self._listener(kind, hashes, tier)
 
     def _resync(self, why: str) -> None:
         """Our view may have drifted from vLLM's: publish a snapshot (at most one per second)."""

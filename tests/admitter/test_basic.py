@@ -3,7 +3,7 @@
 import pytest
 
 from natsched.admitter.policy import ALLOW, QUEUE, REJECT, AdmissionSettings, AdmitterCore, runtime_tokens
-from natsched.admitter.quotas import Quotas
+from natsched.admitter.quotas import Quotas, TenantQuota
 from tests.factories.core import make_completion, make_request
 
 
@@ -21,9 +21,22 @@ def test_runtime_tokens_count_prefill_plus_kv():
     req = make_request(prompt_token_ids=list(range(100)), max_tokens=20)
     assert runtime_tokens(req) == 100 + 100 + 20
     assert make_core().cost(req) == 220
-    req.expected_output_tokens = 5
-    assert runtime_tokens(req) == 205
-    assert make_core().cost(req) == 205
+    req.expected_output_tokens = 5  # a producer's claim lowers nothing: it is the one who pays
+    assert runtime_tokens(req) == 220
+    assert make_core().cost(req) == 220
+    req.expected_output_tokens = 500  # it may ask for more room, never past max_tokens
+    assert make_core().cost(req) == 220
+
+
+def test_declared_costs_do_not_let_a_tenant_past_its_cap():
+    """The attack: ``expected_output_tokens=1`` with ``max_tokens=8000`` put 10 requests under a
+    tenant cap that admits 2 honest ones. Priced by the admitter, the third is refused."""
+    core = AdmitterCore(AdmissionSettings(), Quotas(total=1_000_000, tenants={"a": TenantQuota(cap=2 * 8200)},
+                                                    queue_limits={"online": 0}))
+    decisions = [submit(core, make_request(tenant="a", prompt_token_ids=list(range(100)), max_tokens=8000,
+                                           expected_output_tokens=1)) for _ in range(10)]
+    assert [d.decision for d in decisions] == [ALLOW, ALLOW] + [REJECT] * 8
+    assert {d.reason for d in decisions[2:]} == {"tenant_cap"} and decisions[0].runtime_tokens == 8200
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,7 @@ def test_a_corrupted_credit_entry_is_a_usage_error_naming_the_field(credits, whe
     import orjson
 
     with pytest.raises(UsageError, match=where.replace(".", r"\.")):
-        Usage.from_json(orjson.dumps({"used": 0, "credits": credits}))
+        Usage.from_json(orjson.dumps({"used": 0, "tenants": {}, "models": {}, "long": 0, "credits": credits}))
 
 
 def test_drift_counts_blocks_and_the_records_outside_live_blocks():

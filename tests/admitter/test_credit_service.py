@@ -155,7 +155,7 @@ async def test_idle_credit_is_given_back_and_stop_gives_back_the_rest(bus, nats_
     try:
         reqs = await warm(bus, adm)
         for r in reqs:
-            await bus.jpublish(S.completion("t1"), make_completion(r.id, runtime_tokens=300), msg_id=f"{r.id}:d")
+            await bus.jpublish(S.completion("t1", "w1"), make_completion(r.id, runtime_tokens=300), msg_id=f"{r.id}:d")
         # every request done and the block unused for idle_s: the aggregate is back to zero
         assert await until(lambda: adm.shared.usage.used == 0 and not adm.shared.usage.credits, timeout=5)
         reqs = await warm(bus, adm)

@@ -254,3 +254,48 @@ def test_never_over_admits_and_accounting_stays_consistent(ops):
         assert core.usage.long == sum(core.cost(r) for r in running if core.cost(r) >= 40)
         assert core.usage.tenant("b") <= 60
         assert sum(core.queue_depths().values()) == core.queued()
+
+
+# ---------------------------------------------------------------- TTFT SLOs
+
+
+def test_a_request_queued_past_its_slo_share_is_degraded_not_admitted_late():
+    from natsched.admitter.policy import DEGRADE
+
+    core = make_core(total=100, slo_ttft_s={"online": 2.0}, degrade_classes=())  # may wait 1 s (share 0.5)
+    big = sized(100, id="big")
+    assert submit(core, big, 0.0).decision == ALLOW
+    late, fresh, batch = sized(50, id="late"), sized(50, id="fresh"), sized(60, id="b", cls="batch")
+    assert submit(core, late, 0.0).decision == QUEUE
+    assert submit(core, batch, 0.0).decision == QUEUE
+    assert submit(core, fresh, 1.4).decision == QUEUE
+    finish(core, big, 1.5)
+    picks = {r.id: (d.decision, d.reason) for r, d in drain(core, 1.5)}
+    assert picks["late"] == (DEGRADE, "slo")  # waited 1.5 s > 1 s: it goes to the offline path
+    assert picks["fresh"] == (ALLOW, None)  # the capacity goes to the one that can still make it
+    assert "b" not in picks and core.queued() == 1  # batch has no SLO: it waits its turn
+    assert core.used == 50  # the degraded one holds nothing here
+
+
+def test_an_arrival_whose_estimated_wait_is_beyond_its_slo_share_is_degraded_at_once():
+    from natsched.admitter.policy import DEGRADE
+
+    core = make_core(total=100, early_reject=True, slo_ttft_s={"online": 2.0})
+    hog = sized(100, id="hog")
+    assert submit(core, hog, 0.0).decision == ALLOW
+    for i in range(6):  # a measured release rate: 10 tokens per second
+        core.releases.add(float(i), 10)
+    d = submit(core, sized(60, id="x"), 5.0)  # 60 tokens short at 10/s: ~6 s, beyond 1 s
+    assert (d.decision, d.reason) == (DEGRADE, "slo")
+    assert make_core(total=100, early_reject=True).evaluate(sized(60, id="y"), 5.0).decision in (ALLOW, QUEUE)
+
+
+def test_bad_slo_settings_are_refused():
+    import pytest
+
+    from natsched.admitter.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="slo_ttft_s"):
+        AdmissionSettings(slo_ttft_s={"online": 0})
+    with pytest.raises(SettingsError, match="slo_wait_share"):
+        AdmissionSettings(slo_wait_share=1.5)

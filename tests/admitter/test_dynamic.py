@@ -41,6 +41,21 @@ def test_factor_is_bounded():
     assert d.factor == 2.0
 
 
+def test_with_reservations_the_factor_is_measured_not_stepped():
+    d = make_dynamic()
+    # the admitters book 2 runtime tokens per token the workers hold: the total may be twice the
+    # capacity; the factor goes halfway there per interval
+    assert d.next_total(10**9, None, capacity=100_000, workers_used=30_000, reserved=60_000) == 150_000
+    for _ in range(10):
+        total = d.next_total(10**9, None, capacity=100_000, workers_used=30_000, reserved=60_000)
+    assert total == pytest.approx(200_000, rel=0.01)
+    # overloaded workers (queued prefill counted) hold more than was booked: it tightens, bounded
+    for _ in range(20):
+        total = d.next_total(10**9, None, capacity=100_000, workers_used=200_000, reserved=50_000)
+    assert d.factor == 0.5 and total == 50_000
+    assert d.next_total(10**9, None, capacity=100_000, workers_used=0, reserved=0) == 55_000  # AIMD as before
+
+
 def test_disabled_keeps_the_configured_total():
     assert make_dynamic(enabled=False).next_total(123, None, capacity=10**6, workers_used=0) == 123
 

@@ -54,10 +54,13 @@ def test_failed_completions_do_not_teach_output_lengths():
     assert core.cost(prompt(10, max_tokens=100)) == 120
 
 
-def test_producer_expectation_wins_over_calibration():
+def test_a_producer_expectation_raises_the_learned_price_never_lowers_it():
     core = make_core(calibrated_output=True, ewma_min_samples=1, calibrated_margin=0.0)
     core.release(make_completion("x", runtime_tokens=0, output_tokens=50), 1.0)
-    assert core.cost(prompt(10, max_tokens=100, expected_output_tokens=7)) == 27
+    assert core.cost(prompt(10, max_tokens=100, expected_output_tokens=7)) == 20 + 50  # the learned 50
+    assert core.cost(prompt(10, max_tokens=100, expected_output_tokens=80)) == 20 + 80  # more room: granted
+    assert core.cost(prompt(10, max_tokens=100, expected_output_tokens=900)) == 20 + 100  # never past max_tokens
+    assert make_core().cost(prompt(10, max_tokens=100, expected_output_tokens=7)) == 120  # nothing learned
 
 
 def test_release_rate_needs_history_then_measures_the_window():

@@ -128,17 +128,28 @@ def test_usage_plus_minus_are_values_and_clamp():
         u0.plus("a", "m", -1)
 
 
-def test_usage_json_round_trip_and_old_values_without_long():
+def test_usage_json_round_trip():
     u = Usage().plus("a", "m", 10, long=True).plus("b", "n", 5)
     assert Usage.from_json(u.to_json()) == u
-    assert Usage.from_json(b'{"used": 3, "tenants": {"a": 3}, "models": {"m": 3}}') == Usage(3, {"a": 3}, {"m": 3})
+    assert Usage.from_json(b'{"used": 3, "tenants": {"a": 3}, "models": {"m": 3}, "long": 0}') == Usage(3, {"a": 3},
+                                                                                                     {"m": 3})
+
+
+_FULL = '"used": 0, "tenants": {}, "models": {}, "long": 0'
 
 
 @pytest.mark.parametrize("raw,message", [
-    (b"nope", "not JSON"), (b"[]", "JSON object"), (b'{"used": -1}', "'used'"), (b'{"used": true}', "'used'"),
-    (b'{"tenants": [1]}', "'tenants'"), (b'{"models": {"m": "x"}}', "'models.m'"), (b'{"long": 1.5}', "'long'"),
+    (b"nope", "not JSON"), (b"[]", "JSON object"), (b'{"used": -1, "tenants": {}, "models": {}, "long": 0}', "'used'"),
+    (b'{"used": true, "tenants": {}, "models": {}, "long": 0}', "'used'"),
+    (b'{"used": 0, "tenants": [1], "models": {}, "long": 0}', "'tenants'"),
+    (b'{"used": 0, "tenants": {}, "models": {"m": "x"}, "long": 0}', "'models.m'"),
+    (b'{"used": 0, "tenants": {}, "models": {}, "long": 1.5}', "'long'"),
+    # what the server writes as a publish ack, had a reply-to named the key: never a usage of 0
+    (b'{"stream": "REQUESTS", "seq": 7}', "missing used, tenants, models, long; unknown field"),
+    (b'{"used": 3, "tenants": {"a": 3}, "models": {"m": 3}}', "missing long"),  # (older writers: rebuilt)
+    (("{" + _FULL + ', "seq": 7}').encode(), "unknown field"),
 ])
-def test_usage_from_garbage_raises_usage_error(raw, message):
+def test_usage_from_anything_not_written_by_an_admitter_raises_usage_error(raw, message):
     with pytest.raises(UsageError, match=message):
         Usage.from_json(raw)
 

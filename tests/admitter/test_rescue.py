@@ -19,7 +19,7 @@ from natsched.client.producer import Client, Timeouts
 from natsched.client.errors import RequestFailed
 from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
 from natsched.hosting.runtime import READY_PREFIX
-from tests.factories.core import make_request, wait_for
+from tests.factories.core import make_completion, make_request, wait_for
 from tests.factories.stack import start_stack
 from tests.admitter.test_service import start_admitter, stop
 from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
@@ -151,32 +151,51 @@ def start_worker(url: str, worker: str) -> subprocess.Popen:
     raise RuntimeError(f"worker {worker} exited with {proc.wait()}")
 
 
-async def test_kill_9_of_a_worker_mid_run_reroutes_its_work_with_one_outcome_each(bus, nats_url):
-    stack = await start_stack(nats_url, workers=0, timeouts=Timeouts(admission=20, idle=30))
+async def kill_wa_mid_run(bus, nats_url, *, restart: bool) -> None:
+    """wa and wb run 8 long requests; wa is killed with SIGKILL (and, with ``restart``, started
+    again at once under its id, its lease made endless so that only the restart can trigger the
+    rescue): wa's unfinished requests complete on wb, one outcome each, nothing leaked."""
+    stack = await start_stack(nats_url, workers=0, timeouts=Timeouts(admission=20, idle=20 if restart else 30))
+    if restart:
+        stack.admitter.leases.missed = 10_000  # no lease expires in this test
     procs = [start_worker(nats_url, w) for w in ("wa", "wb")]
     try:
         assert await wait_for(lambda: len(stack.router.core.workers) == 2, timeout=10)
+        first_start = stack.admitter._instances["wa"]
         reqs = [make_request(f"question {i} " * 8, max_tokens=300) for i in range(8)]  # seconds each
         runs = [asyncio.create_task(stack.client.submit(r)) for r in reqs]
         lease = lambda: stack.admitter.leases.workers.get("wa")  # noqa: E731
         assert await wait_for(lambda: lease() is not None and lease().inflight, timeout=15)
         on_wa = set(lease().inflight)
         os.kill(procs[0].pid, signal.SIGKILL)
+        if restart:
+            procs[0].wait()
+            procs[0] = start_worker(nats_url, "wa")  # same id, same durable consumer
         results = await asyncio.gather(*runs)
         assert [r.status for r in results] == ["completed"] * len(reqs)
-        assert {r.worker for r in results if r.request_id in on_wa} == {"wb"}
+        assert {r.worker for r in results if r.request_id in on_wa} == {"wb"}  # rescued, avoiding wa
         done = Counter(Completion.decode(d).request_id for _, d in await bus.stream_messages(S.STREAM_COMPLETIONS))
         assert done == Counter(r.id for r in reqs)  # exactly one outcome each
         rescues = [Decision.decode(d) for _, d in await bus.stream_messages(S.STREAM_DECISIONS)]
         assert on_wa <= {x.request_id for x in rescues if x.decision == "rescue"}
         assert await wait_for(lambda: stack.admitter.shared.usage.used == 0, timeout=10)  # nothing leaked
-        assert await bus.stream_messages(S.STREAM_WORK) == []
+        if restart:
+            assert stack.admitter._instances["wa"] != first_start  # the restart was seen from started_at
+            assert "wa" not in stack.admitter._dead  # its lease never expired
+            more = make_request("after the restart", max_tokens=4)  # the restarted worker takes new work
+            assert (await stack.client.submit(more)).status == "completed"
+        else:
+            assert await bus.stream_messages(S.STREAM_WORK) == []
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
         await stack.close()
+
+
+async def test_kill_9_of_a_worker_mid_run_reroutes_its_work_with_one_outcome_each(bus, nats_url):
+    await kill_wa_mid_run(bus, nats_url, restart=False)
 
 
 async def test_a_worker_that_died_between_its_completion_and_its_ack_is_not_run_again(bus, nats_url):
@@ -196,8 +215,9 @@ async def test_a_worker_that_died_between_its_completion_and_its_ack_is_not_run_
         done = make_assignment()
         await reserve(adm, done)
         await bus.jpublish(S.work(done.worker), done)
-        await bus.jpublish(S.completion("t1"), Completion(request_id=done.request.id, tenant="t1", status="ok",
-                                                          runtime_tokens=300), msg_id=f"{done.request.id}:done")
+        await bus.jpublish(S.completion("t1", done.worker), make_completion(done.request.id, runtime_tokens=300,
+                                                                            worker=done.worker),
+                           msg_id=f"{done.request.id}:done")
         report = await adm.reclaim({})
         assert report.finished == [done.request.id] and not report.rescued
         assert await admitted(bus) == [] and await bus.stream_messages(S.STREAM_WORK) == []
@@ -223,8 +243,9 @@ async def test_a_finished_request_whose_completion_is_never_acked_is_not_run_aga
         for a in (done, running):
             await reserve(adm, a)
             await bus.jpublish(S.work(a.worker), a)
-        await bus.jpublish(S.completion("t1"), Completion(request_id=done.request.id, tenant="t1", status="ok",
-                                                          runtime_tokens=300), msg_id=f"{done.request.id}:done")
+        await bus.jpublish(S.completion("t1", done.worker), make_completion(done.request.id, runtime_tokens=300,
+                                                                            worker=done.worker),
+                           msg_id=f"{done.request.id}:done")
         report = await adm.reclaim({})
         assert report.finished == [done.request.id]
         assert report.rescued == {running.request.id: "wdead"}
@@ -233,3 +254,10 @@ async def test_a_finished_request_whose_completion_is_never_acked_is_not_run_aga
         assert (await adm.shared.lookup(done.request.id)).moved_from == "wdead"  # released by its completion
     finally:
         await stop(adm)
+
+
+async def test_a_worker_restarted_inside_its_lease_has_its_predecessors_work_rescued_at_once(bus, nats_url):
+    """kill -9 and a restart under the same id before the lease expires: the lease never lapses,
+    yet the predecessor's un-acked work is re-run elsewhere long before the 30 s ack wait
+    would bring it back (the clients give up after 20 s)."""
+    await kill_wa_mid_run(bus, nats_url, restart=True)

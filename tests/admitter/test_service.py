@@ -79,7 +79,7 @@ async def test_reservations_survive_an_admitter_restart(bus, nats_url):
     try:
         assert second.shared.usage.used == 900 and set(await second.shared.snapshot()) == {r.id for r in reqs}
         assert not second.shared.reservations  # it remembers what it wrote; these it reads when needed
-        await bus.jpublish(S.completion("t1"), make_completion(reqs[0].id, runtime_tokens=300), msg_id="c1")
+        await bus.jpublish(S.completion("t1", "w1"), make_completion(reqs[0].id, runtime_tokens=300), msg_id="c1")
         assert await until(lambda: second.shared.usage.used == 600)
     finally:
         await stop(second)
@@ -110,7 +110,7 @@ async def test_a_duplicate_completion_releases_once(bus, nats_url):
         await publish(bus, r)
         assert await until(lambda: adm.shared.usage.used == 300)
         for i in range(3):  # distinct msg ids: the stream stores all three
-            await bus.jpublish(S.completion("t1"), make_completion(r.id, runtime_tokens=300), msg_id=f"dup{i}")
+            await bus.jpublish(S.completion("t1", "w1"), make_completion(r.id, runtime_tokens=300), msg_id=f"dup{i}")
         assert await until(lambda: adm.shared.usage.used == 0)
         await asyncio.sleep(0.3)
         assert adm.shared.usage.used == 0 and adm.shared.usage.tenants.get("t1", 0) == 0
@@ -133,7 +133,7 @@ async def test_queued_request_is_held_then_admitted_when_tokens_free(bus, nats_u
         await asyncio.sleep(1.5)  # longer than keepalive: the held message is kept alive, not redelivered
         info = await bus.stream(S.STREAM_REQUESTS).consumer(S.CONSUMER_ADMITTER)
         assert info.ack_pending == 1 and info.redelivered == 0
-        await bus.jpublish(S.completion("t1"), make_completion(first.id, runtime_tokens=300), msg_id="c-first")
+        await bus.jpublish(S.completion("t1", "w1"), make_completion(first.id, runtime_tokens=300), msg_id="c-first")
         admitted = Reply.decode((await sub.next_msg(timeout=5)).data)
         assert admitted.status == "admitted"
         adm_msgs = [Admitted.decode(d) for _, d in await bus.stream_messages(S.STREAM_ADMITTED)]
@@ -154,7 +154,7 @@ async def test_a_crashed_replicas_queue_is_picked_up_by_another(bus, nats_url):
     b = await start_admitter(nats_url, "adm-b", ack_wait_s=2.0)
     try:
         assert await until(lambda: second.id in b.held, timeout=10)  # redelivered after ack_wait
-        await bus.jpublish(S.completion("t1"), make_completion(first.id, runtime_tokens=300), msg_id="c-1")
+        await bus.jpublish(S.completion("t1", "w1"), make_completion(first.id, runtime_tokens=300), msg_id="c-1")
         assert await until(lambda: b.shared.reservations.get(second.id) is not None)  # b wrote it
         assert (await b.shared.lookup(second.id)).by == "adm-b"
     finally:
@@ -394,10 +394,10 @@ async def test_the_reconciliation_loop_ends_once_the_connection_is_closed_for_go
         await stop(adm)
 
 
-async def test_an_undecodable_usage_is_overwritten_by_the_next_commit_not_fatal(bus, nats_url, caplog):
-    """Garbage in the shared ``usage`` key (a bad manual edit, a buggy tool): the admitter keeps
-    deciding on the last good value and its next commit replaces the garbage. Before, every
-    commit lost its race to it, re-read it, failed to decode it, and nothing was admitted again."""
+async def test_an_undecodable_usage_is_rebuilt_from_the_records_by_the_next_commit_not_fatal(bus, nats_url, caplog):
+    """Garbage in the shared ``usage`` key (a bad manual edit, a buggy tool): refused, counted,
+    logged once, and the next commit first rebuilds it from the reservation records. Before,
+    every commit lost its race to it, re-read it, failed to decode it, and nothing was admitted."""
     adm = await start_admitter(nats_url)
     try:
         first, second = request(), request()
@@ -405,13 +405,40 @@ async def test_an_undecodable_usage_is_overwritten_by_the_next_commit_not_fatal(
         assert await until(lambda: adm.shared.usage.used == 300)
         await bus.kv(S.BUCKET_INFLIGHT).put(S.KEY_USAGE, b"{not a usage")
         assert await until(lambda: adm.shared.corrupted > 0)
-        assert "cannot be decoded" in caplog.text
-        assert adm.shared.usage.used == 300  # the last good value, still decided on
+        assert caplog.text.count("refused") == 1 and adm.shared.refused == 1
+        assert adm.shared.usage.used == 300  # the last good value, never decided on: rebuilt first
         sub = await bus.inbox(S.reply(second.id))
         await publish(bus, second)
         assert Reply.decode((await sub.next_msg(timeout=5)).data).status == "admitted"
         stored = Usage.from_json((await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
-        assert stored.used == 600 and adm.shared.corrupted == 0
+        assert stored.used == 600 and adm.shared.corrupted == 0 and adm.shared.rebuilt == 1
+        adm._refresh_gauges()
+        assert adm.metrics.registry.get_sample_value("natsched_admission_refused_kv_values_total") == 1
+    finally:
+        await stop(adm)
+
+
+async def test_a_publish_ack_in_the_usage_key_is_never_read_as_zero(bus, nats_url):
+    """The reply-to attack's write (``{"stream": ..., "seq": ...}``, a publish ack) on the usage
+    key of a *starting* admitter, which has no last good value: it rebuilds from the records, so
+    a second request that would fit only an empty cluster is not admitted (it was, 25 times over)."""
+    await set_quotas(bus, cluster__total=500, class__online__queue=0)
+    adm = await start_admitter(nats_url)
+    first = request()
+    await publish(bus, first)
+    assert await until(lambda: adm.shared.usage.used == 300)
+    await stop(adm)
+    await bus.kv(S.BUCKET_INFLIGHT).put(S.KEY_USAGE, orjson.dumps({"stream": S.STREAM_REQUESTS, "seq": 7}))
+    adm = await start_admitter(nats_url)
+    try:
+        assert adm.shared.corrupted and adm.shared.usage.used == 0  # nothing good read yet
+        second = request()
+        sub = await bus.inbox(S.reply(second.id))
+        await publish(bus, second)
+        reply = Reply.decode((await sub.next_msg(timeout=5)).data)
+        assert (reply.status, reply.reason) == ("rejected", "quota_exhausted")
+        stored = Usage.from_json((await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
+        assert stored.used == 300 and stored.tenants == {"t1": 300}
     finally:
         await stop(adm)
 
@@ -428,5 +455,55 @@ async def test_reconciliation_rebuilds_an_undecodable_usage_from_the_records_at_
         assert await adm.reconcile_once() == 1
         stored = Usage.from_json((await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
         assert stored.used == 300 and stored.tenants == {"t1": 300} and adm.shared.corrupted == 0
+    finally:
+        await stop(adm)
+
+
+async def test_a_request_running_past_its_price_grows_its_reservation_and_new_work_sees_it(bus, nats_url):
+    """Priced at the learned output (10 tokens) but generating far more: its worker's heartbeat
+    says it holds 450 runtime tokens; the reservation and the tenant's usage grow to that, so
+    a request that fitted beside the old price is refused beside the new one. A worker that
+    does not run the request cannot grow it; the completion releases the grown amount."""
+    from natsched.admitter.policy import AdmissionSettings
+    from tests.factories.core import make_heartbeat
+
+    await set_quotas(bus, cluster__total=1000, class__online__queue=0)
+    adm = await start_admitter(nats_url, admission=AdmissionSettings(calibrated_output=True, ewma_min_samples=1,
+                                                                     calibrated_margin=0.0))
+    try:
+        adm.core.outputs.observe("t1", "default", 10)
+        long_one = make_request(tenant="t1", prompt_token_ids=list(range(100)), max_tokens=400)
+        await publish(bus, long_one)
+        assert await until(lambda: adm.shared.usage.used == 210)  # 2 x 100 prompt + the learned 10
+        await bus.publish(S.heartbeat("w2"), make_heartbeat("w2", inflight=[], over={long_one.id: 5000}))
+        await bus.publish(S.heartbeat("w1"), make_heartbeat("w1", inflight=[long_one.id], over={long_one.id: 450}))
+        assert await until(lambda: adm.shared.usage.used == 450)
+        assert (await adm.shared.lookup(long_one.id)).tokens == 450  # w2's claim grew nothing
+        other = make_request(tenant="t2", prompt_token_ids=list(range(100)), max_tokens=400)  # no estimate: 600
+        sub = await bus.inbox(S.reply(other.id))
+        await publish(bus, other)
+        verdict = Reply.decode((await sub.next_msg(timeout=5)).data)
+        assert (verdict.status, verdict.reason) == ("rejected", "quota_exhausted")  # 450 + 600 > 1000 (210 + 600 fit)
+        await bus.jpublish(S.completion("t1", "w1"), make_completion(long_one.id, runtime_tokens=450), msg_id="g1")
+        assert await until(lambda: adm.shared.usage.used == 0)
+        assert adm.metrics.registry.get_sample_value("natsched_admission_grown_runtime_tokens_total") == 240
+    finally:
+        await stop(adm)
+
+
+async def test_a_reservation_stored_before_its_ack_was_lost_is_kept_not_refused(bus, nats_url):
+    """A stalled server stores the record's create and loses its ack; the batch publish retries
+    and the create is refused (the key exists). It is this decision's own record: kept (the
+    request was refused as its own duplicate and its reservation leaked, under load in the
+    hostile chaos run). A second copy of the request, decided apart, is still refused."""
+    from natsched.admitter.shared import Reservation
+
+    adm = await start_admitter(nats_url)
+    try:
+        res = Reservation("lost-ack-1", "t1", "default", 100, time.time(), adm.settings.name)
+        await bus.kv(S.BUCKET_INFLIGHT).create(S.reservation_key(res.request_id), res.to_json())  # stored, ack lost
+        assert await adm._reserve([res]) == set() and res.revision > 0
+        other = Reservation("lost-ack-1", "t1", "default", 100, res.ts + 1.0, "adm-b")
+        assert await adm._reserve([other]) == {"lost-ack-1"}
     finally:
         await stop(adm)

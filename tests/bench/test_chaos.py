@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from natsched.bench.chaos import (
-    COMPLETED, KINDS, LOST, REJECTED, ChaosSettings, Facts, classify, compute_report, format_report, kill_schedule,
-    target_names,
+    COMPLETED, KINDS, LOST, REJECTED, SCENARIOS, SERVER, ChaosSettings, Facts, classify, compute_report,
+    format_report, kill_schedule, target_names,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ def test_a_clean_run_meets_every_target():
     assert KEYS <= report.keys()
     assert (report["completed"], report["rejected"], report["lost"], report["duplicated"]) == (3, 0, 0, 0)
     assert report["targets_met"] == {"lost": True, "duplicated": True, "leaked_runtime_tokens": True,
-                                     "max_lease_reclaim_s": True, "all": True}
+                                     "readmitted_after_completion": True, "max_lease_reclaim_s": True, "all": True}
 
 
 def test_a_second_completion_record_is_a_duplicate():
@@ -103,6 +103,33 @@ def test_a_reclaim_never_seen_or_too_slow_misses_its_target():
     slow = compute_report(facts(reclaims={"w1": 3.4}, heartbeat_s=1.0))
     assert slow["max_lease_reclaim_s"] == 3.4 and slow["targets_met"]["max_lease_reclaim_s"] is False
     assert compute_report(facts(reclaims={}))["targets_met"]["max_lease_reclaim_s"] is False  # no worker killed
+
+
+def test_a_request_admitted_again_after_its_completion_misses_its_target():
+    report = compute_report(facts(readmitted=["b"]))
+    assert report["readmitted_after_completion"] == 1 and report["readmitted_ids"] == ["b"]
+    assert report["targets_met"]["readmitted_after_completion"] is False and report["targets_met"]["all"] is False
+
+
+def test_without_a_worker_killed_there_is_no_reclaim_target():
+    report = compute_report(facts(reclaims={}, reclaim_expected=False))
+    assert "max_lease_reclaim_s" not in report["targets_met"] and report["targets_met"]["all"] is True
+
+
+def test_the_recovery_scenarios_restart_a_worker_inside_its_lease_and_the_only_server():
+    s = ChaosSettings(requests=300, rate=30.0, seed=4)
+    (worker,) = SCENARIOS["worker-restart"].kills(s)
+    assert worker.kind == "worker" and worker.restart_s == worker.at_s  # at once: inside the lease
+    (server,) = SCENARIOS["server-restart"].kills(s)
+    assert (server.kind, server.restart_s) == (SERVER, server.at_s + s.down_s)
+    assert SCENARIOS["server-restart"].nodes == SCENARIOS["recovery"].nodes == 1  # the server is the only one
+    both = SCENARIOS["recovery"].kills(s)
+    assert [k.kind for k in both] == ["worker", SERVER] and both[0].at_s < both[1].at_s
+    assert both == SCENARIOS["recovery"].kills(s)  # reproducible from the seed
+    for k in both:
+        assert 0.1 * s.send_s <= k.at_s <= 0.7 * s.send_s
+    assert SCENARIOS["kills"].kills(ChaosSettings(seed=5)) == kill_schedule(5, ChaosSettings().send_s, 6.0,
+                                                                             target_names(ChaosSettings()))
 
 
 def test_a_leak_misses_its_target():
@@ -179,3 +206,64 @@ def test_a_short_chaos_run_accounts_for_every_request(tmp_path):
     assert all("error" not in k for k in report["kills"])  # everything killed came back
     assert "targets:" in proc.stdout
     assert _open_in(data) == []  # no process of the run outlived it
+
+
+def test_a_short_recovery_run_loses_duplicates_leaks_and_readmits_nothing(tmp_path):
+    """A worker restarted inside its lease, then (seed 1: 5 s later) the only nats-server SIGKILLed
+    and restarted on its data dir (fsync before ack): every request accounted for, nothing run
+    twice or re-admitted."""
+    out = tmp_path / "chaos.json"
+    data = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "natsched", "--log-level", "warning", "chaos", "--scenario", "recovery",
+         "--requests", "300", "--rate", "30", "--seed", "1", "--finish-timeout", "45", "--down", "3",
+         "--data-dir", str(data), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert (report["scenario"], report["sync"], report["system"]["nodes"]) == ("recovery", "always", 1)
+    assert [k["kind"] for k in report["kills"]] == ["worker", "server"]
+    assert all("error" not in k for k in report["kills"])
+    assert "inside_lease" in report["kills"][0]
+    assert report["completed"] + report["rejected"] + report["lost"] == 300
+    detail = json.dumps({k: report[k] for k in ("detail", "kills", "readmitted_ids")})
+    assert (report["lost"], report["duplicated"], report["readmitted_after_completion"]) == (0, 0, 0), detail
+    assert report["leaked_runtime_tokens"] == 0, detail
+    assert "targets: (scenario recovery)" in proc.stdout
+    assert _open_in(data) == []
+
+
+def test_a_short_hostile_run_keeps_admission_within_the_total_against_every_attack(tmp_path):
+    """Under auth init's accounts, a tenant's producer and a worker's credentials attack for the
+    whole run (reply-to injection, declared costs, dedup collisions, forged completions): the
+    honest requests all complete once, nothing leaks, nothing held exceeds the total, no value
+    lands in the scheduler's KV that an admitter did not write, and every forged completion
+    stored is refused (none counts as a run)."""
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "natsched", "--log-level", "warning", "chaos", "--scenario", "hostile",
+         "--requests", "150", "--rate", "30", "--seed", "2", "--finish-timeout", "45",
+         "--data-dir", str(tmp_path / "run"), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    hostile = report["actors"]["hostile"]
+    detail = json.dumps({"hostile": hostile, "detail": report.get("detail")})
+    assert "error" not in hostile and all(hostile["sent"].get(k) for k in ("reply_to", "declared", "dedup", "forge"))
+    assert (report["lost"], report["duplicated"], report["leaked_runtime_tokens"]) == (0, 0, 0), detail
+    assert report["completed"] == 150, detail
+    assert hostile["over_admission"] <= 1.0 and hostile["max_reserved_ratio"] <= 1.0, detail
+    assert hostile["foreign_values"] == {}, detail
+    assert report["forged_completions_stored"] > 0  # they were stored, and counted as no run
+    # no honest request ran again (the attacker's own copies are not covered: docs/reliability.md)
+    assert not [r for r in report["readmitted_ids"] if r.startswith("chaos-")], detail
+    met = report["targets_met"]
+    assert all(met[k] for k in ("over_admission", "max_reserved_ratio", "foreign_values", "attacks_ran")), detail
+
+
+def test_the_chaos_help_names_every_scenario():
+    out = subprocess.run([sys.executable, "-m", "natsched", "chaos", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert all(name in " ".join(out.stdout.split()) for name in SCENARIOS)

@@ -100,3 +100,12 @@ async def test_an_ack_with_more_than_a_plain_publishs_fields_is_read_whole(bus):
     assert (await plain).seq == 7 and (await plain).duplicate is True
     assert (await other).seq == 8 and (await other).val == "12"
     await sink.unsubscribe()
+
+
+async def test_a_create_only_publish_in_a_batch_on_a_taken_subject_gets_none(bus, stream):
+    from natsched.bus.connection import CREATE_ONLY
+
+    await bus.jpublish("acktest.k", b"v1")
+    acks = await bus.jpublish_batch([("acktest.new", b"a", None, CREATE_ONLY), ("acktest.k", b"v2", None, CREATE_ONLY)])
+    assert acks[0] is not None and acks[1] is None
+    assert sorted(s for s, _ in await bus.stream_messages(STREAM)) == ["acktest.k", "acktest.new"]

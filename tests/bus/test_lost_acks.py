@@ -15,7 +15,7 @@ import pytest
 from natsched.wire import subjects as S
 from natsched.bus.connection import Bus, Delivery
 from natsched.wire.schema import Admitted, Assignment, Completion
-from tests.factories.core import make_request, wait_for
+from tests.factories.core import make_completion, make_request, wait_for
 from tests.admitter.test_service import start_admitter, stop
 from natsched.workers.agent import WorkerAgent, WorkerSettings
 from natsched.workers.nullengine import NullEngine
@@ -51,8 +51,8 @@ async def test_a_request_redelivered_after_its_completion_is_not_admitted_again(
         await bus.jpublish(S.request(req.cls, req.tenant), req, msg_id=req.id)
         assert await wait_for(lambda: req.id in adm.shared.reservations and lost, timeout=5)
         tokens = adm.shared.reservations[req.id].tokens
-        await bus.jpublish(S.completion("t1"), Completion(request_id=req.id, tenant="t1", status="ok",
-                                                          runtime_tokens=tokens), msg_id=f"{req.id}:done")
+        await bus.jpublish(S.completion("t1", "w1"), make_completion(req.id, runtime_tokens=tokens),
+                           msg_id=f"{req.id}:done")
         assert await wait_for(lambda: adm.shared.usage.used == 0, timeout=5)  # released
         info = lambda: bus.js.consumer_info(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER)  # noqa: E731
         # the copy comes back after the 1 s ack wait and is acked without a second reservation

@@ -90,3 +90,15 @@ async def test_route_set_and_show_speak_plainly_and_json_on_request(bus, nats_ur
     assert (code, out) == (0, "routing config set: policy least_loaded; canary natsched on 10% of requests\n"), err
     code, out, _ = await natsched("route", "show", "--json", "--nats-url", nats_url)
     assert orjson.loads(out) == {"policy": "least_loaded", "weights": {}, "canary": "natsched", "canary_share": 0.1}
+
+
+async def test_route_set_takes_learning_and_health_settings_and_refuses_bad_ones(bus, nats_url):
+    code, out, err = await natsched("route", "set", "--policy", "natsched", "--learn", '{"tau_s": 20}',
+                                    "--health", '{"slow_factor": 3}', "--json", "--nats-url", nats_url)
+    assert code == 0, err
+    assert orjson.loads(out)["learn"] == {"tau_s": 20} and orjson.loads(out)["health"] == {"slow_factor": 3}
+    code, _, err = await natsched("route", "set", "--policy", "natsched", "--learn", '{"tau": 20}',
+                                  "--nats-url", nats_url)
+    assert code != 0 and "unknown weights ['tau']" in err
+    code, out, _ = await natsched("route", "show", "--json", "--nats-url", nats_url)
+    assert orjson.loads(out)["learn"] == {"tau_s": 20}  # the refused one was never written

@@ -8,6 +8,7 @@ server.close()`` stops the server and closes its connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import orjson
@@ -41,6 +42,22 @@ class TestGateway(GatewayServer):
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"{len(self.gateway.status.state.heartbeats)} of {n} workers seen")
             await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def gateway_over_stack(nats_url: str, workers: int = 2, *, time_scale: float = 1.0, **settings: Any):
+    """A stack (``tests.factories.stack``) and a gateway in front of it that has seen every
+    worker: ``async with gateway_over_stack(url) as (stack, gw)``; both closed afterwards."""
+    from tests.factories.stack import start_stack
+
+    stack = await start_stack(nats_url, workers=workers, time_scale=time_scale)
+    gw = await start_gateway(nats_url, **settings)
+    try:
+        await gw.wait_for_workers(workers)
+        yield stack, gw
+    finally:
+        await gw.close()
+        await stack.close()
 
 
 async def start_gateway(

@@ -9,7 +9,7 @@ import pytest
 
 from natsched.wire import subjects as S
 from natsched.client.producer import make_request
-from natsched.client.errors import RequestFailed
+from natsched.client.errors import Rejected
 from natsched.wire.schema import Completion
 from tests.factories.gateway import ALPHA, start_gateway
 from tests.factories.stack import start_stack
@@ -89,9 +89,9 @@ async def test_disconnect_while_waiting_for_a_non_streaming_answer_cancels_it_to
 
 async def test_a_cancel_that_arrives_before_the_request_is_remembered(cluster):
     stack, _ = cluster
-    await stack.client.cancel("early1", "w1")
-    await asyncio.sleep(0.1)  # core NATS: the control message is on its way before the request
-    with pytest.raises(RequestFailed) as err:
+    await stack.client.cancel("t1", "early1")
+    assert await wait_for(lambda: S.cancel("t1", "early1") in stack.workers[0].cancelled)  # every service heard it
+    with pytest.raises(Rejected) as err:  # the admitter refuses it: it never holds a reservation
         await stack.client.submit(make_request("t1", "never run", id="early1", max_tokens=LONG))
     assert err.value.reason == "cancelled"
     assert not stack.workers[0].inflight
@@ -104,7 +104,7 @@ async def test_a_producer_that_stops_reading_a_stream_cancels_it(cluster, bus):
     for _ in range(3):
         await chunks.__anext__()
     await chunks.aclose()  # stopped at a yield: the exchange ends now and tells the worker
-    assert await wait_for(lambda: request.id in stack.workers[0].cancelled)
+    assert await wait_for(lambda: S.cancel("t1", request.id) in stack.workers[0].cancelled)
     assert await wait_for(lambda: not stack.workers[0].inflight)
     done = (await completions(bus))[request.id]
     assert (done.status, done.reason) == ("error", "cancelled")

@@ -12,7 +12,9 @@ import pytest
 from natsched.wire import subjects as S
 from natsched.client.producer import make_request
 from natsched.client.errors import Rejected
-from tests.factories.gateway import start_gateway
+from tests.factories.gateway import KEYS, start_gateway
+
+OPS = "sk-ops-status-0123456789"  # the one key that may read /status
 from tests.factories.stack import start_stack
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -71,6 +73,12 @@ class Page(HTMLParser):
         return {row[0]: dict(zip(header, row)) for row in body}
 
 
+def status_url(gw) -> str:
+    """The page as its operator opens it: the status key as the password the browser sends
+    (Basic credentials, asked for by the gateway's 401)."""
+    return gw.url.replace("http://", f"http://ops:{OPS}@") + "/status"
+
+
 async def chromium(*args: str, tmp_path) -> str:
     exe = shutil.which("chromium")
     assert exe, "Debian's chromium package is required (.ci/run installs it)"
@@ -85,7 +93,7 @@ async def chromium(*args: str, tmp_path) -> str:
 @pytest.fixture
 async def cluster(bus, nats_url):
     stack = await start_stack(nats_url, workers=2, time_scale=1.0)
-    gw = await start_gateway(nats_url, status_refresh_s=3)
+    gw = await start_gateway(nats_url, status_refresh_s=3, keys={**KEYS, OPS: {"tenant": "ops", "status": True}})
     await gw.wait_for_workers(2)
     try:
         yield stack, gw
@@ -114,7 +122,7 @@ async def test_status_page_shows_workers_tenants_queues_and_rejections(cluster, 
     await hog
 
     page = Page()
-    page.feed(await chromium("--dump-dom", gw.url + "/status", tmp_path=tmp_path))
+    page.feed(await chromium("--dump-dom", status_url(gw), tmp_path=tmp_path))
     assert page.refresh == "3"  # it reloads itself
     workers = page.rows("workers")
     assert set(workers) == {"w1", "w2"}
@@ -132,7 +140,7 @@ async def test_status_page_shows_workers_tenants_queues_and_rejections(cluster, 
 async def test_status_page_screenshot_renders(cluster, tmp_path):
     _, gw = cluster
     shot = tmp_path / "status.png"
-    await chromium(f"--screenshot={shot}", "--window-size=1100,700", "--hide-scrollbars", gw.url + "/status",
+    await chromium(f"--screenshot={shot}", "--window-size=1100,700", "--hide-scrollbars", status_url(gw),
                    tmp_path=tmp_path)
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000  # a real picture, not an error stub

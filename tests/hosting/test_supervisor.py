@@ -63,3 +63,41 @@ def test_a_child_that_never_gets_ready_fails_the_start_with_its_exit_code(tmp_pa
         assert int((tmp_path / "starts").read_text()) >= 2  # tried again meanwhile
     finally:
         sup.stop(timeout=2, quiet=True)
+
+
+# --- the embedded nats-server is supervised too ---------------------------------------------------
+
+def test_up_restarts_a_sigkilled_nats_server_on_its_data_dir_and_serves_again(tmp_path):
+    """``natsched up`` as a user runs it: SIGKILL its nats-server; the supervisor starts it again on
+    the same port and data dir (its streams and quotas come back) and the services go on."""
+    import json
+    import os
+    import re
+    import signal
+
+    from tests.cli.test_up import Up
+    from natsched.bus.server import free_port
+
+    up = Up(tmp_path, free_port())
+    try:
+        up.cli("quota", "set", "--total", "123456")
+        first = json.loads(up.cli("submit", "--tenant", "demo", "--prompt", "before", "--max-tokens", "3",
+                                  "--json").stdout)
+        assert first["status"] == "completed"
+        server = next(int(m.group(1)) for line in up.lines
+                      if (m := re.match(r"ready: nats-server \S+ \(pid (\d+),", line)))
+        os.kill(server, signal.SIGKILL)
+        said = []
+        for line in up.proc.stdout:  # bounded by the supervisor: it says so, or the test times out
+            said.append(line)
+            if line.startswith("ready: nats-server") and "restart 1" in line:
+                break
+        assert any("nats-server exited with code -9" in line for line in said), said
+        assert json.loads(up.cli("quota", "show", "--json").stdout)["total"] == 123456  # same data dir
+        after = json.loads(up.cli("submit", "--tenant", "demo", "--prompt", "after", "--max-tokens", "3",
+                                  "--json").stdout)
+        assert after["status"] == "completed"
+        assert up.stop() == 0
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()

@@ -199,7 +199,7 @@ async def test_tenant_cannot_read_another_tenants_responses_or_results(probe):
     assert not await a.subscribe(tenant_reply("A", "r1"))  # its own replies: allowed
     forbidden = [
         tenant_reply("B", "r1"), "resp.B.>", "resp.>", ">",  # B's replies, by name or by wildcard
-        S.completion("B"), S.COMPLETIONS_ALL, S.decisions_of("B"),  # B's results and decisions
+        S.completions_of("B"), S.COMPLETIONS_ALL, S.decisions_of("B"),  # B's results and decisions
         "_INBOX.>", "_INBOX.producer-B.>", "_INBOX.worker-w1.>",  # others' inboxes (pulled prompts)
         S.outcome("B", "batch1", "j1"),
     ]

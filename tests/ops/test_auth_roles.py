@@ -28,6 +28,7 @@ from natsched.bus.server import find_binary
 from tests.factories.gateway import start_gateway
 from natsched.cli.auth import add_parsers as add_auth_parser, cmd_auth
 from natsched.ops.auth import AuthSettings, init
+from natsched.wire.roles import local_subject
 from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings
 from tests.factories.core import wait_for
@@ -124,7 +125,7 @@ async def test_gateway_batch_and_offline_roles_do_their_work_within_their_permis
     runner = OfflineRunner(await connect("offline"), OfflineSettings(poll_s=0.02))
     await runner.start()
     server, files, _ = provisioned
-    gw = await start_gateway(server.url, keys={KEY_A: {"tenant": "A", "class": "online"}},
+    gw = await start_gateway(server.url, keys={KEY_A: {"tenant": "A", "class": "online", "status": True}},
                              credentials=files.creds("gateway"))
     try:
         await gw.wait_for_workers(1)
@@ -134,7 +135,7 @@ async def test_gateway_batch_and_offline_roles_do_their_work_within_their_permis
         assert reply.choices[0].text.split() == ["tok0", "tok1", "tok2"]
         assert [m.id for m in (await sdk.models.list()).data] == ["default"]
         async with httpx.AsyncClient(timeout=30) as http:
-            status = (await http.get(gw.url + "/status.json")).json()
+            status = (await http.get(gw.url + "/status.json", headers={"Authorization": f"Bearer {KEY_A}"})).json()
         assert [w["id"] for w in status["workers"]] == ["w1"]
 
         # the batch producer of A: submit offline work, which the offline runner runs and records
@@ -168,7 +169,9 @@ async def _done(client: BatchClient, batch: str) -> bool:
 async def test_gateway_cannot_publish_as_a_tenant_it_does_not_serve_or_edit_quotas(probe):
     gw = await probe("gateway")
     assert not await gw.publish(S.request(S.ONLINE, "A"))  # its tenant: allowed
-    assert not await gw.publish(S.control("w1"))  # cancels on the worker's control subject
+    assert not await gw.publish(S.cancel("A", "r1"))  # cancels its own tenants' requests
+    assert await gw.publish(S.cancel("B", "r1")), "the gateway cancelling a tenant it does not serve was not refused"
+    assert await gw.publish(S.control("w1")), "the gateway on a worker's control subject (drain) was not refused"
     assert not await gw.subscribe(S.tenant_reply("A", "r1")) and not await gw.subscribe(S.HEARTBEATS_ALL)
     for cls in S.CLASSES:
         assert await gw.publish(S.request(cls, "B")), f"gateway publishing a {cls} request as B was not refused"
@@ -176,11 +179,12 @@ async def test_gateway_cannot_publish_as_a_tenant_it_does_not_serve_or_edit_quot
                     "$JS.API.STREAM.UPDATE.KV_quotas", "$JS.API.STREAM.PURGE.KV_quotas",
                     "$JS.API.STREAM.DELETE.KV_quotas", "$KV.config." + S.KEY_ROUTER_CONFIG,
                     "$KV.inflight." + S.KEY_USAGE,  # reads the usage for /status, never changes it
-                    S.admitted(S.ONLINE, "A"), S.work("w1"), S.completion("A"), S.decision("admission", "A"),
+                    S.admitted(S.ONLINE, "A"), S.work("w1"), S.completion("A", "w1"), S.decision("admission", "A"),
                     # no consumer on, or message read from, the streams that hold prompts and replies
                     "$JS.API.CONSUMER.CREATE.REQUESTS", "$JS.API.STREAM.MSG.GET.REQUESTS",
                     "$JS.API.STREAM.MSG.GET.KV_jobs", "$JS.API.CONSUMER.CREATE.OUTCOMES"):
-        assert await gw.publish(subject, orjson.dumps(1)), f"gateway publishing to {subject} was not refused"
+        for name in {subject, local_subject(subject)}:  # (its account sees the services' API under a prefix)
+            assert await gw.publish(name, orjson.dumps(1)), f"gateway publishing to {name} was not refused"
     for subject in (S.tenant_reply("B", "r1"), S.replies_of("B"), "resp.>", S.outcome("A", "b1", "j1"),
                     "_INBOX.producer-B.>", "_INBOX.>"):
         assert await gw.subscribe(subject), f"gateway subscribing to {subject} was not refused"
@@ -197,7 +201,7 @@ async def test_batch_role_of_one_tenant_cannot_read_another_tenants_job_records(
     assert keys and all(k.startswith("job.A.") for k in keys) and S.job_key("A", mine.batch, f"{mine.batch}-1") in keys
 
     a = await probe("batch-A")
-    assert not await a.publish(f"$JS.API.DIRECT.GET.KV_jobs.$KV.jobs.job.A.{mine.batch}.{mine.batch}-1")
+    assert not await a.publish(local_subject(f"$JS.API.DIRECT.GET.KV_jobs.$KV.jobs.job.A.{mine.batch}.{mine.batch}-1"))
     for subject in (f"$JS.API.DIRECT.GET.KV_jobs.$KV.{S.BUCKET_JOBS}.{theirs}",  # B's record by key
                     "$JS.API.DIRECT.GET.KV_jobs", "$JS.API.STREAM.MSG.GET.KV_jobs",  # any record, key in the body
                     "$JS.API.CONSUMER.CREATE.KV_jobs",  # a watch: its filter is in the body
@@ -210,14 +214,16 @@ async def test_batch_role_of_one_tenant_cannot_read_another_tenants_job_records(
                     "$JS.API.CONSUMER.CREATE.REQUESTS.x.req.offline.B", "$JS.API.CONSUMER.CREATE.REQUESTS.x.req.>",
                     "$JS.API.CONSUMER.MSG.NEXT.REQUESTS.admitter", "$JS.API.STREAM.MSG.GET.REQUESTS",
                     S.request(S.OFFLINE, "B")):
-        assert await a.publish(subject, b"{}"), f"batch-A publishing to {subject} was not refused"
+        for name in {subject, local_subject(subject)}:
+            assert await a.publish(name, b"{}"), f"batch-A publishing to {name} was not refused"
     for subject in ("$KV.jobs.>", f"$KV.jobs.job.B.{report.batch}.*", S.outcome("B", report.batch, "x"), "resp.>",
                     "_INBOX.batch-B.>"):
         assert await a.subscribe(subject), f"batch-A subscribing to {subject} was not refused"
     # the filter is in the consumer's create subject: a body asking for B's records under A's is refused
     body = {"stream_name": "KV_jobs", "config": {"name": "x", "filter_subject": "$KV.jobs.job.B.>",
                                                   "deliver_subject": "_INBOX.batch-A.x", "ack_policy": "none"}}
-    answer = await a.nc.request("$JS.API.CONSUMER.CREATE.KV_jobs.x.$KV.jobs.job.A.*.*", orjson.dumps(body), timeout=10)
+    answer = await a.nc.request(local_subject("$JS.API.CONSUMER.CREATE.KV_jobs.x.$KV.jobs.job.A.*.*"),
+                                orjson.dumps(body), timeout=10)
     assert orjson.loads(answer.data)["error"]["err_code"] == 10131  # filter does not match the create subject
     # and the real reader says so: B's batch status, asked with A's credentials
     with pytest.raises(ReadError, match="may not read"):
@@ -230,7 +236,7 @@ async def test_offline_runner_role_cannot_publish_admission_decisions(probe):
                     S.deadletter("offline"), "$KV.inflight." + S.KEY_USAGE, "$KV.inflight." + S.reservation_key("j1")):
         assert not await runner.publish(allowed), f"the offline runner may publish to {allowed}"
     for subject in (S.decision("admission", "A"), S.decision("routing", "A"), S.request(S.ONLINE, "A"),
-                    S.work("w1"), S.completion("A"), S.control("w1"), S.deadletter("admitter"),
+                    S.work("w1"), S.completion("A", "w1"), S.control("w1"), S.deadletter("admitter"),
                     "$KV.quotas." + S.KEY_CLUSTER_TOTAL, "$KV.quotas." + S.KEY_DYNAMIC_TOTAL,
                     "$KV.config." + S.KEY_ROUTER_CONFIG, f"$KV.jobs.{S.batch_key('b1')}",  # manifests are producers'
                     # the admitter's and the router's consumers are not its own

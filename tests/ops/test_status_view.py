@@ -75,7 +75,7 @@ def test_rejections_are_counted_by_reason_within_the_window():
 
 def test_tenants_show_floor_usage_and_cap_including_active_tenants_on_the_default_quota():
     state = StatusState()
-    usage = orjson.dumps({"used": 450, "tenants": {"gold": 400, "walkin": 50}, "models": {}})
+    usage = orjson.dumps({"used": 450, "tenants": {"gold": 400, "walkin": 50}, "models": {}, "long": 0})
     view = state.view(quota_entries(gold={"floor": 0.5, "weight": 1, "cap": 800}), usage, NOW)
     rows = {t.tenant: t for t in view.tenants}
     assert (rows["gold"].floor_tokens, rows["gold"].used, rows["gold"].cap, rows["gold"].configured) == \
@@ -168,7 +168,7 @@ async def test_collector_ignores_garbage_on_the_subjects_it_follows(bus):
     await collector.start()
     await bus.publish(S.heartbeat("w9"), b"\xc1 not msgpack")
     await bus.publish(S.decision("admission", "t1"), b"{}")
-    await bus.publish(S.completion("t1"), b"\x00" * 10)
+    await bus.publish(S.completion("t1", "w1"), b"\x00" * 10)
     await bus.publish(S.heartbeat("w8"), make_heartbeat("w8"))
     for _ in range(100):
         if collector.state.heartbeats:
@@ -176,3 +176,18 @@ async def test_collector_ignores_garbage_on_the_subjects_it_follows(bus):
         await asyncio.sleep(0.02)
     view = await collector.snapshot()
     assert [w.id for w in view.workers] == ["w8"] and view.rejections == {} and not collector.state.served
+
+
+def test_a_worker_a_router_holds_half_open_shows_so_with_its_learned_rate():
+    state = StatusState()
+    state.on_heartbeat(make_heartbeat("w1", interval=1.0), NOW)
+    state.on_heartbeat(make_heartbeat("w2", interval=1.0), NOW)
+    record = {"at": NOW, "health": "half_open", "estimate": {"prefill_tokens_per_s": 12_000.0}}
+    state.on_cost_record(S.cost_key("w1", "router-a1"), orjson.dumps(record))
+    state.on_cost_record(S.cost_key("w2", "router-a1"), orjson.dumps({**record, "health": "healthy"}))
+    state.on_cost_record(S.cost_key("w2", "router-b2"), orjson.dumps({**record, "at": NOW - 600}))  # a gone router
+    state.on_cost_record(S.cost_key("w2", "router-c3"), b"garbage")
+    rows = {w.id: w for w in state.view(quota_entries(), None, NOW).workers}
+    assert rows["w1"].state == "half_open" and rows["w1"].prefill_tps == 12_000.0
+    assert rows["w2"].state == "healthy"
+    assert "half_open" in render_text(state.view(quota_entries(), None, NOW))

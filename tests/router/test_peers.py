@@ -10,14 +10,15 @@ from natsched.router.costmodel import CostModel
 from natsched.router.deps import PolicyDeps
 from natsched.router.errors import ConfigError, UnknownPolicyError
 from natsched.router.index import IndexSettings, PrefixIndex
-from natsched.router.peers import DynamoKv, DynamoParams, LlmdScorers, PrebleE2
+from natsched.router.peers import (AibrixParams, AibrixPrefix, DynamoKv, DynamoParams, LlmdAffinity,
+                                   LlmdAffinityParams, LlmdScorers, PrebleE2, SmetricParams, VllmSmetric)
 from natsched.router.policies import POLICIES, ConsistentHash, LeastLoaded, RoundRobin, make_policy
 from natsched.router.sglang import SglangCacheAware, SglangParams
 from tests.factories.router import chain, make_event, make_req, make_view
 
 NOW = 1000.0
 ALL = {"natsched", "round_robin", "least_loaded", "consistent_hash", "sglang_cache_aware", "dynamo_kv",
-       "llmd_scorers", "preble_e2"}
+       "llmd_scorers", "preble_e2", "llmd_affinity", "vllm_smetric", "aibrix_prefix"}
 
 
 def make_deps(**holdings) -> PolicyDeps:
@@ -196,3 +197,71 @@ def test_preble_explores_by_cost_when_cache_is_short():
     assert d.worker == "w1" and d.reason == "explore"
     d = PrebleE2(deps).route(make_req(hashes=chain(10, "s")), views(2), NOW)
     assert d.worker == "w0"  # equal load: the shorter prefill wins
+
+
+# ---------------------------------------------------------------- llm-d affinity filter + token load
+
+
+def test_llmd_affinity_keeps_warm_endpoints_and_picks_the_least_token_loaded_of_them():
+    hashes = chain(10)
+    deps = make_deps(w0=hashes, w1=hashes[:9], w2=hashes[:5])  # scores 1.0, 0.9, 0.5
+    ws = views(3, w0=dict(queued_prefill_tokens=4000), w1=dict(queued_prefill_tokens=1000))
+    d = LlmdAffinity(deps).route(make_req(hashes=hashes, prompt_tokens=320), ws, NOW)
+    assert (d.worker, d.reason) == ("w1", "sticky")  # w2 is idle but below the 0.80 threshold
+
+
+def test_llmd_affinity_load_gate_reopens_the_pool():
+    hashes = chain(10)
+    deps = make_deps(w0=hashes)
+    rate = deps.cost.prefill_tokens_per_s
+    p = LlmdAffinity(deps, LlmdAffinityParams(max_ttft_penalty_s=1.0))
+    busy = views(2, w0=dict(queued_prefill_tokens=int(2 * rate)))  # 2 s behind an idle w1
+    d = p.route(make_req(hashes=hashes, prompt_tokens=320), busy, NOW)
+    assert (d.worker, d.reason) == ("w1", "load_gate")
+    ok = views(2, w0=dict(queued_prefill_tokens=int(0.5 * rate)))
+    assert p.route(make_req(hashes=hashes, prompt_tokens=320), ok, NOW).worker == "w0"
+    # no match anywhere: the whole pool, least token load
+    d = p.route(make_req(hashes=chain(4, "other"), prompt_tokens=128), ok, NOW)
+    assert (d.worker, d.reason) == ("w1", "no_match")
+
+
+# ---------------------------------------------------------------- vllm-project/router smetric
+
+
+def test_smetric_keeps_affinity_while_the_slo_holds_then_takes_the_fastest():
+    hashes = chain(64)  # 2048 tokens, all cached on w0
+    deps = make_deps(w0=hashes)
+    rate = deps.cost.prefill_tokens_per_s
+    p = VllmSmetric(deps, SmetricParams(ttft_slo_s=1.0))
+    ws = views(2, w0=dict(queued_prefill_tokens=int(0.5 * rate)))
+    d = p.route(make_req(hashes=hashes, prompt_tokens=2048), ws, NOW)
+    assert (d.worker, d.reason) == ("w0", "affinity")
+    ws = views(2, w0=dict(queued_prefill_tokens=int(1.5 * rate)))  # the holder would miss the SLO
+    d = p.route(make_req(hashes=hashes, prompt_tokens=2048), ws, NOW)
+    assert (d.worker, d.reason) == ("w1", "ttft")
+    with pytest.raises(ConfigError):
+        SmetricParams(ttft_slo_s=0)
+
+
+# ---------------------------------------------------------------- AIBrix prefix-cache
+
+
+def test_aibrix_imbalance_sends_to_least_running():
+    hashes = chain(8)
+    deps = make_deps(w0=hashes)
+    ws = views(3, w0=dict(running=20), w1=dict(running=2), w2=dict(running=5))
+    d = AibrixPrefix(deps).route(make_req(hashes=hashes), ws, NOW)
+    assert (d.worker, d.reason) == ("w1", "imbalanced")  # 20 - 2 > 16: the match is ignored
+
+
+def test_aibrix_prefers_the_best_match_within_mean_plus_two_std():
+    hashes = chain(8)
+    deps = make_deps(w0=hashes, w1=hashes[:4])
+    ws = views(3, w0=dict(running=3), w1=dict(running=1), w2=dict(running=0))
+    d = AibrixPrefix(deps).route(make_req(hashes=hashes), ws, NOW)
+    assert (d.worker, d.reason) == ("w0", "prefix")
+    # load_factor 0: only holders at or below the mean qualify -> w1 (1 <= 1.33), the shorter match
+    d = AibrixPrefix(deps, AibrixParams(load_factor=0.0)).route(make_req(hashes=hashes), ws, NOW)
+    assert (d.worker, d.reason) == ("w1", "prefix")
+    d = AibrixPrefix(deps).route(make_req(hashes=chain(3, "cold")), ws, NOW)
+    assert (d.worker, d.reason) == ("w2", "least_request")

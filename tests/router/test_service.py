@@ -8,10 +8,10 @@ import pytest
 from natsched.wire import codec
 from natsched.wire import subjects as S
 from natsched.bus.connection import Bus
-from natsched.wire.schema import Admitted, Assignment, CacheEvent, Completion, Control
+from natsched.wire.schema import Admitted, Assignment, CacheEvent, Control
 from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings
-from tests.factories.core import make_heartbeat, make_request
+from tests.factories.core import make_completion, make_heartbeat, make_request
 from tests.factories.core import wait_for as until
 
 
@@ -165,8 +165,8 @@ async def test_every_router_replica_releases_what_it_routed_when_the_completion_
         # them to the other replica (in routing order it can happen to match)
         ordered = [rid for r in replicas for rid in ids if rid in r.core.registry.ledger]
         for rid in ordered:
-            await bus.jpublish(S.completion("t1"), Completion(request_id=rid, tenant="t1", status="ok",
-                                                              runtime_tokens=10, worker="wc"), msg_id=f"{rid}:done")
+            await bus.jpublish(S.completion("t1", "wc"), make_completion(rid, runtime_tokens=10, worker="wc"),
+                               msg_id=f"{rid}:done")
         assert await until(lambda: not any(r.core.registry.ledger for r in replicas))
     finally:
         for r in replicas:

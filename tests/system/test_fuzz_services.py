@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from natsched.admitter.service import AdmitterService
+from natsched.wire import fence
 from natsched.wire import subjects as S
 from natsched.client.producer import Client, Timeouts, make_request
 from natsched.bus.connection import Bus
@@ -400,15 +401,16 @@ def test_completions_subject(fresh, data):
     rid = new_id()
     base = valid_messages(rid=rid)["Completion"].to_wire()
     payload = data.draw(payloads(base))
-    ack = env.run(env.bus.jpublish(S.completion("fz"), payload, msg_id=f"{rid}:done"))
+    ack = env.run(env.bus.jpublish(S.completion("fz", "w1"), payload, msg_id=f"{rid}:done"))
     # the admitters' consumer (release) acked or terminated it
     done = env.wait_async(lambda: _consumers_done(env.bus, ack.seq))
     assert done, f"completion {payload[:200]!r} still pending (redelivered: a handler raised?)"
     # the router's watch (feedback) still reads the next one
     before = _router_feedback(env, SENTINEL)
-    sentinel = Completion(request_id=new_id(), tenant="fz", status="ok", runtime_tokens=1, worker=SENTINEL,
-                          cached_tokens=7)
-    env.run(env.bus.jpublish(S.completion("fz"), sentinel, msg_id=f"{sentinel.request_id}:done"))
+    sid = new_id()  # fenced as its worker's own (a router without auth init signs with the default key)
+    sentinel = Completion(request_id=sid, tenant="fz", status="ok", runtime_tokens=1, worker=SENTINEL,
+                          cached_tokens=7, fence=fence.sign(None, sid, SENTINEL, 0))
+    env.run(env.bus.jpublish(S.completion("fz", SENTINEL), sentinel, msg_id=f"{sid}:done"))
     assert env.wait(lambda: _router_feedback(env, SENTINEL) == before + 7), f"completion {payload[:200]!r} " \
         "stopped the router's completion handler"
     dead = env.observer.dead.get(f"{rid}:done", [])
@@ -585,7 +587,7 @@ def test_a_completion_whose_request_id_is_not_a_token_is_dead_lettered_once(fres
     env = fresh
     rid = new_id()
     wire = valid_messages(rid=rid)["Completion"].to_wire() | {"request_id": "\x96©"}
-    ack = env.run(env.bus.jpublish(S.completion("fz"), pack(wire), msg_id=f"{rid}:done"))
+    ack = env.run(env.bus.jpublish(S.completion("fz", "w1"), pack(wire), msg_id=f"{rid}:done"))
     assert env.wait_async(lambda: _consumers_done(env.bus, ack.seq))
     # by the admitters' consumer; the routers only watch completions and skip it
     assert [d.reason for d in env.observer.dead.get(f"{rid}:done", [])] == ["invalid"]

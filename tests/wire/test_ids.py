@@ -22,7 +22,7 @@ def test_good_ids_pass_everywhere(value):
 def test_bad_ids_are_refused_by_the_builders_and_the_schema_alike(value):
     assert not is_token(value)
     with pytest.raises(IdError, match="tenant") as err:
-        S.completion(value)
+        S.completion(value, "w1")
     assert err.value.what == "tenant" and isinstance(err.value, (ValueError, WireError))
     with pytest.raises(SchemaError) as bad:
         Completion.from_wire({"request_id": "r1", "tenant": value, "status": "ok", "runtime_tokens": 1})

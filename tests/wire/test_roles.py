@@ -16,9 +16,9 @@ def test_render_fills_the_given_placeholders_and_opens_the_rest():
         R.render("req.<class>.<tenant>", tenant="a.b")
 
 
-def test_a_producer_may_publish_its_own_tenants_requests_only():
+def test_a_producer_may_publish_its_own_tenants_requests_and_cancels_only():
     role = R.producer_role("A")
-    assert role.user == "producer-A" and role.publish == [S.requests_of("A")]
+    assert role.user == "producer-A" and role.publish == [S.requests_of("A"), S.cancels_of("A")]
     allowed = role.permissions()
     assert allowed["subscribe"]["allow"] == ["_INBOX.producer-A.>", S.replies_of("A")]
 
@@ -52,3 +52,15 @@ def test_the_wire_package_imports_no_nats():
             "assert not bad, bad")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_gateway_cancels_its_own_tenants_requests_and_touches_no_worker_control():
+    pub = R.gateway_role(["A", "B"]).publish
+    assert S.cancels_of("A") in pub and S.cancels_of("B") in pub
+    assert not any(p.startswith("worker.") or p.startswith("cancel.*") or p == S.CANCELS_ALL for p in pub)
+
+
+def test_every_service_that_holds_a_request_hears_every_cancel():
+    for role in (R.admitter_role(), R.router_role(), R.scheduler_role(), R.worker_role("w1")):
+        assert S.CANCELS_ALL in role.subscribe, role.user
+        assert not any(p.startswith("cancel.") for p in role.publish), role.user

@@ -10,7 +10,7 @@ import asyncio
 import time
 
 from natsched.wire import subjects as S
-from natsched.wire.schema import Assignment, CacheEvent, Completion, Control, Heartbeat, Reply, WorkerId
+from natsched.wire.schema import Assignment, CacheEvent, Completion, Control, DeadLetter, Heartbeat, Reply, WorkerId
 from tests.factories.core import make_request
 from natsched.workers.agent import WorkerAgent, WorkerSettings
 from natsched.workers.backoff import BackoffMonitor, BackoffSettings
@@ -31,6 +31,8 @@ class ScriptedEngine:
         self.gate.set()
         self.listener = None
         self.stopped = False
+        self.seen: list[str] = []  # ids of the requests it was asked to generate
+        self.pause_after: int | None = None  # clear the gate once this step's output is out
 
     async def start(self) -> None: ...
 
@@ -49,6 +51,7 @@ class ScriptedEngine:
     async def abort(self, request_id: str) -> None: ...
 
     async def generate(self, request):
+        self.seen.append(request.id)
         for i in range(self.steps):
             await self.gate.wait()
             if self.failure:
@@ -58,6 +61,8 @@ class ScriptedEngine:
             last = i == self.steps - 1
             yield EngineOutput(i, text=f" t{i}", token_ids=[i], finished=last, finish_reason="length" if last else None,
                                prompt_tokens=request.prompt_tokens, output_tokens=i + 1)
+            if i == self.pause_after:
+                self.gate.clear()
 
 
 async def collect(bus, subject: str, cls):
@@ -130,7 +135,7 @@ async def test_agent_announces_backoff_and_returns_to_healthy(bus):
         # work assigned during backoff still runs (backoff only stops *new* routing)
         engine.st.kv_used_blocks = 99
         assert await wait_for(lambda: agent.state == "backoff")
-        dones = await collect(bus, S.completion("t1"), Completion)
+        dones = await collect(bus, S.completions_of("t1"), Completion)
         await assign(bus, "wb")
         assert await wait_for(lambda: dones and dones[0].status == "ok")
     finally:
@@ -143,7 +148,7 @@ async def test_drain_finishes_inflight_work_then_leaves_cleanly(bus):
     agent = WorkerAgent(bus, engine, settings("wd"))
     hbs = await collect(bus, S.heartbeat(WorkerId("wd")), Heartbeat)
     kvs = await collect(bus, S.cache_events(WorkerId("wd")), CacheEvent)
-    dones = await collect(bus, S.completion("t1"), Completion)
+    dones = await collect(bus, S.completions_of("t1"), Completion)
     await agent.start()
     await assign(bus, "wd")
     assert await wait_for(lambda: agent.inflight)
@@ -165,7 +170,7 @@ async def test_drain_finishes_inflight_work_then_leaves_cleanly(bus):
 async def test_engine_failure_is_reported_and_the_worker_leaves(bus):
     engine = ScriptedEngine(steps=50, step_s=0.02)
     agent = WorkerAgent(bus, engine, settings("wf"))
-    dones = await collect(bus, S.completion("t1"), Completion)
+    dones = await collect(bus, S.completions_of("t1"), Completion)
     hbs = await collect(bus, S.heartbeat(WorkerId("wf")), Heartbeat)
     await agent.start()
     req = await assign(bus, "wf")
@@ -204,7 +209,7 @@ async def test_a_request_whose_completion_another_run_stored_is_counted_and_stil
         req.reply = S.tenant_reply(req.tenant, req.id)
         replies = await collect(bus, req.reply, Reply)
         first = Completion(request_id=req.id, tenant=req.tenant, status="ok", runtime_tokens=100, worker="w1st")
-        await bus.jpublish(S.completion(req.tenant), first, msg_id=f"{req.id}:done")
+        await bus.jpublish(S.completion(req.tenant, first.worker or "w1st"), first, msg_id=f"{req.id}:done")
         a = Assignment(request=req, worker=WorkerId("w2nd"), runtime_tokens=100, admitted_at=time.time(),
                        routed_at=time.time(), attempt=1, avoid=["w1st"])
         await bus.jpublish(S.work(WorkerId("w2nd")), a, msg_id=f"{req.id}:work:1")
@@ -235,7 +240,7 @@ async def test_a_restarted_worker_rerunning_a_request_its_predecessor_answered_d
     await old.stop()  # no ack: the message stays on WORK
     # what the first process had done before it died: its completion stored, its answer sent
     done = Completion(request_id=req.id, tenant=req.tenant, status="ok", runtime_tokens=100, worker="wre")
-    await bus.jpublish(S.completion(req.tenant), done, msg_id=f"{req.id}:done")
+    await bus.jpublish(S.completion(req.tenant, done.worker or "wre"), done, msg_id=f"{req.id}:done")
     await bus.publish(req.reply, Reply(request_id=req.id, kind="result", worker="wre"))
     new = WorkerAgent(bus, ScriptedEngine(), settings("wre", ack_wait_s=1.0))
     await new.start()
@@ -269,7 +274,7 @@ async def test_a_request_running_longer_than_the_ack_wait_is_kept_alive_and_runs
         await on_assignment(d)
 
     agent._on_assignment = counting_deliveries
-    dones = await collect(bus, S.completion("t1"), Completion)
+    dones = await collect(bus, S.completions_of("t1"), Completion)
     await agent.start()
     try:
         req = await assign(bus, "wk", tenant="t1")
@@ -309,4 +314,50 @@ async def test_a_final_reply_says_when_the_request_was_admitted_routed_and_recei
         assert outcomes["stamped-ok"].kind == "result" and outcomes["stamped-err"].kind == "error"
     finally:
         engine.failure = None
+        await agent.stop()
+
+
+async def test_an_assignment_naming_another_worker_does_not_run_here(bus):
+    """An assignment for w-other stored on this worker's subject (a confused or hostile router):
+    refused, dead-lettered and counted, never run (its fence names the other worker, so its
+    completion could release nothing); the next, addressed one runs."""
+    engine = ScriptedEngine(steps=1)
+    agent = WorkerAgent(bus, engine, settings("wmine"))
+    await agent.start()
+    try:
+        dead = await collect(bus, S.deadletter("worker"), DeadLetter)
+        dones = await collect(bus, S.completions_of("t1"), Completion)
+        stray = make_request(id="stray-1")
+        a = Assignment(request=stray, worker=WorkerId("w-other"), runtime_tokens=100, admitted_at=time.time(),
+                       routed_at=time.time())
+        await bus.jpublish(S.work(WorkerId("wmine")), a, msg_id=f"{stray.id}:work")
+        ours = await assign(bus, "wmine", id="ours-1")
+        assert await wait_for(lambda: any(c.request_id == ours.id for c in dones))
+        assert await wait_for(lambda: dead and dead[0].reason == "misrouted")
+        assert [c.request_id for c in dones] == [ours.id] and "stray-1" not in engine.seen
+        assert agent.metrics.registry.get_sample_value("natsched_worker_misrouted_assignments_total") == 1
+    finally:
+        await agent.stop()
+
+
+async def test_a_request_running_past_its_reservation_is_reported_in_the_heartbeat(bus):
+    """Runtime tokens include the generated ones: once 2 x prompt + generated passes what the
+    assignment reserved, every heartbeat names the request and what it holds, until it ends."""
+    engine = ScriptedEngine(steps=3)
+    engine.pause_after = 0  # held after its first step until the test saw the report
+    agent = WorkerAgent(bus, engine, settings("wover"))
+    hbs = await collect(bus, S.heartbeat(WorkerId("wover")), Heartbeat)
+    await agent.start()
+    try:
+        req = make_request(id="over-1", prompt_token_ids=list(range(10)))
+        a = Assignment(request=req, worker=WorkerId("wover"), runtime_tokens=20, admitted_at=time.time(),
+                       routed_at=time.time())
+        await bus.jpublish(S.work(WorkerId("wover")), a, msg_id=f"{req.id}:work")
+        # one step: 2 x 10 + 1 > 20
+        assert await wait_for(lambda: any(hb.over.get("over-1", 0) == 21 for hb in hbs))
+        engine.gate.set()
+        assert await wait_for(lambda: not agent.inflight)
+        seq = hbs[-1].seq
+        assert await wait_for(lambda: hbs[-1].seq > seq and not hbs[-1].over)
+    finally:
         await agent.stop()

@@ -79,7 +79,7 @@ def test_unmappable_unresolved_and_ignored_events_are_counted_not_applied():
     assert tr.counters.unmappable == 2
     assert tr.apply_batch([stored([5], 777, [1, 2, 3, 4])]) == []  # parent never seen
     assert tr.counters.unresolved_parent == 1
-    assert tr.apply_batch([stored([6], None, [1, 2, 3, 4], medium="CPU"),  # offload tier
+    assert tr.apply_batch([stored([6], None, [1, 2, 3, 4], medium="DISK"),  # a tier the router does not price
                            stored([7], None, [1, 2, 3, 4], group_idx=1),  # second KV group
                            {"type": "SomethingNew", "x": 1}]) == []
     assert tr.counters.ignored == 3
@@ -219,3 +219,64 @@ async def test_subscriber_reads_a_real_zmq_publisher():
         pub.close(linger=0)
         ctx.term()
         await sub.close()
+
+
+async def test_batches_published_before_we_connected_are_replayed_from_vllms_own_publisher():
+    """vLLM's own ZmqEventPublisher (bound, as ``vllm serve`` runs it, with its replay socket): a
+    subscriber that connects late asks for what it missed and learns the whole cache."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+    from natsched.bus.server import free_port
+
+    port, replay = free_port(), free_port()
+    pub = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}")
+
+    def batch(h, parent, tokens):
+        return KVEventBatch(ts=0.0, events=[BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=tokens,
+                                                        block_size=BS, lora_id=None, medium="GPU", lora_name=None)])
+
+    deltas, resyncs = [], []
+    sub = KvEventSubscriber(KvTranslator("m", BS), lambda k, h: deltas.append((k, list(h))), resyncs.append,
+                            connect=f"tcp://127.0.0.1:{port}", replay=f"tcp://127.0.0.1:{replay}")
+    try:
+        pub.publish(batch(1, None, [1, 2, 3, 4]))  # nobody listens yet: only the replay buffer keeps these
+        pub.publish(batch(2, 1, [5, 6, 7, 8]))
+        for _ in range(500):  # its thread has sent them (into no socket) and buffered them for replay
+            if len(pub._buffer) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        sub.bind()
+        sub.start()
+        chain = token_block_hashes(list(range(1, 17)), BS, root_hash("m"))
+        for i in range(2, 200):  # keep publishing until the late subscriber has joined
+            pub.publish(batch(i + 1, i, [4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4]))
+            await asyncio.sleep(0.02)
+            if sub.counters.batches >= 3:
+                break
+        await asyncio.sleep(0)
+        assert sub.replayed >= 2 and not resyncs and sub.counters.gaps == 0
+        assert set(chain[:3]) <= set(sub.translator.cached_hashes())  # the first blocks, from the replay
+        assert sub.counters.unresolved_parent == 0  # every later block found its parent
+    finally:
+        pub.shutdown()
+        await sub.close()
+
+
+def test_cpu_offload_events_become_host_tier_deltas():
+    """vLLM's offloading connector reports CPU copies by the GPU block's hash, often with no tokens."""
+    tr = KvTranslator("m", BS)
+    (_, ours), = tr.apply_batch([stored([1, 2], None, list(range(8)))])
+    cpu = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": [],
+           "block_size": 0, "lora_id": None, "medium": "CPU"}
+    assert tr.apply_batch([cpu]) == [("stored", ours, "host")]
+    assert tr.apply_batch([removed([1, 2])]) == [("removed", ours)]  # the GPU evicts: the host copy stays
+    assert sorted(tr.host_hashes()) == sorted(ours) and tr.cached_hashes() == []
+    assert tr.apply_batch([removed([2], medium="CPU")]) == [("removed", [ours[1]], "host")]
+    # a CPU block with whole token blocks but no GPU history is computed like a GPU one
+    (h,) = tr.apply_batch([stored([7], None, [9, 9, 9, 9], medium="CPU")])
+    assert h == ("stored", token_block_hashes([9, 9, 9, 9], BS, root_hash("m")), "host")
+    # unknown and untranslatable: counted, not guessed
+    before = tr.counters.unresolved_parent
+    assert tr.apply_batch([{**cpu, "block_hashes": [42]}]) == []
+    assert tr.counters.unresolved_parent == before + 1
+    assert tr.apply_batch([stored([8], None, [1, 2, 3, 4], medium="DISK")]) == []  # another medium: ignored

@@ -162,3 +162,81 @@ def test_partial_eviction_keeps_the_shared_root():
     core.add("b", 64, chain(4, 100), 1, 0)  # needs 4: evicts a's 2 deepest blocks... and 2 more
     run(core)
     assert core.cached_prefix_blocks(chain(6)) >= 2  # a's root survives a partial eviction
+
+
+# ------------------------------------------------------------------ speed factor and host tier
+
+def test_speed_factor_scales_every_step_and_applies_from_the_next_step():
+    nominal, slow = make_core(), make_core(speed=1 / 3)
+    for core in (nominal, slow):
+        core.add("a", 2000, chain(125), 20, 0)
+    (_, t_nominal, *_), (_, t_slow, *_) = run(nominal), run(slow)
+    assert abs(t_slow - 3 * t_nominal) < 1e-9 * t_slow
+    core = make_core()
+    core.add("a", 2000, chain(125), 20, 0)
+    first = core.step(0).duration
+    core.set_speed(0.5)
+    assert core.step(first).duration > 0
+    core.set_speed(1.0)
+    for bad in (0, -1, float("nan"), float("inf")):
+        try:
+            core.set_speed(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"speed {bad} accepted")
+
+
+BS = 256  # large blocks: prefill compute, not the step's weight read, dominates a recompute
+
+
+def host_core(host_blocks: int = 64, kv_blocks: int = 12) -> SimCore:
+    # 12 GPU blocks: a second 8-block prompt evicts the first one's blocks
+    return make_core(block_size=BS, kv_blocks=kv_blocks, host_blocks=host_blocks, host_bandwidth=64e9)
+
+
+def run_host(core: SimCore, now: float = 0.0):
+    """Step until idle; return (finished seqs, end time, host-tier stores, host-tier evictions)."""
+    results = []
+    while core.has_work():
+        results.append(core.step(now))
+        now += results[-1].duration
+    return ([s for r in results for s in r.finished], now, [h for r in results for h in r.host_stored],
+            [h for r in results for h in r.host_removed])
+
+
+def test_gpu_evictions_go_to_the_host_tier_and_come_back_cheaper_than_a_recompute():
+    core = host_core()
+    core.add("a", 8 * BS, chain(8), 2, 0)
+    run_host(core)
+    core.add("b", 8 * BS, chain(8, 100), 2, 0)  # evicts a's blocks from the GPU...
+    _, _, host_stored, _ = run_host(core)
+    assert host_stored and set(host_stored) <= set(chain(8))  # ...into the host tier (tail first)
+    assert core.cached_prefix_blocks(chain(8)) < 7
+    core.add("a2", 8 * BS, chain(8), 2, 0)
+    (a2,), t_end, _, _ = run_host(core, 0.0)
+    assert a2.cached_tokens == 7 * BS and a2.host_cached_tokens > 0  # never the last prompt token
+    # the same request on an engine without a host tier recomputes what was evicted
+    plain = make_core(block_size=BS, kv_blocks=12)
+    for rid, c in (("a", chain(8)), ("b", chain(8, 100))):
+        plain.add(rid, 8 * BS, c, 2, 0)
+        run(plain)
+    plain.add("a2", 8 * BS, chain(8), 2, 0)
+    (p2,), t_plain, *_ = run(plain)
+    assert p2.cached_tokens < a2.cached_tokens
+    p = H100_LLAMA8B
+    load = a2.host_cached_tokens * p.kv_bytes_per_token / 64e9
+    assert load > 0 and t_end + 10 * load < t_plain  # loading is far cheaper than recomputing
+
+
+def test_host_tier_is_bounded_lru_and_reports_its_evictions():
+    core = host_core(host_blocks=4)
+    for i in range(4):
+        core.add(f"r{i}", 8 * BS, chain(8, 100 * i), 2, 0)
+        _, _, stored, removed = run_host(core)
+    assert len(core.host) == 4
+    assert removed  # the host tier evicted its oldest blocks, and said so
+    try:
+        SimCore(H100_LLAMA8B, 16, host_blocks=4)  # a tier without bandwidth
+    except ValueError:
+        return
+    raise AssertionError("host tier without bandwidth accepted")

@@ -1,0 +1,139 @@
+"""Client retries (full jitter, retry_after, deadline) and the three timeout tiers: the pure policy,
+then against a real nats-server with the real services (sim workers)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from natsched.client.errors import ClientSettingsError, Rejected, RequestFailed, RequestTimeout
+from natsched.client.producer import Timeouts, make_request
+from natsched.client.retry import Retry
+from natsched.workers.agent import WorkerAgent, WorkerSettings
+from natsched.workers.profiles import H100_LLAMA8B
+from natsched.workers.simengine import SimEngine
+from natsched.bus.connection import Bus
+from tests.factories.core import wait_for
+from tests.factories.stack import start_stack
+
+
+def rejected(retry_after=None, reason="quota_exhausted"):
+    return Rejected("no", "r1", reason, retry_after)
+
+
+def test_full_jitter_never_below_retry_after_and_within_the_growing_window():
+    retry = Retry(attempts=10, base_s=0.5, cap_s=4.0, rng=random.Random(7))
+    for attempt in range(1, 8):
+        window = min(4.0, 0.5 * 2 ** (attempt - 1))
+        draws = [retry.delay(attempt, 2.0) for _ in range(200)]
+        assert all(2.0 <= d <= 2.0 + window for d in draws)
+        assert max(draws) - min(draws) > window / 2  # spread, not a fixed interval
+
+
+def test_what_is_retried_and_what_is_not():
+    retry = Retry(attempts=3)
+    now = 1000.0
+    assert retry.next_delay(rejected(1.0), 1, False, now, None) is not None
+    assert retry.next_delay(rejected(None, "invalid_class"), 1, False, now, None) is None  # refused as sent
+    assert retry.next_delay(RequestFailed("x", "r1", "no_worker"), 1, False, now, None) is not None
+    assert retry.next_delay(RequestFailed("x", "r1", "engine_error"), 1, False, now, None) is None
+    assert retry.next_delay(RequestTimeout("x", "r1", "total"), 1, False, now, None) is None
+    assert retry.next_delay(rejected(1.0), 3, False, now, None) is None  # attempts spent
+    assert retry.next_delay(rejected(5.0), 1, False, now, now + 4.0) is None  # it would start past the deadline
+    failed = RequestFailed("x", "r1", "worker_lost")
+    assert retry.next_delay(failed, 1, True, now, None) is None  # a stream that produced output
+    assert Retry(after_output=True).next_delay(failed, 1, True, now, None) is not None
+
+
+@pytest.mark.parametrize("bad", [{"attempts": 0}, {"attempts": 1.5}, {"base_s": 0}, {"cap_s": float("nan")},
+                                 {"base_s": 2.0, "cap_s": 1.0}, {"attempts": True}])
+def test_bad_retry_values_are_refused(bad):
+    with pytest.raises(ClientSettingsError):
+        Retry(**bad)
+
+
+@pytest.mark.parametrize("bad", [{"ttft": 0}, {"total": -1}, {"stream_idle": float("inf")}, {"idle": None},
+                                 {"publish": "10"}, {"ttft": True}])
+def test_bad_timeouts_are_refused(bad):
+    with pytest.raises(ClientSettingsError):
+        Timeouts(**bad)
+
+
+def test_the_limits_travel_with_the_request():
+    req = make_request("t1", "hi", deadline=1010.0, stream=True)
+    Timeouts(ttft=2, total=30, stream_idle=0.5).apply(req, now=1000.0)
+    assert (req.ttft_deadline, req.deadline, req.idle_timeout) == (1002.0, 1010.0, 0.5)  # the earlier deadline kept
+
+
+async def add_worker(url: str, stack, wid: str) -> WorkerAgent:
+    bus = await Bus.connect(url, name=wid)
+    stack.buses.append(bus)
+    agent = WorkerAgent(bus, SimEngine(H100_LLAMA8B, block_size=32, time_scale=0.05),
+                        WorkerSettings(id=wid, heartbeat_interval_s=0.2))
+    await agent.start()
+    stack.workers.append(agent)
+    return agent
+
+
+async def test_a_retry_outlives_no_worker_and_runs_under_a_fresh_id(bus, nats_url):
+    stack = await start_stack(nats_url, workers=0, no_worker_wait_s=0.2)
+    try:
+        request = make_request("t1", "hello", max_tokens=3)
+        task = asyncio.ensure_future(stack.client.submit(request, retry=Retry(attempts=50, base_s=0.1, cap_s=0.3)))
+        # the first try failed with no_worker: the router recorded it
+        assert await wait_for(lambda: sum(
+            s.value for m in stack.router.metrics.decisions.collect() for s in m.samples
+            if s.name.endswith("_total") and s.labels["decision"] == "fail") >= 1)
+        await add_worker(nats_url, stack, "w1")
+        result = await task
+        assert result.attempts >= 2 and result.output_tokens == 3
+        assert result.request_id.startswith(f"{request.id}-r")
+    finally:
+        await stack.close()
+
+
+async def test_without_retry_no_worker_fails_at_once(bus, nats_url):
+    stack = await start_stack(nats_url, workers=0, no_worker_wait_s=0.2)
+    try:
+        with pytest.raises(RequestFailed) as err:
+            await stack.client.submit(make_request("t1", "hello", max_tokens=3))
+        assert err.value.reason == "no_worker"
+    finally:
+        await stack.close()
+
+
+async def test_client_ttft_and_stream_idle_limits_cancel_on_the_worker(bus, nats_url):
+    stack = await start_stack(nats_url, workers=1, time_scale=40.0)  # ~0.3 s a token
+    try:
+        request = make_request("t1", "slow stream", max_tokens=50)
+        stream = stack.client.stream(request, timeouts=Timeouts(admission=10, stream_idle=0.05))
+        with pytest.raises(RequestTimeout) as err:
+            async for _ in stream:
+                pass
+        assert err.value.reason == "stream_idle" and stream.produced >= 1
+        assert await wait_for(lambda: not stack.workers[0].inflight)  # cancelled (or stopped by its own limit)
+        started = time.time()
+        with pytest.raises(RequestTimeout) as err:
+            async for _ in stack.client.stream(make_request("t1", "x" * 20000, max_tokens=5),
+                                               timeouts=Timeouts(admission=10, ttft=0.01)):
+                pass
+        assert err.value.reason == "ttft" and time.time() - started < 10
+    finally:
+        await stack.close()
+
+
+async def test_the_worker_stops_a_run_past_its_idle_limit_when_no_client_does(bus, nats_url):
+    stack = await start_stack(nats_url, workers=1, time_scale=40.0)
+    try:
+        request = make_request("t1", "nobody enforces it here", max_tokens=50, idle_timeout=0.05)
+        with pytest.raises(RequestFailed) as err:  # a non-streaming submit: the client sees no tokens
+            await stack.client.submit(request)
+        assert err.value.reason == "idle_timeout"
+        worker = stack.workers[0]
+        assert worker.metrics.registry.get_sample_value("natsched_worker_timeouts_total",
+                                                        {"reason": "idle_timeout"}) == 1
+    finally:
+        await stack.close()

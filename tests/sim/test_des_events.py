@@ -1,0 +1,167 @@
+"""The DES's cluster changes and clients: add / kill / slow events, rescue, the SDK's retry rule."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from natsched.router.core import RouterCore, RouterSettings
+from natsched.router.policy import RouteDecision
+from natsched.sim.admission import ALLOW, REJECT
+from natsched.sim.des import ClientRetry, SimSettings, Simulator, WorkerEvent, WorkerSpec, simulate
+from natsched.sim.errors import SimConfigError
+from natsched.workers.profiles import H100_LLAMA8B
+from tests.factories.sim import make_trace, trace_row
+
+BLOCK = 512
+
+
+class Pinned:
+    """Every request to one worker while it is a candidate, else the first candidate."""
+
+    name = "pinned"
+
+    def __init__(self, worker: str = "w0") -> None:
+        self.worker = worker
+
+    def route(self, req, workers, now):
+        ids = sorted(w.id for w in workers)
+        if not ids:
+            return RouteDecision(None, self.name, reason="no_worker")
+        return RouteDecision(self.worker if self.worker in ids else ids[0], self.name)
+
+
+def sim(rows, policy=None, admission=None, **kw):
+    s = SimSettings(**{"workers": 2, **kw})
+    router = RouterCore(RouterSettings(block_size=BLOCK), policy=policy or Pinned())
+    return Simulator(make_trace(rows), s, admission=admission, router=router)
+
+
+def long_rows(n=1, gap_ms=0.0, n_out=2000):
+    return [trace_row(i * gap_ms, ids=[100 + i], n_out=n_out) for i in range(n)]
+
+
+def test_client_retry_follows_the_openai_sdk_defaults():
+    r, rng = ClientRetry(), random.Random(0)
+    first, second = r.delay(0, None, rng), r.delay(1, None, rng)
+    assert 0.375 <= first <= 0.5 and 0.75 <= second <= 1.0  # 0.5 x 2^n, less 0-25 % jitter
+    assert r.delay(2, None, rng) is None  # max_retries = 2
+    assert r.delay(0, 7.0, rng) == 7.0  # retry_after honoured
+    assert r.delay(0, 121.0, rng) is None  # beyond two minutes: the SDK does not retry
+    assert min(ClientRetry(max_retries=10).delay(9, None, rng), 99) <= 8.0  # capped at 8 s
+
+
+class RejectOnce:
+    """Rejects every first attempt (with ``retry_after``), allows the retries."""
+
+    name, tick_s = "reject_once", None
+
+    def __init__(self, retry_after=None):
+        self.retry_after, self.seen = retry_after, {}
+
+    def admit(self, req, now):
+        self.seen.setdefault(req.index, []).append(now)
+        return (REJECT, self.retry_after) if len(self.seen[req.index]) == 1 else ALLOW
+
+    def release(self, now):
+        return []
+
+    def on_finish(self, req, ok, now):
+        pass
+
+
+def test_a_refused_client_comes_back_after_retry_after_or_the_backoff():
+    hook = RejectOnce(retry_after=5.0)
+    res = sim([trace_row(0, ids=[1])], admission=hook, client_retry=ClientRetry()).run()
+    (t1, t2), = hook.seen.values()
+    assert t2 - t1 == pytest.approx(5.0)
+    rec = res.records[0]
+    assert (rec.status, rec.attempts, rec.refused, rec.refused_retry_after) == ("ok", 2, 1, 1)
+    hook = RejectOnce()
+    sim([trace_row(0, ids=[1])], admission=hook, client_retry=ClientRetry()).run()
+    (t1, t2), = hook.seen.values()
+    assert 0.375 <= t2 - t1 <= 0.5
+    res = sim([trace_row(0, ids=[1])], admission=RejectOnce()).run()  # no client retry: final
+    assert res.records[0].status == "rejected"
+
+
+def test_kill_with_rescue_reruns_the_work_elsewhere():
+    kill = WorkerEvent(0.5, "kill", "w0")
+    res = sim(long_rows(3), events=(kill,), rescue_s=3.0).run()
+    assert all(r.status == "ok" for r in res.records)
+    assert all(r.rescued == 1 and r.worker == "w1" for r in res.records)
+    assert min(r.routed for r in res.records) == pytest.approx(1.0 + 0.5 + 3.0)  # warm-up + kill + rescue
+
+
+def test_kill_without_rescue_fails_to_the_client_who_retries():
+    kill = WorkerEvent(0.5, "kill", "w0")
+    # the router keeps choosing w0 until it misses two heartbeats (~2 s); the SDK's two retries
+    # (0.5 s, 1 s) both land before that: the requests are lost
+    res = sim(long_rows(2), events=(kill,), client_retry=ClientRetry()).run()
+    assert all((r.status, r.attempts, r.rescued, r.reason) == ("failed", 3, 0, "worker_lost") for r in res.records)
+    assert res.metrics()["failed"] == 2
+    # a client that keeps trying past the router's detection gets through on w1
+    res = sim(long_rows(2), events=(kill,), client_retry=ClientRetry(max_retries=5)).run()
+    assert all(r.status == "ok" and r.worker == "w1" and r.attempts > 2 for r in res.records)
+    res = sim(long_rows(2), events=(kill,)).run()  # without retries: lost at once
+    assert [(r.status, r.attempts) for r in res.records] == [("failed", 1), ("failed", 1)]
+
+
+def test_a_request_routed_to_a_dead_worker_is_not_swallowed():
+    # w0 dies between heartbeats: the router still sends it work until it goes stale
+    rows = [trace_row(0, ids=[1], n_out=4), trace_row(1500, ids=[2], n_out=4)]
+    res = sim(rows, events=(WorkerEvent(1.0, "kill", "w0"),), rescue_s=1.0).run()
+    assert [r.status for r in res.records] == ["ok", "ok"]
+    assert res.records[1].rescued == 1 and res.records[1].worker == "w1"
+
+
+def test_slow_makes_steps_longer_then_recovers():
+    one = [trace_row(0, ids=[1], n_out=200)]
+    base = sim(one).run().records[0]
+    slow = sim(one, events=(WorkerEvent(0.0, "slow", "w0", factor=0.5, duration_s=1000.0),)).run().records[0]
+    assert slow.finish - slow.arrival == pytest.approx(2 * (base.finish - base.arrival), rel=0.02)
+    later = [trace_row(0, ids=[9], n_out=1), trace_row(10_000, ids=[1], n_out=200)]  # after a 5 s slowdown
+    back = sim(later, events=(WorkerEvent(0.0, "slow", "w0", factor=0.5, duration_s=5.0),)).run().records[1]
+    assert back.finish - back.arrival == pytest.approx(base.finish - base.arrival, rel=1e-6)
+
+
+def test_add_brings_a_cold_worker_that_takes_work():
+    rows = [trace_row(i * 500, ids=[i + 1], n_out=50) for i in range(20)]
+    s = sim(rows, policy=Pinned("w2"), events=(WorkerEvent(4.0, "add", spec=WorkerSpec()),))
+    res = s.run()
+    assert "w2" in s.router.workers and s.router.workers["w2"].joined_at == pytest.approx(5.0)
+    on_new = [r for r in res.records if r.worker == "w2"]
+    assert on_new and min(r.routed for r in on_new) >= 5.0
+    assert all(r.status == "ok" for r in res.records)
+
+
+def test_worker_specs_give_unequal_machines_and_models():
+    specs = (WorkerSpec(H100_LLAMA8B, "a"), WorkerSpec("h100-27b-int4", "b"))
+    rows = [trace_row(0, ids=[1], n_out=100)]
+    s = sim(rows, worker_specs=specs)
+    assert s.settings.workers == 2 and {w.model for w in s.workers.values()} == {"a", "b"}
+    t = make_trace(rows)
+    t.requests[0].model = "b"
+    res = Simulator(t, SimSettings(worker_specs=specs, policy="least_loaded")).run()
+    assert res.records[0].worker == "w1"
+
+
+def test_bad_events_are_refused():
+    with pytest.raises(SimConfigError, match="kind"):
+        WorkerEvent(1.0, "explode", "w0")
+    with pytest.raises(SimConfigError, match="names its worker"):
+        WorkerEvent(1.0, "kill")
+    with pytest.raises(SimConfigError, match=r"\(0, 1\]"):
+        WorkerEvent(1.0, "slow", "w0", factor=2.0)
+    with pytest.raises(SimConfigError, match="no live worker"):
+        simulate(make_trace([trace_row(5000, ids=[1])]), SimSettings(workers=1, events=(WorkerEvent(0.0, "kill", "w7"),)))
+
+
+def test_a_request_finishing_inside_the_step_the_worker_dies_in_is_lost_not_stuck():
+    # one short request: its only decode step is in flight when the worker dies
+    rows = [trace_row(0, ids=[1], n_out=1)]
+    s = sim(rows, events=(WorkerEvent(0.0, "kill", "w0"),), rescue_s=1.0)
+    s.settings.events = (WorkerEvent(1e-4, "kill", "w0"),)
+    res = s.run()
+    assert res.records[0].status == "ok" and res.records[0].worker == "w1" and res.records[0].rescued == 1
