@@ -63,3 +63,14 @@ async def connect(args: argparse.Namespace, name: str = "natsched-cli"):
 
     return await Bus.connect(args.nats_url, name=name, connect_budget_s=CLIENT_CONNECT_BUDGET_S,
                              credentials=args.credentials)
+
+
+def history_parsers(sub, what: str, handler: Handler, description: str) -> None:
+    """``rollback [--to REV]`` and ``history`` for a bucket-backed config (``route``, ``quota``)."""
+    back = sub.add_parser("rollback", help=f"restore earlier {what} from the bucket's history", description=description)
+    url_flag(back)
+    back.add_argument("--to", type=int, default=None, metavar="REV", help="the revision to restore (see history)")
+    back.set_defaults(handler=handler)
+    hist = sub.add_parser("history", help=f"list the {what} revisions the bucket keeps")
+    url_flag(hist)
+    hist.set_defaults(handler=handler)

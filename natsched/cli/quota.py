@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from natsched.cli.options import connect, fail, run, url_flag
+from natsched.cli.options import connect, fail, history_parsers, run, url_flag
 from natsched.wire import subjects as S
 
 
@@ -44,15 +44,9 @@ def add_parsers(sub) -> None:
     qset.add_argument("--unset", dest="unset", action="append", default=[], metavar="GROUP.NAME",
                       help="drop a live setting: the admitters' start value applies again")
     qset.set_defaults(handler=cmd_quota)
-    qback = qt_sub.add_parser("rollback", help="undo the last quota edit, or restore the quotas of a revision",
-                              description="Write the quotas (and live settings) as they were at an earlier revision "
-                                          "of the bucket; default: before the last natsched quota set.")
-    url_flag(qback)
-    qback.add_argument("--to", type=int, default=None, metavar="REV", help="the revision to restore (quota history)")
-    qback.set_defaults(handler=cmd_quota)
-    qhist = qt_sub.add_parser("history", help="list the recorded quota edits with their revisions")
-    url_flag(qhist)
-    qhist.set_defaults(handler=cmd_quota)
+    history_parsers(qt_sub, "quota edits", cmd_quota,
+                    "Write the quotas (and live settings) as they were at an earlier revision of the bucket; "
+                    "default: before the last natsched quota set.")
 
 
 def cmd_quota(args) -> int:

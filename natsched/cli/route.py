@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from natsched.cli.options import connect, fail, run, url_flag
+from natsched.cli.options import connect, fail, history_parsers, run, url_flag
 from natsched.wire import subjects as S
 
 
@@ -26,15 +26,9 @@ def add_parsers(sub) -> None:
                       help='JSON object of health settings (docs/routing-health.md), e.g. \'{"slow_factor": 3}\'')
     rset.add_argument("--json", action="store_true", help="print the config written as JSON")
     rset.set_defaults(handler=cmd_route)
-    rback = ro_sub.add_parser("rollback", help="restore an earlier routing config from the bucket's history",
-                              description="Write an earlier revision of the routing config again (the routers "
-                                          "apply it within a second). Default: the revision before the current.")
-    url_flag(rback)
-    rback.add_argument("--to", type=int, default=None, metavar="REV", help="the revision to restore (route history)")
-    rback.set_defaults(handler=cmd_route)
-    rhist = ro_sub.add_parser("history", help="list the routing configs the bucket keeps, with revisions")
-    url_flag(rhist)
-    rhist.set_defaults(handler=cmd_route)
+    history_parsers(ro_sub, "routing configs", cmd_route,
+                    "Write an earlier revision of the routing config again (the routers apply it within a "
+                    "second). Default: the revision before the current.")
 
 
 def cmd_route(args) -> int:

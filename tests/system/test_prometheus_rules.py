@@ -65,6 +65,14 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
+def _end(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @pytest.fixture
 def natsched_up(tmp_path):
     port, metrics = free_port(), free_port()
@@ -77,11 +85,7 @@ def natsched_up(tmp_path):
         assert any("ready: admitter" in l and f"metrics :{metrics}" in l for l in lines), lines
         yield f"nats://127.0.0.1:{port}", metrics
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _end(proc)
 
 
 @pytest.fixture
@@ -106,11 +110,7 @@ def prometheus(tmp_path, natsched_up):
     try:
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _end(proc)
 
 
 def _query(base: str, expr: str) -> list:
