@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict
-from typing import Any
 
+from natsched.ops.persisted import UNSET, quota_changes, word
 from natsched.cli.options import connect, fail, history_parsers, run, url_flag
 from natsched.wire import subjects as S
 
@@ -51,40 +51,6 @@ def add_parsers(sub) -> None:
 
 def cmd_quota(args) -> int:
     return run(_quota(args))
-
-
-def word(value: Any, unset: str = "none") -> str:
-    """A value for people: ``unset`` for None, a float without noise, a mapping as ``k=v, ...``."""
-    if value is None:
-        return unset
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={word(v)}" for k, v in sorted(value.items())) or "-"
-    return str(value)
-
-
-UNSET = "unset"  # a tenant, model or class limit that had no entry (None is a field set to "no limit")
-
-
-def quota_changes(old, new) -> list[tuple[str, Any, Any]]:
-    """(field, old, new) for every field that differs between two :class:`Quotas`, in a stable order."""
-    from natsched.admitter.quotas import TenantQuota
-
-    out = [(name, getattr(old, name), getattr(new, name)) for name in ("total", "hard_cap", "unknown_tenant")]
-    for tenant in sorted(set(old.tenants) | set(new.tenants)):
-        was, now = old.tenants.get(tenant), new.tenants.get(tenant) or TenantQuota()
-        if was is None:  # a new tenant: its whole quota, in one line
-            out.append((f"tenant {tenant}", UNSET, f"floor {word(now.floor)}, weight {word(now.weight)}, "
-                                                  f"cap {word(now.cap)}"))
-            continue
-        for name in ("floor", "weight", "cap"):
-            out.append((f"tenant {tenant} {name}", getattr(was, name), getattr(now, name)))
-    for label, before, after in (("model", old.models, new.models), ("queue limit", old.queue_limits,
-                                                                      new.queue_limits)):
-        for key in sorted(set(before) | set(after)):
-            out.append((f"{label} {key}", before.get(key, UNSET), after.get(key, UNSET)))
-    return [(name, a, b) for name, a, b in out if a != b]
 
 
 async def _read_quotas(bus):

@@ -7,6 +7,8 @@ returns one line per such setting, which ``natsched up`` prints when it starts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 from natsched.wire import subjects as S
@@ -29,7 +31,6 @@ def describe_route(config: dict) -> str:
 async def persisted_notes(bus) -> list[str]:
     """One line per stored setting that differs from a fresh start (empty for a new data dir)."""
     from natsched.admitter.quotas import Quotas
-    from natsched.cli.quota import quota_changes, word
 
     notes = []
     kv = bus.kv(S.BUCKET_QUOTAS)
@@ -59,3 +60,37 @@ async def persisted_notes(bus) -> list[str]:
             live = "a route canary is live" if config.get("canary") else "a routing config set earlier applies"
             notes.append(f"{live}: {describe_route(config)} (natsched route show / route rollback)")
     return notes
+
+
+def word(value: Any, unset: str = "none") -> str:
+    """A value for people: ``unset`` for None, a float without noise, a mapping as ``k=v, ...``."""
+    if value is None:
+        return unset
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={word(v)}" for k, v in sorted(value.items())) or "-"
+    return str(value)
+
+
+UNSET = "unset"  # a tenant, model or class limit that had no entry (None is a field set to "no limit")
+
+
+def quota_changes(old, new) -> list[tuple[str, Any, Any]]:
+    """(field, old, new) for every field that differs between two :class:`Quotas`, in a stable order."""
+    from natsched.admitter.quotas import TenantQuota
+
+    out = [(name, getattr(old, name), getattr(new, name)) for name in ("total", "hard_cap", "unknown_tenant")]
+    for tenant in sorted(set(old.tenants) | set(new.tenants)):
+        was, now = old.tenants.get(tenant), new.tenants.get(tenant) or TenantQuota()
+        if was is None:  # a new tenant: its whole quota, in one line
+            out.append((f"tenant {tenant}", UNSET, f"floor {word(now.floor)}, weight {word(now.weight)}, "
+                                                  f"cap {word(now.cap)}"))
+            continue
+        for name in ("floor", "weight", "cap"):
+            out.append((f"tenant {tenant} {name}", getattr(was, name), getattr(now, name)))
+    for label, before, after in (("model", old.models, new.models), ("queue limit", old.queue_limits,
+                                                                      new.queue_limits)):
+        for key in sorted(set(before) | set(after)):
+            out.append((f"{label} {key}", before.get(key, UNSET), after.get(key, UNSET)))
+    return [(name, a, b) for name, a, b in out if a != b]
