@@ -79,6 +79,9 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
     rt.set_defaults(handler=_cmd_routing)
     _add_pipeline_parser(bsub)
     add_admission_parser(bsub)
+    from natsched.bench.server import add_server_bench_parser
+
+    add_server_bench_parser(bsub)
     ss = bsub.add_parser("shared-state", help="cost of the admitters' compare-and-swap on the shared usage",
                          description="Replicas commit one-token reservations by KV compare-and-swap as fast as "
                                      "they can; prints commits/s, lost races per commit and lost updates.")
@@ -87,7 +90,68 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
     ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     ss.set_defaults(handler=_cmd_shared)
+    add_scale_parser(bsub)
+    cd = bsub.add_parser("codec", help="decode-and-validate cost per message: natsched's validator vs msgspec",
+                         description="Time decoding and validating the same encoded messages with natsched's "
+                                     "schema engine and with msgspec's typed decoder; both refuse the same "
+                                     "malformed inputs (checked first).")
+    cd.add_argument("--n", type=positive_int, default=20_000, help="decodes per round (default 20000)")
+    cd.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+    cd.set_defaults(handler=_cmd_codec)
     return bench
+
+
+def _cmd_codec(args) -> int:
+    from natsched.bench.codec import codec_table, refusals, run_codec_benchmark
+
+    differ = [name for name, (ours, theirs) in refusals().items() if not (ours and theirs)]
+    if differ:
+        return _fail(f"the contenders do not refuse the same input: {', '.join(differ)}")
+    rows = run_codec_benchmark(args.n)
+    print(codec_table(rows))
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
+    return 0
+
+
+def add_scale_parser(bsub) -> None:
+    """``natsched bench scale`` (:mod:`natsched.sim.scale`)."""
+    sc = bsub.add_parser("scale", help="partitioned admission: commits/s, conflicts, fairness as partitions grow",
+                         description="Simulate P admission partitions (each with its own usage key and admitter "
+                                     "replicas) under the hierarchical budget; print commits/s, efficiency, "
+                                     "conflicts, decision latency, floors and over-admission for each P.")
+    sc.add_argument("--partitions", default="1,2,4,8", help="partition counts, comma separated (default 1,2,4,8)")
+    sc.add_argument("--replicas", type=positive_int, default=2, help="admitter replicas per partition (default 2)")
+    sc.add_argument("--cores", type=positive_int, default=2, help="cores per JetStream server (default 2)")
+    sc.add_argument("--duration", type=positive_float, default=8.0, help="simulated seconds per run (default 8)")
+    sc.add_argument("--seed", type=int, default=1)
+    sc.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+    sc.set_defaults(handler=_cmd_scale)
+
+
+def _cmd_scale(args) -> int:
+    from natsched.sim.scale import ScaleBenchSettings, run_scale_benchmark, scale_table
+
+    try:
+        parts = tuple(int(x) for x in args.partitions.split(",") if x.strip())
+        if not parts or min(parts) < 1:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--partitions must be positive integers, got {args.partitions!r}")
+    if args.duration <= 1.0:
+        return _fail("--duration must be longer than the 1 s warm-up")
+    report = run_scale_benchmark(ScaleBenchSettings(partitions=parts, replicas=args.replicas, cores=args.cores,
+                                                    duration_s=args.duration, seed=args.seed,
+                                                    kill_coordinator_at=args.duration / 2), sys.stderr)
+    print(scale_table(report))
+    if args.json is not None:
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        except OSError as exc:
+            return _fail(f"cannot write {args.json}: {exc.strerror or exc}")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
 
 
 def add_admission_parser(bench_subparsers) -> argparse.ArgumentParser:

@@ -16,6 +16,10 @@ from pathlib import Path
 from natsched.bus.server import DEFAULT_PORT
 from natsched.cli.options import ENV_URL, connect, fail, run, url_flag
 
+#: worker engines: a calibrated model, vLLM in the worker's process, a running vllm serve (or SGLang)
+#: the worker fronts over HTTP, and none (answers at once)
+ENGINES = ["sim", "vllm", "vllm-server", "null"]
+
 
 def add_parsers(sub) -> None:
     _up_parser(sub)
@@ -36,7 +40,13 @@ def _up_parser(sub) -> None:
     up.add_argument("--inline-routing", action="store_true",
                     help="every admitter routes what it admits in its own process (admitter --route): one "
                          "stored hop and one process fewer per request; separate routers become optional")
-    up.add_argument("--engine", choices=["sim", "vllm", "null"], default="sim", help="worker engine (default sim)")
+    up.add_argument("--engine", choices=ENGINES, default="sim",
+                    help="worker engine (default sim); vllm-server: one agent per --vllm-url")
+    up.add_argument("--vllm-url", action="append", default=[], metavar="URL",
+                    help="with --engine vllm-server: a running vllm serve (repeat for each server; one agent each)")
+    up.add_argument("--kv-events", action="append", default=[], metavar="ENDPOINT",
+                    help="with --engine vllm-server: each server's KV-event endpoint (tcp://HOST:PORT), in "
+                         "--vllm-url order")
     up.add_argument("--nats-url", default=os.environ.get(ENV_URL),
                     help=f"use this NATS server instead of the embedded one (default: ${ENV_URL})")
     up.add_argument("--port", type=int, default=DEFAULT_PORT, help="embedded server port (default 4222)")
@@ -102,8 +112,9 @@ def _worker_parser(sub) -> None:
     cal.set_defaults(handler=cmd_calibrate)
     url_flag(wk)
     wk.add_argument("--id", help="worker id (a subject token: letters, digits, - and _)")
-    wk.add_argument("--engine", choices=["sim", "vllm", "null"], default="sim",
-                    help="sim (calibrated model), vllm, or null (answers at once: for pipeline benchmarks)")
+    wk.add_argument("--engine", choices=ENGINES, default="sim",
+                    help="sim (calibrated model), vllm (in this process), vllm-server (front a running vllm serve "
+                         "or SGLang server: --url), or null (answers at once: for pipeline benchmarks)")
     wk.add_argument("--model", default="default", help="model name this worker serves")
     wk.add_argument("--concurrency", type=int, default=64, help="max requests in the engine at once")
     wk.add_argument("--time-scale", type=float, default=1.0, help="sim engine: multiply step times")
@@ -112,6 +123,7 @@ def _worker_parser(sub) -> None:
     wk.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval seconds (default 1)")
     wk.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     add_vllm_flags(wk)
+    add_server_flags(wk)
     wk.set_defaults(handler=cmd_worker)
 
 
@@ -127,6 +139,22 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens (benchmarks, tests)")
     p.add_argument("--deployment", default=None, help="calibration key part (default: device + KV size)")
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """``--engine vllm-server``: the server to front (:mod:`natsched.workers.vllm_server`)."""
+    p.add_argument("--url", default=None, help="vllm-server: the server's http://HOST:PORT")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="vllm-server: the server's ZMQ KV-event endpoint, tcp://HOST:PORT (vllm serve "
+                        "--kv-events-config with endpoint tcp://*:PORT); without it no cache summaries")
+    p.add_argument("--kv-replay", default=None, metavar="ENDPOINT",
+                   help="vllm-server: its KV-event replay socket (replay_endpoint), tcp://HOST:PORT: batches "
+                        "missed before connecting or in a gap are fetched again")
+    p.add_argument("--metrics-url", default=None, help="vllm-server: its Prometheus page (default URL/metrics)")
+    p.add_argument("--flavor", choices=["vllm", "sglang"], default="vllm", help="vllm-server: the server's kind")
+    p.add_argument("--api-key", default=None, help="vllm-server: the server's --api-key")
+    p.add_argument("--server-block-size", type=int, default=None,
+                   help="vllm-server: its KV block size (default: read from its /metrics, else 32)")
 
 
 def add_calibrate_flags(p: argparse.ArgumentParser) -> None:
@@ -161,7 +189,8 @@ def up_settings(args):
                       nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, policy=args.policy,
                       time_scale=args.time_scale, log_level=args.log_level, gateway_port=args.gateway,
                       gateway_keys=args.gateway_keys, auth_dir=args.auth_dir,
-                      extra_worker_args=_worker_passthrough(args), metrics_port=args.metrics_port)
+                      extra_worker_args=_worker_passthrough(args), metrics_port=args.metrics_port,
+                      server_urls=list(args.vllm_url or []), server_kv_events=list(args.kv_events or []))
 
 
 def _worker_passthrough(args) -> list[str]:
@@ -198,6 +227,19 @@ def vllm_settings(args):
     )
 
 
+def server_settings(args):
+    """The ``natsched worker --engine vllm-server`` flags as :class:`~natsched.workers.vllm_server.ServerSettings`."""
+    from natsched.workers.vllm_server import ServerSettings
+
+    if not args.url:
+        raise ValueError("--engine vllm-server needs --url http://HOST:PORT")
+    return ServerSettings(
+        url=args.url, kv_events=args.kv_events, kv_replay=args.kv_replay, metrics_url=args.metrics_url,
+        flavor=args.flavor, model=None if args.model in (None, "default") else args.model,
+        block_size=args.server_block_size, scrape_interval_s=args.heartbeat, ignore_eos=bool(args.ignore_eos),
+        api_key=args.api_key)
+
+
 def _make_engine(args):
     if args.engine == "null":
         from natsched.workers.nullengine import NullEngine
@@ -208,6 +250,10 @@ def _make_engine(args):
         from natsched.workers.simengine import SimEngine
 
         return SimEngine(get_profile(args.profile), block_size=args.block_size, time_scale=args.time_scale)
+    if args.engine == "vllm-server":
+        from natsched.workers.vllm_server import ServerEngine
+
+        return ServerEngine(server_settings(args))
     from natsched.workers.vllm_engine import VllmEngine  # the vllm extra
 
     return VllmEngine(vllm_settings(args))
@@ -341,18 +387,25 @@ def cmd_worker(args) -> int:
     from natsched.hosting.runtime import serve
     from natsched.workers.agent import WorkerAgent, WorkerSettings
 
-    engine = _make_engine(args)
+    try:
+        engine = _make_engine(args)
+    except ValueError as exc:
+        return fail(str(exc))
     holder: dict = {}
     deployment = args.deployment or (f"sim-{args.profile}" if args.engine == "sim" else None)
 
     async def start(bus):
-        agent = WorkerAgent(bus, engine, WorkerSettings(id=args.id, model=args.model, concurrency=args.concurrency,
+        model = args.model
+        if args.engine == "vllm-server":  # the server says what it serves: its base model is the worker's
+            await engine.discover()
+            model = engine.model
+        agent = WorkerAgent(bus, engine, WorkerSettings(id=args.id, model=model, concurrency=args.concurrency,
                                                         heartbeat_interval_s=args.heartbeat, deployment=deployment,
                                                         metrics_port=args.metrics_port))
         holder["agent"] = agent
         await bus.provision()  # its WORK stream may not exist yet when it starts first
         await agent.start()
-        return f"id={args.id} engine={args.engine} model={args.model} capacity={agent.capacity_tokens or 'kv'}"
+        return f"id={args.id} engine={args.engine} model={model} capacity={agent.capacity_tokens or 'kv'}"
 
     async def stop():
         await holder["agent"].stop()

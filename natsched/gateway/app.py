@@ -39,7 +39,7 @@ from natsched.gateway.status_page import render_html
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz", "/status", "/status.json")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz", "/health", "/status", "/status.json")
 
 
 class JSON(Response):
@@ -220,7 +220,7 @@ async def models(request: Request) -> Any:
         gw.keys.authenticate(request.headers.get("authorization"))
     except ApiError as err:
         return _failed(gw, err)
-    return JSON(P.models_body(gw.models()))
+    return JSON(P.models_body(gw.models(), cards=gw.model_cards()))
 
 
 async def healthz(request: Request) -> Any:
@@ -291,6 +291,7 @@ def build_app(gateway: Gateway) -> Any:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/health", healthz, methods=["GET"]),  # vLLM's name for it: what its clients and probes ask
     ]
     if gateway.settings.status_page:
         routes += [Route("/status", status_html, methods=["GET"]), Route("/status.json", status_json, methods=["GET"])]

@@ -182,7 +182,17 @@ def chunk(inf: Inference, request_id: str, created: int, text: str | None = None
     return out
 
 
-def models_body(models: dict[str, bool], created: int | None = None) -> dict[str, Any]:
+def models_body(models: dict[str, bool], created: int | None = None,
+                cards: dict[str, dict] | None = None) -> dict[str, Any]:
+    """The OpenAI model list, with vLLM's entry fields (``root``, ``parent``, ``max_model_len``):
+    from the engine server's own entry where a worker fronts one (``cards``), else natsched's."""
     created = int(time.time()) if created is None else created
-    return {"object": "list", "data": [{"id": m, "object": "model", "created": created, "owned_by": "natsched",
-                                        "ready": ready} for m, ready in sorted(models.items())]}
+    cards = cards or {}
+    data = []
+    for m, ready in sorted(models.items()):
+        entry = {"id": m, "object": "model", "created": created, "owned_by": "natsched", "root": m, "parent": None,
+                 "max_model_len": None}
+        entry.update({k: v for k, v in cards.get(m, {}).items() if v is not None or k == "parent"})
+        entry["ready"] = ready
+        data.append(entry)
+    return {"object": "list", "data": data}

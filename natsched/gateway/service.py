@@ -130,6 +130,9 @@ class Gateway:
         live = self.status.state.models(time.time())
         return {**{m: False for m in self.settings.models}, **live}
 
+    def model_cards(self) -> dict[str, dict]:
+        return self.status.state.model_cards()
+
     def check_model(self, model: str) -> None:
         models = self.models()
         if model in models:

@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 #: a worker is stale after this many missed heartbeat intervals (the admitter's lease default)
 STALE_AFTER_INTERVALS = 3.0
+#: the gateway refuses a model at once (503) only when its workers have been silent this long at
+#: least: a late heartbeat or two (a loaded host, a GC pause) is the router's to wait out, not a
+#: reason to fail a request that a worker would serve a moment later
+REFUSE_AFTER_S = 2.0
 
 
 @dataclass
@@ -149,12 +153,25 @@ class StatusState:
         self.heartbeats = {w: hb for w, hb in self.heartbeats.items() if now - hb[1] <= s.forget_worker_s}
 
     def models(self, now: float) -> dict[str, bool]:
-        """Every model a live worker serves -> whether a healthy worker serves it now."""
+        """Every model (and LoRA adapter) a live worker serves -> whether a healthy worker serves it now."""
         out: dict[str, bool] = {}
         for hb, seen in self.heartbeats.values():
-            fresh = now - seen <= STALE_AFTER_INTERVALS * max(hb.interval, 0.1)
-            out[hb.model] = out.get(hb.model, False) or (fresh and hb.state == "healthy")
+            window = max(STALE_AFTER_INTERVALS * max(hb.interval, 0.1), REFUSE_AFTER_S)
+            ok = now - seen <= window and hb.state == "healthy"
+            for name in {hb.model, *(m.id for m in hb.served)}:
+                out[name] = out.get(name, False) or ok
         return out
+
+    def model_cards(self) -> dict[str, dict]:
+        """The engine servers' own ``/v1/models`` entries by id (workers fronting ``vllm serve``),
+        the newest heartbeat's winning: ``object``, ``created``, ``owned_by``, ``root``, ``parent``,
+        ``max_model_len``."""
+        cards: dict[str, dict] = {}
+        for hb, _ in sorted(self.heartbeats.values(), key=lambda x: x[1]):
+            for m in hb.served:
+                cards[m.id] = {"object": m.object, "created": m.created or None, "owned_by": m.owned_by,
+                               "root": m.root, "parent": m.parent, "max_model_len": m.max_model_len}
+        return cards
 
     def view(self, quota_entries: dict[str, bytes], usage_raw: bytes | None, now: float) -> StatusView:
         self.prune(now)

@@ -69,8 +69,20 @@ class UpSettings:
     auth_dir: Path | None = None  # from natsched auth init: the server runs its config, each child its role
     log_dir: Path | None = None  # children's stderr to <log_dir>/<name>.log; None: this process's stderr
     metrics_port: int | None = None  # Prometheus on this port and the next ones: admitters, routers, workers, gateway
+    # engine "vllm-server": the servers to front, one worker agent each (``workers`` follows), and
+    # their KV-event endpoints in the same order (fewer: the rest run without cache summaries)
+    server_urls: list[str] = field(default_factory=list)
+    server_kv_events: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.engine == "vllm-server":
+            if not self.server_urls:
+                raise ValueError("--engine vllm-server needs --vllm-url URL (once per server)")
+            if len(self.server_kv_events) > len(self.server_urls):
+                raise ValueError("more --kv-events than --vllm-url: give them in the servers' order")
+            self.workers = len(self.server_urls)
+        elif self.server_urls:
+            raise ValueError("--vllm-url needs --engine vllm-server")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - self.metered() + 1:
             raise ValueError(f"--metrics-port {self.metrics_port}: the {self.metered()} services need "
                              f"ports {self.metrics_port}..{self.metrics_port + self.metered() - 1} within 1..65535")
@@ -123,9 +135,9 @@ class Supervisor:
                               user="router"))
         if self.s.offline:
             kids.append(Child("offline", self._cmd("offline", *common, "--name", "offline"), user="offline"))
-        for wid in self.worker_ids():
+        for i, wid in enumerate(self.worker_ids()):
             args = ["worker", *common, "--id", wid, "--engine", self.s.engine,
-                    "--time-scale", str(self.s.time_scale), *self.s.extra_worker_args]
+                    "--time-scale", str(self.s.time_scale), *self.s.extra_worker_args, *self._server_args(i)]
             kids.append(Child(f"worker {wid}", self._cmd(*args), user=f"worker-{wid}"))
         if self.s.gateway_port is not None:
             auth = ["--keys", str(self.s.gateway_keys)] if self.s.gateway_keys else ["--insecure-open"]
@@ -138,6 +150,15 @@ class Supervisor:
                 kid.args += ["--credentials", str(self.auth.creds(kid.user))]
         self._assign_metrics_ports(kids)
         return kids
+
+    def _server_args(self, i: int) -> list[str]:
+        """Worker ``i``'s server (engine vllm-server): its URL and KV-event endpoint."""
+        if self.s.engine != "vllm-server":
+            return []
+        out = ["--url", self.s.server_urls[i]]
+        if i < len(self.s.server_kv_events):
+            out += ["--kv-events", self.s.server_kv_events[i]]
+        return out
 
     def _assign_metrics_ports(self, kids: list[Child]) -> None:
         """Consecutive ``--metrics-port``s from ``metrics_port``, in the plan's order."""

@@ -59,6 +59,22 @@ class RouterSettings:
         )
 
 
+def prefer_loaded(candidates: list[WorkerView], model: str) -> list[WorkerView]:
+    """For an adapter's request: the healthy candidates that have it in their batch now and room
+    left (load below capacity), when there are any; else every candidate.
+
+    A vLLM server holds ``--max-loras`` adapters on the device at once; one that is not there
+    is loaded first (from CPU memory or disk), which delays the request and evicts another
+    adapter. The Gateway API inference extension (the scheduler llm-d builds on) filters for
+    LoRA affinity from the same ``vllm:lora_requests_info`` gauge. Restricting the policy's choice, rather than scoring
+    it, keeps every policy's own logic as documented; the capacity test keeps a busy
+    worker from taking all of an adapter's traffic.
+    """
+    loaded = [w for w in candidates if model in w.active and w.state == "healthy"
+              and (not w.capacity_tokens or w.load_tokens < w.capacity_tokens)]
+    return loaded or candidates
+
+
 def in_canary(request_id: str, share: float) -> bool:
     """Deterministic: the same request id always lands on the same side (retries, replicas)."""
     return zlib.crc32(request_id.encode()) % 10_000 < share * 10_000
@@ -142,9 +158,10 @@ class RouterCore:
     # ------------------------------------------------------------------ routing
 
     def candidates(self, req: RouteRequest, now: float) -> list[WorkerView]:
-        """Workers that may take ``req`` now (state, heartbeat age, model, size for BACKOFF)."""
+        """Workers that may take ``req`` now (state, heartbeat age, model, size for BACKOFF), and of
+        them, for a LoRA adapter's request, those with the adapter loaded (:func:`prefer_loaded`)."""
         eligible = self.registry.eligible
-        return [w for w in self.workers.values() if eligible(w, req, now)]
+        return prefer_loaded([w for w in self.workers.values() if eligible(w, req, now)], req.model)
 
     def route(self, req: RouteRequest, now: float) -> RouteDecision:
         """Ask the live (or canary) policy, then book the assignment: pending load, ledger entry

@@ -70,6 +70,8 @@ class WorkerView:
     joined_at: float = 0.0  # first heartbeat, or the last re-registration (warm-up starts here)
     started_at: float = 0.0  # the worker's own start time; a new value means it restarted
     kv_seq: int = 0  # last cache-event sequence number the worker says it published
+    serves: frozenset[str] = frozenset()  # models and LoRA adapters it serves besides ``model`` (Heartbeat.served)
+    active: frozenset[str] = frozenset()  # ... of them, the adapters in its engine's batch now (loaded)
     # assigned by this router but not yet counted in a heartbeat (so bursts spread out)
     pending: int = 0
     pending_tokens: int = 0  # KV tokens those assignments will hold

@@ -143,6 +143,9 @@ class WorkerRegistry:
     @staticmethod
     def _copy_load(view: WorkerView, hb: Heartbeat, now: float) -> None:
         view.model = hb.model
+        if hb.served or view.serves:
+            view.serves = frozenset(m.id for m in hb.served)
+            view.active = frozenset(m.id for m in hb.served if m.active)
         view.running, view.waiting = hb.running, hb.waiting
         view.kv_used_blocks, view.kv_total_blocks = hb.kv_used_blocks, hb.kv_total_blocks
         view.runtime_tokens, view.capacity_tokens = hb.runtime_tokens, hb.capacity_tokens
@@ -240,8 +243,10 @@ class WorkerRegistry:
         return WorkerState(view.state) if view.state in _REPORTED else view.state
 
     def eligible(self, view: WorkerView, req: RouteRequest, now: float) -> bool:
-        """May ``view`` take ``req`` now? Healthy: yes; Backoff: short prompts only; else no."""
-        if view.model != req.model or now - view.last_heartbeat > self.silence_limit(view):
+        """May ``view`` take ``req`` now? Only if it serves the request's model (its own, or one
+        of its ``served`` models and adapters); then Healthy: yes; Backoff: short prompts only."""
+        if (view.model != req.model and req.model not in view.serves) or \
+                now - view.last_heartbeat > self.silence_limit(view):
             return False
         if view.id in req.avoid:
             return False

@@ -253,6 +253,24 @@ class Completion(Schema):
 
 
 @dataclass
+class ServedModel(Schema):
+    """One model a worker's engine serves, as ``vllm serve`` lists it in ``/v1/models``.
+
+    A LoRA adapter has ``parent`` (its base model); ``active`` says it is in the engine's batch
+    now (loaded on the device: the router prefers such a worker for the adapter's requests).
+    """
+
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "vllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    active: bool = False
+
+
+@dataclass
 class Heartbeat(Schema):
     """A worker's load report on ``worker.<id>.hb``; ``inflight`` are the admitter's leases."""
 
@@ -273,6 +291,7 @@ class Heartbeat(Schema):
     interval: float = 1.0
     kv_seq: int = 0  # last cache-event sequence number published
     inflight: list[str] = field(default_factory=list)
+    served: list[ServedModel] = field(default_factory=list)  # every model and adapter it serves (besides ``model``)
     v: int = SCHEMA_VERSION
 
     _COUNTS = ("seq", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "runtime_tokens",

@@ -10,6 +10,10 @@ Its own state, announced in every heartbeat (only ``healthy`` workers get new wo
 - ``backoff`` — set by the agent itself while the engine is overloaded (KV nearly full, a
   preemption storm; :mod:`natsched.workers.backoff` has the thresholds and the hysteresis); it keeps
   running what it has and returns to ``healthy`` when the pressure is gone;
+- ``backoff`` / ``quiescing`` while an engine behind a network hop (``vllm serve``:
+  :mod:`natsched.workers.vllm_server`) does not answer: backoff at once, quiescing once it has
+  been silent ``unreachable_leave_s`` (it takes nothing; what it ran ended with
+  ``server_unavailable``), and ``healthy`` again by itself when the server answers;
 - ``quiescing`` — after ``drain`` (``natsched worker drain ID``) or when the engine died
   (``failure`` says why): it takes nothing new, finishes (or fails, reported) what it runs,
   then :meth:`WorkerAgent.wait_drained` returns and the process leaves; :meth:`WorkerAgent.stop`
@@ -62,6 +66,7 @@ class WorkerSettings:
     calibration_timeout_s: float = 3.0
     backoff: BackoffSettings = field(default_factory=BackoffSettings)
     metrics_port: int | None = None  # serve Prometheus metrics here (natsched.workers.metrics)
+    unreachable_leave_s: float = 5.0  # an engine server silent this long: the worker leaves until it is back
 
 
 class WorkerAgent:
@@ -89,6 +94,8 @@ class WorkerAgent:
         self._produced: dict[str, tuple[int, int]] = {}  # running: (prompt, output) tokens so far
         self._stopped_runs: set[str] = set()  # running, cancelled, and the cancel has reached its task
         self._stoppers: set[asyncio.Task] = set()
+        self._away = False  # quiescing because the engine server does not answer (not a drain: it comes back)
+        self._epoch = 0.0  # the engine's cache epoch last announced (engines that have one)
 
     async def start(self) -> None:
         await self.engine.start()
@@ -195,7 +202,7 @@ class WorkerAgent:
                 self.finished.add(req.id)
             self.inflight.pop(req.id, None)
             self._check_engine()
-            if self.state == "quiescing" and not self.inflight:
+            if self.state == "quiescing" and not self.inflight and not self._away:
                 self._stopped.set()
 
     async def _generate(self, a: Assignment, started: float, *, received: float) -> None:
@@ -208,6 +215,7 @@ class WorkerAgent:
             prompt=((req.system_prompt or "") + (req.prompt or "")) if req.prompt is not None else None,
             prompt_token_ids=req.prompt_token_ids,
             output_tokens_hint=req.expected_output_tokens,
+            model=req.model,
         )
         first_at = None
         texts: list[str] = []
@@ -319,9 +327,19 @@ class WorkerAgent:
             except Exception:
                 log.exception("heartbeat failed")
 
+    def _started_at(self) -> float:
+        """This worker's start, or the start of the engine's cache it reports, if later: a server
+        that restarted (or whose events were lost) makes the router drop the old claims."""
+        epoch = getattr(self.engine, "epoch", None) or 0.0
+        return max(self.started_at, epoch)
+
     async def _heartbeat(self) -> None:
         st = self.engine.stats()
         self._update_state(st)
+        started_at = self._started_at()
+        new_epoch = started_at != self._epoch and self._epoch != 0.0
+        self._epoch = started_at
+        served = getattr(self.engine, "served_models", None)
         self._hb_seq += 1
         hb = Heartbeat(
             worker=self.id, seq=self._hb_seq, ts=time.time(), state=self.state, model=self.settings.model,
@@ -329,10 +347,13 @@ class WorkerAgent:
             kv_total_blocks=st.kv_total_blocks, runtime_tokens=st.runtime_tokens,
             capacity_tokens=self.capacity_tokens or st.capacity_tokens,
             queued_prefill_tokens=st.queued_prefill_tokens, block_size=self.engine.block_size,
-            started_at=self.started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
-            inflight=list(self.inflight),
+            started_at=started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
+            inflight=list(self.inflight), served=served() if served is not None else [],
         )
         await self.bus.publish(S.heartbeat(self.id), hb)
+        if new_epoch:  # after the heartbeat that resets the router's view: what the engine holds now
+            log.warning("worker %s: its engine's cache began anew; snapshot sent", self.id)
+            await self._publish_cache("snapshot", self.engine.cached_hashes())
         m = self.metrics
         m.running.set(st.running)
         m.waiting.set(st.waiting)
@@ -356,6 +377,8 @@ class WorkerAgent:
 
     def _update_state(self, st: EngineStats) -> None:
         self._check_engine()
+        if self._reachability(st):
+            return
         if self.state not in ("healthy", "backoff"):
             return
         active = self.backoff.update(st, time.monotonic())
@@ -366,6 +389,27 @@ class WorkerAgent:
             else:
                 log.info("worker %s healthy again", self.id)
             self.state = new
+
+    def _reachability(self, st: EngineStats) -> bool:
+        """An engine server that does not answer: backoff, then away (quiescing, no new work), and
+        healthy again when it answers. True while that decides the state."""
+        if st.unreachable_s <= 0:
+            if self._away:
+                self._away = False
+                self.state = "healthy"
+                log.info("worker %s back: its engine server answers again", self.id)
+            return False
+        if self.state not in ("healthy", "backoff") and not self._away:
+            return True  # drained or failed: stays so
+        if st.unreachable_s >= self.settings.unreachable_leave_s:
+            if not self._away:
+                log.warning("worker %s leaving until its engine server is back (silent %.1fs: %s)", self.id,
+                            st.unreachable_s, st.unreachable_reason)
+            self._away, self.state = True, "quiescing"
+        elif self.state != "backoff":
+            log.warning("worker %s backing off: engine server does not answer (%s)", self.id, st.unreachable_reason)
+            self.state = "backoff"
+        return True
 
     async def _load_calibration(self) -> None:
         """Use a stored calibration as capacity, unless the operator gave one (never fatal)."""
@@ -396,7 +440,7 @@ class WorkerAgent:
             await self._publish_cache("snapshot", self.engine.cached_hashes())
         elif ctl.kind == "drain":
             log.info("worker %s quiescing (drain requested by %s)", self.id, ctl.by or "?")
-            self.state = "quiescing"
+            self.state, self._away = "quiescing", False
             await self._heartbeat()
             if not self.inflight:
                 self._stopped.set()

@@ -1,7 +1,11 @@
 """The Engine protocol: what a worker agent needs from an inference engine.
 
-Two implementations: :class:`natsched.workers.simengine.SimEngine` (a calibrated model, real time) and
-``natsched.workers.vllm_engine.VllmEngine`` (vLLM's AsyncLLM). The agent never knows which it drives.
+Implementations: :class:`natsched.workers.simengine.SimEngine` (a calibrated model, real time),
+``natsched.workers.vllm_engine.VllmEngine`` (vLLM's AsyncLLM in this process) and
+:class:`natsched.workers.vllm_server.ServerEngine` (a ``vllm serve`` or SGLang server over HTTP).
+The agent never knows which it drives. Optional, for engines that have them: ``failure`` (it
+died: the worker leaves), ``epoch`` (when the cache it reports began: a newer one re-registers
+the worker) and ``served_models()`` (base models and adapters, for heartbeats).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class EngineRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     output_tokens_hint: int | None = None  # a simulated engine generates this many
+    model: str | None = None  # the request's model (a LoRA adapter's name, for a server that has several)
 
 
 @dataclass
@@ -51,6 +56,9 @@ class EngineStats:
     queued_prefill_tokens: int = 0
     capacity_tokens: int = 0
     preemptions: int = 0
+    # an engine behind a network hop (natsched.workers.vllm_server): seconds it has not answered, and why
+    unreachable_s: float = 0.0
+    unreachable_reason: str = ""
 
 
 class Engine(Protocol):

@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 Delta = tuple[str, list[BlockHash]]
 
 #: positional field order of events in vLLM versions that encoded them as arrays
-_ARRAY_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+_ARRAY_FIELDS = {  # vLLM's older encoding, and SGLang's (python/sglang/srt/disaggregation/kv_events.py)
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
@@ -161,8 +161,9 @@ class KvTranslator:
             # partial/null blocks or another block size: these tokens cannot be cut into our chain
             self.counters.unmappable += 1
             return
-        if parent is None:
-            our_parent = self.root
+        if parent is None:  # a LoRA adapter's blocks chain from its own name, as its requests do
+            lora = ev.get("lora_name")
+            our_parent = root_hash(lora) if isinstance(lora, str) and lora else self.root
         else:
             entry = self._by_vllm.get(parent)
             if entry is None:
@@ -357,6 +358,10 @@ def decode_batch(payload: bytes) -> tuple[float, list]:
     return float(ts), events
 
 
+#: how long a replay socket may take to answer before the gap is declared
+REPLAY_TIMEOUT_S = 5.0
+
+
 class KvEventSubscriber:
     """Reads vLLM's ZMQ KV-event stream and feeds a :class:`KvTranslator` on the event loop.
 
@@ -372,6 +377,8 @@ class KvEventSubscriber:
         host: str = "127.0.0.1",
         port: int = 0,
         topic: str = "",
+        connect: str | None = None,
+        replay: str | None = None,
     ) -> None:
         self.translator = translator
         self.emit = emit
@@ -379,6 +386,11 @@ class KvEventSubscriber:
         self.host = host
         self.port = port
         self.topic = topic.encode()
+        self.connect = connect  # a publisher that binds (``vllm serve``'s ``tcp://*:PORT``): we connect to it
+        # its replay socket (``replay_endpoint``): batches we missed — a gap, or everything before
+        # we connected — are asked for again there before a gap is declared
+        self.replay = replay
+        self.replayed = 0  # batches recovered from the replay socket
         self.endpoint: str | None = None
         self._ctx: Any = None
         self._sock: Any = None
@@ -390,7 +402,8 @@ class KvEventSubscriber:
         return self.translator.counters
 
     def bind(self) -> str:
-        """Bind the SUB socket; returns the endpoint vLLM's publisher must *connect* to."""
+        """Bind the SUB socket (or connect it, given ``connect``); returns the endpoint vLLM's
+        publisher must *connect* to (or the one we connected to)."""
         import zmq
         import zmq.asyncio
 
@@ -399,6 +412,10 @@ class KvEventSubscriber:
         self._sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if self.connect:
+            self._sock.connect(self.connect)  # ZMQ reconnects by itself when the server restarts
+            self.endpoint = self.connect
+            return self.endpoint
         if self.port:
             self._sock.bind(f"tcp://{self.host}:{self.port}")
         else:
@@ -434,7 +451,49 @@ class KvEventSubscriber:
                 log.warning("kv events: receive failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
+            if self.replay and len(frames) == 3 and len(frames[1]) == 8:
+                seq, expected = int.from_bytes(frames[1], "big", signed=True), self._next_seq
+                if (expected is None and seq > 0) or (expected is not None and seq > expected):
+                    await self.catch_up(0 if expected is None else expected, seq)
             self.handle_frames(frames)
+
+    async def catch_up(self, start: int, stop: int) -> bool:
+        """Ask the replay socket for batches ``start..stop-1`` and apply them in order; True when
+        the sequence is whole again (else the gap stands, and is handled as one).
+
+        The publisher answers ``[b"", (topic,) seq, payload]`` per buffered batch from ``start``,
+        then ``seq = -1`` (vLLM sends the topic frame, SGLang does not).
+        """
+        import zmq
+
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.replay)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                if not await sock.poll(REPLAY_TIMEOUT_S * 1000):
+                    log.warning("kv events: replay of %d..%d from %s timed out", start, stop - 1, self.replay)
+                    break
+                frames = await sock.recv_multipart()
+                body = frames[1:] if frames and frames[0] == b"" else frames
+                if len(body) not in (2, 3) or len(body[-2]) != 8:
+                    self._garbage(f"replay frame of {len(frames)} parts")
+                    break
+                seq = int.from_bytes(body[-2], "big", signed=True)
+                if seq < 0:
+                    break  # end of the buffer
+                if seq < stop and (self._next_seq is None or seq == self._next_seq):
+                    self.handle_frames([b"", body[-2], body[-1]])
+                    self.replayed += 1
+        except Exception as exc:  # the replay socket is a help, never a reason to stop reading
+            log.warning("kv events: replay from %s failed: %s", self.replay, exc)
+        finally:
+            sock.close(linger=0)
+        whole = self._next_seq == stop
+        if whole:
+            log.info("kv events: recovered batches %d..%d from the replay socket", start, stop - 1)
+        return whole
 
     def handle_frames(self, frames: Sequence[bytes]) -> None:
         """One ZMQ message ``[topic, seq (8 bytes, big endian), payload]``; never raises."""

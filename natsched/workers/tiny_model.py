@@ -3,12 +3,16 @@
 ``config.json`` describes a 2-layer Llama (hidden 256, 4 heads of 64, 2 KV heads, vocab 1024);
 vLLM fills it with random weights (``load_format="dummy"``), so its output is noise but every
 engine mechanism — batching, prefix caching, KV events, preemption — is real. With
-``tokenizer=True`` a small byte-level BPE tokenizer (trained here with the ``tokenizers``
-package that vLLM brings, BOS prepended like Llama's) is saved beside it, for text prompts.
+``tokenizer=True`` a small byte-level BPE tokenizer is saved beside it, for text prompts and
+chat: trained here with the ``tokenizers`` package that vLLM brings, on text this package ships
+(its own module docstrings, plus the test vocabulary :data:`WORDS`; nothing is downloaded), BOS
+prepended like Llama's, with a chat template, so ``vllm serve`` answers ``/v1/chat/completions``
+and text ``/v1/completions`` like a real model server (with noise for output).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 from pathlib import Path
@@ -46,6 +50,29 @@ def write_tiny_model(directory: str | Path, tokenizer: bool = False) -> Path:
     return path
 
 
+#: a plain template in the Llama-2 style (BOS, role-tagged turns); vLLM and HF render it with Jinja
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def shipped_text() -> list[str]:
+    """The docstrings of natsched's own modules, classes and functions: English about this domain,
+    in every install (sorted by path, so the tokenizer is the same wherever it is trained)."""
+    root = Path(__file__).resolve().parents[1]
+    out: list[str] = []
+    for py in sorted(root.rglob("*.py")):
+        try:
+            tree = ast.parse(py.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    out.append(doc)
+    return out
+
+
 def _write_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -53,8 +80,9 @@ def _write_tokenizer(path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     rng = random.Random(0)
-    corpus = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(400)]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 24, special_tokens=["<unk>", "<s>", "</s>"],
+    corpus = shipped_text() + [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(400)]
+    roles = ["<|system|>", "<|user|>", "<|assistant|>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 24, special_tokens=["<unk>", "<s>", "</s>", *roles],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
     bos = tok.token_to_id("<s>")
@@ -64,4 +92,5 @@ def _write_tokenizer(path: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
         "model_max_length": CONFIG["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
     }, indent=1))

@@ -27,6 +27,32 @@ def make_request(
                    max_tokens=max_tokens, created=time.time(), **fields)
 
 
+def apply_cache_event(view: set, ev) -> None:
+    """A worker's cache as a reader of its events sees it: ``ev`` (a CacheEvent) applied to ``view``."""
+    if ev.kind in ("snapshot", "cleared"):
+        view.clear()
+        view.update(ev.hashes)
+    elif ev.kind == "stored":
+        view.update(ev.hashes)
+    elif ev.kind == "removed":
+        view.difference_update(ev.hashes)
+
+
+async def submit_shared_prefix(client, tenant: str, prefix: list[int], *, model: str, n: int = 4,
+                               max_tokens: int = 3) -> list:
+    """``n`` token-id requests sharing ``prefix`` (each with its own 16-token tail), one after the
+    other: ``[(request, result)]``. The first finds nothing cached; the rest should find the prefix."""
+    from natsched.client.producer import make_request as new_request
+
+    out = []
+    for i in range(n):
+        tail = [11 + ((i + 1) * 97 + j) % 1000 for j in range(16)]
+        req = new_request(tenant, prompt_token_ids=prefix + tail, model=model, max_tokens=max_tokens)
+        out.append((req, await client.submit(req)))
+    assert out[0][1].status == "completed" and out[0][1].cached_tokens == 0
+    return out
+
+
 def make_heartbeat(worker: str = "w1", *, seq: int = 1, ts: float | None = None, **fields) -> Heartbeat:
     return Heartbeat(worker=WorkerId(worker), seq=seq, ts=ts if ts is not None else time.time(), **fields)
 

@@ -25,7 +25,8 @@ async def test_requests_travel_every_stage(stack, bus):
     results = await asyncio.gather(*(stack.client.submit(r) for r in reqs))
     assert all(r.status == "completed" and r.output_tokens == 5 for r in results)
     assert all(r.text.split() == [f"tok{i}" for i in range(5)] for r in results)
-    assert all(r.statuses == ["admitted", "assigned"] for r in results)
+    # "admitted" (admitter) and "assigned" (router) come from two connections: NATS orders neither first
+    assert all(sorted(r.statuses) == ["admitted", "assigned"] for r in results)
     assert {r.worker for r in results} == {"w1", "w2"}  # least_loaded spreads a burst
     completions = await stream_records(bus, S.STREAM_COMPLETIONS, Completion)
     assert sorted(c.request_id for c in completions) == sorted(r.id for r in reqs)

@@ -219,3 +219,44 @@ async def test_subscriber_reads_a_real_zmq_publisher():
         pub.close(linger=0)
         ctx.term()
         await sub.close()
+
+
+async def test_batches_published_before_we_connected_are_replayed_from_vllms_own_publisher():
+    """vLLM's own ZmqEventPublisher (bound, as ``vllm serve`` runs it, with its replay socket): a
+    subscriber that connects late asks for what it missed and learns the whole cache."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+    from natsched.bus.server import free_port
+
+    port, replay = free_port(), free_port()
+    pub = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}")
+
+    def batch(h, parent, tokens):
+        return KVEventBatch(ts=0.0, events=[BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=tokens,
+                                                        block_size=BS, lora_id=None, medium="GPU", lora_name=None)])
+
+    deltas, resyncs = [], []
+    sub = KvEventSubscriber(KvTranslator("m", BS), lambda k, h: deltas.append((k, list(h))), resyncs.append,
+                            connect=f"tcp://127.0.0.1:{port}", replay=f"tcp://127.0.0.1:{replay}")
+    try:
+        pub.publish(batch(1, None, [1, 2, 3, 4]))  # nobody listens yet: only the replay buffer keeps these
+        pub.publish(batch(2, 1, [5, 6, 7, 8]))
+        for _ in range(500):  # its thread has sent them (into no socket) and buffered them for replay
+            if len(pub._buffer) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        sub.bind()
+        sub.start()
+        chain = token_block_hashes(list(range(1, 17)), BS, root_hash("m"))
+        for i in range(2, 200):  # keep publishing until the late subscriber has joined
+            pub.publish(batch(i + 1, i, [4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4]))
+            await asyncio.sleep(0.02)
+            if sub.counters.batches >= 3:
+                break
+        await asyncio.sleep(0)
+        assert sub.replayed >= 2 and not resyncs and sub.counters.gaps == 0
+        assert set(chain[:3]) <= set(sub.translator.cached_hashes())  # the first blocks, from the replay
+        assert sub.counters.unresolved_parent == 0  # every later block found its parent
+    finally:
+        pub.shutdown()
+        await sub.close()

@@ -14,12 +14,13 @@ import pytest
 from natsched.admitter.service import AdmitterService
 from natsched.wire import subjects as S
 from natsched.wire.blocks import request_block_hashes
-from natsched.client.producer import Client, Timeouts, make_request
+from natsched.client.producer import Client, Timeouts
 from natsched.bus.connection import Bus
 from natsched.wire.schema import CacheEvent
 from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings
 from tests.conftest import wipe
+from tests.factories.core import apply_cache_event, submit_shared_prefix
 from natsched.workers.tiny_model import write_tiny_model
 from natsched.hosting.vllm_worker import VllmWorkerProcess
 
@@ -37,14 +38,7 @@ class CacheView:
 
     async def on_event(self, subject: str, data: bytes, headers: dict) -> None:
         ev = CacheEvent.decode(data)
-        view = self.by_worker.setdefault(ev.worker, set())
-        if ev.kind in ("snapshot", "cleared"):
-            view.clear()
-            view.update(ev.hashes)
-        elif ev.kind == "stored":
-            view.update(ev.hashes)
-        elif ev.kind == "removed":
-            view.difference_update(ev.hashes)
+        apply_cache_event(self.by_worker.setdefault(ev.worker, set()), ev)
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +83,8 @@ async def test_router_sees_both_real_workers(cluster):
 async def test_repeated_long_prefix_is_served_from_the_chosen_workers_cache(cluster):
     client, router, view = cluster
     prefix = [7 + (i * 13) % 1000 for i in range(256)]  # 8 blocks of 32 tokens
-    results = []
-    for n in range(4):
-        tail = [11 + ((n + 1) * 97 + i) % 1000 for i in range(16)]
-        req = make_request("t1", prompt_token_ids=prefix + tail, model=MODEL, max_tokens=4)
-        results.append((req, await client.submit(req)))
+    results = await submit_shared_prefix(client, "t1", prefix, model=MODEL, max_tokens=4)
     first_req, first = results[0]
-    assert first.status == "completed" and first.cached_tokens == 0
     prefix_hashes = request_block_hashes(first_req, 32)[:8]
     for req, res in results[1:]:
         assert res.status == "completed" and res.worker in WORKERS

@@ -119,3 +119,14 @@ async def test_token_id_prompts_work_beside_text_prompts(engine):
     final = (await run(engine, er))[-1]
     assert final.error is None and final.output_tokens == 4
     assert await wait_for(lambda: set(request_block_hashes(req, 32)) <= engine.recorder.stored())
+
+
+async def test_a_chat_rendered_by_the_tiny_models_template_runs(engine):
+    text = engine._tokenizer.apply_chat_template([{"role": "user", "content": "which worker is idle?"}],
+                                                 tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<s><|user|>") and text.endswith("<|assistant|>\n")
+    _, er = text_request(text[len("<s>"):], max_tokens=3)  # the engine's tokenizer adds BOS itself
+    final = (await run(engine, er))[-1]
+    assert final.error is None and final.output_tokens == 3
+    ids = engine._tokenizer(text[len("<s>"):])["input_ids"]
+    assert ids[:2] == [engine._tokenizer.bos_token_id, engine._tokenizer.convert_tokens_to_ids("<|user|>")]

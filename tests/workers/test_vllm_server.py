@@ -1,0 +1,317 @@
+"""Worker agents fronting real ``vllm serve`` processes (engine ``vllm-server``), end to end.
+
+Two real OpenAI servers (the tiny dummy-weights model with its byte-level BPE tokenizer, KV
+events on, CPU), one agent each, behind a real nats-server, admitter and router: prompts stream
+back, the server's own usage reports cached tokens, its KV events become ``worker.<id>.kv``
+blocks, a cancel aborts on the server, a killed server sends its agent to backoff and away and
+its requests end with ``server_unavailable``, a restarted one is re-learned. The servers start
+once for the module (slow on shared cores); every wait is on /health or on a bus event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+import pytest
+
+from natsched.admitter.service import AdmitterService
+from natsched.bus.connection import Bus
+from natsched.bus.server import free_port
+from natsched.client.errors import RequestFailed
+from natsched.client.producer import Client, Timeouts, make_request
+from natsched.router.core import RouterSettings
+from natsched.router.service import RouterService, RouterServiceSettings
+from natsched.wire import subjects as S
+from natsched.wire.blocks import request_block_hashes
+from natsched.wire.schema import CacheEvent, Control, Heartbeat
+from natsched.workers.agent import WorkerAgent, WorkerSettings
+from natsched.workers.engine import EngineRequest
+from natsched.workers.server_metrics import parse_metrics
+from natsched.workers.tiny_model import write_tiny_model
+from natsched.hosting.vllm_serve import VllmServe
+from natsched.workers.vllm_server import ServerEngine, ServerSettings
+from tests.conftest import wipe
+from tests.factories.core import apply_cache_event, submit_shared_prefix, wait_for
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "tiny"
+WORKERS = ("s1", "s2")
+
+
+class Watch:
+    """What the bus says: each worker's announced cache and its heartbeats."""
+
+    def __init__(self) -> None:
+        self.cache: dict[str, set[int]] = {}
+        self.kinds: dict[str, list[str]] = {}
+        self.hb: dict[str, Heartbeat] = {}
+        self.states: dict[str, list[str]] = {}
+
+    async def on_kv(self, subject, data, headers) -> None:
+        ev = CacheEvent.decode(data)
+        self.kinds.setdefault(ev.worker, []).append(ev.kind)
+        apply_cache_event(self.cache.setdefault(ev.worker, set()), ev)
+
+    async def on_hb(self, subject, data, headers) -> None:
+        hb = Heartbeat.decode(data)
+        self.hb[hb.worker] = hb
+        states = self.states.setdefault(hb.worker, [])
+        if not states or states[-1] != hb.state:
+            states.append(hb.state)
+
+
+@pytest.fixture(scope="module")
+async def system(nats_url, tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-serve"), tokenizer=True)
+    servers = {w: VllmServe(path, MODEL, port=free_port(), kv_port=free_port(), replay_port=free_port(),
+                            max_model_len=1024, kv_cache_blocks=256, max_num_seqs=8).start() for w in WORKERS}
+    buses: list[Bus] = []
+    agents: dict[str, WorkerAgent] = {}
+
+    async def connect(name):
+        b = await Bus.connect(nats_url, name=name)
+        buses.append(b)
+        return b
+
+    try:
+        await asyncio.gather(*(asyncio.to_thread(s.wait_ready, 400) for s in servers.values()))
+        bus = await connect("test-vllm-server")
+        await wipe(bus)
+        await bus.provision()
+        watch = Watch()
+        await bus.subscribe(S.CACHE_EVENTS_ALL, watch.on_kv)
+        await bus.subscribe("worker.*.hb", watch.on_hb)
+        admitter = AdmitterService(await connect("admitter"))
+        await admitter.start()
+        router = RouterService(await connect("router"),
+                               RouterServiceSettings(core=RouterSettings(policy="natsched", block_size=32)))
+        await router.start()
+        for w, srv in servers.items():
+            engine = ServerEngine(ServerSettings(url=srv.url, kv_events=srv.kv_endpoint, kv_replay=srv.replay_endpoint,
+                                                 ignore_eos=True, scrape_interval_s=0.3))
+            await engine.discover()
+            agent = WorkerAgent(await connect(w), engine, WorkerSettings(
+                id=w, model=engine.model, concurrency=4, heartbeat_interval_s=0.3, unreachable_leave_s=1.5))
+            await agent.start()
+            agents[w] = agent
+        assert await wait_for(lambda: set(router.core.workers) == set(WORKERS), timeout=30)
+        client = Client(await connect("producer"), Timeouts(admission=30, idle=120))
+        yield type("System", (), dict(client=client, router=router, agents=agents, servers=servers, watch=watch))
+    finally:
+        for a in agents.values():
+            await a.stop()
+        for b in buses:
+            await b.close()
+        for s in servers.values():
+            s.stop()
+
+
+async def metrics_text(srv: VllmServe) -> str:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"{srv.url}/metrics", timeout=10)).text
+
+
+async def generated_on(srv: VllmServe) -> float:
+    """The server's own count of tokens it generated (``vllm:generation_tokens_total``)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in (await metrics_text(srv)).splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+async def running_on(srv: VllmServe) -> float:
+    return parse_metrics(await metrics_text(srv)).running
+
+
+@contextlib.asynccontextmanager
+async def only(system, worker: str):
+    """Route to ``worker`` alone for a while: the others are drained (real control messages), then resumed."""
+    others = [w for w in WORKERS if w != worker]
+    for w in others:
+        await system.client.bus.publish(S.control(w), Control(kind="drain", ts=time.time(), by="test"))
+    assert await wait_for(lambda: all(system.router.core.workers[w].state == "quiescing" for w in others), 15)
+    try:
+        yield
+    finally:
+        for w in others:
+            await system.client.bus.publish(S.control(w), Control(kind="resume", ts=time.time(), by="test"))
+        assert await wait_for(lambda: all(system.router.core.workers[w].state == "healthy" for w in others), 15)
+
+
+async def test_agents_announce_what_their_servers_serve(system):
+    for w in WORKERS:
+        view = system.router.core.workers[w]
+        assert view.model == MODEL and view.block_size == 32 and view.kv_total_blocks == 256
+        hb = system.watch.hb[w]
+        (card,) = hb.served
+        assert card.id == MODEL and card.max_model_len == 1024 and card.owned_by == "vllm" and card.parent is None
+
+
+async def test_text_and_token_prompts_stream_back(system):
+    client = system.client
+    text_req = make_request("t1", "the quick brown fox asks the worker about the cache", model=MODEL, max_tokens=6)
+    stream = client.stream(text_req)
+    chunks = [c async for c in stream]
+    assert stream.result.status == "completed" and stream.result.output_tokens == 6
+    assert sum(len(c.token_ids or []) for c in chunks) == 6  # every token relayed, with its id
+    assert stream.result.prompt_tokens > 5  # the server's tokenizer counted them
+    ids_req = make_request("t1", prompt_token_ids=[1] + list(range(40, 90)), model=MODEL, max_tokens=5)
+    stream = client.stream(ids_req)
+    chunks = [c async for c in stream]
+    assert stream.result.status == "completed"
+    assert stream.result.prompt_tokens == 51 and stream.result.output_tokens == 5
+    assert [t for c in chunks for t in (c.token_ids or [])] and all(0 <= t < 1024 for c in chunks
+                                                                   for t in (c.token_ids or []))
+
+
+async def test_repeated_long_prefix_lands_on_its_holder_with_the_servers_cached_tokens(system):
+    client, watch = system.client, system.watch
+    prefix = [1] + [7 + (i * 13) % 1000 for i in range(255)]  # 8 blocks of 32 tokens
+    results = await submit_shared_prefix(client, "t2", prefix, model=MODEL)
+    first_req, first = results[0]
+    prefix_hashes = request_block_hashes(first_req, 32)[:8]
+    assert await wait_for(lambda: set(prefix_hashes) <= watch.cache.get(first.worker, set()), timeout=10)
+    for _, res in results[1:]:
+        assert res.worker == first.worker  # routed to where the prefix is cached
+        assert res.cached_tokens >= 7 * 32  # as the server's own usage says (prompt_tokens_details)
+    other = next(w for w in WORKERS if w != first.worker)
+    assert not set(prefix_hashes) & watch.cache.get(other, set())
+
+
+async def test_a_reader_that_connects_late_learns_the_servers_cache_from_its_replay_socket(system):
+    srv = system.servers["s1"]
+    prefix = [1] + [500 + i for i in range(95)]  # 3 blocks, served before the late reader exists
+    async with only(system, "s1"):
+        await system.client.submit(make_request("t6", prompt_token_ids=prefix, model=MODEL, max_tokens=2))
+    late = ServerEngine(ServerSettings(url=srv.url, kv_events=srv.kv_endpoint, kv_replay=srv.replay_endpoint,
+                                       ignore_eos=True))
+    await late.start()
+    try:
+        outs = [o async for o in late.generate(EngineRequest(  # a new batch of events: the late reader joins
+            id="late-1", prompt_tokens=64, hashes=[], max_tokens=1, prompt_token_ids=[1] + [700 + i for i in range(63)]))]
+        assert outs[-1].error is None
+        hashes = request_block_hashes(make_request("t6", prompt_token_ids=prefix, model=MODEL), 32)[:2]
+        assert await wait_for(lambda: set(hashes) <= set(late.cached_hashes()), timeout=20)
+        assert late._sub.replayed > 0
+    finally:
+        await late.stop()
+
+
+async def test_a_text_prefix_is_announced_under_the_routers_text_hashes(system):
+    client, watch = system.client, system.watch
+    system_prompt = "You are the system prompt of the knowledge base; answer the user question about routing. " * 6
+    req = make_request("t3", "which worker holds the prefix?", system_prompt=system_prompt, model=MODEL,
+                       max_tokens=2)
+    res = await client.submit(req)
+    text_hashes = request_block_hashes(req, 32)
+    assert res.status == "completed" and text_hashes
+    assert await wait_for(lambda: text_hashes[0] in watch.cache.get(res.worker, set()), timeout=10)
+    again = await client.submit(make_request("t3", "and which one is idle?", system_prompt=system_prompt,
+                                             model=MODEL, max_tokens=2))
+    assert again.worker == res.worker and again.cached_tokens > 0
+
+
+async def test_a_cancel_stops_generation_on_the_server(system):
+    client = system.client
+    srv = system.servers["s1"]
+    before = await generated_on(srv)
+    req = make_request("t4", prompt_token_ids=[1, 5, 6, 7], model=MODEL, max_tokens=900)
+    async with only(system, "s1"):
+        got = 0
+        async for chunk in client.stream(req):
+            got += len(chunk.token_ids or [])
+            if got >= 2:
+                break  # leaving the loop cancels the request on its worker
+        assert await wait_for(lambda: req.id in system.agents["s1"].finished, timeout=30)
+    # the server runs nothing any more, and stopped well short of the 900 tokens it was asked for:
+    # its HTTP stream was closed, and vLLM aborts a request whose client went away
+    assert await wait_for(lambda: _idle(srv), timeout=30)
+    assert await generated_on(srv) - before < 900
+
+
+async def _idle(srv: VllmServe) -> bool:
+    return (await running_on(srv)) == 0
+
+
+async def test_a_killed_server_sends_its_agent_away_and_a_restart_is_relearned(system):
+    client, router, watch = system.client, system.router, system.watch
+    w = "s2"
+    srv, agent = system.servers[w], system.agents[w]
+    started_before = watch.hb[w].started_at
+    long = make_request("t5", prompt_token_ids=[1, 9, 8, 7], model=MODEL, max_tokens=900)
+    async with only(system, w):
+        task = asyncio.create_task(client.submit(long))
+        assert await wait_for(lambda: long.id in agent.inflight, timeout=30)
+    srv.kill()
+    with pytest.raises(RequestFailed) as failed:
+        await asyncio.wait_for(task, 60)
+    assert failed.value.reason == "server_unavailable"  # a clear reason, nothing hangs
+    assert await wait_for(lambda: "quiescing" in watch.states[w][-1:], timeout=30)
+    assert "backoff" in watch.states[w]  # backed off first, then left
+    assert router.core.registry.state(w, time.time()) != "healthy"
+    # a request now goes to the live worker only
+    res = await client.submit(make_request("t5", prompt_token_ids=[1, 2, 3], model=MODEL, max_tokens=2))
+    assert res.worker == "s1"
+    srv.start()
+    await asyncio.to_thread(srv.wait_ready, 400)
+    assert await wait_for(lambda: watch.hb[w].state == "healthy" and watch.hb[w].started_at > started_before, timeout=60)
+    assert await wait_for(lambda: router.core.workers[w].state == "healthy", timeout=30)  # re-registered, fresh again
+    assert not router.core.index.untrusted() & {w}
+    assert watch.kinds[w][-1] in ("snapshot", "stored", "removed")
+    # it serves again, and its cache is re-learned from the new server's events
+    prefix = [1] + [300 + i for i in range(127)]
+    async with only(system, w):
+        res = await client.submit(make_request("t5", prompt_token_ids=prefix, model=MODEL, max_tokens=2))
+    assert res.worker == w
+    hashes = request_block_hashes(make_request("t5", prompt_token_ids=prefix, model=MODEL), 32)[:3]
+    assert await wait_for(lambda: set(hashes) <= watch.cache.get(w, set()), timeout=15)
+
+
+async def test_the_servers_chat_template_runs_on_the_tiny_tokenizer(system):
+    """The tiny model's tokenizer ships a chat template: vllm serve renders chats with it (the
+    official openai SDK, straight to the server)."""
+    from openai import AsyncOpenAI
+
+    srv = system.servers["s1"]
+    api = AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+    try:
+        chat = await api.chat.completions.create(
+            model=MODEL, max_tokens=4, extra_body={"ignore_eos": True},
+            messages=[{"role": "system", "content": "You route requests."},
+                      {"role": "user", "content": "Which worker holds the cache?"}])
+    finally:
+        await api.close()
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+    # <s> <|system|> \n ... </s> \n <|user|> ...: the template's tokens, counted by the server
+    assert chat.usage.prompt_tokens > 12
+
+
+async def test_the_gateway_lists_the_servers_models_with_vllms_fields_and_serves_through_them(system, nats_url):
+    """The OpenAI SDK against the gateway in front of the agents: vLLM's model entry fields, a
+    chat completion rendered by the gateway and run on a real vllm serve, and /health."""
+    from openai import AsyncOpenAI
+
+    from tests.factories.gateway import ALPHA, start_gateway
+
+    gw = await start_gateway(nats_url)
+    try:
+        await gw.wait_for_workers(len(WORKERS))
+        async with httpx.AsyncClient() as http:
+            raw = (await http.get(f"{gw.url}/v1/models", headers={"authorization": f"Bearer {ALPHA}"})).json()
+            assert (await http.get(f"{gw.url}/health")).status_code == 200
+        (entry,) = raw["data"]
+        assert {k: entry[k] for k in ("id", "object", "owned_by", "parent", "max_model_len")} == \
+            {"id": MODEL, "object": "model", "owned_by": "vllm", "parent": None, "max_model_len": 1024}
+        assert entry["root"] and entry["created"] > 0
+        api = AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=ALPHA, max_retries=0)
+        try:
+            chat = await api.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+                {"role": "user", "content": "which worker holds the prefix?"}])
+        finally:
+            await api.close()
+        assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+        assert chat.system_fingerprint in WORKERS
+    finally:
+        await gw.close()
