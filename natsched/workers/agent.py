@@ -631,6 +631,7 @@ class WorkerAgent:
             self._spawn_stop(rid, task)
 
     def _spawn_stop(self, rid: str, task: asyncio.Task) -> None:
+        task.cancel()  # now, not a loop turn later: each turn may be an engine step for nobody
         stopper = asyncio.create_task(self._stop_run(rid, task), name=f"cancel:{rid}")
         self._stoppers.add(stopper)  # held until done (the loop keeps only weak references)
         stopper.add_done_callback(self._stoppers.discard)
@@ -640,9 +641,11 @@ class WorkerAgent:
         cancel that meets a just-finished ``wait_for`` inside the engine or the bus client is
         swallowed, and the request would run to its end for nobody (natsched.bus.aio). Once the
         task's handler has it, no more: the handler publishes the outcome, which must not be cut."""
-        while not task.done() and rid not in self._stopped_runs:
-            task.cancel()
+        while True:
             await asyncio.wait({task}, timeout=RECANCEL_S)
+            if task.done() or rid in self._stopped_runs:
+                return
+            task.cancel()
 
 
 #: how a cancelled request ends: an error completion (its reservation is released) with reason ``cancelled``
