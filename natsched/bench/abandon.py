@@ -118,7 +118,7 @@ class Abandoners:
         bus = await Bus.connect(self.url, name="chaos-abandon", connect_budget_s=30, publish_budget_s=30)
         try:
             await bus.subscribe(f"resp.{S.token(s.tenant, 'tenant')}.>", self._on_reply)
-            await bus.subscribe(S.completion(s.tenant), self._on_completion)
+            await bus.subscribe(S.completions_of(s.tenant), self._on_completion)
             client = Client(bus, Timeouts(publish=30, admission=60, queued=600, idle=60))
             rng = random.Random(s.seed)
             kinds = [STREAMS] * s.streams + [WAITING] * s.waiting
