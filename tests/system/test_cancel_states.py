@@ -94,7 +94,7 @@ async def test_an_admitted_request_waiting_for_a_worker_is_failed_by_the_router(
         assert err.value.reason == "cancelled"
         assert await wait_for(lambda: stack.admitter.shared.usage.used == 0)  # the router's completion released it
         done = {c.request_id: c for c in await records(bus, S.STREAM_COMPLETIONS, Completion)}
-        assert (done[req.id].reason, done[req.id].worker) == ("cancelled", None)
+        assert (done[req.id].reason, done[req.id].worker) == ("cancelled", S.ROUTER_SOURCE)  # the router fails it: its own completion subject
         await sub.unsubscribe()
     finally:
         await stack.close()
