@@ -20,7 +20,7 @@ import pytest
 from natsched.workers.tiny_model import write_tiny_model
 from tests.factories.gateway import ALPHA, gateway_over_stack
 
-pytest.importorskip("vllm.benchmarks.serve", reason="vllm bench serve needs the cpu extra (vllm)")
+import vllm.benchmarks.serve  # noqa: E402,F401 (the cpu extra, which the test command installs: fail, never skip)
 
 #: exactly what ``vllm bench serve ARGS`` runs
 VLLM_BENCH_SERVE = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
