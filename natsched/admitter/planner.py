@@ -22,13 +22,25 @@ changes the copy, never the core, so planning has no side effects. The order is:
    stops and the budget accumulates for it (only its own cap, its model's limit or the reserve let
    lower-ranked requests pass it). That is what makes the dequeue token-weighted rather than
    first-fit, and what keeps big requests from starving.
+5. **Under pressure** — used plus queued runtime tokens past the degrade watermark of the total —
+   class outranks tenant: the order is (aged, class) first, then the tenant's rank, so online work
+   of any tenant goes before batch work of every tenant (the seed: high priority first in a
+   surge), while a request queued longer than ``aging_s`` still outranks everything younger (the
+   bound on how long batch can be passed over). A backlogged tenant's unused floor then holds room
+   only against work of its own class or a lower one (:meth:`Planner.headroom_ok`): a floor keeps
+   another tenant's batch from taking a tenant's online room, not the other way round. Below the
+   watermark the order is the tenant-first one above (fairness when there is room for everyone).
+6. **Class limits** (:mod:`natsched.admitter.classes`): a request whose class is at its limit, and
+   cannot borrow the rest, waits (``class_limit``) while other classes' work passes it.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Callable, Iterable
 
+from natsched.admitter.classes import CLASS_LIMIT, ClassBook, Loan
 from natsched.admitter.queue import AdmissionQueue, Entry, Lane
 from natsched.admitter.quotas import Quotas, TenantQuota
 from natsched.admitter.usage import Usage
@@ -38,8 +50,10 @@ Rank = tuple[int, float]
 NEVER_RANK: Rank = (-1, 0.0)  # a tenant that may no longer be admitted at all: purge its queue first
 
 
-def never_fits(quotas: Quotas, total: int, tenant: str, model: str, cost: int) -> tuple[str, str] | None:
-    """(reason, message) when no amount of waiting lets the request in under these quotas."""
+def never_fits(quotas: Quotas, total: int, tenant: str, model: str, cost: int, cls: str | None = None,
+               book: ClassBook | None = None) -> tuple[str, str] | None:
+    """(reason, message) when no amount of waiting lets the request in under these quotas (with
+    ``cls`` and ``book``: nor under its class limit, borrowing included)."""
     quota = quotas.tenant_quota(tenant)
     if quota is None:
         return "unknown_tenant", f"tenant {tenant!r} has no quota and unknown tenants are rejected"
@@ -50,6 +64,10 @@ def never_fits(quotas: Quotas, total: int, tenant: str, model: str, cost: int) -
     limit = quotas.model_limit(model)
     if limit is not None and cost > limit:
         return "model_limit", f"needs {cost} runtime tokens, model {model!r} is limited to {limit}"
+    if cls is not None and book is not None:
+        message = book.never(cls, cost)
+        if message:
+            return CLASS_LIMIT, message
     return None
 
 
@@ -96,7 +114,8 @@ class _Cursor:
 
 class Planner:
     def __init__(self, queue: AdmissionQueue, quotas: Quotas, total: int, usage: Usage, now: float, *,
-                 aging_s: float, reserve_long_share: float, class_rank: dict[str, int], scan_limit: int) -> None:
+                 aging_s: float, reserve_long_share: float, class_rank: dict[str, int], scan_limit: int,
+                 book: ClassBook | None = None, pressure: bool = False) -> None:
         self.queue = queue
         self.quotas = quotas
         self.total = total
@@ -113,6 +132,14 @@ class Planner:
         self.longs = queue.longs
         self.taken: set[RequestId] = set()
         self._cursors: dict[tuple[str, Lane], _Cursor] = {}
+        self.book = book  # class limits and loans (None: no class has a limit)
+        self.pressure = pressure  # class before tenant (module docstring, 5.)
+        self.remaining_cls: dict[str, Counter[str]] = {}  # tenant -> class -> queued (under pressure only)
+        if pressure:
+            for t in queue.tenants():
+                counts = self.remaining_cls[t] = Counter()
+                for (cls, _long), lane in queue.lanes(t).items():
+                    counts[cls] += len(lane)
 
     # ------------------------------------------------------------------ ranks
     def rank(self, tenant: str) -> Rank:
@@ -129,7 +156,8 @@ class Planner:
         return (1, self.class_rank.get(cls, 99), self.now, math.inf)
 
     # ------------------------------------------------------------------ checks
-    def blocked(self, tenant: str, model: str, cost: int, long: bool, quota: TenantQuota) -> str | None:
+    def blocked(self, tenant: str, model: str, cost: int, long: bool, quota: TenantQuota,
+                cls: str | None = None) -> str | None:
         """Why this request must wait although it could fit one day (None: it may go now)."""
         if quota.cap is not None and self.tenant_used.get(tenant, 0) + cost > quota.cap:
             return "tenant_cap"
@@ -139,59 +167,99 @@ class Planner:
         if not long and self.longs > 0:
             if self.used + cost > self.total - max(0.0, self.long_reserve - self.long_used):
                 return "long_reserve"
+        if cls is not None and self.loan(cls, cost) is None:
+            return CLASS_LIMIT
         return None
+
+    def loan(self, cls: str, cost: int) -> Loan | None:
+        """What an admission of ``cost`` in ``cls`` borrows now ({}: nothing), None: it cannot."""
+        return {} if self.book is None else self.book.fit(cls, cost)
 
     def fits_total(self, cost: int) -> bool:
         return self.used + cost <= self.total
 
-    def headroom_ok(self, tenant: str, quota: TenantQuota, cost: int) -> bool:
+    def headroom_ok(self, tenant: str, quota: TenantQuota, cost: int, cls: str | None = None) -> bool:
         """The part of ``cost`` beyond the tenant's own floor may not eat other backlogged tenants'
-        unused floors."""
+        unused floors (under pressure: only those of tenants with work queued of ``cls`` or better)."""
         own_room = max(0.0, quota.floor * self.total - self.tenant_used.get(tenant, 0))
         if cost <= own_room:
             return True
         reserved = 0.0
         for other, left in self.remaining.items():
-            if left and other != tenant:
+            if left and other != tenant and self._contends(other, cls):
                 q = self.quotas.tenant_quota(other)
                 if q is not None:
                     reserved += max(0.0, q.floor * self.total - self.tenant_used.get(other, 0))
         return self.total - self.used - cost >= reserved
 
+    def _contends(self, other: str, cls: str | None) -> bool:
+        """Whether ``other``'s queue holds work that ranks with a request of ``cls`` (always, but
+        under pressure)."""
+        if not self.pressure or cls is None:
+            return True
+        mine = self.class_rank.get(cls, 99)
+        counts = self.remaining_cls.get(other, {})
+        return any(n > 0 and self.class_rank.get(c, 99) <= mine for c, n in counts.items())
+
     def _eligible(self, e: Entry, quota: TenantQuota | None) -> bool:
-        if quota is None or never_fits(self.quotas, self.total, e.tenant, e.model, e.cost):
+        if quota is None or never_fits(self.quotas, self.total, e.tenant, e.model, e.cost, e.cls, self.book):
             return True  # surfaces so that the plan rejects it
-        return self.blocked(e.tenant, e.model, e.cost, e.long, quota) is None
+        return self.blocked(e.tenant, e.model, e.cost, e.long, quota, e.cls) is None
 
     # ------------------------------------------------------------------ picking
     def top(self, excluded: set[str] = frozenset()) -> tuple[Entry, Rank] | None:
         """The best eligible queued request and its tenant's rank, or None."""
         order = sorted((self.rank(t), t) for t, left in self.remaining.items() if left and t not in excluded)
+        if self.pressure:
+            return self._top_by_class(order)
         for rank, tenant in order:
-            quota = self.quotas.tenant_quota(tenant)
-            best, best_key = None, None
-            for lane, entries in self.queue.lanes(tenant).items():
-                cursor = self._cursors.get((tenant, lane))
-                if cursor is None:
-                    cursor = self._cursors[(tenant, lane)] = _Cursor(entries.values())
-                e = cursor.first(lambda x: self._eligible(x, quota), self.taken, self.scan_limit)
-                if e is not None:
-                    key = self.entry_key(e)
-                    if best_key is None or key < best_key:
-                        best, best_key = e, key
+            best = self._best(tenant)
             if best is not None:
                 return best, rank
         return None
 
-    def take(self, e: Entry, admit: bool) -> None:
-        """Account for ``e`` leaving the queue (admitted or rejected) in this plan."""
+    def _top_by_class(self, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
+        """Under pressure: each tenant's best, ordered by (aged, class), then the tenant's rank."""
+        found, found_key = None, None
+        for rank, tenant in order:
+            e = self._best(tenant)
+            if e is None:
+                continue
+            k = self.entry_key(e)
+            key = (k[0], k[1], rank, k[2], k[3])
+            if found_key is None or key < found_key:
+                found, found_key = (e, rank), key
+        return found
+
+    def _best(self, tenant: str) -> Entry | None:
+        """The tenant's best eligible queued request (aged, class, arrival)."""
+        quota = self.quotas.tenant_quota(tenant)
+        best, best_key = None, None
+        for lane, entries in self.queue.lanes(tenant).items():
+            cursor = self._cursors.get((tenant, lane))
+            if cursor is None:
+                cursor = self._cursors[(tenant, lane)] = _Cursor(entries.values())
+            e = cursor.first(lambda x: self._eligible(x, quota), self.taken, self.scan_limit)
+            if e is not None:
+                key = self.entry_key(e)
+                if best_key is None or key < best_key:
+                    best, best_key = e, key
+        return best
+
+    def take(self, e: Entry, admit: bool, loan: Loan | None = None) -> None:
+        """Account for ``e`` leaving the queue (admitted, with ``loan`` borrowed, or rejected) in this plan."""
         self.taken.add(e.id)
         self.remaining[e.tenant] -= 1
+        if e.tenant in self.remaining_cls:
+            self.remaining_cls[e.tenant][e.cls] -= 1
         self.longs -= e.long
         if admit:
-            self.add_usage(e.tenant, e.model, e.cost, e.long)
+            self.add_usage(e.tenant, e.model, e.cost, e.long, e.cls, loan or {})
 
-    def add_usage(self, tenant: str, model: str, cost: int, long: bool) -> None:
+    def add_usage(self, tenant: str, model: str, cost: int, long: bool, cls: str | None = None,
+                  loan: Loan | None = None) -> None:
+        if self.book is not None and cls is not None:
+            self.book.add(cls, cost, loan or {})
         self.used += cost
         self.long_used += cost if long else 0
         self.tenant_used[tenant] = self.tenant_used.get(tenant, 0) + cost
@@ -204,5 +272,8 @@ class Planner:
         entry, top_rank = top
         mine = self.rank(request.tenant)
         if request.tenant != entry.tenant:
+            if self.pressure:  # class before tenant (module docstring, 5.)
+                a, b = self.arrival_key(request.cls), self.entry_key(entry)
+                return (a[0], a[1], mine) < (b[0], b[1], top_rank)
             return mine < top_rank
         return self.arrival_key(request.cls) < self.entry_key(entry)
