@@ -295,14 +295,14 @@ class AdmitterService(Repairs):
             if dec.decision == ALLOW:
                 tokens, key = dec.runtime_tokens, (request.tenant, request.model)
                 long = self.core.is_long(tokens)
-                if not long and free.get(key, 0) >= tokens:
+                if not long and free.get(key, 0) >= tokens and not self.core.quotas.class_limits:
                     free[key] -= tokens
                     paid.add(request.id)
                 else:
                     if any(free.values()) and not self._allows(shared, request, now, d.subject):
                         shared = self._give_back(shared, free, returned)  # now the same as the view
-                    shared = shared.plus(request.tenant, request.model, tokens, long)
-                view = view.plus(request.tenant, request.model, tokens, long)
+                    shared = shared.plus(request.tenant, request.model, tokens, long, request.cls, dec.loan)
+                view = view.plus(request.tenant, request.model, tokens, long, request.cls, dec.loan)
             decisions.append(dec)
         return (shared if shared is not usage else None), (decisions, paid, returned)
 
@@ -423,7 +423,9 @@ class AdmitterService(Repairs):
             if dec.decision == ALLOW:
                 reservations.append(Reservation(request.id, request.tenant, request.model, dec.runtime_tokens, now,
                                                 self.settings.name, credit=(paid or {}).get(request.id, ""),
-                                                ceiling=runtime_tokens(request)))
+                                                ceiling=runtime_tokens(request), cls=request.cls))
+                for lender, n in dec.loan.items():
+                    self.metrics.borrowed.labels(request.cls, lender).inc(n)
         sent = time.perf_counter()
         # the reservation records are stored before any hand-off (the completion that deletes one is
         # a service or two further away), and each is a create: a request id reserved already
@@ -587,18 +589,22 @@ class AdmitterService(Repairs):
         now = time.time()
         started = time.perf_counter()
 
+        planned: list[Usage] = []
+
         def attempt(usage):
+            planned[:] = [usage]
             self.core.usage = usage
             picks = self.core.plan_dequeue(now)
             new = usage
             for req, dec in picks:
                 if dec.decision == ALLOW:
-                    new = new.plus(req.tenant, req.model, dec.runtime_tokens, self.core.is_long(dec.runtime_tokens))
+                    new = new.plus(req.tenant, req.model, dec.runtime_tokens, self.core.is_long(dec.runtime_tokens),
+                                   req.cls, dec.loan)
             return (new if new is not usage else None), picks
 
         async with self._lock:
             picks = await self.shared.change_usage(attempt)
-            self.core.usage = self._usage_before(picks)
+            self.core.usage = planned[0]  # the usage the committed picks were planned on
             self.core.commit_dequeue(picks, now)
             self.core.usage = self.shared.usage
         latency_ms = (time.perf_counter() - started) * 1000
@@ -614,14 +620,6 @@ class AdmitterService(Repairs):
             entries.append((req, dec, held.delivery, wait, latency_ms))
         await self._act_batch(entries)  # one wait for the whole dequeue, like a fresh batch
         return len(picks)
-
-    def _usage_before(self, picks):
-        """The usage the committed picks were planned on (shared minus what they added)."""
-        usage = self.shared.usage
-        for req, dec in picks:
-            if dec.decision == ALLOW:
-                usage = usage.minus(req.tenant, req.model, dec.runtime_tokens, self.core.is_long(dec.runtime_tokens))
-        return usage
 
     async def _keepalive_loop(self) -> None:
         while True:
@@ -780,7 +778,7 @@ class AdmitterService(Repairs):
     def _minus(self, usage, pairs: list[tuple[Completion | None, Reservation]]):
         for _, res in pairs:  # (out of the block it was paid from, if that block still exists)
             usage = usage.release_from(res.by, res.credit, res.tenant, res.model, res.tokens,
-                                       self.core.is_long(res.tokens))
+                                       self.core.is_long(res.tokens), res.cls or None)
         return usage
 
     def _released(self, pairs: list[tuple[Completion | None, Reservation]]) -> None:
@@ -839,7 +837,8 @@ class AdmitterService(Repairs):
         old_long, new_long = self.core.is_long(res.tokens), self.core.is_long(tokens)
         async with self._lock:
             await self._commit(lambda u: (u.minus(res.tenant, res.model, res.tokens, old_long)
-                                          .plus(res.tenant, res.model, tokens, new_long), None))
+                                          .plus(res.tenant, res.model, tokens, new_long)
+                                          .reclass(res.cls or None, tokens - res.tokens), None))
             self.core.usage = self.shared.usage
         self.metrics.grown.inc(tokens - res.tokens)
         log.info("request %s grew its reservation %d -> %d runtime tokens (its worker holds %d)", request_id,
@@ -926,8 +925,23 @@ class AdmitterService(Repairs):
             self.metrics.inflight.labels(tenant).set(used)
         for cls, depth in self.core.queue_depths().items():
             self.metrics.queue_depth.labels(cls).set(depth)
+        self._class_gauges()
         self.metrics.total.set(self.total)
         self.metrics.credit_unspent.set(sum(self.credit.free.values()))
+
+
+    def _class_gauges(self) -> None:
+        """``natsched_admission_class_tokens{class,kind}``: what each class holds, its limit, and
+        what it borrowed and lent (the shared usage: the same on every replica)."""
+        usage, limits = self.shared.usage, self.core.quotas.class_limits
+        for cls in S.CLASSES:
+            borrowed = sum(n for (b, _), n in usage.loans.items() if b == cls)
+            lent = sum(n for (_, l), n in usage.loans.items() if l == cls)
+            gauge = self.metrics.class_tokens
+            gauge.labels(cls, "used").set(usage.cls(cls))
+            gauge.labels(cls, "borrowed").set(borrowed)
+            gauge.labels(cls, "lent").set(lent)
+            gauge.labels(cls, "limit").set(limits.get(cls, -1))
 
 
 def _admission_span(request: Request, dec: AdmissionDecision, d: Delivery | None, queue_wait: float):

@@ -63,6 +63,7 @@ class Reservation:
     credit: str = ""  # the epoch of ``by``'s credit block it was paid from ("": reserved on its own)
     attempt: int = 0  # the attempt whose completion may release it (a rescue moves it on: fencing)
     ceiling: int = 0  # what it may grow to (prefill + max_tokens of KV); 0: it is at its ceiling
+    cls: str = ""  # the class its tokens are counted in ("": none; natsched.admitter.classes)
 
     def to_json(self) -> bytes:
         record = {"tenant": self.tenant, "model": self.model, "tokens": self.tokens, "ts": self.ts, "by": self.by}
@@ -74,6 +75,8 @@ class Reservation:
             record["ceiling"] = self.ceiling
         if self.credit:
             record["credit"] = self.credit
+        if self.cls:
+            record["cls"] = self.cls
         return orjson.dumps(record)
 
     @classmethod
@@ -91,8 +94,10 @@ class Reservation:
         if (not all(map(_is_count, (tokens, attempt, ceiling))) or isinstance(ts, bool) or not isinstance(ts, (int, float))
                 or not all(isinstance(d.get(k, ""), str) for k in RECORD_FIELDS - counts)):
             raise UsageError(f"reservation {request_id} has a field of the wrong type: {bytes(raw[:80])!r}")
+        if d.get("cls", "") not in ("", *S.CLASSES):
+            raise UsageError(f"reservation {request_id} names an unknown class: {bytes(raw[:80])!r}")
         return cls(request_id, d["tenant"], d["model"], tokens, float(ts), d["by"], revision,
-                   d.get("moved_from", ""), d.get("credit", ""), attempt, ceiling)
+                   d.get("moved_from", ""), d.get("credit", ""), attempt, ceiling, d.get("cls", ""))
 
 
 def _is_count(value) -> bool:
@@ -100,7 +105,8 @@ def _is_count(value) -> bool:
 
 
 #: the fields of a reservation record (:meth:`Reservation.to_json`), and those always written
-RECORD_FIELDS = frozenset({"tenant", "model", "tokens", "ts", "by", "moved_from", "credit", "attempt", "ceiling"})
+RECORD_FIELDS = frozenset({"tenant", "model", "tokens", "ts", "by", "moved_from", "credit", "attempt", "ceiling",
+                           "cls"})
 RECORD_REQUIRED = frozenset({"tenant", "model", "tokens", "ts", "by"})
 
 
@@ -217,7 +223,7 @@ class SharedState:
         records = await self.snapshot()
         for res in self.pending():
             records.setdefault(res.request_id, res)
-        expected = self.drift(records, self.is_long, Usage(credits=self.usage.credits))
+        expected = self.drift(records, self.is_long, Usage(credits=self.usage.credits, loans=self.usage.loans))
         try:
             rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(USAGE, expected.to_json(), self.corrupted)
         except ConflictError:
@@ -320,7 +326,7 @@ class SharedState:
         None when it changed meanwhile (another replica grew it, a rescue marked it, it was
         released): the caller adds to the usage only what its own write grew."""
         grown = Reservation(res.request_id, res.tenant, res.model, tokens, res.ts, res.by, 0, res.moved_from,
-                            res.credit, res.attempt, res.ceiling)
+                            res.credit, res.attempt, res.ceiling, res.cls)
         try:
             grown.revision = await self.bus.kv(S.BUCKET_INFLIGHT).update(S.reservation_key(res.request_id),
                                                                          grown.to_json(), res.revision)
@@ -370,14 +376,17 @@ class SharedState:
     def drift(records: dict[str, Reservation], is_long: Callable[[int], bool], usage: Usage | None = None) -> Usage:
         """What the aggregate should be according to the reservation records and the credit
         entries of ``usage``: every block, plus every record not paid from a block that still
-        exists (those are inside their block)."""
+        exists (those are inside their block), each in its class (credit-paid ones in none). The
+        loans between classes are not in the records: ``usage``'s are kept, clamped to what each
+        borrower holds (``natsched.admitter.classes``)."""
         credits = usage.credits if usage is not None else {}
         expected = Usage(credits=credits)
         for res in records.values():
             if res.credit and res.by in credits and credits[res.by].epoch == res.credit:
                 continue
-            expected = expected.plus(res.tenant, res.model, res.tokens, is_long(res.tokens))
+            expected = expected.plus(res.tenant, res.model, res.tokens, is_long(res.tokens),
+                                     None if res.credit else (res.cls or None))
         for entry in credits.values():
             for (tenant, model), tokens in entry.blocks.items():
                 expected = expected.plus(tenant, model, tokens)
-        return expected
+        return expected.with_loans(usage.loans) if usage is not None else expected

@@ -138,6 +138,14 @@ class Usage:
                      _add(self.models, model, -tokens), max(0, self.long - tokens) if long else self.long,
                      self.credits, classes, loans)
 
+    def reclass(self, cls: str | None, delta: int) -> "Usage":
+        """The same usage with class ``cls`` holding ``delta`` more (a reservation that grew: its
+        growth is its class's own, not borrowed)."""
+        if cls is None or not delta:
+            return self
+        return Usage(self.used, self.tenants, self.models, self.long, self.credits, _add(self.classes, cls, delta),
+                     clamp(_add(self.classes, cls, delta), self.loans))
+
     def with_loans(self, loans: Loans) -> "Usage":
         """The same usage with ``loans`` (clamped to what each borrower holds): a rebuild keeps them."""
         return Usage(self.used, self.tenants, self.models, self.long, self.credits, self.classes,
