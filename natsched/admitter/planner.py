@@ -22,14 +22,14 @@ changes the copy, never the core, so planning has no side effects. The order is:
    stops and the budget accumulates for it (only its own cap, its model's limit or the reserve let
    lower-ranked requests pass it). That is what makes the dequeue token-weighted rather than
    first-fit, and what keeps big requests from starving.
-5. **Under pressure** — used plus queued runtime tokens past the degrade watermark of the total —
-   class outranks tenant: the order is (aged, class) first, then the tenant's rank, so online work
-   of any tenant goes before batch work of every tenant (the seed: high priority first in a
-   surge), while a request queued longer than ``aging_s`` still outranks everything younger (the
-   bound on how long batch can be passed over). A backlogged tenant's unused floor then holds room
-   only against work of its own class or a lower one (:meth:`Planner.headroom_ok`): a floor keeps
-   another tenant's batch from taking a tenant's online room, not the other way round. Below the
-   watermark the order is the tenant-first one above (fairness when there is room for everyone).
+5. **Under pressure** — used plus queued runtime tokens at or past the degrade watermark of the
+   total — class outranks tenant for the elastic share: the order is the tenant's tier (below its
+   floor or not), then (aged, class), then the tenant's key. So online work of any tenant goes
+   before batch work of every tenant (the seed: high priority first in a surge), while two things
+   stay as they were: a floor is still a guarantee (a tenant below its floor comes first, whatever
+   its class, and :meth:`Planner.headroom_ok` still keeps backlogged tenants' floors), and a request
+   queued longer than ``aging_s`` still outranks everything younger (the bound on how long batch can
+   be passed over). Without pressure the order is the tenant-first one above.
 6. **Class limits** (:mod:`natsched.admitter.classes`): a request whose class is at its limit, and
    cannot borrow the rest, waits (``class_limit``) while other classes' work passes it.
 """
@@ -37,7 +37,6 @@ changes the copy, never the core, so planning has no side effects. The order is:
 from __future__ import annotations
 
 import math
-from collections import Counter
 from typing import Callable, Iterable
 
 from natsched.admitter.classes import CLASS_LIMIT, ClassBook, Loan
@@ -134,12 +133,6 @@ class Planner:
         self._cursors: dict[tuple[str, Lane], _Cursor] = {}
         self.book = book  # class limits and loans (None: no class has a limit)
         self.pressure = pressure  # class before tenant (module docstring, 5.)
-        self.remaining_cls: dict[str, Counter[str]] = {}  # tenant -> class -> queued (under pressure only)
-        if pressure:
-            for t in queue.tenants():
-                counts = self.remaining_cls[t] = Counter()
-                for (cls, _long), lane in queue.lanes(t).items():
-                    counts[cls] += len(lane)
 
     # ------------------------------------------------------------------ ranks
     def rank(self, tenant: str) -> Rank:
@@ -178,28 +171,19 @@ class Planner:
     def fits_total(self, cost: int) -> bool:
         return self.used + cost <= self.total
 
-    def headroom_ok(self, tenant: str, quota: TenantQuota, cost: int, cls: str | None = None) -> bool:
+    def headroom_ok(self, tenant: str, quota: TenantQuota, cost: int) -> bool:
         """The part of ``cost`` beyond the tenant's own floor may not eat other backlogged tenants'
-        unused floors (under pressure: only those of tenants with work queued of ``cls`` or better)."""
+        unused floors."""
         own_room = max(0.0, quota.floor * self.total - self.tenant_used.get(tenant, 0))
         if cost <= own_room:
             return True
         reserved = 0.0
         for other, left in self.remaining.items():
-            if left and other != tenant and self._contends(other, cls):
+            if left and other != tenant:
                 q = self.quotas.tenant_quota(other)
                 if q is not None:
                     reserved += max(0.0, q.floor * self.total - self.tenant_used.get(other, 0))
         return self.total - self.used - cost >= reserved
-
-    def _contends(self, other: str, cls: str | None) -> bool:
-        """Whether ``other``'s queue holds work that ranks with a request of ``cls`` (always, but
-        under pressure)."""
-        if not self.pressure or cls is None:
-            return True
-        mine = self.class_rank.get(cls, 99)
-        counts = self.remaining_cls.get(other, {})
-        return any(n > 0 and self.class_rank.get(c, 99) <= mine for c, n in counts.items())
 
     def _eligible(self, e: Entry, quota: TenantQuota | None) -> bool:
         if quota is None or never_fits(self.quotas, self.total, e.tenant, e.model, e.cost, e.cls, self.book):
@@ -219,14 +203,14 @@ class Planner:
         return None
 
     def _top_by_class(self, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
-        """Under pressure: each tenant's best, ordered by (aged, class), then the tenant's rank."""
+        """Under pressure: each tenant's best, by (tier, aged, class, tenant key, arrival)."""
         found, found_key = None, None
         for rank, tenant in order:
             e = self._best(tenant)
             if e is None:
                 continue
             k = self.entry_key(e)
-            key = (k[0], k[1], rank, k[2], k[3])
+            key = (rank[0], k[0], k[1], rank[1], k[2], k[3])
             if found_key is None or key < found_key:
                 found, found_key = (e, rank), key
         return found
@@ -250,8 +234,6 @@ class Planner:
         """Account for ``e`` leaving the queue (admitted, with ``loan`` borrowed, or rejected) in this plan."""
         self.taken.add(e.id)
         self.remaining[e.tenant] -= 1
-        if e.tenant in self.remaining_cls:
-            self.remaining_cls[e.tenant][e.cls] -= 1
         self.longs -= e.long
         if admit:
             self.add_usage(e.tenant, e.model, e.cost, e.long, e.cls, loan or {})
@@ -274,6 +256,6 @@ class Planner:
         if request.tenant != entry.tenant:
             if self.pressure:  # class before tenant (module docstring, 5.)
                 a, b = self.arrival_key(request.cls), self.entry_key(entry)
-                return (a[0], a[1], mine) < (b[0], b[1], top_rank)
+                return (mine[0], a[0], a[1], mine[1]) < (top_rank[0], b[0], b[1], top_rank[1])
             return mine < top_rank
         return self.arrival_key(request.cls) < self.entry_key(entry)

@@ -314,7 +314,7 @@ class AdmitterCore:
             return None
         if plan.blocked(request.tenant, request.model, cost, self.is_long(cost), quota, request.cls):
             return None
-        if not plan.headroom_ok(request.tenant, quota, cost, request.cls):
+        if not plan.headroom_ok(request.tenant, quota, cost):
             return None
         if not plan.arrival_outranks(request, plan.top()):
             return None
@@ -387,7 +387,7 @@ class AdmitterCore:
                 continue
             if not plan.fits_total(entry.cost):
                 break  # no backfill past the top: the free budget accumulates for it
-            if not plan.headroom_ok(entry.tenant, self.quotas.tenant_quota(entry.tenant), entry.cost, entry.cls):
+            if not plan.headroom_ok(entry.tenant, self.quotas.tenant_quota(entry.tenant), entry.cost):
                 excluded.add(entry.tenant)  # other tenants' floors come first
                 continue
             loan = plan.loan(entry.cls, entry.cost) or {}  # (eligible: it fits its class)
