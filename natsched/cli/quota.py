@@ -297,10 +297,10 @@ async def _show(bus, quotas, dynamic, as_json: bool, entries: dict | None = None
     for name, t in view["tenants"].items():
         print(f"{name:<16}{t['floor']:>8.2f}{t['weight']:>8.2f}{word(t['cap'], '-'):>12}"
               f"{word(t['used'], 'unknown'):>12}{t['credit']:>12}")
-    print(f"{'class':<16}{'limit':>12}{'used':>12}{'borrowed':>12}{'lent':>12}{'queue limit':>14}")
+    print(f"{'class':<16}{'limit':>12}{'used':>12}{'borrowed':>18}{'lent':>18}{'queue limit':>14}")
     for name, c in view["classes"].items():
         print(f"{name:<16}{word(c['limit'], '-'):>12}{word(c['used'], 'unknown'):>12}"
-              f"{_loan_word(c['borrowed'], c['borrowed_from']):>12}{_loan_word(c['lent'], c['lent_to']):>12}"
+              f"{_loan_word(c['borrowed'], c['borrowed_from']):>18}{_loan_word(c['lent'], c['lent_to']):>18}"
               f"{c['queue_limit']:>14}")
     print(f"unknown tenants: {quotas.unknown_tenant}; models: {word(view['models'])}")
     print(f"settings set live: {word(live) if live else 'none'}")
