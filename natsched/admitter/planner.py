@@ -28,8 +28,10 @@ changes the copy, never the core, so planning has no side effects. The order is:
    before batch work of every tenant (the seed: high priority first in a surge), while two things
    stay as they were: a floor is still a guarantee (a tenant below its floor comes first, whatever
    its class, and :meth:`Planner.headroom_ok` still keeps backlogged tenants' floors), and a request
-   queued longer than ``aging_s`` still outranks everything younger (the bound on how long batch can
-   be passed over). Without pressure the order is the tenant-first one above.
+   queued longer than ``aging_s`` still outranks everything younger — unless its class has a class
+   limit, which already guarantees it room (its limit less what it lends), so an aged batch
+   backlog under a limit does not undo online's priority (:meth:`Planner.pressure_key`). Without
+   pressure the order is the tenant-first one above.
 6. **Class limits** (:mod:`natsched.admitter.classes`): a request whose class is at its limit, and
    cannot borrow the rest, waits (``class_limit``) while other classes' work passes it.
 """
@@ -148,6 +150,16 @@ class Planner:
             return (0, 0, self.now, math.inf)
         return (1, self.class_rank.get(cls, 99), self.now, math.inf)
 
+    def pressure_key(self, key: tuple, cls: str, rank: Rank) -> tuple:
+        """Under pressure (module docstring, 5.): ``key`` (an entry or arrival key) of a request of
+        ``cls`` from a tenant of ``rank`` as (tier, aged across classes, class, aged, tenant key,
+        arrival). Age outranks class only for a class without a limit of its own: a limited class
+        is guaranteed its limit (less what it lends), so its aged backlog need not pass online."""
+        aged = key[0] == 0
+        guarded = self.book is not None and cls in self.book.limits
+        return (rank[0], 0 if aged and not guarded else 1, self.class_rank.get(cls, 99), 0 if aged else 1, rank[1],
+                key[2], key[3])
+
     # ------------------------------------------------------------------ checks
     def blocked(self, tenant: str, model: str, cost: int, long: bool, quota: TenantQuota,
                 cls: str | None = None) -> str | None:
@@ -203,20 +215,21 @@ class Planner:
         return None
 
     def _top_by_class(self, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
-        """Under pressure: each tenant's best, by (tier, aged, class, tenant key, arrival)."""
+        """Under pressure: each tenant's best, by :meth:`pressure_key`."""
         found, found_key = None, None
         for rank, tenant in order:
-            e = self._best(tenant)
+            key_of = lambda e, rank=rank: self.pressure_key(self.entry_key(e), e.cls, rank)  # noqa: E731
+            e = self._best(tenant, key_of)
             if e is None:
                 continue
-            k = self.entry_key(e)
-            key = (rank[0], k[0], k[1], rank[1], k[2], k[3])
+            key = key_of(e)
             if found_key is None or key < found_key:
                 found, found_key = (e, rank), key
         return found
 
-    def _best(self, tenant: str) -> Entry | None:
-        """The tenant's best eligible queued request (aged, class, arrival)."""
+    def _best(self, tenant: str, key_of: Callable[[Entry], tuple] | None = None) -> Entry | None:
+        """The tenant's best eligible queued request (by ``key_of``; default: aged, class, arrival)."""
+        key_of = key_of or self.entry_key
         quota = self.quotas.tenant_quota(tenant)
         best, best_key = None, None
         for lane, entries in self.queue.lanes(tenant).items():
@@ -225,7 +238,7 @@ class Planner:
                 cursor = self._cursors[(tenant, lane)] = _Cursor(entries.values())
             e = cursor.first(lambda x: self._eligible(x, quota), self.taken, self.scan_limit)
             if e is not None:
-                key = self.entry_key(e)
+                key = key_of(e)
                 if best_key is None or key < best_key:
                     best, best_key = e, key
         return best
@@ -253,9 +266,9 @@ class Planner:
             return True
         entry, top_rank = top
         mine = self.rank(request.tenant)
+        if self.pressure:  # class before tenant (module docstring, 5.)
+            return (self.pressure_key(self.arrival_key(request.cls), request.cls, mine)
+                    < self.pressure_key(self.entry_key(entry), entry.cls, top_rank))
         if request.tenant != entry.tenant:
-            if self.pressure:  # class before tenant (module docstring, 5.)
-                a, b = self.arrival_key(request.cls), self.entry_key(entry)
-                return (mine[0], a[0], a[1], mine[1]) < (top_rank[0], b[0], b[1], top_rank[1])
             return mine < top_rank
         return self.arrival_key(request.cls) < self.entry_key(entry)

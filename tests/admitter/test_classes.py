@@ -280,3 +280,17 @@ def test_the_offline_path_counts_in_class_offline_under_its_limit():
     assert len(v.takes) == 0
     v = gate.plan(Usage(), Quotas(total=10_000, class_limits={OFF: 100}), 10_000, held)
     assert [r[1] for r in v.refusals] == ["class_limit"] * 4
+
+
+def test_an_aged_batch_backlog_under_a_class_limit_does_not_pass_online():
+    """With a batch limit batch is guaranteed its room, so its age no longer beats online's class."""
+    core = make_core(total=1000, limits={BA: 600}, degrade_watermark=0.8, aging_s=10.0)
+    holding = [sized(900, tenant="a"), sized(100, tenant="c")]
+    for r in holding:
+        submit(core, r)
+    batch = sized(100, tenant="b", cls=BA)
+    submit(core, batch, 0.0)
+    online = sized(100, tenant="a")
+    submit(core, online, 15.0)
+    finish(core, holding[1], 16.0)
+    assert allowed(drain(core, 16.0)) == [online.id]
