@@ -97,6 +97,7 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     ss.set_defaults(handler=_cmd_shared)
     add_scale_parser(bsub)
+    add_priority_parser(bsub)
     cd = bsub.add_parser("codec", help="decode-and-validate cost per message: natsched's validator vs msgspec",
                          description="Time decoding and validating the same encoded messages with natsched's "
                                      "schema engine and with msgspec's typed decoder; both refuse the same "
@@ -151,6 +152,37 @@ def _cmd_scale(args) -> int:
                                                     kill_coordinator_at=args.duration / 2), sys.stderr)
     print(scale_table(report))
     return _write_json(args.json, report)
+
+
+def add_priority_parser(bsub) -> None:
+    """``natsched bench priority`` (:mod:`natsched.sim.priority`)."""
+    pr = bsub.add_parser("priority", help="online waits in a burst over a batch backlog: lending vs none",
+                         description="Replay the same seeded online burst over a batch backlog through "
+                                     "AdmitterCore with class limits and lending, the same limits without "
+                                     "lending, and no class limits; print online waits, rejections, batch "
+                                     "throughput and the loan (virtual time).")
+    pr.add_argument("--burst", default="1.5,2,3",
+                    help="online demand in the burst, as multiples of its own limit's capacity (default 1.5,2,3)")
+    pr.add_argument("--lend-share", type=fraction, default=0.5, help="admission.lend_share (default 0.5)")
+    pr.add_argument("--seed", type=int, default=1)
+    pr.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+    pr.set_defaults(handler=_cmd_priority)
+
+
+def _cmd_priority(args) -> int:
+    from dataclasses import asdict
+
+    from natsched.sim.priority import PrioritySettings, priority_table, run_priority_benchmark
+
+    try:
+        bursts = tuple(float(x) for x in args.burst.split(",") if x.strip())
+        if not bursts or min(bursts) <= 0:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--burst must be positive numbers, got {args.burst!r}")
+    rows = run_priority_benchmark(PrioritySettings(lend_share=args.lend_share, seed=args.seed), bursts)
+    print(priority_table(rows))
+    return _write_json(args.json, [{k: v for k, v in asdict(r).items() if k != "waits"} for r in rows])
 
 
 def _write_json(path: Path | None, report) -> int:
