@@ -260,9 +260,12 @@ def _quotas(entries: dict[str, bytes]):
 
 
 async def _write(bus, old, new, entries, settings_edited: bool = False) -> int:
-    for key, value in new.to_kv().items():
+    wanted = new.to_kv()
+    for key, value in wanted.items():
         if entries.get(key) != value:
             await bus.kv(S.BUCKET_QUOTAS).put(key, value)
+    for key in sorted(set(old.to_kv()) - set(wanted)):  # a limit removed (--class-limit -1)
+        await bus.kv(S.BUCKET_QUOTAS).delete(key)
     changes = quota_changes(old, new)
     if not changes and not settings_edited:
         print("quotas unchanged")
