@@ -23,15 +23,15 @@ changes the copy, never the core, so planning has no side effects. The order is:
    lower-ranked requests pass it). That is what makes the dequeue token-weighted rather than
    first-fit, and what keeps big requests from starving.
 5. **Under pressure** — used plus queued runtime tokens at or past the degrade watermark of the
-   total — class outranks tenant for the elastic share: the order is the tenant's tier (below its
-   floor or not), then (aged, class), then the tenant's key. So online work of any tenant goes
+   total — class outranks tenant: the order is the tenant's tier (below its floor or not), then the
+   class, then the tenant's key. So online work of any tenant goes
    before batch work of every tenant (the seed: high priority first in a surge), while two things
    stay as they were: a floor is still a guarantee (a tenant below its floor comes first, whatever
    its class, and :meth:`Planner.headroom_ok` still keeps backlogged tenants' floors), and a request
-   queued longer than ``aging_s`` still outranks everything younger — unless its class has a class
-   limit, which already guarantees it room (its limit less what it lends), so an aged batch
-   backlog under a limit does not undo online's priority (:meth:`Planner.pressure_key`). Without
-   pressure the order is the tenant-first one above.
+   queued longer than ``aging_s`` ranks as online work (aging promotes it) — unless its class has a
+   class limit, which already guarantees it room (its limit less what it lends), so an aged batch
+   backlog under a limit does not undo online's priority (:meth:`Planner.pressure_key`). Within
+   one class the order is exactly the tenant-first one above, as it is without pressure.
 6. **Class limits** (:mod:`natsched.admitter.classes`): a request whose class is at its limit, and
    cannot borrow the rest, waits (``class_limit``) while other classes' work passes it.
 """
@@ -150,15 +150,16 @@ class Planner:
             return (0, 0, self.now, math.inf)
         return (1, self.class_rank.get(cls, 99), self.now, math.inf)
 
-    def pressure_key(self, key: tuple, cls: str, rank: Rank) -> tuple:
+    def pressure_key(self, key: tuple, cls: str, rank: Rank, tenant: str = "") -> tuple:
         """Under pressure (module docstring, 5.): ``key`` (an entry or arrival key) of a request of
-        ``cls`` from a tenant of ``rank`` as (tier, aged across classes, class, aged, tenant key,
-        arrival). Age outranks class only for a class without a limit of its own: a limited class
-        is guaranteed its limit (less what it lends), so its aged backlog need not pass online."""
+        ``cls`` from ``tenant`` of ``rank`` as (tier, class, tenant key, tenant, the key). An aged request
+        ranks as the top class — aging promotes it — unless its class has a limit of its own: a
+        limited class is guaranteed its limit (less what it lends), so its aged backlog need not
+        pass online. With one class this is exactly the tenant-first order."""
         aged = key[0] == 0
         guarded = self.book is not None and cls in self.book.limits
-        return (rank[0], 0 if aged and not guarded else 1, self.class_rank.get(cls, 99), 0 if aged else 1, rank[1],
-                key[2], key[3])
+        level = 0 if aged and not guarded else self.class_rank.get(cls, 99)
+        return (rank[0], level, rank[1], tenant, *key)
 
     # ------------------------------------------------------------------ checks
     def blocked(self, tenant: str, model: str, cost: int, long: bool, quota: TenantQuota,
@@ -218,7 +219,7 @@ class Planner:
         """Under pressure: each tenant's best, by :meth:`pressure_key`."""
         found, found_key = None, None
         for rank, tenant in order:
-            key_of = lambda e, rank=rank: self.pressure_key(self.entry_key(e), e.cls, rank)  # noqa: E731
+            key_of = lambda e, rank=rank: self.pressure_key(self.entry_key(e), e.cls, rank, e.tenant)  # noqa: E731
             e = self._best(tenant, key_of)
             if e is None:
                 continue
@@ -266,9 +267,11 @@ class Planner:
             return True
         entry, top_rank = top
         mine = self.rank(request.tenant)
-        if self.pressure:  # class before tenant (module docstring, 5.)
-            return (self.pressure_key(self.arrival_key(request.cls), request.cls, mine)
-                    < self.pressure_key(self.entry_key(entry), entry.cls, top_rank))
+        if self.pressure:  # class before tenant (module docstring, 5.); it still loses every tie
+            a = self.pressure_key(self.arrival_key(request.cls), request.cls, mine)[:3]
+            b = self.pressure_key(self.entry_key(entry), entry.cls, top_rank)[:3]
+            if a != b:
+                return a < b
         if request.tenant != entry.tenant:
             return mine < top_rank
         return self.arrival_key(request.cls) < self.entry_key(entry)
