@@ -160,8 +160,14 @@ def test_past_the_watermark_an_online_arrival_jumps_another_tenants_queued_batch
     assert core.evaluate(other, 2.0).decision == QUEUE  # batch of a third tenant waits its turn
 
 
-def test_an_aged_batch_request_still_outranks_young_online_work():
-    core = make_core(total=1000, degrade_watermark=0.8, aging_s=10.0)
+@pytest.mark.parametrize("case, limits, aging_s, first", [
+    ("young batch: online's class first", {}, 1000.0, ON),
+    ("aged batch: promoted, the lighter tenant first", {}, 10.0, BA),
+    ("aged batch under a class limit: its limit guarantees it, online first", {BA: 600}, 10.0, ON),
+])
+def test_aging_and_class_limits_under_pressure(case, limits, aging_s, first):
+    """b (holding nothing) queued batch at 0 s, a (holding 900) online at 15 s, room for one."""
+    core = make_core(total=1000, limits=limits, degrade_watermark=0.8, aging_s=aging_s)
     holding = [sized(900, tenant="a"), sized(100, tenant="c")]
     for r in holding:
         submit(core, r)
@@ -169,8 +175,8 @@ def test_an_aged_batch_request_still_outranks_young_online_work():
     submit(core, batch, 0.0)
     online = sized(100, tenant="a")
     submit(core, online, 15.0)
-    finish(core, holding[1], 16.0)  # room for one
-    assert allowed(drain(core, 16.0)) == [batch.id]  # aged: the bound on being passed over
+    finish(core, holding[1], 16.0)
+    assert allowed(drain(core, 16.0)) == [batch.id if first == BA else online.id], case
 
 
 def test_online_borrows_batch_room_in_a_surge_and_gives_it_back():
@@ -281,16 +287,3 @@ def test_the_offline_path_counts_in_class_offline_under_its_limit():
     v = gate.plan(Usage(), Quotas(total=10_000, class_limits={OFF: 100}), 10_000, held)
     assert [r[1] for r in v.refusals] == ["class_limit"] * 4
 
-
-def test_an_aged_batch_backlog_under_a_class_limit_does_not_pass_online():
-    """With a batch limit batch is guaranteed its room, so its age no longer beats online's class."""
-    core = make_core(total=1000, limits={BA: 600}, degrade_watermark=0.8, aging_s=10.0)
-    holding = [sized(900, tenant="a"), sized(100, tenant="c")]
-    for r in holding:
-        submit(core, r)
-    batch = sized(100, tenant="b", cls=BA)
-    submit(core, batch, 0.0)
-    online = sized(100, tenant="a")
-    submit(core, online, 15.0)
-    finish(core, holding[1], 16.0)
-    assert allowed(drain(core, 16.0)) == [online.id]
