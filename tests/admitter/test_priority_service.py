@@ -25,8 +25,10 @@ def hundred(tenant: str, cls: str):
     return make_request(tenant, prompt_token_ids=list(range(33)), cls=cls, max_tokens=34)
 
 
-async def quota_show(nats_url: str) -> str:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "natsched", "quota", "show", "--nats-url",
+async def natsched_out(nats_url: str, *command: str) -> str:
+    """What ``natsched COMMAND`` (default ``quota show``) prints."""
+    command = command or ("quota", "show")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "natsched", *command, "--nats-url",
                                                 nats_url, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -82,8 +84,10 @@ async def test_a_batch_backlog_lends_its_room_to_an_online_burst_and_gets_it_bac
         newly = [d.request_id for d in allows if d.request_id not in ds]
         queued_batch = [r.id for r in batch if r not in running_batch]
         assert sum(rid in queued_batch for rid in newly) == 1  # the backlog yielded: 3 online, 1 batch
-        # every step visible: quota show and the metrics
-        shown = await quota_show(nats_url)
+        # every step visible: the audit, quota show and the metrics
+        story = await natsched_out(nats_url, "audit", loaned[0].request_id)
+        assert "loan=batch:100" in story and "class_limit=400" in story and "class=online" in story, story
+        shown = await natsched_out(nats_url)
         assert row(shown, ON)[:5] == [ON, "400", "700", "300", "(batch)"]
         assert row(shown, BA)[:6] == [BA, "600", "300", "0", "300", "(online)"]
         assert await until(lambda: adm.metrics.registry.get_sample_value(
@@ -108,7 +112,7 @@ async def test_a_batch_backlog_lends_its_room_to_an_online_burst_and_gets_it_bac
         usage = await stored_usage(bus)
         assert usage.loans == {} and usage.classes == {BA: 600} and usage.used == 600
         assert {d.request_id for d in await decisions(bus) if d.decision == "allow"} >= {r.id for r in batch}
-        shown = await quota_show(nats_url)
+        shown = await natsched_out(nats_url)
         assert row(shown, ON)[:5] == [ON, "400", "0", "0", "0"] and row(shown, BA)[:5] == [BA, "600", "600", "0", "0"]
     finally:
         await stop(adm)
