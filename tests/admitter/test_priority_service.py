@@ -84,6 +84,9 @@ async def test_a_batch_backlog_lends_its_room_to_an_online_burst_and_gets_it_bac
         newly = [d.request_id for d in allows if d.request_id not in ds]
         queued_batch = [r.id for r in batch if r not in running_batch]
         assert sum(rid in queued_batch for rid in newly) == 1  # the backlog yielded: 3 online, 1 batch
+        # the reconciliation finds the records agree with the class counts, and keeps the loan
+        assert await adm.reconcile_once() == 0 and await adm.reconcile_once() == 0
+        assert (await stored_usage(bus)).loans == {(ON, BA): 300}
         # every step visible: the audit, quota show and the metrics
         story = await natsched_out(nats_url, "audit", loaned[0].request_id)
         assert "loan=batch:100" in story and "class_limit=400" in story and "class=online" in story, story
