@@ -331,11 +331,13 @@ class RouterService:
 
         After an unclean server restart, the acks the server had not written are gone, and so is
         the dedup of every consumed hand-off (rebuilt from what is stored; ADMITTED and WORK are
-        work queues): a copy routed again was stored as new WORK and ran a finished request a
-        second time (a loaded ``natsched chaos --scenario recovery`` run re-dispatched 17 of 300
-        this way, 28 s after their completions). Its completion could release nothing (one
-        accepted completion per request), but the engine time was spent twice. Only fenced
-        completions are remembered, so a forged one cannot make a router drop a request."""
+        work queues): a copy routed again is stored as new WORK, and runs a finished request a
+        second time, whenever the first WORK message's id is forgotten (a loaded ``natsched chaos
+        --scenario recovery`` run re-dispatched 17 of 300 this way, 28 s after their completions,
+        11 to another worker; the WORK dedup happened to still know them). Its completion could
+        release nothing (one accepted completion per request), but the engine time is spent
+        twice. Only fenced completions are remembered, so a forged one cannot make a router drop
+        a request."""
         if _attempt_key(adm.request.id, adm.attempt) not in self.finished:
             return False
         self.metrics.finished_copies.inc()
