@@ -216,9 +216,14 @@ class Planner:
         return None
 
     def _top_by_class(self, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
-        """Under pressure: each tenant's best, by :meth:`pressure_key`."""
+        """Under pressure: each tenant's best, by :meth:`pressure_key`. ``order`` is by rank, so
+        the walk stops at the first request of the top level (no later tenant can beat it) or
+        when the tier changes: with one class it looks at as many tenants as the plain order."""
         found, found_key = None, None
+        top_level = min(self.class_rank.values(), default=0)
         for rank, tenant in order:
+            if found_key is not None and (found_key[1] <= top_level or rank[0] > found_key[0]):
+                break
             key_of = lambda e, rank=rank: self.pressure_key(self.entry_key(e), e.cls, rank, e.tenant)  # noqa: E731
             e = self._best(tenant, key_of)
             if e is None:
