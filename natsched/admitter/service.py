@@ -130,7 +130,7 @@ class AdmitterService(Repairs):
         self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
         self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
         self.quota_entries: dict[str, bytes] = {}
-        self.worker_models: dict[str, tuple[str, float]] = {}  # worker -> (model it serves, last heard)
+        self.worker_models: dict[str, tuple[frozenset[str], float]] = {}  # worker -> (models and adapters, last heard)
         self._quota_errors: set[str] = set()
         self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
         self._releasing: list[tuple[Completion | None, Reservation]] = []  # waiting for the next commit
@@ -898,12 +898,13 @@ class AdmitterService(Repairs):
         await self.bus.kv(S.BUCKET_CONFIG).put(S.KEY_SCALE, event.encode())
         return event
 
-    def note_model(self, worker: str, model: str, now: float) -> None:
-        """A heartbeat named ``model``: the core refuses models no live worker serves (issue 25:
-        an unknown model failed after the router's 10 s wait as ``no_worker``)."""
-        self.worker_models[worker] = (model, now)
+    def note_model(self, worker: str, models: frozenset[str], now: float) -> None:
+        """A heartbeat named ``models`` (its model, and what a fronted server serves: base models
+        and LoRA adapters): the core refuses models no live worker serves (issue 25: an unknown
+        model failed after the router's 10 s wait as ``no_worker``)."""
+        self.worker_models[worker] = (models, now)
         served = self.core.served_models
-        if served is None or model not in served:
+        if served is None or not models <= served:
             self.refresh_served_models(now)
 
     def refresh_served_models(self, now: float) -> None:
@@ -912,7 +913,7 @@ class AdmitterService(Repairs):
         for worker, (_, seen) in list(self.worker_models.items()):
             if now - seen > memory:
                 del self.worker_models[worker]
-        self.core.set_served_models(frozenset(m for m, _ in self.worker_models.values()))
+        self.core.set_served_models(frozenset(m for models, _ in self.worker_models.values() for m in models))
 
     def _refresh_gauges(self) -> None:
         self.refresh_served_models(time.time())

@@ -366,7 +366,8 @@ class RouterService:
             self.metrics.decisions.labels(decision.policy or "", "retry", decision.reason or "").inc()
             await d.nak(delay=self.settings.retry_delay_s)
             return
-        await self._fail(adm, decision, "no_worker", f"no healthy worker for {waited:.0f}s")
+        why = self.core.registry.why_no_worker(adm.request.model, time.time())
+        await self._fail(adm, decision, "no_worker", f"{why}; waited {waited:.0f}s")
         await d.ack()
 
     async def assigned(self, r: "Routed") -> None:
