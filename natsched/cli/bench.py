@@ -224,6 +224,8 @@ def _cmd_health(args) -> int:
 
 
 def _add_pipeline_parser(bsub) -> None:
+    from natsched.bench.server import add_server_flags
+
     pp = bsub.add_parser("pipeline", help="the scheduler's own cost on real services (zero-compute engine)",
                          description="Start a fresh system (embedded nats-server, admitters, routers, null-engine "
                                      "workers), publish requests open-loop and measure publish -> assignment. "
@@ -270,7 +272,36 @@ def _add_pipeline_parser(bsub) -> None:
     pp.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     pp.add_argument("--json", type=Path, default=None, metavar="OUT",
                     help="write the results as JSON (with every memory sample under 'memory')")
+    pp.add_argument("--engine", choices=PIPELINE_ENGINES, default="null",
+                    help="null (default): zero-compute workers, the scheduler's own cost at a rate; vllm-server: "
+                         "the agent's cost per request in front of a real vllm serve, against calling it directly "
+                         "(runs natsched bench server: --url, --model, --requests, --warmup, --prompt-tokens, "
+                         "--max-tokens; the rate, soak and replica flags do not apply)")
+    add_server_flags(pp, note=" (--engine vllm-server)")
     pp.set_defaults(handler=_cmd_pipeline)
+
+
+#: bench pipeline's engines; vllm-server is ``bench server`` (natsched.bench.server)
+PIPELINE_ENGINES = ("null", "vllm-server")
+#: pipeline flags with no meaning in front of a real server (all default to None or False)
+PIPELINE_ONLY = ("rate", "duration", "find_max", "soak", "max_rate", "floor", "inline_routing", "routers",
+                 "no_credit", "audit_max_mib", "nats_url")
+
+
+def _pipeline_on_servers(args) -> int:
+    """``bench pipeline --engine vllm-server``: what the issue asks of it (the agent's overhead per
+    request in front of a real server, p50/p99, against calling the server directly) is what
+    ``bench server`` measures; an open-loop rate through real servers would measure the servers."""
+    from natsched.bench.server import run_server_bench
+
+    given = [n for n in PIPELINE_ONLY if getattr(args, n) not in (None, False)]
+    if given:
+        return _fail(f"--engine vllm-server runs natsched bench server, which takes none of "
+                     f"{', '.join('--' + n.replace('_', '-') for n in given)}")
+    print("bench pipeline --engine vllm-server: running natsched bench server (the same requests to the server "
+          "directly, through the agent's engine and through the whole pipeline, one at a time)",
+          file=sys.stderr, flush=True)
+    return run_server_bench(args)
 
 
 def cmd_bench(args) -> int:
@@ -375,6 +406,14 @@ def _cmd_pipeline(args) -> int:
     from natsched.errors import NatschedError
     from natsched.bench.memory import print_memory, soak_summary
     from natsched.bench.pipeline import PipelineRun, find_max, print_table, run_pipeline
+    from natsched.bench.server import SERVER_DEFAULTS
+
+    if args.engine == "vllm-server":
+        return _pipeline_on_servers(args)
+    server_only = [n for n, default in SERVER_DEFAULTS.items() if getattr(args, n) != default]
+    if server_only:
+        return _fail(f"{', '.join('--' + n.replace('_', '-') for n in server_only)} "
+                     f"{'goes' if len(server_only) == 1 else 'go'} with --engine vllm-server")
 
     if args.max_rate is not None and not args.soak:
         return _fail("--max-rate goes with --soak (the soak runs at half of it)")
