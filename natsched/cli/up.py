@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from natsched.bus.server import DEFAULT_PORT, DEFAULT_SYNC, SYNC_CHOICES
+from natsched.cli.argtypes import positive_float
 from natsched.cli.options import ENV_URL, connect, fail, run, url_flag
 
 #: worker engines: a calibrated model, vLLM in the worker's process, a running vllm serve (or SGLang)
@@ -184,19 +185,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
 def add_leave_flag(p: argparse.ArgumentParser) -> None:
     """How long an engine server may be silent before its agent leaves (``natsched worker`` and ``up``)."""
     from natsched.workers.engine import UNREACHABLE_LEAVE_S as default
-    p.add_argument("--unreachable-leave", type=_positive_seconds, default=default, metavar="SECONDS",
+
+    p.add_argument("--unreachable-leave", type=positive_float, default=default, metavar="SECONDS",
                    help=f"vllm-server: seconds the server may not answer before the agent leaves (quiescing, "
                         f"back by itself when it answers); it backs off at once (default {default:g})")
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
 
 
 def add_calibrate_flags(p: argparse.ArgumentParser) -> None:

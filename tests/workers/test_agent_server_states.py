@@ -79,25 +79,13 @@ async def test_a_silent_server_sends_the_agent_to_backoff_then_away_and_back(bus
         assert not agent._stopped.is_set()  # away, not drained: the process stays to come back
         engine.st.unreachable_s = 0.0
         assert await wait_for(lambda: hbs[-1].state == "healthy")
-    finally:
-        await agent.stop()
-
-
-async def test_a_server_found_silent_past_the_leave_time_is_backed_off_from_first(bus):
-    """A heartbeat that comes late (a loaded machine) and finds the server silent past the leave
-    time already still announces backoff once before the leave."""
-    engine = ServerLike()
-    agent = WorkerAgent(bus, engine, WorkerSettings(id="sv4", model="tiny", heartbeat_interval_s=0.05,
-                                                    unreachable_leave_s=0.3))
-    hbs = await listen(bus, S.heartbeat(WorkerId("sv4")), Heartbeat)
-    await agent.start()
-    try:
-        assert await wait_for(lambda: hbs and hbs[-1].state == "healthy")
+        # a heartbeat that comes late (a loaded machine) and finds the server silent past the
+        # leave time already still announces backoff once before the leave
+        seen = len(hbs)
         engine.st.unreachable_s = 5.0
         assert await wait_for(lambda: hbs[-1].state == "quiescing")
-        states = [h.state for h in hbs]
-        changes = [s for i, s in enumerate(states) if i == 0 or states[i - 1] != s]
-        assert changes == ["healthy", "backoff", "quiescing"]
+        states = [h.state for h in hbs[seen - 1:]]
+        assert [s for i, s in enumerate(states) if i == 0 or states[i - 1] != s] == ["healthy", "backoff", "quiescing"]
     finally:
         await agent.stop()
 
