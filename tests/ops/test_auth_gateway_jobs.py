@@ -11,20 +11,13 @@ import openai
 import orjson
 import pytest
 
-from natsched.admitter.offline import OfflineRunner, OfflineSettings
-from natsched.admitter.service import AdmitterService
 from natsched.bus.connection import Bus
-from natsched.ops.auth import AuthSettings, init
-from natsched.router.core import RouterSettings
-from natsched.router.service import RouterService, RouterServiceSettings
 from natsched.wire import subjects as S
 from natsched.wire.roles import JS_API, local_subject
-from natsched.workers.agent import WorkerAgent, WorkerSettings
-from natsched.workers.profiles import H100_LLAMA8B
-from natsched.workers.simengine import SimEngine
+from tests.factories.auth import RoleServices, admin_provisioned, secured_server
 from tests.factories.core import wait_for
 from tests.factories.gateway import start_gateway
-from tests.ops.test_auth_permissions import assert_no_violation, probe, start_server  # noqa: F401 (probe: a fixture)
+from tests.ops.test_auth_permissions import assert_no_violation, probe  # noqa: F401 (probe: a fixture)
 
 TENANTS = ["A", "B", "C"]
 GATEWAY_TENANTS = ["A", "B"]  # C is not served by the gateway
@@ -35,57 +28,36 @@ KEY_A, KEY_B = KEYS
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
-    root = tmp_path_factory.mktemp("auth-gateway-jobs")
-    files = init(AuthSettings(out=root / "auth", tenants=TENANTS, workers=["w1"], gateway_tenants=GATEWAY_TENANTS))
-    server = start_server(root, files)
-    try:
-        yield server, files
-    finally:
-        server.stop()
+    with secured_server(tmp_path_factory.mktemp("auth-gateway-jobs"), tenants=TENANTS, workers=["w1"],
+                        gateway_tenants=GATEWAY_TENANTS) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")
 async def provisioned(secured):
     server, files = secured
-    admin = await Bus.connect(server.url, name="admin", credentials=files.creds("admin"))
-    await admin.provision()
-    await admin.provision_jobs()
-    try:
+    async with admin_provisioned(server, files) as admin:
         yield server, files, admin
-    finally:
-        await admin.close()
 
 
 @pytest.fixture
 async def services(provisioned):
-    """Admitter (batch always degraded), router, one sim worker and the offline runner, each on
-    its own role."""
+    """Every service on its own role (batch requests always degraded), and the gateway on its."""
     server, files, _ = provisioned
     buses: list[Bus] = []
 
     async def as_role(user: str) -> Bus:
-        bus = await Bus.connect(server.url, name=user, credentials=files.creds(user))
-        buses.append(bus)
-        return bus
+        buses.append(await Bus.connect(server.url, name=user, credentials=files.creds(user)))
+        return buses[-1]
 
-    admitter = AdmitterService(await as_role("admitter"))
-    await admitter.start()
-    admitter.core.settings.degrade_watermark = 0.0  # every batch request becomes a job
-    router = RouterService(await as_role("router"), RouterServiceSettings(core=RouterSettings(policy="least_loaded"),
-                                                                          retry_delay_s=0.2))
-    await router.start()
-    worker = WorkerAgent(await as_role("worker-w1"), SimEngine(H100_LLAMA8B, block_size=32, time_scale=0.05),
-                         WorkerSettings(id="w1", heartbeat_interval_s=0.2))
-    await worker.start()
-    runner = OfflineRunner(await as_role("offline"), OfflineSettings(poll_s=0.02))
-    await runner.start()
+    running = await RoleServices.start(as_role)
     gw = await start_gateway(server.url, keys=KEYS, credentials=files.creds("gateway"))
     try:
         await gw.wait_for_workers(1)
         yield gw
     finally:
         await gw.close()
-        await worker.stop()
+        await running.stop()
         for bus in reversed(buses):
             await bus.close()
 
