@@ -65,6 +65,7 @@ async def test_two_policies_are_compared_with_exact_numbers(bus, nats_url):
         request_id="stray", tenant="t1", status=CompletionStatus.OK, runtime_tokens=1, worker="w1", ttft=5.0,
         ts=time.time(), fence=fence.sign(bus.fence_key, "stray", "w1", 0)), msg_id="stray")
 
+    await bus.jpublish(S.decision("routing", "t1"), b"not a decision", msg_id="garbage")  # logged, left out
     report = await audit_by_policy(bus, since)
     assert report["baseline"] == "least_loaded"  # the routing config's live policy
     assert report["config"]["canary"] == "natsched" and report["config"]["revision"] >= 1
@@ -107,6 +108,8 @@ async def test_one_tenant_only_and_an_empty_window(bus, nats_url):
     report = await audit_by_policy(bus, since, tenant="t2")
     assert list(report["policies"]) == ["natsched"] and report["baseline"] == "natsched"  # no config: the busiest
     assert report["vs_baseline"] == {} and report["config"] is None
+    asked = await audit_by_policy(bus, since, baseline="round_robin")  # routed nothing: said so
+    assert asked["baseline"] in ("least_loaded", "natsched") and "round_robin routed nothing" in asked["note"]
     empty = await audit_by_policy(bus, time.time() + 60)
     assert empty["policies"] == {} and empty["baseline"] is None
     shown = cli(nats_url, "audit", "--since", "now", "--by-policy")
