@@ -58,10 +58,25 @@ class _Spec:
     nested: bool = False  # a Schema or a list of them: ``to_wire`` converts it
 
 
+def bounded(tp: type, lo: int, hi: int, what: str) -> Any:
+    """``tp`` within ``lo..hi``, checked by msgspec as it decodes (in C: a list of 4k token ids
+    costs no Python loop); a value outside is refused as "field 'x' holds {what} outside lo..hi"."""
+    return typing.Annotated[tp, msgspec.Meta(ge=lo, le=hi, description=what)]
+
+
+def _bounds(tp: Any) -> msgspec.Meta | None:
+    if typing.get_origin(tp) is typing.Annotated:
+        return next((m for m in tp.__metadata__ if isinstance(m, msgspec.Meta)), None)
+    return None
+
+
 def _unwrap(tp: Any) -> Any:
-    """The annotation a field's values are checked against: ``X | None`` and ``NewType`` of X are X."""
+    """The annotation a field's values are checked against: ``X | None``, ``NewType`` of X and
+    :func:`bounded` X are X."""
     while True:
-        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if typing.get_origin(tp) is typing.Annotated:
+            tp = tp.__origin__
+        elif typing.get_origin(tp) in (typing.Union, types.UnionType):
             inner = [a for a in typing.get_args(tp) if a is not type(None)]
             if len(inner) != 1:
                 return tp  # a real union: any value goes (decoders of such fields check themselves)
@@ -83,6 +98,8 @@ def _is_nested(tp: Any) -> bool:
 
 def _hint(tp: Any) -> Any:
     """The msgspec type of one annotation: what the hand-written checks took, no more, no less."""
+    if _bounds(tp) is not None:
+        return tp
     tp = _unwrap(tp)
     origin = typing.get_origin(tp)
     if origin is list:
@@ -142,7 +159,7 @@ class Schema:
     @classmethod
     def _compile(cls) -> tuple[_Spec, ...]:
         if not cls.__dict__.get("_specs"):
-            hints = typing.get_type_hints(cls)
+            hints = typing.get_type_hints(cls, include_extras=True)
             cls._specs = tuple(
                 _Spec(f.name, f.metadata.get("wire", f.name),
                       f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, hints[f.name],
@@ -316,6 +333,11 @@ def _refusal(what: str, steps: list, node: Any, parent: Any, value: Any, prefix:
     if missing:
         where = _where(prefix, [*steps, missing["name"]])
         return SchemaError(f"missing required field '{where}' in {_unwrap(node).__name__}", where)
+    bounds = _bounds(node)
+    if bounds is not None:  # a token id past the vocabulary: the list is named as a whole
+        where = _where(prefix, steps[:-1] if steps and isinstance(steps[-1], int) else steps)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return SchemaError(f"field '{where}' holds {bounds.description} outside {bounds.ge}..{bounds.le}", where)
     if steps and isinstance(steps[-1], int) and _unwrap(node) in (int, str, float):
         where = _where(prefix, steps[:-1])  # a list of scalars (token ids) is named as a whole
         return SchemaError(f"field '{where}' must be a list of {_unwrap(node).__name__}", where)
