@@ -420,9 +420,11 @@ class Bus:
         await self.js.account_info()
 
     async def stream_sizes(self) -> dict[str, dict[str, int]]:
-        """Messages and bytes of every stream on the server."""
+        """Messages and bytes of every stream on the server, and its last sequence number (what
+        was ever stored: a work queue's or KV bucket's ``messages`` shrink as they are removed)."""
         infos = await self.js.streams_info()
-        return {i.config.name: {"messages": i.state.messages, "bytes": i.state.bytes} for i in infos}
+        return {i.config.name: {"messages": i.state.messages, "bytes": i.state.bytes, "last_seq": i.state.last_seq}
+                for i in infos}
 
     # --- the connection ----------------------------------------------------------------------
     @property
