@@ -13,6 +13,7 @@ Pure module: no nats import, no I/O.
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,8 @@ from natsched.wire.validate import (  # the engine: Schema is the messages' base
 )
 
 SCHEMA_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 def _check_id(value: str, name: str) -> None:
@@ -135,7 +138,21 @@ class Decision(Schema):
     expected_cached_tokens: int | None = None
     by: str | None = None  # the replica that decided
     latency_ms: float | None = None
+    #: on a routing record of an inline router (``admitter --route``): the admission record of the
+    #: same request, stored in this one message instead of a second (:meth:`unfolded` reads both)
+    admission: dict | None = None
     v: int = SCHEMA_VERSION
+
+    def unfolded(self) -> list["Decision"]:
+        """The records this message holds, in the order they were decided: the admission record
+        it carries (if any, and readable), then itself. Every reader of DECISIONS reads through it."""
+        if self.admission is None:
+            return [self]
+        try:
+            return [Decision.from_wire(self.admission, path="admission"), self]
+        except SchemaError as exc:
+            log.warning("decision record of %s carries an unreadable admission record: %s", self.request_id, exc)
+            return [self]
 
 
 @dataclass

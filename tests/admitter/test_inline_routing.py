@@ -47,10 +47,13 @@ async def test_allowed_requests_go_straight_to_work_and_are_audited_as_before(bu
         assert {r.worker for r in results} == {"w1", "w2"}  # the inline least_loaded spreads a burst
         assert await bus.stream_last_seq(S.STREAM_ADMITTED) == 0  # no hand-off was ever stored
         assert await bus.stream_last_seq(S.STREAM_WORK) == 6
-        decisions = await _decisions(bus)
+        stored = await _decisions(bus)  # one message per request: the routing record holds the admission one
+        assert len(stored) == 6 and all(d.stage == "routing" and d.admission is not None for d in stored)
+        decisions = [record for d in stored for record in d.unfolded()]
         assert sorted((d.stage, d.decision) for d in decisions) == (
             [("admission", "allow")] * 6 + [("routing", "assign")] * 6)
         assert {d.worker for d in decisions if d.stage == "routing"} == {"w1", "w2"}
+        assert {d.by for d in decisions if d.stage == "admission"} == {stack.admitter.settings.name}
         assert await wait_for(lambda: stack.admitter.shared.usage.used == 0)  # every reservation released
         assert stack.router.metrics.assignments.labels("least_loaded", "w1")._value.get() >= 1
     finally:

@@ -168,3 +168,16 @@ def test_a_message_without_an_ack_subject_is_no_delivery():
 
     with pytest.raises(Error):
         Delivery(_Msg("")).num_delivered
+
+
+def test_a_routing_record_unfolds_into_the_admission_record_it_carries():
+    from natsched.wire.schema import Decision
+
+    admission = Decision(request_id="r1", tenant="t", stage="admission", decision="allow", ts=1.0,
+                         budget={"total": 10})
+    routing = Decision(request_id="r1", tenant="t", stage="routing", decision="assign", ts=2.0, worker="w1",
+                       admission=admission.to_wire())
+    assert Decision.decode(routing.encode()).unfolded() == [admission, routing]
+    assert admission.unfolded() == [admission]
+    broken = Decision(request_id="r1", tenant="t", stage="routing", decision="assign", ts=2.0, admission={"ts": 1})
+    assert broken.unfolded() == [broken]  # an unreadable inner record is left out, the outer one kept
