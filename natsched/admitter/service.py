@@ -399,7 +399,15 @@ class AdmitterService(Repairs):
         return op in ("DEL", "PURGE")
 
     async def _hand_off_again(self, request: Request, d: Delivery, res: Reservation) -> None:
-        """Re-publish an allowed request (the same msg id: deduplicated if it did go out) and ack."""
+        """Re-publish an allowed request (the same msg id: deduplicated if it did go out) and ack.
+
+        With an inline router, the allow's record was to be stored inside its routing record, after
+        its WORK message: an admitter that died between the two stored neither, so the allow is
+        recorded again here, from the reservation (reason ``redelivered``)."""
+        if self.router is not None:
+            await self.bus.jpublish_nowait(S.decision("admission", request.tenant), Decision(
+                request_id=request.id, tenant=request.tenant, cls=request.cls, stage="admission", decision=ALLOW,
+                ts=res.ts, reason="redelivered", runtime_tokens=res.tokens, by=res.by), msg_id=M.admission(request.id))
         admitted = Admitted(request=request, runtime_tokens=res.tokens, admitted_at=res.ts, admitter=res.by)
         await self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=M.admitted(request.id))
         await d.ack()
