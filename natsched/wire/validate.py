@@ -143,6 +143,7 @@ class _Engine:
     struct: type
     decoder: msgspec.msgpack.Decoder
     nested: tuple[tuple[str, Callable[[Any], Any]], ...]  # field name -> struct-to-dataclass
+    direct: bool  # instances are built without ``__init__`` (no ``__post_init__``, no slots)
 
 
 class Schema:
@@ -174,20 +175,26 @@ class Schema:
             specs = cls._compile()
             struct = _struct_for(cls, specs)
             nested = tuple((s.name, _converter(s.tp)) for s in specs if _converter(s.tp) is not None)
-            engine = cls._wire = _Engine(struct, msgspec.msgpack.Decoder(struct), nested)
+            direct = not hasattr(cls, "__post_init__") and "__slots__" not in cls.__dict__
+            engine = cls._wire = _Engine(struct, msgspec.msgpack.Decoder(struct), nested, direct)
         return engine
 
     @classmethod
     def _from_struct(cls: type[T], struct: Any) -> T:
         """The dataclass for a decoded struct (nested messages too), after its own checks. The
-        fields are all there and checked, so the instance is built without calling ``__init__``."""
+        fields are all there and checked, so the instance is built without calling ``__init__``
+        (unless the class has a ``__post_init__`` or slots)."""
+        engine = cls._wire or cls._engine()
         values = msgspec.structs.asdict(struct)
-        for name, convert in (cls._wire or cls._engine()).nested:
+        for name, convert in engine.nested:
             value = values[name]
             if value is not None:
                 values[name] = convert(value)
-        obj = object.__new__(cls)
-        obj.__dict__ = values
+        if engine.direct:
+            obj = object.__new__(cls)
+            obj.__dict__ = values
+        else:
+            obj = cls(**values)
         obj.__post_init_check__()
         return obj
 

@@ -115,3 +115,16 @@ def test_prompt_token_ids_outside_the_vocabulary_are_refused_as_a_whole(ids):
     with pytest.raises(SchemaError) as err:
         Admitted.decode(msgpack.packb({"request": req, "runtime_tokens": 1, "admitted_at": 0}))
     assert err.value.field == "request.prompt_token_ids"
+
+
+@dataclass
+class WithPostInit(Schema):
+    n: int
+    doubled: int = 0
+
+    def __post_init__(self) -> None:
+        self.doubled = 2 * self.n
+
+
+def test_a_message_with_a_post_init_is_built_through_it():
+    assert WithPostInit.decode(msgpack.packb({"n": 3})).doubled == 6
