@@ -70,9 +70,9 @@ class WireCount:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
 
-    async def on_msg(self, msg: Any) -> None:
-        kind = kind_of(msg.subject, msg.data, msg.headers or {})
-        self.counts[f"{kind} (delivered)" if (msg.reply or "").startswith("$JS.ACK.") else kind] += 1
+    async def on_msg(self, subject: str, data: bytes, headers: dict, reply: str) -> None:
+        kind = kind_of(subject, data, headers)
+        self.counts[f"{kind} (delivered)" if reply.startswith("$JS.ACK.") else kind] += 1
 
     def take(self) -> Counter[str]:
         out, self.counts = self.counts, Counter()
@@ -114,7 +114,7 @@ async def count_stored(url: str, run: PipelineRun, pids: dict[str, int] | None =
     bus = await Bus.connect(url, name="bench-stored")
     wire = WireCount()
     try:
-        sub = await bus.nc.subscribe(">", cb=wire.on_msg, pending_msgs_limit=1_000_000)
+        sub = await bus.subscribe(">", wire.on_msg, with_reply=True, pending_msgs=1_000_000)
         await bus.flush()
         wire.take()
         t = time.monotonic()
