@@ -108,9 +108,15 @@ class SharedState:
     """The replica's mirror of ``inflight`` plus the CAS operations that change it."""
 
     def __init__(self, bus: Bus, name: str, max_attempts: int = 200, remember: bool = True,
-                 watch: bool = True) -> None:
+                 watch: bool = True, usage_key: str = USAGE, owns: Callable[[str], bool] | None = None) -> None:
         self.bus = bus
         self.name = name
+        #: partitioned admission (natsched.admitter.budget): the partition's own usage key, and
+        #: the tenants whose records are its own. Records of other partitions' tenants share the
+        #: bucket (a request id is unique) but are never released, counted or rescued here:
+        #: their tokens are in another partition's usage key
+        self.usage_key = usage_key
+        self.owns: Callable[[str], bool] = owns or (lambda tenant: True)
         self.max_attempts = max_attempts
         self.usage = Usage()
         self.revision = 0  # of the usage key; 0 = it does not exist yet
@@ -147,14 +153,14 @@ class SharedState:
         await asyncio.wait_for(self.ready.wait(), 10)
 
     async def _mirror(self) -> None:
-        async for key, value, rev in self.bus.kv(S.BUCKET_INFLIGHT).watch(USAGE, ready=self.ready):
+        async for key, value, rev in self.bus.kv(S.BUCKET_INFLIGHT).watch(self.usage_key, ready=self.ready):
             try:
                 self._apply(key, value, rev)
             except (AdmitterError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:  # UsageError too
                 log.error("ignoring corrupted inflight entry %s: %s", key, exc)
 
     def _apply(self, key: str, value: bytes | None, rev: int) -> None:
-        if key == USAGE and rev >= self.revision:
+        if key == self.usage_key and rev >= self.revision:
             self._adopt(value, rev)
 
     def _adopt(self, value: bytes | None, rev: int) -> None:
@@ -176,7 +182,7 @@ class SharedState:
 
     async def refresh(self) -> None:
         """Read ``usage`` now (after a lost race the mirror may not have caught up yet)."""
-        current = await self.bus.kv(S.BUCKET_INFLIGHT).get(USAGE)
+        current = await self.bus.kv(S.BUCKET_INFLIGHT).get(self.usage_key)
         if current is None:
             self.usage, self.revision, self.corrupted = Usage(), 0, 0
         else:
@@ -196,9 +202,9 @@ class SharedState:
                 return result
             try:
                 if self.revision == 0:
-                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).create(USAGE, new.to_json())
+                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).create(self.usage_key, new.to_json())
                 else:
-                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(USAGE, new.to_json(), self.revision)
+                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(self.usage_key, new.to_json(), self.revision)
             except ConflictError:
                 self.conflicts += 1
                 # jittered backoff: replicas that keep colliding spread out instead of livelocking
@@ -219,7 +225,7 @@ class SharedState:
             records.setdefault(res.request_id, res)
         expected = self.drift(records, self.is_long, Usage(credits=self.usage.credits))
         try:
-            rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(USAGE, expected.to_json(), self.corrupted)
+            rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(self.usage_key, expected.to_json(), self.corrupted)
         except ConflictError:
             await self.refresh()
             return
@@ -265,12 +271,15 @@ class SharedState:
         for key, (value, rev) in raw.items():
             rid = key[len(RES_PREFIX):]
             try:
-                records[rid] = Reservation.from_json(rid, value, rev)
+                res = Reservation.from_json(rid, value, rev)
             except UsageError as exc:
                 if self._bad_records.get(key) != rev:  # logged and counted once per value
                     self._bad_records[key] = rev
                     self.refused += 1
                     log.error("reservation record refused: %s", exc)
+                continue
+            if self.owns(res.tenant):
+                records[rid] = res
         for rid in [rid for rid in self.reservations if rid not in records]:
             if self.reservations[rid].ts < started - SNAPSHOT_MARGIN_S:  # (one written meanwhile is kept)
                 del self.reservations[rid]
@@ -357,7 +366,8 @@ class SharedState:
             self.reservations.pop(request_id, None)
             return None
         try:
-            return Reservation.from_json(request_id, current[0], current[1])
+            res = Reservation.from_json(request_id, current[0], current[1])
+            return res if self.owns(res.tenant) else None  # another partition's
         except UsageError as exc:  # not a reservation: nothing to release (the reconciliation,
             key = S.reservation_key(request_id)  # which skips it too, repairs the aggregate)
             if self._bad_records.get(key) != current[1]:
