@@ -6,6 +6,10 @@ benchmark reports commits per second, lost races (conflicts) per commit, and che
 final aggregate equals the number of commits: no update lost, nothing admitted twice.
 One commit stands for a whole batch of decisions in the admitter, so these numbers bound how
 often replicas can decide together, not how many requests they can decide.
+
+``--partitions P``: replica ``i`` commits to partition ``i % P``'s own key (``usage.p<k>``), as
+partitioned admitters do (:mod:`natsched.admitter.partition`): what one key's serialisation costs
+against keys that commit in parallel, on the same server.
 """
 
 from __future__ import annotations
@@ -22,10 +26,14 @@ from natsched.bus.connection import Bus
 from natsched.bus.server import EmbeddedServer, free_port
 
 
-async def _replica(url: str, name: str, seconds: float) -> tuple[int, int]:
+def usage_keys(partitions: int) -> list[str]:
+    return [S.KEY_USAGE] if partitions == 1 else [S.partition_usage_key(k) for k in range(partitions)]
+
+
+async def _replica(url: str, name: str, seconds: float, key: str = S.KEY_USAGE) -> tuple[int, int]:
     bus = await Bus.connect(url, name=name)
     try:
-        shared = SharedState(bus, name)
+        shared = SharedState(bus, name, usage_key=key)
         await shared.start()
         commits = 0
         deadline = time.monotonic() + seconds
@@ -37,29 +45,34 @@ async def _replica(url: str, name: str, seconds: float) -> tuple[int, int]:
         await bus.close()
 
 
-async def measure(url: str, replicas: int, seconds: float) -> dict:
+async def measure(url: str, replicas: int, seconds: float, partitions: int = 1) -> dict:
     setup = await Bus.connect(url, name="bench-shared")
+    keys = usage_keys(partitions)
     try:
         await setup.provision()
-        await setup.kv(S.BUCKET_INFLIGHT).put(S.KEY_USAGE, Usage().to_json())
+        for key in keys:
+            await setup.kv(S.BUCKET_INFLIGHT).put(key, Usage().to_json())
         started = time.monotonic()
-        results = await asyncio.gather(*(_replica(url, f"r{i}", seconds) for i in range(replicas)))
+        results = await asyncio.gather(*(_replica(url, f"r{i}", seconds, keys[i % len(keys)])
+                                         for i in range(replicas)))
         wall = time.monotonic() - started
-        final = Usage.from_json((await setup.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
+        used = [Usage.from_json((await setup.kv(S.BUCKET_INFLIGHT).get(key))[0]).used for key in keys]
     finally:
         await setup.close()
     commits = sum(c for c, _ in results)
     conflicts = sum(x for _, x in results)
-    return {"replicas": replicas, "seconds": round(wall, 2), "commits": commits,
+    final = Usage(used=sum(used))
+    return {"replicas": replicas, "partitions": partitions, "seconds": round(wall, 2), "commits": commits,
             "commits_per_s": round(commits / wall), "conflicts_per_commit": round(conflicts / max(1, commits), 3),
             "final_used": final.used, "lost_updates": commits - final.used}
 
 
-def run_shared_state(replicas: list[int], seconds: float, nats_url: str | None = None) -> list[dict]:
+def run_shared_state(replicas: list[int], seconds: float, nats_url: str | None = None,
+                     partitions: list[int] = (1,)) -> list[dict]:
     data_dir = tempfile.mkdtemp(prefix="natsched-bench-")
     server = None if nats_url else EmbeddedServer(port=free_port(), data_dir=data_dir).start()
     try:
-        return [asyncio.run(measure(nats_url or server.url, n, seconds)) for n in replicas]
+        return [asyncio.run(measure(nats_url or server.url, n, seconds, p)) for p in partitions for n in replicas]
     finally:
         if server:
             server.stop()
@@ -67,6 +80,7 @@ def run_shared_state(replicas: list[int], seconds: float, nats_url: str | None =
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'replicas':>8} {'commits/s':>10} {'conflicts/commit':>17} {'lost updates':>13}")
+    print(f"{'partitions':>10} {'replicas':>8} {'commits/s':>10} {'conflicts/commit':>17} {'lost updates':>13}")
     for r in rows:
-        print(f"{r['replicas']:>8} {r['commits_per_s']:>10} {r['conflicts_per_commit']:>17} {r['lost_updates']:>13}")
+        print(f"{r['partitions']:>10} {r['replicas']:>8} {r['commits_per_s']:>10} {r['conflicts_per_commit']:>17} "
+              f"{r['lost_updates']:>13}")
