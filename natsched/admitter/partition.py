@@ -4,10 +4,12 @@ With ``--partitions P`` (P > 1) REQUESTS stores ``req.<class>.<tenant>`` as
 ``reqp.<k>.<class>.<tenant>``, ``k`` = nats-server's ``partition(P, tenant)``
 (:func:`natsched.admitter.budget.partition_of`). An admitter replica of partition ``k``:
 
-- consumes ``reqp.<k>.>`` with its own durable consumer (``admitter-p<k>``) and commits to its
-  own usage key (``inflight/usage.p<k>``): partitions never contend on one compare-and-swap key;
-- releases, reclaims, rescues and reconciles only its own tenants' reservations (the records
-  share the ``inflight`` bucket; a record names its tenant, hence its partition);
+- consumes ``reqp.<k>.>`` with its own durable consumer (``admitter-p<k>``) and keeps its usage
+  key and reservation records in its own bucket (``inflight-p<k>``): partitions never contend on
+  one compare-and-swap key, nor on one stream;
+- releases, reclaims, rescues and reconciles only its own tenants' reservations (a completion
+  or a stranded assignment names its tenant, hence its partition; the others' records are not
+  in its bucket);
 - enforces the budget of the plan in force (``budget/plan``, :mod:`natsched.admitter.coordinator`)
   as its total (:func:`natsched.admitter.budget.partition_quotas`), and reports what it applies,
   holds and has waiting; before the first plan its budget is 0 (nothing is admitted);
@@ -95,9 +97,8 @@ class PartitionMember:
         s = self.settings
         return partition_quotas(quotas, self.budget, quotas.ceiling(), s.partition, s.partitions)
 
-    async def start_partition(self) -> None:
-        """Before consuming: the stream partitioned as we expect, the coordinator candidate (if
-        this replica hosts one), the plan watch, and (bounded) the first plan applied."""
+    async def provision_partition(self) -> None:
+        """After provisioning: REQUESTS partitioned as this replica expects, the buckets there."""
         if not self.partitioned:
             return
         s = self.settings
@@ -106,6 +107,13 @@ class PartitionMember:
         if await self.bus.set_partitions(s.partitions):
             log.warning("REQUESTS now stores requests in %d partitions (requests stored before keep their subject)",
                         s.partitions)
+
+    async def start_partition(self) -> None:
+        """Before consuming: the coordinator candidate (if this replica hosts one), the plan
+        watch, and (bounded) the first plan applied."""
+        if not self.partitioned:
+            return
+        s = self.settings
         if s.coordinate:
             self.coordinator = Coordinator(self.bus, CoordinatorSettings(name=s.name, partitions=s.partitions))
             await self.coordinator.start()

@@ -113,8 +113,8 @@ class AdmitterService(Repairs, PartitionMember):
         self.settings = s = settings or AdmitterServiceSettings()
         self.core = AdmitterCore(s.admission)
         self.init_partition()
-        if self.partitioned:  # its own usage key, its own tenants' records; no credit (partition.py)
-            self.shared = SharedState(bus, s.name, usage_key=S.partition_usage_key(s.partition), owns=self.owns)
+        if self.partitioned:  # its own bucket (usage key and records); no credit (partition.py)
+            self.shared = SharedState(bus, s.name, bucket=S.partition_bucket(s.partition))
             s.credit = replace(s.credit, enabled=False)
         else:
             self.shared = SharedState(bus, s.name)
@@ -170,6 +170,7 @@ class AdmitterService(Repairs, PartitionMember):
     async def start(self) -> None:
         self.bus.on_server_change(self._server_changed)
         await self.bus.provision()
+        await self.provision_partition()  # (P > 1 only) REQUESTS partitioned, the partition's bucket
         await self.shared.start()
         quotas_ready = asyncio.Event()
         self.bus.spawn(self._watch_quotas(quotas_ready), "quota-watch")
@@ -416,7 +417,7 @@ class AdmitterService(Repairs, PartitionMember):
     async def _released_recently(self, request_id: str) -> bool:
         """Its reservation existed and was released (the purge marker lives ``MARKER_TTL_S``,
         longer than the ack wait after which a copy whose ack was lost comes back)."""
-        op = await self.bus.kv(S.BUCKET_INFLIGHT).last_operation(S.reservation_key(request_id))
+        op = await self.bus.kv(self.shared.bucket).last_operation(S.reservation_key(request_id))
         return op in ("DEL", "PURGE")
 
     async def _hand_off_again(self, request: Request, d: Delivery, res: Reservation) -> None:

@@ -108,15 +108,12 @@ class SharedState:
     """The replica's mirror of ``inflight`` plus the CAS operations that change it."""
 
     def __init__(self, bus: Bus, name: str, max_attempts: int = 200, remember: bool = True,
-                 watch: bool = True, usage_key: str = USAGE, owns: Callable[[str], bool] | None = None) -> None:
+                 watch: bool = True, bucket: str = S.BUCKET_INFLIGHT) -> None:
         self.bus = bus
         self.name = name
-        #: partitioned admission (natsched.admitter.budget): the partition's own usage key, and
-        #: the tenants whose records are its own. Records of other partitions' tenants share the
-        #: bucket (a request id is unique) but are never released, counted or rescued here:
-        #: their tokens are in another partition's usage key
-        self.usage_key = usage_key
-        self.owns: Callable[[str], bool] = owns or (lambda tenant: True)
+        #: ``inflight``, or with partitioned admission the partition's own ``inflight-p<k>``
+        #: (its usage key and its requests' records: natsched.admitter.partition)
+        self.bucket = bucket
         self.max_attempts = max_attempts
         self.usage = Usage()
         self.revision = 0  # of the usage key; 0 = it does not exist yet
@@ -153,14 +150,14 @@ class SharedState:
         await asyncio.wait_for(self.ready.wait(), 10)
 
     async def _mirror(self) -> None:
-        async for key, value, rev in self.bus.kv(S.BUCKET_INFLIGHT).watch(self.usage_key, ready=self.ready):
+        async for key, value, rev in self.bus.kv(self.bucket).watch(USAGE, ready=self.ready):
             try:
                 self._apply(key, value, rev)
             except (AdmitterError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:  # UsageError too
                 log.error("ignoring corrupted inflight entry %s: %s", key, exc)
 
     def _apply(self, key: str, value: bytes | None, rev: int) -> None:
-        if key == self.usage_key and rev >= self.revision:
+        if key == USAGE and rev >= self.revision:
             self._adopt(value, rev)
 
     def _adopt(self, value: bytes | None, rev: int) -> None:
@@ -182,7 +179,7 @@ class SharedState:
 
     async def refresh(self) -> None:
         """Read ``usage`` now (after a lost race the mirror may not have caught up yet)."""
-        current = await self.bus.kv(S.BUCKET_INFLIGHT).get(self.usage_key)
+        current = await self.bus.kv(self.bucket).get(USAGE)
         if current is None:
             self.usage, self.revision, self.corrupted = Usage(), 0, 0
         else:
@@ -202,9 +199,9 @@ class SharedState:
                 return result
             try:
                 if self.revision == 0:
-                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).create(self.usage_key, new.to_json())
+                    rev = await self.bus.kv(self.bucket).create(USAGE, new.to_json())
                 else:
-                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(self.usage_key, new.to_json(), self.revision)
+                    rev = await self.bus.kv(self.bucket).update(USAGE, new.to_json(), self.revision)
             except ConflictError:
                 self.conflicts += 1
                 # jittered backoff: replicas that keep colliding spread out instead of livelocking
@@ -225,7 +222,7 @@ class SharedState:
             records.setdefault(res.request_id, res)
         expected = self.drift(records, self.is_long, Usage(credits=self.usage.credits))
         try:
-            rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(self.usage_key, expected.to_json(), self.corrupted)
+            rev = await self.bus.kv(self.bucket).update(USAGE, expected.to_json(), self.corrupted)
         except ConflictError:
             await self.refresh()
             return
@@ -235,14 +232,14 @@ class SharedState:
                     len(records), expected.used)
 
     async def record(self, res: Reservation) -> None:
-        self.recorded(res, await self.bus.kv(S.BUCKET_INFLIGHT).put(S.reservation_key(res.request_id), res.to_json()))
+        self.recorded(res, await self.bus.kv(self.bucket).put(S.reservation_key(res.request_id), res.to_json()))
 
     def outgoing(self, res: Reservation) -> tuple[str, bytes, None, None]:
         """The record as a message for :meth:`natsched.bus.connection.Bus.jpublish_batch` (a KV put is a
         publish on the key's subject); :meth:`recorded` takes its ack's sequence = revision. A
         create: a request id already reserved (published again under another msg id, or still
         marked released) gets a None ack, and is not reserved twice."""
-        return S.kv_subject(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id)), res.to_json(), None, CREATE_ONLY
+        return S.kv_subject(self.bucket, S.reservation_key(res.request_id)), res.to_json(), None, CREATE_ONLY
 
     def recorded(self, res: Reservation, revision: int) -> None:
         res.revision = revision
@@ -266,20 +263,17 @@ class SharedState:
         completion handled by another replica): it is forgotten here, so the memory stays bounded.
         """
         started = time.time()
-        raw = await self.bus.kv(S.BUCKET_INFLIGHT).snapshot(RES_PREFIX + ">")
+        raw = await self.bus.kv(self.bucket).snapshot(RES_PREFIX + ">")
         records = {}
         for key, (value, rev) in raw.items():
             rid = key[len(RES_PREFIX):]
             try:
-                res = Reservation.from_json(rid, value, rev)
+                records[rid] = Reservation.from_json(rid, value, rev)
             except UsageError as exc:
                 if self._bad_records.get(key) != rev:  # logged and counted once per value
                     self._bad_records[key] = rev
                     self.refused += 1
                     log.error("reservation record refused: %s", exc)
-                continue
-            if self.owns(res.tenant):
-                records[rid] = res
         for rid in [rid for rid in self.reservations if rid not in records]:
             if self.reservations[rid].ts < started - SNAPSHOT_MARGIN_S:  # (one written meanwhile is kept)
                 del self.reservations[rid]
@@ -312,7 +306,7 @@ class SharedState:
                             request_id, attempt, res.attempt)
                 return None
             try:
-                await self.bus.kv(S.BUCKET_INFLIGHT).delete(key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
+                await self.bus.kv(self.bucket).delete(key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
             except ConflictError:
                 # rewritten, or a read answered by a cluster follower that is behind: read again
                 # until it is gone or ours; giving up would leave it reserved (and its request
@@ -331,7 +325,7 @@ class SharedState:
         grown = Reservation(res.request_id, res.tenant, res.model, tokens, res.ts, res.by, 0, res.moved_from,
                             res.credit, res.attempt, res.ceiling)
         try:
-            grown.revision = await self.bus.kv(S.BUCKET_INFLIGHT).update(S.reservation_key(res.request_id),
+            grown.revision = await self.bus.kv(self.bucket).update(S.reservation_key(res.request_id),
                                                                          grown.to_json(), res.revision)
         except ConflictError:
             return None
@@ -352,7 +346,7 @@ class SharedState:
                 return res
             res.moved_from, res.attempt = worker, max(res.attempt, attempt)
             try:
-                res.revision = await self.bus.kv(S.BUCKET_INFLIGHT).update(S.reservation_key(request_id),
+                res.revision = await self.bus.kv(self.bucket).update(S.reservation_key(request_id),
                                                         res.to_json(), res.revision)
             except ConflictError:
                 continue
@@ -361,13 +355,12 @@ class SharedState:
         raise AdmitterError(f"reservation {request_id}: lost {self.max_attempts} races marking it moved")
 
     async def _read(self, request_id: str) -> Reservation | None:
-        current = await self.bus.kv(S.BUCKET_INFLIGHT).get(S.reservation_key(request_id))
+        current = await self.bus.kv(self.bucket).get(S.reservation_key(request_id))
         if current is None:
             self.reservations.pop(request_id, None)
             return None
         try:
-            res = Reservation.from_json(request_id, current[0], current[1])
-            return res if self.owns(res.tenant) else None  # another partition's
+            return Reservation.from_json(request_id, current[0], current[1])
         except UsageError as exc:  # not a reservation: nothing to release (the reconciliation,
             key = S.reservation_key(request_id)  # which skips it too, repairs the aggregate)
             if self._bad_records.get(key) != current[1]:

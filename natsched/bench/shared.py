@@ -7,7 +7,7 @@ final aggregate equals the number of commits: no update lost, nothing admitted t
 One commit stands for a whole batch of decisions in the admitter, so these numbers bound how
 often replicas can decide together, not how many requests they can decide.
 
-``--partitions P``: replica ``i`` commits to partition ``i % P``'s own key (``usage.p<k>``), as
+``--partitions P``: replica ``i`` commits to partition ``i % P``'s own bucket (``inflight-p<k>``), as
 partitioned admitters do (:mod:`natsched.admitter.partition`): what one key's serialisation costs
 against keys that commit in parallel, on the same server.
 """
@@ -26,14 +26,14 @@ from natsched.bus.connection import Bus
 from natsched.bus.server import EmbeddedServer, free_port
 
 
-def usage_keys(partitions: int) -> list[str]:
-    return [S.KEY_USAGE] if partitions == 1 else [S.partition_usage_key(k) for k in range(partitions)]
+def usage_buckets(partitions: int) -> list[str]:
+    return [S.BUCKET_INFLIGHT] if partitions == 1 else [S.partition_bucket(k) for k in range(partitions)]
 
 
-async def _replica(url: str, name: str, seconds: float, key: str = S.KEY_USAGE) -> tuple[int, int]:
+async def _replica(url: str, name: str, seconds: float, bucket: str = S.BUCKET_INFLIGHT) -> tuple[int, int]:
     bus = await Bus.connect(url, name=name)
     try:
-        shared = SharedState(bus, name, usage_key=key)
+        shared = SharedState(bus, name, bucket=bucket)
         await shared.start()
         commits = 0
         deadline = time.monotonic() + seconds
@@ -47,16 +47,18 @@ async def _replica(url: str, name: str, seconds: float, key: str = S.KEY_USAGE) 
 
 async def measure(url: str, replicas: int, seconds: float, partitions: int = 1) -> dict:
     setup = await Bus.connect(url, name="bench-shared")
-    keys = usage_keys(partitions)
+    keys = usage_buckets(partitions)
     try:
         await setup.provision()
-        for key in keys:
-            await setup.kv(S.BUCKET_INFLIGHT).put(key, Usage().to_json())
+        if partitions > 1:
+            await setup.set_partitions(partitions)
+        for bucket in keys:
+            await setup.kv(bucket).put(S.KEY_USAGE, Usage().to_json())
         started = time.monotonic()
         results = await asyncio.gather(*(_replica(url, f"r{i}", seconds, keys[i % len(keys)])
                                          for i in range(replicas)))
         wall = time.monotonic() - started
-        used = [Usage.from_json((await setup.kv(S.BUCKET_INFLIGHT).get(key))[0]).used for key in keys]
+        used = [Usage.from_json((await setup.kv(bucket).get(S.KEY_USAGE))[0]).used for bucket in keys]
     finally:
         await setup.close()
     commits = sum(c for c, _ in results)

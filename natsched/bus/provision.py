@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass, field
 
 from nats.js import api
@@ -76,6 +77,9 @@ _BUCKETS: dict[str, tuple[int, float | None]] = {
     S.BUCKET_INFLIGHT: (1, None),  # shared usage + one key per reservation (admitter replicas)
     S.BUCKET_BUDGET: (1, None),  # partitioned admission only (set_partitions): plan, lease, reports
 }
+
+
+_PARTITION_BUCKET = re.compile(r"-p[0-9]+$")
 
 
 def bucket_history(bucket: str) -> int:
@@ -186,7 +190,7 @@ async def ensure_stream(js, config: api.StreamConfig) -> None:
 
 async def ensure_bucket(js, bucket: str, replicas: int | None) -> None:
     """Create the bucket; an existing one is only ever scaled up (``replicas`` None: automatic)."""
-    history, ttl = _BUCKETS[bucket]
+    history, ttl = _BUCKETS[_PARTITION_BUCKET.sub("", bucket)]  # inflight-p<k>: as inflight
     replicas = auto_replicas(js) if replicas is None else replicas
     try:
         await js.key_value(bucket)
@@ -523,13 +527,15 @@ def stream_partitions(config: api.StreamConfig) -> int:
 
 
 async def set_partitions(js, partitions: int) -> bool:
-    """Partition REQUESTS into ``partitions`` (1: undo it) and create the ``budget`` bucket;
-    True when the stream changed. Requests stored before keep their subject: run it on a
-    drained system (docs/fleet.md says how to change P)."""
+    """Partition REQUESTS into ``partitions`` (1: undo it) and create bucket ``budget`` and each
+    partition's ``inflight-p<k>``; True when the stream changed. Requests stored before keep their
+    subject: change P on a drained system (docs/fleet.md)."""
     info = await js.stream_info(S.STREAM_REQUESTS)
     wanted = partition_transform(partitions)
     if partitions > 1:
         await ensure_bucket(js, S.BUCKET_BUDGET, None)
+        for k in range(partitions):
+            await ensure_bucket(js, S.partition_bucket(k), None)
     if stream_partitions(info.config) == partitions:
         return False
     info.config.subject_transform = wanted

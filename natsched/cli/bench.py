@@ -94,7 +94,7 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
     ss.add_argument("--replicas", default="1,2,3", help="replica counts to run, comma separated (default 1,2,3)")
     ss.add_argument("--seconds", type=positive_float, default=5.0, help="seconds per run (default 5)")
     ss.add_argument("--partitions", default="1", help="partition counts to run, comma separated: replica i "
-                                                      "commits to partition i %% P's own usage key (default 1)")
+                                                      "commits to partition i %% P's own bucket (default 1)")
     ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     ss.set_defaults(handler=_cmd_shared)

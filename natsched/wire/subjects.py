@@ -433,9 +433,12 @@ def partition_completions(partition: int | str) -> str:
     return f"{CONSUMER_ADMITTER_COMPLETIONS}-p{_partition(partition)}"
 
 
-def partition_usage_key(partition: int | str) -> str:
-    """Partition ``partition``'s own usage in ``inflight`` (its own compare-and-swap key): ``usage.p<partition>``."""
-    return f"{KEY_USAGE}.p{_partition(partition)}"
+def partition_bucket(partition: int | str) -> str:
+    """Partition ``partition``'s own in-flight bucket, ``inflight-p<partition>``: its ``usage`` key and
+    its requests' ``res.`` records, as ``inflight`` holds them unpartitioned. A bucket of its own,
+    not a key of ``inflight``: a bucket is one stream, which orders all its writes (and has one
+    leader in a cluster), so partitions sharing one would still queue behind each other."""
+    return f"{BUCKET_INFLIGHT}-p{_partition(partition)}"
 
 
 def partition_report_key(partition: int | str, replica: str) -> str:
@@ -455,6 +458,6 @@ PATTERNS.update({
     "partition_requests": "reqp.<partition>.>",
     "partition_admitter": "admitter-p<partition>",
     "partition_completions": "admitter-completions-p<partition>",
-    "partition_usage_key": "usage.p<partition>",
+    "partition_bucket": "inflight-p<partition>",
     "partition_report_key": "report.<partition>.<replica>",
 })

@@ -41,8 +41,8 @@ async def start_coordinator(url, name: str, lease_s: float = 1.0) -> Coordinator
     return c
 
 
-async def usage_of(bus, key: str) -> Usage:
-    got = await bus.kv(S.BUCKET_INFLIGHT).get(key)
+async def usage_of(bus, bucket: str) -> Usage:
+    got = await bus.kv(bucket).get(S.KEY_USAGE)
     return Usage.from_json(got[0]) if got else Usage()
 
 
@@ -60,7 +60,7 @@ async def test_the_stream_stores_each_tenant_under_the_servers_partition(bus):
     assert (await bus.stream_messages(S.STREAM_REQUESTS))[-1][0] == "req.online.tenant-0"
 
 
-async def test_two_partitions_admit_their_own_tenants_on_their_own_keys_within_the_total(bus, nats_url):
+async def test_two_partitions_admit_their_own_tenants_in_their_own_buckets_within_the_total(bus, nats_url):
     await set_quotas(bus, cluster__total=3000, class__online__queue=100)
     a0 = await start_partition(nats_url, 0, coordinate=True)
     a1 = await start_partition(nats_url, 1, coordinate=True)  # a second candidate: stands by
@@ -76,10 +76,11 @@ async def test_two_partitions_admit_their_own_tenants_on_their_own_keys_within_t
         by = {d.request_id: d for d in ds if d.decision == "allow"}
         for d in by.values():  # each tenant decided by its own partition's admitter
             assert d.by == ("adm-p0" if d.tenant == P0 else "adm-p1")
-        u0, u1 = await usage_of(bus, S.partition_usage_key(0)), await usage_of(bus, S.partition_usage_key(1))
+        u0, u1 = await usage_of(bus, S.partition_bucket(0)), await usage_of(bus, S.partition_bucket(1))
         assert set(u0.tenants) <= {P0} and set(u1.tenants) <= {P1}
         assert u0.used + u1.used == 3000 and u0.used <= a0.budget and u1.used <= a1.budget
         assert await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE) is None  # the one shared key is not used
+        assert not [k for k in await bus.kv(S.BUCKET_INFLIGHT).keys()]  # nor its records: each in its partition's
         assert a0.budget + a1.budget <= 3000
         # a completion is released by its tenant's partition only, which admits a queued request of its own
         rid = next(r for r, d in by.items() if d.tenant == P1)
@@ -147,7 +148,7 @@ async def test_budget_moves_between_partitions_through_a_coordinator_failover_ne
 
     async def watch():  # every report and usage value as the coordinator would see it
         while watching:
-            u = [await usage_of(bus, S.partition_usage_key(k)) for k in (0, 1)]
+            u = [await usage_of(bus, S.partition_bucket(k)) for k in (0, 1)]
             reps = [Report.decode(v) for v, _ in (await bus.kv(S.BUCKET_BUDGET).snapshot(S.REPORTS_ALL)).values()]
             joint, applied = u[0].used + u[1].used, sum(r.state.applied for r in reps)
             seen.append(joint)
