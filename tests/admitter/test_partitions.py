@@ -214,3 +214,50 @@ async def test_partition_decisions_name_the_subject_the_producer_published_on(bu
         assert await refused() == [("reject", "subject_mismatch")]
     finally:
         await stop(a0, coord)
+
+
+async def test_a_dead_workers_work_is_rescued_once_each_by_its_tenants_partition(bus, nats_url):
+    """Both partitions sweep the same dead worker: each re-admits its own tenant's request and
+    leaves the other's alone, so nothing is lost (deleted by the wrong partition) or run twice."""
+    from tests.admitter.test_rescue import admitted, make_assignment, reserve
+
+    await set_quotas(bus, cluster__total=3000)
+    coord = await start_coordinator(nats_url, "coord")
+    a0 = await start_partition(nats_url, 0, rescue_grace_s=0.0)
+    a1 = await start_partition(nats_url, 1, rescue_grace_s=0.0)
+    try:
+        mine0, mine1 = make_assignment(tenant=P0), make_assignment(tenant=P1)
+        await reserve(a0, mine0)
+        await reserve(a1, mine1)
+        for a in (mine0, mine1):
+            await bus.jpublish(S.work(a.worker), a, msg_id=f"{a.request.id}:work")
+        first = await a0.reclaim({})
+        assert first.rescued == {mine0.request.id: "wdead"} and not first.finished  # the other left alone
+        assert [a.request.id for a in await admitted(bus)] == [mine0.request.id]
+        second = await a1.reclaim({})
+        assert second.rescued == {mine1.request.id: "wdead"} and not second.finished
+        assert sorted(a.request.id for a in await admitted(bus)) == sorted([mine0.request.id, mine1.request.id])
+        assert await bus.stream_messages(S.STREAM_WORK) == []
+        assert not (await a0.reclaim({})).rescued and not (await a1.reclaim({})).rescued
+    finally:
+        await stop(a0, a1, coord)
+
+
+async def test_a_lease_reclaim_releases_each_reservation_in_its_own_partition_only(bus, nats_url):
+    await set_quotas(bus, cluster__total=3000)
+    coord = await start_coordinator(nats_url, "coord")
+    a0 = await start_partition(nats_url, 0)
+    a1 = await start_partition(nats_url, 1)
+    try:
+        r0, r1 = request(P0), request(P1)
+        await publish(bus, r0)
+        await publish(bus, r1)
+        assert await until(lambda: a0.shared.usage.used == 300 and a1.shared.usage.used == 300)
+        expired = {"w1": {r0.id, r1.id}}  # a worker held both and missed its heartbeats
+        await a0.reclaim(expired)
+        assert a0.shared.usage.used == 0 and await until(lambda: a1.shared.usage.used == 300)
+        await a1.reclaim(expired)
+        assert a1.shared.usage.used == 0
+        assert (await usage_of(bus, S.partition_bucket(0))).used == 0  # not below zero either
+    finally:
+        await stop(a0, a1, coord)
