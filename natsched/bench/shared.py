@@ -66,7 +66,7 @@ async def measure(url: str, replicas: int, seconds: float, partitions: int = 1) 
     final = Usage(used=sum(used))
     return {"replicas": replicas, "partitions": partitions, "seconds": round(wall, 2), "commits": commits,
             "commits_per_s": round(commits / wall), "conflicts_per_commit": round(conflicts / max(1, commits), 3),
-            "final_used": final.used, "lost_updates": commits - final.used}
+            "final_used": final.used, "lost_updates": commits - final.used, "used_per_partition": used}
 
 
 def run_shared_state(replicas: list[int], seconds: float, nats_url: str | None = None,
