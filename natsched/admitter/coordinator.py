@@ -186,7 +186,9 @@ class Coordinator:
         kv = self.bus.kv(S.BUCKET_BUDGET)
         current_raw = await kv.get(S.KEY_PLAN)
         current = decode_plan(current_raw[0]) if current_raw else None
-        quotas, _errors = Quotas.from_kv({k: v for k, (v, _r) in (await self.bus.kv(S.BUCKET_QUOTAS).snapshot()).items()})
+        entries = await self.bus.kv(S.BUCKET_QUOTAS).snapshot()
+        # (bad entries keep the defaults here; the admitters log and count them)
+        quotas, _errors = Quotas.from_kv({k: v for k, (v, _r) in entries.items() if k != S.KEY_DYNAMIC_TOTAL})
         states = aggregate(await self.reports(), now, self.settings.report_ttl_s)
         plan, why = plan_step(quotas, states, current, self.settings.partitions)
         if plan is None:
