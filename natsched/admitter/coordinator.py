@@ -161,6 +161,7 @@ class Coordinator:
         self.plans_written = 0
         self.last_plan: BudgetPlan | None = None
         self.waiting = ""  # why the last tick published nothing
+        self.quotas: Quotas | None = None  # as last read (a bad entry keeps its value from here)
 
     async def start(self) -> None:
         self.bus.spawn(self._loop(), "budget-coordinator")
@@ -187,8 +188,10 @@ class Coordinator:
         current_raw = await kv.get(S.KEY_PLAN)
         current = decode_plan(current_raw[0]) if current_raw else None
         entries = await self.bus.kv(S.BUCKET_QUOTAS).snapshot()
-        # (bad entries keep the defaults here; the admitters log and count them)
-        quotas, _errors = Quotas.from_kv({k: v for k, (v, _r) in entries.items() if k != S.KEY_DYNAMIC_TOTAL})
+        # a bad entry keeps its last good value, as in the admitters (which log and count it)
+        quotas, _errors = Quotas.from_kv({k: v for k, (v, _r) in entries.items() if k != S.KEY_DYNAMIC_TOTAL},
+                                         previous=self.quotas)
+        self.quotas = quotas
         states = aggregate(await self.reports(), now, self.settings.report_ttl_s)
         plan, why = plan_step(quotas, states, current, self.settings.partitions)
         if plan is None:

@@ -119,3 +119,21 @@ async def test_one_candidate_holds_the_lease_and_the_standby_takes_it_once_expir
     finally:
         await a.bus.close()
         await b.bus.close()
+
+
+async def test_a_corrupted_total_keeps_the_last_good_one_in_the_plan(bus, nats_url):
+    c = Coordinator(await Bus.connect(nats_url, name="c"), CoordinatorSettings(name="c"))
+    await bus.set_partitions(2)
+    try:
+        await bus.kv(S.BUCKET_QUOTAS).put("cluster.total", orjson.dumps(1000))
+        t = 2_000_000.0
+        first = await c.tick(t)
+        assert first is not None and first.total == 1000
+        for p in (0, 1):  # both partitions run it, so a new plan may follow
+            await bus.kv(S.BUCKET_BUDGET).put(S.partition_report_key(p, "r"), Report(
+                PartitionState(applied=first.grant(p), epoch=first.epoch, queued=900 * p), t).encode())
+        await bus.kv(S.BUCKET_QUOTAS).put("cluster.total", b"not a number")
+        second = await c.tick(t + 1)
+        assert second is not None and second.total == 1000 and sum(second.grants.values()) <= 1000
+    finally:
+        await c.bus.close()
