@@ -261,3 +261,24 @@ async def test_a_lease_reclaim_releases_each_reservation_in_its_own_partition_on
         assert (await usage_of(bus, S.partition_bucket(0))).used == 0  # not below zero either
     finally:
         await stop(a0, a1, coord)
+
+
+async def test_a_tenants_cap_holds_in_its_partition_as_without_partitions(bus, nats_url):
+    """The cap is the tenant's own, not the partition's: past it, refused as with one partition
+    (and not held as budget demand: the budget is not what stands in its way)."""
+    await set_quotas(bus, cluster__total=3000, class__online__queue=100, tenant__acme={"cap": 900})
+    coord = await start_coordinator(nats_url, "coord")
+    a0 = await start_partition(nats_url, 0)
+    a1 = await start_partition(nats_url, 1)
+    try:
+        reqs = [request(P1) for _ in range(6)]
+        await asyncio.gather(*(publish(bus, r) for r in reqs))
+
+        async def all_decided():
+            return len(await decisions(bus)) == 6
+        assert await until(all_decided)
+        got = sorted((d.decision, d.reason or "") for d in await decisions(bus))
+        assert got == [("allow", "")] * 3 + [("reject", "tenant_cap")] * 3
+        assert a1.shared.usage.used == 900 and not a1.budget_held
+    finally:
+        await stop(a0, a1, coord)
