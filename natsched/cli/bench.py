@@ -98,6 +98,14 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
     ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     ss.set_defaults(handler=_cmd_shared)
+    ad = bsub.add_parser("partitions", help="decisions/s of real admitter processes, one per partition",
+                         description="Admission alone (no router, no worker): publish --requests requests over one "
+                                     "tenant per partition and time the admitter processes deciding them, at each "
+                                     "partition count.")
+    ad.add_argument("--partitions", default="1,2", help="partition counts to run, comma separated (default 1,2)")
+    ad.add_argument("--requests", type=positive_int, default=5000, help="requests per run (default 5000)")
+    ad.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    ad.set_defaults(handler=_cmd_admission)
     add_scale_parser(bsub)
     cd = bsub.add_parser("codec", help="decode-and-validate cost per message: natsched's validator vs msgspec",
                          description="Time decoding and validating the same encoded messages with natsched's "
@@ -356,6 +364,22 @@ def _cmd_shared(args) -> int:
         return _fail(f"--replicas and --partitions must be positive integers, got {args.replicas!r}, "
                      f"{args.partitions!r}")
     rows = run_shared_state(replicas, args.seconds, args.nats_url, partitions)
+    print_table(rows)
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
+    return 0
+
+
+def _cmd_admission(args) -> int:
+    from natsched.bench.partitions import print_table, run_admission
+
+    try:
+        partitions = [int(x) for x in args.partitions.split(",") if x.strip()]
+        if not partitions or min(partitions) < 1:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--partitions must be positive integers, got {args.partitions!r}")
+    rows = [run_admission(p, args.requests) for p in partitions]
     print_table(rows)
     if args.json is not None:
         args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")

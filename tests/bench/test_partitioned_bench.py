@@ -18,3 +18,11 @@ async def test_shared_state_commits_to_each_partitions_bucket_and_loses_nothing(
     assert row["partitions"] == 2 and row["commits"] > 0
     assert row["lost_updates"] == 0 and row["final_used"] == row["commits"]
     assert len(row["used_per_partition"]) == 2 and min(row["used_per_partition"]) > 0  # both keys committed to
+
+
+def test_bench_partitions_decides_every_request_with_real_admitter_processes():
+    from natsched.bench.partitions import run_admission
+
+    row = run_admission(partitions=2, requests=200)
+    assert row["decided"] == 200 and row["decisions_per_s"] > 0
+    assert {"admitter-p0", "admitter-p1", "nats-server"} <= set(row["cpu_ms_per_decision"])
