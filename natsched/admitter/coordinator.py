@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import orjson
@@ -134,6 +134,9 @@ def plan_step(quotas: Quotas, states: Mapping[int, PartitionState], current: Bud
     plan = next_plan(quotas, total, states, current, partitions)
     if current is not None and dict(plan.grants) == dict(current.grants) and plan.total == current.total:
         return None, "unchanged"
+    if current is None and states:  # the plan key was lost: above every epoch a partition runs,
+        # or they would ignore it as older than theirs (next_plan counted what they apply)
+        plan = replace(plan, epoch=max(plan.epoch, max(s.epoch for s in states.values()) + 1))
     return plan, ""
 
 

@@ -73,6 +73,7 @@ class PartitionMember:
         self.budget_held: dict[str, tuple[Delivery, Request, int]] = {}  # id -> waiting for budget
         self.plan_applied = asyncio.Event()
         self.coordinator: Coordinator | None = None
+        self.reporting = True  # False once stopping: no report written after it is removed
 
     def owns(self, tenant: str) -> bool:
         s = self.settings
@@ -126,8 +127,18 @@ class PartitionMember:
                         "until one arrives", s.partition, FIRST_PLAN_WAIT_S)
 
     async def stop_partition(self) -> None:
+        """A clean stop: the coordinator lease given back, and this replica's report removed (a
+        report left behind would hold raises back until it ages out)."""
+        if not self.partitioned:
+            return
+        self.reporting = False
         if self.coordinator is not None:
             await self.coordinator.resign()
+        try:
+            await self.bus.kv(S.BUCKET_BUDGET).delete(S.partition_report_key(self.settings.partition,
+                                                                              self.settings.name))
+        except NatschedError as exc:
+            log.info("partition %d: report not removed at stop (%s): it ages out", self.settings.partition, exc)
 
     # --- plans ---------------------------------------------------------------------------
     async def _watch_plans(self) -> None:
@@ -174,6 +185,8 @@ class PartitionMember:
                               reserved=self.shared.usage.used, queued=queued)
 
     async def report(self) -> None:
+        if not self.reporting:
+            return
         key = S.partition_report_key(self.settings.partition, self.settings.name)
         await self.bus.kv(S.BUCKET_BUDGET).put(key, Report(self.state(), time.time()).encode())
 

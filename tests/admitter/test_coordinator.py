@@ -137,3 +137,11 @@ async def test_a_corrupted_total_keeps_the_last_good_one_in_the_plan(bus, nats_u
         assert second is not None and second.total == 1000 and sum(second.grants.values()) <= 1000
     finally:
         await c.bus.close()
+
+
+def test_a_lost_plan_is_replaced_above_every_epoch_the_partitions_run():
+    q = Quotas(total=1000)
+    states = {0: PartitionState(applied=400, epoch=7, reserved=400), 1: PartitionState(applied=600, epoch=6)}
+    plan, _ = plan_step(q, states, None, 2)
+    assert plan.epoch == 8 and sum(plan.grants.values()) <= 1000
+    assert plan_step(q, {}, None, 2)[0].epoch == 1

@@ -282,3 +282,17 @@ async def test_a_tenants_cap_holds_in_its_partition_as_without_partitions(bus, n
         assert a1.shared.usage.used == 900 and not a1.budget_held
     finally:
         await stop(a0, a1, coord)
+
+
+async def test_a_clean_stop_removes_the_replicas_report_and_gives_the_lease_back(bus, nats_url):
+    await set_quotas(bus, cluster__total=3000)
+    a0 = await start_partition(nats_url, 0, coordinate=True)
+    try:
+        key = S.partition_report_key(0, "adm-p0")
+        assert await bus.kv(S.BUCKET_BUDGET).get(key) is not None and a0.coordinator.active
+        await a0.stop()
+        assert await bus.kv(S.BUCKET_BUDGET).get(key) is None
+        lease = orjson.loads((await bus.kv(S.BUCKET_BUDGET).get(S.KEY_COORDINATOR))[0])
+        assert lease["holder"] == "" and not a0.coordinator.active
+    finally:
+        await stop(a0)
