@@ -332,6 +332,9 @@ def cmd_admitter(args) -> int:
         knobs = start_knobs(args.settings)
     except ValueError as exc:  # SettingsError: the bad knob named, nothing started
         return fail(f"--set refused: {exc}")
+    if args.partitions < 1 or not 0 <= args.partition < args.partitions:
+        return fail(f"--partition {args.partition} of --partitions {args.partitions}: the partition must be "
+                    f"0..P-1 and P >= 1")
 
     async def start(bus):
         metrics, router = AdmitterMetrics(), None
