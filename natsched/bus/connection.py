@@ -863,15 +863,16 @@ class Bus:
     async def _retrying(self, call: Callable[[float], Awaitable[T]], budget_s: float | None, what: str,
                         level: int, retry_on: tuple[type[BaseException], ...] = _RETRYABLE) -> T:
         """``call(remaining_s)`` until it succeeds or the budget (default: the publish budget) is
-        spent; only ``retry_on`` (timeouts and "no responders") is retried, with a doubling pause."""
+        spent; only ``retry_on`` (timeouts and "no responders") is retried, with a doubling pause,
+        and when the budget is spent it raises :class:`BusTimeout`, never nats-py's own error."""
         deadline = time.monotonic() + (budget_s if budget_s is not None else self.publish_budget_s)
         delay = 0.05
         while True:
             try:
                 return await call(deadline - time.monotonic())
             except retry_on as exc:
-                if time.monotonic() + delay >= deadline:
-                    raise
+                if time.monotonic() + delay >= deadline:  # the budget is spent: the transport's own error
+                    raise BusTimeout(f"{what}: no answer within the budget ({type(exc).__name__})") from exc
                 log.log(level, "%s failed (%s); retrying", what, type(exc).__name__)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -909,6 +910,8 @@ def _as_bus_errors(subject: str, create_only: dict[str, str] | None = None):
     """Translate what nats-py raises for a publish into the transport's own errors."""
     try:
         yield
+    except BusError:
+        raise
     except APIError as exc:
         if create_only is not None and _refused_condition(exc, create_only):
             raise _CreateRefused() from exc
