@@ -173,9 +173,9 @@ class PartitionMember:
         log.info("partition %d applies budget plan %d: %d -> %d runtime tokens", k, plan.epoch, old, self.budget)
         self.plan_applied.set()
         self._wake.set()
-        await self.report()
-        if self.budget > old and self.budget_held:
+        if self.budget > old and self.budget_held:  # (before the report, which may fail: a retry must not)
             self.bus.spawn(self._retry_held(), "budget-retry")
+        await self.report()
         return True
 
     def state(self) -> PartitionState:
@@ -195,6 +195,8 @@ class PartitionMember:
         while True:
             await asyncio.sleep(REPORT_S)
             try:
+                if any(cost <= self.budget for _, _, cost in self.budget_held.values()):
+                    await self._retry_held()  # (a safety net: a raise retries them at once)
                 await self.report()
                 if time.monotonic() - keepalive_at >= self.settings.keepalive_s:
                     keepalive_at = time.monotonic()
