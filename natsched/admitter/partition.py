@@ -201,8 +201,12 @@ class PartitionMember:
                 if time.monotonic() - keepalive_at >= self.settings.keepalive_s:
                     keepalive_at = time.monotonic()
                     await asyncio.gather(*(d.in_progress() for d, _, _ in list(self.budget_held.values())))
-            except NatschedError as exc:  # the next tick reports again
-                log.warning("partition %d: report deferred: %s", self.settings.partition, exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the next tick reports again: this loop must not stop for good
+                if self.bus.closed:
+                    return
+                log.warning("partition %d: report deferred: %r", self.settings.partition, exc)
 
     # --- requests that fit the cluster but not this budget ---------------------------------
     def hold_for_budget(self, items: list, decisions: list[AdmissionDecision]) -> tuple[list, list]:
