@@ -143,7 +143,7 @@ class AdmitterService(Repairs, PartitionMember):
         self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
         self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
         self.quota_entries: dict[str, bytes] = {}
-        self.worker_models: dict[str, tuple[str, float]] = {}  # worker -> (model it serves, last heard)
+        self.worker_models: dict[str, tuple[frozenset[str], float]] = {}  # worker -> (models and adapters, last heard)
         self._quota_errors: set[str] = set()
         self._lock = asyncio.Lock()  # one decision-and-commit at a time per replica
         self._releasing: list[tuple[Completion | None, Reservation]] = []  # waiting for the next commit
@@ -421,7 +421,15 @@ class AdmitterService(Repairs, PartitionMember):
         return op in ("DEL", "PURGE")
 
     async def _hand_off_again(self, request: Request, d: Delivery, res: Reservation) -> None:
-        """Re-publish an allowed request (the same msg id: deduplicated if it did go out) and ack."""
+        """Re-publish an allowed request (the same msg id: deduplicated if it did go out) and ack.
+
+        With an inline router, the allow's record was to be stored inside its routing record, after
+        its WORK message: an admitter that died between the two stored neither, so the allow is
+        recorded again here, from the reservation (reason ``redelivered``)."""
+        if self.router is not None:
+            await self.bus.jpublish_nowait(S.decision("admission", request.tenant), Decision(
+                request_id=request.id, tenant=request.tenant, cls=request.cls, stage="admission", decision=ALLOW,
+                ts=res.ts, reason="redelivered", runtime_tokens=res.tokens, by=res.by), msg_id=M.admission(request.id))
         admitted = Admitted(request=request, runtime_tokens=res.tokens, admitted_at=res.ts, admitter=res.by)
         await self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=M.admitted(request.id))
         await d.ack()
@@ -454,14 +462,16 @@ class AdmitterService(Repairs, PartitionMember):
         handoffs, routed = [], {}
         for request, dec, d, queue_wait, latency_ms in entries:
             rid = request.id
-            if rid not in refused:
-                await self._record(request, dec, queue_wait, latency_ms)
+            record = self._decision_record(request, dec, queue_wait, latency_ms) if rid not in refused else None
             trace = _admission_span(request, dec, d, queue_wait)  # None unless tracing is on
             if dec.decision == ALLOW and rid not in refused:
                 admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                     admitter=self.settings.name, queue_wait=queue_wait)
                 r = self.router.decide(admitted, trace=tracing.carry(trace)) if self.router is not None else None
                 if r is not None and r.outgoing is not None:  # straight to the worker's WORK subject
+                    # its admission record is stored inside its routing record, once the WORK
+                    # message is (RouterService.assigned): one DECISIONS message, not two
+                    r.admission, record = record, None
                     routed[rid] = r
                     handoffs.append(r.outgoing)
                 else:
@@ -471,6 +481,8 @@ class AdmitterService(Repairs, PartitionMember):
                 handoffs.append((S.offline(request.tenant), request, M.offline(rid), tracing.carry(trace)))
             elif dec.decision == QUEUE:
                 self.held[rid] = Held(d, request, now)
+            if record is not None:
+                await self._publish_record(record, dec)
         await self.bus.jpublish_batch(handoffs)
         if reservations or handoffs:
             self.metrics.handoff.observe(time.perf_counter() - sent)
@@ -531,15 +543,21 @@ class AdmitterService(Repairs, PartitionMember):
         await d.ack()
 
     async def _record(self, request: Request, dec: AdmissionDecision, queue_wait: float, latency_ms: float) -> None:
-        record = Decision(
+        await self._publish_record(self._decision_record(request, dec, queue_wait, latency_ms), dec)
+
+    def _decision_record(self, request: Request, dec: AdmissionDecision, queue_wait: float,
+                         latency_ms: float) -> Decision:
+        return Decision(
             request_id=request.id, tenant=request.tenant, cls=request.cls, stage="admission",
             decision=dec.decision, ts=time.time(), reason=dec.reason, retry_after=dec.retry_after,
             runtime_tokens=dec.runtime_tokens, budget=dec.budget, queue_wait=queue_wait or None,
             by=self.settings.name, latency_ms=latency_ms,
         )
+
+    async def _publish_record(self, record: Decision, dec: AdmissionDecision) -> None:
         # a queued request is decided twice (queue, then allow/reject): one record each
-        await self.bus.jpublish_nowait(S.decision("admission", request.tenant), record,
-                                       msg_id=M.admission(request.id, queued=dec.decision == QUEUE))
+        await self.bus.jpublish_nowait(S.decision("admission", record.tenant), record,
+                                       msg_id=M.admission(record.request_id, queued=dec.decision == QUEUE))
 
     async def _tell_producer(self, request: Request, dec: AdmissionDecision) -> None:
         if not request.reply:
@@ -926,12 +944,13 @@ class AdmitterService(Repairs, PartitionMember):
         await self.bus.kv(S.BUCKET_CONFIG).put(S.KEY_SCALE, event.encode())
         return event
 
-    def note_model(self, worker: str, model: str, now: float) -> None:
-        """A heartbeat named ``model``: the core refuses models no live worker serves (issue 25:
-        an unknown model failed after the router's 10 s wait as ``no_worker``)."""
-        self.worker_models[worker] = (model, now)
+    def note_model(self, worker: str, models: frozenset[str], now: float) -> None:
+        """A heartbeat named ``models`` (its model, and what a fronted server serves: base models
+        and LoRA adapters): the core refuses models no live worker serves (issue 25: an unknown
+        model failed after the router's 10 s wait as ``no_worker``)."""
+        self.worker_models[worker] = (models, now)
         served = self.core.served_models
-        if served is None or model not in served:
+        if served is None or not models <= served:
             self.refresh_served_models(now)
 
     def refresh_served_models(self, now: float) -> None:
@@ -940,7 +959,7 @@ class AdmitterService(Repairs, PartitionMember):
         for worker, (_, seen) in list(self.worker_models.items()):
             if now - seen > memory:
                 del self.worker_models[worker]
-        self.core.set_served_models(frozenset(m for m, _ in self.worker_models.values()))
+        self.core.set_served_models(frozenset(m for models, _ in self.worker_models.values() for m in models))
 
     def _refresh_gauges(self) -> None:
         self.refresh_served_models(time.time())

@@ -36,7 +36,7 @@ import urllib.request
 import uuid
 from array import array
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Awaitable, Callable
 
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
@@ -216,9 +216,10 @@ def _batch_summary(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 
 async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None,
-                admitter_ports: list[int] | None = None) -> dict:
+                admitter_ports: list[int] | None = None, references: bool = True) -> dict:
     """Publish the load, wait for the replies, measure; sample memory when ``pids`` and ``run.sample_every_s``;
-    read the admitters' batch metrics when ``admitter_ports``."""
+    read the admitters' batch metrics when ``admitter_ports``; time the reference round trips
+    afterwards unless not ``references`` (NaN then)."""
     bus = await Bus.connect(url, name="bench-pipeline")
     run_id = uuid.uuid4().hex[:12]
     reply_to = S.bench_reply(run_id)
@@ -284,7 +285,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None,
         assigned = len(tally.overhead_ms)
         overhead = list(tally.overhead_ms)
         span = tally.last_assigned - tally.t0
-        nats_rtt, js_rtt = await reference_rtts(bus)
+        nats_rtt, js_rtt = await reference_rtts(bus) if references else (float("nan"), float("nan"))
         result = {
             "rate": run.rate, "duration_s": run.duration_s, "admitters": run.admitters, "routers": run.routers,
             "partitions": run.partitions,
@@ -333,8 +334,10 @@ def cpu_per_request(before: dict[str, float | None], pids: dict[str, int], serve
     return out
 
 
-def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
-    """Start a fresh system (embedded server unless ``nats_url``), drive it, stop it."""
+def run_pipeline(run: PipelineRun, nats_url: str | None = None, driver: Callable[..., Awaitable[dict]] | None = None
+                 ) -> dict:
+    """Start a fresh system (embedded server unless ``nats_url``), drive it (with :func:`drive`
+    unless ``driver``, called the same way), stop it."""
     data_dir = tempfile.mkdtemp(prefix="natsched-bench-")
     if run.floor:  # no admitter or router: the relay takes their place
         run = replace(run, admitters=0, routers=0, inline_routing=False)
@@ -355,7 +358,7 @@ def run_pipeline(run: PipelineRun, nats_url: str | None = None) -> dict:
         from natsched.hosting.runtime import run_loop  # uvloop, as the services run: the generator's own CPU is shared
 
         admitters = [port for name, port in sup.metrics_ports.items() if name.startswith("admitter")]
-        return run_loop(drive(url, run, pids, admitters))
+        return run_loop((driver or drive)(url, run, pids, admitters))
     finally:
         if relay is not None:
             relay.kill()

@@ -427,9 +427,11 @@ class Bus:
         await self.js.account_info()
 
     async def stream_sizes(self) -> dict[str, dict[str, int]]:
-        """Messages and bytes of every stream on the server."""
+        """Messages and bytes of every stream on the server, and its last sequence number (what
+        was ever stored: a work queue's or KV bucket's ``messages`` shrink as they are removed)."""
         infos = await self.js.streams_info()
-        return {i.config.name: {"messages": i.state.messages, "bytes": i.state.bytes} for i in infos}
+        return {i.config.name: {"messages": i.state.messages, "bytes": i.state.bytes, "last_seq": i.state.last_seq}
+                for i in infos}
 
     # --- the connection ----------------------------------------------------------------------
     @property
@@ -630,16 +632,22 @@ class Bus:
             await self.js.delete_stream(name)
 
     # --- subscribing --------------------------------------------------------------------
-    async def subscribe(self, subject: str, handler: Callable[[str, bytes, dict], Awaitable[None]], queue: str = ""):
-        """Core subscription; the handler gets (subject, data, headers) and must not raise."""
+    async def subscribe(self, subject: str, handler: Callable[..., Awaitable[None]], queue: str = "",
+                        with_reply: bool = False, pending_msgs: int | None = None):
+        """Core subscription; the handler gets (subject, data, headers), with ``with_reply`` also the
+        message's reply subject (a JetStream delivery's is its ack subject), and must not raise."""
 
         async def cb(msg: Any) -> None:
             try:
-                await handler(msg.subject, msg.data, msg.headers or {})
+                if with_reply:
+                    await handler(msg.subject, msg.data, msg.headers or {}, msg.reply or "")
+                else:
+                    await handler(msg.subject, msg.data, msg.headers or {})
             except Exception:
                 log.exception("handler for %s failed", msg.subject)
 
-        return Subscription(await self.nc.subscribe(subject, queue=queue, cb=cb))
+        limits = {} if pending_msgs is None else {"pending_msgs_limit": pending_msgs}
+        return Subscription(await self.nc.subscribe(subject, queue=queue, cb=cb, **limits))
 
     async def inbox(self, subject: str, max_pending: int = 100_000) -> Inbox:
         """A subscription read with ``await sub.next_msg(timeout)`` (producers' reply streams)."""

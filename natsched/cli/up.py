@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from natsched.bus.server import DEFAULT_PORT, DEFAULT_SYNC, SYNC_CHOICES
+from natsched.cli.argtypes import positive_float
 from natsched.cli.options import ENV_URL, connect, fail, run, url_flag
 
 #: worker engines: a calibrated model, vLLM in the worker's process, a running vllm serve (or SGLang)
@@ -64,6 +65,10 @@ def _up_parser(sub) -> None:
     up.add_argument("--kv-events", action="append", default=[], metavar="ENDPOINT",
                     help="with --engine vllm-server: each server's KV-event endpoint (tcp://HOST:PORT), in "
                          "--vllm-url order")
+    up.add_argument("--kv-replay", action="append", default=[], metavar="ENDPOINT",
+                    help="with --engine vllm-server: each server's KV-event replay socket (its replay_endpoint, "
+                         "tcp://HOST:PORT), in --vllm-url order")
+    add_leave_flag(up)
     up.add_argument("--nats-url", default=os.environ.get(ENV_URL),
                     help=f"use this NATS server instead of the embedded one (default: ${ENV_URL})")
     up.add_argument("--port", type=int, default=DEFAULT_PORT, help="embedded server port (default 4222)")
@@ -196,6 +201,16 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="vllm-server: the server's --api-key")
     p.add_argument("--server-block-size", type=int, default=None,
                    help="vllm-server: its KV block size (default: read from its /metrics, else 32)")
+    add_leave_flag(p)
+
+
+def add_leave_flag(p: argparse.ArgumentParser) -> None:
+    """How long an engine server may be silent before its agent leaves (``natsched worker`` and ``up``)."""
+    from natsched.workers.engine import UNREACHABLE_LEAVE_S as default
+
+    p.add_argument("--unreachable-leave", type=positive_float, default=default, metavar="SECONDS",
+                   help=f"vllm-server: seconds the server may not answer before the agent leaves (quiescing, "
+                        f"back by itself when it answers); it backs off at once (default {default:g})")
 
 
 def add_calibrate_flags(p: argparse.ArgumentParser) -> None:
@@ -237,7 +252,8 @@ def up_settings(args):
                       time_scale=args.time_scale, log_level=args.log_level, gateway_port=args.gateway,
                       gateway_keys=args.gateway_keys, auth_dir=args.auth_dir,
                       extra_worker_args=_worker_passthrough(args), metrics_port=args.metrics_port,
-                      server_urls=list(args.vllm_url or []), server_kv_events=list(args.kv_events or []))
+                      server_urls=list(args.vllm_url or []), server_kv_events=list(args.kv_events or []),
+                      server_kv_replay=list(args.kv_replay or []), server_leave_s=args.unreachable_leave)
 
 
 def _worker_passthrough(args) -> list[str]:
@@ -285,6 +301,15 @@ def server_settings(args):
         flavor=args.flavor, model=None if args.model in (None, "default") else args.model,
         block_size=args.server_block_size, scrape_interval_s=args.heartbeat, ignore_eos=bool(args.ignore_eos),
         api_key=args.api_key)
+
+
+def worker_settings(args, model: str, deployment: str | None):
+    """The ``natsched worker`` flags as the agent's :class:`~natsched.workers.agent.WorkerSettings`."""
+    from natsched.workers.agent import WorkerSettings
+
+    return WorkerSettings(id=args.id, model=model, concurrency=args.concurrency, heartbeat_interval_s=args.heartbeat,
+                          deployment=deployment, metrics_port=args.metrics_port,
+                          unreachable_leave_s=args.unreachable_leave)
 
 
 def _make_engine(args):
@@ -468,7 +493,7 @@ def cmd_worker(args) -> int:
     except ValueError as exc:
         return fail(str(exc))
     from natsched.hosting.runtime import serve
-    from natsched.workers.agent import WorkerAgent, WorkerSettings
+    from natsched.workers.agent import WorkerAgent
 
     try:
         engine = _make_engine(args)
@@ -482,9 +507,7 @@ def cmd_worker(args) -> int:
         if args.engine == "vllm-server":  # the server says what it serves: its base model is the worker's
             await engine.discover()
             model = engine.model
-        agent = WorkerAgent(bus, engine, WorkerSettings(id=args.id, model=model, concurrency=args.concurrency,
-                                                        heartbeat_interval_s=args.heartbeat, deployment=deployment,
-                                                        metrics_port=args.metrics_port))
+        agent = WorkerAgent(bus, engine, worker_settings(args, model, deployment))
         holder["agent"] = agent
         await bus.provision()  # its WORK stream may not exist yet when it starts first
         await agent.start()

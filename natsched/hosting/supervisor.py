@@ -87,9 +87,11 @@ class UpSettings:
     admitter_settings: list[str] = field(default_factory=list)  # --set GROUP.NAME=VALUE for every admitter
     metrics_port: int | None = None  # Prometheus on this port and the next ones: admitters, routers, workers, gateway
     # engine "vllm-server": the servers to front, one worker agent each (``workers`` follows), and
-    # their KV-event endpoints in the same order (fewer: the rest run without cache summaries)
+    # their KV-event endpoints and replay sockets in the same order (fewer: the rest run without)
     server_urls: list[str] = field(default_factory=list)
     server_kv_events: list[str] = field(default_factory=list)
+    server_kv_replay: list[str] = field(default_factory=list)
+    server_leave_s: float | None = None  # a silent server's agent leaves after this (None: the worker's default)
 
     def __post_init__(self) -> None:
         if self.partitions > 1 and self.auth_dir is not None:
@@ -102,9 +104,11 @@ class UpSettings:
                 raise ValueError("--engine vllm-server needs --vllm-url URL (once per server)")
             if len(self.server_kv_events) > len(self.server_urls):
                 raise ValueError("more --kv-events than --vllm-url: give them in the servers' order")
+            if len(self.server_kv_replay) > len(self.server_urls):
+                raise ValueError("more --kv-replay than --vllm-url: give them in the servers' order")
             self.workers = len(self.server_urls)
-        elif self.server_urls:
-            raise ValueError("--vllm-url needs --engine vllm-server")
+        elif self.server_urls or self.server_kv_replay:
+            raise ValueError(f"{'--vllm-url' if self.server_urls else '--kv-replay'} needs --engine vllm-server")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - self.metered() + 1:
             raise ValueError(f"--metrics-port {self.metrics_port}: the {self.metered()} services need "
                              f"ports {self.metrics_port}..{self.metrics_port + self.metered() - 1} within 1..65535")
@@ -186,12 +190,16 @@ class Supervisor:
                  ["--partition", str(k), "--partitions", str(p)]) for k in range(p) for i in range(1, n + 1)]
 
     def _server_args(self, i: int) -> list[str]:
-        """Worker ``i``'s server (engine vllm-server): its URL and KV-event endpoint."""
+        """Worker ``i``'s server (engine vllm-server): its URL, KV-event endpoint and replay socket."""
         if self.s.engine != "vllm-server":
             return []
         out = ["--url", self.s.server_urls[i]]
         if i < len(self.s.server_kv_events):
             out += ["--kv-events", self.s.server_kv_events[i]]
+        if i < len(self.s.server_kv_replay):
+            out += ["--kv-replay", self.s.server_kv_replay[i]]
+        if self.s.server_leave_s is not None:
+            out += ["--unreachable-leave", repr(self.s.server_leave_s)]
         return out
 
     def _assign_metrics_ports(self, kids: list[Child]) -> None:
