@@ -114,9 +114,12 @@ class SharedState:
     """The replica's mirror of ``inflight`` plus the CAS operations that change it."""
 
     def __init__(self, bus: Bus, name: str, max_attempts: int = 200, remember: bool = True,
-                 watch: bool = True) -> None:
+                 watch: bool = True, bucket: str = S.BUCKET_INFLIGHT) -> None:
         self.bus = bus
         self.name = name
+        #: ``inflight``, or with partitioned admission the partition's own ``inflight-p<k>``
+        #: (its usage key and its requests' records: natsched.admitter.partition)
+        self.bucket = bucket
         self.max_attempts = max_attempts
         self.usage = Usage()
         self.revision = 0  # of the usage key; 0 = it does not exist yet
@@ -153,7 +156,7 @@ class SharedState:
         await asyncio.wait_for(self.ready.wait(), 10)
 
     async def _mirror(self) -> None:
-        async for key, value, rev in self.bus.kv(S.BUCKET_INFLIGHT).watch(USAGE, ready=self.ready):
+        async for key, value, rev in self.bus.kv(self.bucket).watch(USAGE, ready=self.ready):
             try:
                 self._apply(key, value, rev)
             except (AdmitterError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:  # UsageError too
@@ -182,7 +185,7 @@ class SharedState:
 
     async def refresh(self) -> None:
         """Read ``usage`` now (after a lost race the mirror may not have caught up yet)."""
-        current = await self.bus.kv(S.BUCKET_INFLIGHT).get(USAGE)
+        current = await self.bus.kv(self.bucket).get(USAGE)
         if current is None:
             self.usage, self.revision, self.corrupted = Usage(), 0, 0
         else:
@@ -202,9 +205,9 @@ class SharedState:
                 return result
             try:
                 if self.revision == 0:
-                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).create(USAGE, new.to_json())
+                    rev = await self.bus.kv(self.bucket).create(USAGE, new.to_json())
                 else:
-                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(USAGE, new.to_json(), self.revision)
+                    rev = await self.bus.kv(self.bucket).update(USAGE, new.to_json(), self.revision)
             except ConflictError:
                 self.conflicts += 1
                 # jittered backoff: replicas that keep colliding spread out instead of livelocking
@@ -225,7 +228,7 @@ class SharedState:
             records.setdefault(res.request_id, res)
         expected = self.drift(records, self.is_long, Usage(credits=self.usage.credits, loans=self.usage.loans))
         try:
-            rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(USAGE, expected.to_json(), self.corrupted)
+            rev = await self.bus.kv(self.bucket).update(USAGE, expected.to_json(), self.corrupted)
         except ConflictError:
             await self.refresh()
             return
@@ -235,14 +238,14 @@ class SharedState:
                     len(records), expected.used)
 
     async def record(self, res: Reservation) -> None:
-        self.recorded(res, await self.bus.kv(S.BUCKET_INFLIGHT).put(S.reservation_key(res.request_id), res.to_json()))
+        self.recorded(res, await self.bus.kv(self.bucket).put(S.reservation_key(res.request_id), res.to_json()))
 
     def outgoing(self, res: Reservation) -> tuple[str, bytes, None, None]:
         """The record as a message for :meth:`natsched.bus.connection.Bus.jpublish_batch` (a KV put is a
         publish on the key's subject); :meth:`recorded` takes its ack's sequence = revision. A
         create: a request id already reserved (published again under another msg id, or still
         marked released) gets a None ack, and is not reserved twice."""
-        return S.kv_subject(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id)), res.to_json(), None, CREATE_ONLY
+        return S.kv_subject(self.bucket, S.reservation_key(res.request_id)), res.to_json(), None, CREATE_ONLY
 
     def recorded(self, res: Reservation, revision: int) -> None:
         res.revision = revision
@@ -266,7 +269,7 @@ class SharedState:
         completion handled by another replica): it is forgotten here, so the memory stays bounded.
         """
         started = time.time()
-        raw = await self.bus.kv(S.BUCKET_INFLIGHT).snapshot(RES_PREFIX + ">")
+        raw = await self.bus.kv(self.bucket).snapshot(RES_PREFIX + ">")
         records = {}
         for key, (value, rev) in raw.items():
             rid = key[len(RES_PREFIX):]
@@ -309,7 +312,7 @@ class SharedState:
                             request_id, attempt, res.attempt)
                 return None
             try:
-                await self.bus.kv(S.BUCKET_INFLIGHT).delete(key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
+                await self.bus.kv(self.bucket).delete(key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
             except ConflictError:
                 # rewritten, or a read answered by a cluster follower that is behind: read again
                 # until it is gone or ours; giving up would leave it reserved (and its request
@@ -328,7 +331,7 @@ class SharedState:
         grown = Reservation(res.request_id, res.tenant, res.model, tokens, res.ts, res.by, 0, res.moved_from,
                             res.credit, res.attempt, res.ceiling, res.cls)
         try:
-            grown.revision = await self.bus.kv(S.BUCKET_INFLIGHT).update(S.reservation_key(res.request_id),
+            grown.revision = await self.bus.kv(self.bucket).update(S.reservation_key(res.request_id),
                                                                          grown.to_json(), res.revision)
         except ConflictError:
             return None
@@ -349,7 +352,7 @@ class SharedState:
                 return res
             res.moved_from, res.attempt = worker, max(res.attempt, attempt)
             try:
-                res.revision = await self.bus.kv(S.BUCKET_INFLIGHT).update(S.reservation_key(request_id),
+                res.revision = await self.bus.kv(self.bucket).update(S.reservation_key(request_id),
                                                         res.to_json(), res.revision)
             except ConflictError:
                 continue
@@ -358,7 +361,7 @@ class SharedState:
         raise AdmitterError(f"reservation {request_id}: lost {self.max_attempts} races marking it moved")
 
     async def _read(self, request_id: str) -> Reservation | None:
-        current = await self.bus.kv(S.BUCKET_INFLIGHT).get(S.reservation_key(request_id))
+        current = await self.bus.kv(self.bucket).get(S.reservation_key(request_id))
         if current is None:
             self.reservations.pop(request_id, None)
             return None

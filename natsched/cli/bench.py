@@ -93,9 +93,19 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
                                      "they can; prints commits/s, lost races per commit and lost updates.")
     ss.add_argument("--replicas", default="1,2,3", help="replica counts to run, comma separated (default 1,2,3)")
     ss.add_argument("--seconds", type=positive_float, default=5.0, help="seconds per run (default 5)")
+    ss.add_argument("--partitions", default="1", help="partition counts to run, comma separated: replica i "
+                                                      "commits to partition i %% P's own bucket (default 1)")
     ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     ss.set_defaults(handler=_cmd_shared)
+    ad = bsub.add_parser("partitions", help="decisions/s of real admitter processes, one per partition",
+                         description="Admission alone (no router, no worker): publish --requests requests over one "
+                                     "tenant per partition and time the admitter processes deciding them, at each "
+                                     "partition count.")
+    ad.add_argument("--partitions", default="1,2", help="partition counts to run, comma separated (default 1,2)")
+    ad.add_argument("--requests", type=positive_int, default=5000, help="requests per run (default 5000)")
+    ad.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    ad.set_defaults(handler=_cmd_admission)
     add_scale_parser(bsub)
     add_priority_parser(bsub)
     add_stored_parser(bsub)
@@ -310,6 +320,9 @@ def _add_pipeline_parser(bsub) -> None:
     pp.add_argument("--admitters", type=positive_int, default=1, help="admitter replicas (default 1)")
     pp.add_argument("--routers", type=non_negative_int, default=None,
                     help="router replicas (default 1; 0 with --inline-routing)")
+    pp.add_argument("--partitions", type=positive_int, default=1, metavar="P",
+                    help="partitioned admission (natsched up --partitions): --admitters per partition, the load "
+                         "spread over one tenant per partition (default 1)")
     pp.add_argument("--inline-routing", action="store_true",
                     help="the admitters route what they admit in their own process (natsched admitter --route)")
     pp.add_argument("--floor", action="store_true",
@@ -444,11 +457,29 @@ def _cmd_shared(args) -> int:
 
     try:
         replicas = [int(x) for x in args.replicas.split(",") if x.strip()]
-        if not replicas or min(replicas) < 1:
+        partitions = [int(x) for x in args.partitions.split(",") if x.strip()]
+        if not replicas or min(replicas) < 1 or not partitions or min(partitions) < 1:
             raise ValueError
     except ValueError:
-        return _fail(f"--replicas must be positive integers, got {args.replicas!r}")
-    rows = run_shared_state(replicas, args.seconds, args.nats_url)
+        return _fail(f"--replicas and --partitions must be positive integers, got {args.replicas!r}, "
+                     f"{args.partitions!r}")
+    rows = run_shared_state(replicas, args.seconds, args.nats_url, partitions)
+    print_table(rows)
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
+    return 0
+
+
+def _cmd_admission(args) -> int:
+    from natsched.bench.partitions import print_table, run_admission
+
+    try:
+        partitions = [int(x) for x in args.partitions.split(",") if x.strip()]
+        if not partitions or min(partitions) < 1:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--partitions must be positive integers, got {args.partitions!r}")
+    rows = [run_admission(p, args.requests) for p in partitions]
     print_table(rows)
     if args.json is not None:
         args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
@@ -500,7 +531,7 @@ def _cmd_pipeline(args) -> int:
         return _fail(str(exc))
     base = PipelineRun(args.rate or DEFAULT_RATE, duration, args.admitters, routers, args.workers,
                        inline_routing=args.inline_routing, floor=args.floor, credit=not args.no_credit,
-                       sync=args.sync,
+                       sync=args.sync, partitions=args.partitions,
                        sample_every_s=args.sample_every,
                        audit_max_bytes=args.audit_max_mib * 2**20 if args.audit_max_mib else None)
     try:
