@@ -14,7 +14,6 @@ from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
 from natsched.admitter.usage import Usage
 from natsched.bus.connection import Bus
 from natsched.wire import subjects as S
-from natsched.wire.schema import Decision
 from tests.admitter.test_service import decisions, publish, request, set_quotas, stop
 from tests.factories.core import completion_subject, make_completion
 from tests.factories.core import wait_for as until
