@@ -231,7 +231,7 @@ def accepted(completions: Iterable[Completion], decisions: Iterable[Decision] = 
 # ------------------------------------------------------------------ the two questions
 
 async def _find(bus: "Bus", stream: str, ids: set[str], since: float | None, until: float | None,
-                subject: str | None) -> list[Stored]:
+                subject: str | tuple[str, ...] | None) -> list[Stored]:
     return await bus.stream(stream).find(lambda msg_id: matches(msg_id, ids), since, until, subject)
 
 
@@ -244,7 +244,7 @@ async def audit_request(bus: "Bus", request_id: str, since: float | None = None,
     tenant = job.tenant if job is not None else None
     start = since if since is not None else (job.created - 5.0 if job is not None and job.created else None)
     found = await _find(bus, S.STREAM_REQUESTS, {request_id}, start, until,
-                        S.requests_of(tenant) if tenant else None)
+                        S.stored_requests_of(tenant) if tenant else None)
     requests = decode_all(found, Request)
     request = requests[0] if requests else (job.request if job is not None else None)
     if request is not None:
@@ -278,7 +278,7 @@ async def audit_window(bus: "Bus", since: float, until: float | None = None, ten
     if until is not None and until < since:
         raise AuditError(f"--until ({when(until)}) is before --since ({when(since)})")
     requests = 0
-    async for _ in bus.stream(S.STREAM_REQUESTS).window(since, until, S.requests_of(tenant) if tenant else None,
+    async for _ in bus.stream(S.STREAM_REQUESTS).window(since, until, S.stored_requests_of(tenant) if tenant else None,
                                                         headers_only=True):
         requests += 1
     decisions = unfold(decode_all([m async for m in bus.stream(S.STREAM_DECISIONS).window(

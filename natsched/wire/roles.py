@@ -25,8 +25,8 @@ and credentials files; ``subjects.md`` ("Roles and permissions") summarises them
   No other tenant's requests, replies or jobs.
 - ``batch-<tenant>`` (``natsched batch``/``jobs``): publishes ``req.*.<tenant>``; reads and writes
   its own job records ``job.<tenant>.*.*`` and batch manifests ``batch.<batch>`` (by id: a
-  manifest names no tenant in its key), reads its own ``req.*.<tenant>`` in REQUESTS for
-  ``--resume``. Its reads are confined to those keys and subjects because each names them in its
+  manifest names no tenant in its key), reads its own ``req.*.<tenant>`` (and, as a partitioned
+  REQUESTS stores them, ``reqp.*.*.<tenant>``) in REQUESTS for ``--resume``. Its reads are confined to those keys and subjects because each names them in its
   subject: direct gets (bucket ``jobs`` allows direct access) and named consumers whose create
   subject carries the filter (:func:`natsched.audit.records.read_filtered`); a plain get, a watch, a fetch
   (``CONSUMER.MSG.NEXT``) or a consumer info would not, and are not granted.
@@ -383,7 +383,8 @@ def batch_role(tenant: str) -> Role:
            *kv_pinned_read_permissions(S.BUCKET_JOBS, own), *kv_write_permissions(S.BUCKET_JOBS, own),
            _js("DIRECT", "GET", _kv_stream(S.BUCKET_JOBS), _kv_key(S.BUCKET_JOBS, manifests)),
            *kv_write_permissions(S.BUCKET_JOBS, manifests),
-           *filtered_read_permissions(S.STREAM_REQUESTS, S.requests_of(tenant))]
+           *dict.fromkeys(p for f in S.stored_requests_of(tenant)  # as stored unpartitioned and partitioned
+                          for p in filtered_read_permissions(S.STREAM_REQUESTS, f))]
     return Role(f"batch-{tenant}", "batch", publish=pub, tenants=[tenant])
 
 

@@ -392,6 +392,7 @@ def decisions_of(tenant: TenantId) -> str:
 PATTERNS.update({"requests_of": "req.*.<tenant>", "decisions_of": "decision.*.<tenant>"})
 
 
+
 def job_filter(tenant: str = "*", batch: str = "*", job_id: str = "*") -> str:
     """A key filter over job records (``job.<tenant>.<batch>.<job_id>``), ``*`` where any will do."""
     parts = [p if p == "*" else token(p, what) for p, what in ((tenant, "tenant"), (batch, "batch id"),
@@ -461,3 +462,28 @@ PATTERNS.update({
     "partition_bucket": "inflight-p<partition>",
     "partition_report_key": "report.<partition>.<replica>",
 })
+
+
+def partitioned_requests_of(tenant: TenantId, cls: str = "*") -> str:
+    """A filter over one tenant's requests as a partitioned REQUESTS stores them, in whichever
+    partition and under whichever partition count: ``reqp.*.<class>.<tenant>`` (the partition
+    token wildcarded, so a reader needs neither P nor the hash, and requests stored before P
+    changed are still found)."""
+    return f"{PARTITIONED_PREFIX}.*.{_class_filter(cls)}.{token(tenant, 'tenant')}"
+
+
+def stored_requests_of(tenant: TenantId, cls: str = "*") -> tuple[str, str]:
+    """Every filter a reader of REQUESTS needs for one tenant's requests (of class ``cls``, ``*``:
+    all), whatever the partitioning: ``req.<class>.<tenant>`` as stored unpartitioned and
+    ``reqp.*.<class>.<tenant>`` as stored partitioned. Both, always: the stream may hold either
+    (P changed on a drained system keeps the older subjects for the retention's days), and the
+    two never overlap, so one consumer may take both (``filter_subjects``). Not what a producer
+    publishes to (:func:`requests_of`: its permission)."""
+    return f"req.{_class_filter(cls)}.{token(tenant, 'tenant')}", partitioned_requests_of(tenant, cls)
+
+
+def _class_filter(cls: str) -> str:
+    return cls if cls == "*" else token(cls, "class")
+
+
+PATTERNS.update({"partitioned_requests_of": "reqp.*.*.<tenant>"})
