@@ -396,6 +396,15 @@ class Bus:
 
         return await set_partitions(self.js, partitions)
 
+    async def partitions(self) -> int:
+        """How many partitions REQUESTS stores requests in now (1: unpartitioned, or no stream)."""
+        from natsched.bus.provision import stream_partitions
+
+        try:
+            return stream_partitions((await self.js.stream_info(S.STREAM_REQUESTS)).config)
+        except NotFoundError:
+            return 1
+
     async def provision_jobs(self) -> None:
         """Create or update OUTCOMES and bucket ``jobs`` (idempotent; a batch reader may be the
         first natsched process on a fresh server)."""

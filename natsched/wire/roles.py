@@ -350,6 +350,7 @@ def gateway_role(tenants: list[str]) -> Role:
            # the routers' verdicts on workers (half-open, learned rates) for its status page
            *filtered_read_permissions(_kv_stream(S.BUCKET_WORKERS), _kv_key(S.BUCKET_WORKERS, S.COST_KEYS)),
            *kv_get_permissions(S.BUCKET_INFLIGHT, S.KEY_USAGE),
+           _js("STREAM", "INFO", S.STREAM_REQUESTS),  # how many partitions (its config; no message)
            *gateway_jobs_permissions(tenants)]
     sub = [*(S.replies_of(t) for t in tenants), S.HEARTBEATS_ALL, S.DECISIONS_ALL, S.COMPLETIONS_ALL]
     return Role("gateway", "gateway", publish=pub, subscribe=sub, tenants=list(tenants))
