@@ -289,9 +289,10 @@ class WorkerAgent:
                 trace.token_at(time.time())
             texts.append(out.text)
             if req.stream and req.reply and (out.text or out.token_ids) and not out.error:
-                await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.TOKEN, text=out.text,
-                                                        token_ids=out.token_ids, index=out.index,
-                                                        worker=self.id))  # where to cancel, even before "assigned"
+                await self.bus.publish(S.worker_reply(req.reply, self.id),
+                                       Reply(request_id=req.id, kind=ReplyKind.TOKEN, text=out.text,
+                                             token_ids=out.token_ids, index=out.index, worker=self.id,
+                                             fence=a.reply_fence or None, attempt=a.attempt))
             if out.finished:
                 await self._finish(a, out, started, first_at, "".join(texts), received=received)
                 return
@@ -340,7 +341,8 @@ class WorkerAgent:
                 reason, _, message = (out.error or "").partition(": ")
                 reply = Reply(request_id=req.id, kind=ReplyKind.ERROR, status=ReplyStatus.FAILED,
                               reason=reason or "engine_error", message=message or out.error, worker=self.id, **stamps)
-            await self.bus.publish(req.reply, reply)
+            reply.fence, reply.attempt = a.reply_fence or None, a.attempt  # the producer checks them
+            await self.bus.publish(S.worker_reply(req.reply, self.id), reply)
         log.info("request %s %s on %s: %d prompt (%d cached), %d out", req.id, completion.status, self.id,
                  out.prompt_tokens, out.cached_tokens, out.output_tokens)
         self._end_trace(req.id, completion)
