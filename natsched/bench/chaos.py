@@ -844,13 +844,15 @@ class ChaosRun:
 
     async def _abandon(self) -> None:
         """Clients that leave mid-stream and while waiting, beside the load (natsched.bench.abandon)."""
-        from natsched.bench.abandon import AbandonSettings, Abandoners
+        from natsched.bench.abandon import AbandonSettings, run_child
 
         s = self.s
         settings = AbandonSettings(streams=s.disconnects, waiting=s.disconnects, seed=s.seed,
                                    spread_s=s.send_s * 0.8)
         try:
-            self.abandon_report = await Abandoners(self.cluster.url, settings).run()
+            # their own process, as producers are: here they would wait behind the observer's work
+            timeout = settings.spread_s + settings.settle_timeout_s + s.finish_timeout_s + 120
+            self.abandon_report = await run_child(self.cluster.url, settings, timeout)
         except Exception as exc:  # reported as a missed target, never hidden
             log.exception("the disconnecting clients failed")
             self.abandon_report = {"error": f"{type(exc).__name__}: {exc}",

@@ -258,6 +258,10 @@ class Completion(Schema):
     ts: float = 0.0
     attempt: int = 0  # the assignment's: a completion of an attempt since rescued is stale
     fence: str = ""  # copied from the Assignment
+    # a run its producer cancelled: seconds from the producer's cancel (its ``ts``) to the worker,
+    # and the tokens the run still produced once the worker had it (the cancel path's own share)
+    cancel_transit_s: float | None = None
+    tokens_after_cancel: int | None = None
     v: int = SCHEMA_VERSION
 
     def __post_init_check__(self) -> None:
