@@ -190,6 +190,38 @@ def decode_completions(records: Iterable[Stored], fence_key: str | None) -> list
     return out
 
 
+def accepted(completions: Iterable[Completion], decisions: Iterable[Decision] = ()) -> list[Completion]:
+    """Of fenced ``completions`` (in stored order), the one per request id the admitters accepted:
+    the first of its current attempt. A request has exactly one accepted completion; any other
+    (a run of an attempt since rescued, or a second run of the same attempt on another worker,
+    e.g. a hand-off repeated after a server restart) is stale: it released nothing, so it is no
+    part of the request's story or of a window's counts either.
+
+    Why this is the admitters' choice: a completion frees the reservation only if the record's
+    attempt is its own (:meth:`natsched.admitter.shared.SharedState.take`), and a rescue moves the
+    attempt on only while the record exists (compare-and-swap on both sides). So an attempt
+    above another was started only after the other's completion was refused, and within one
+    attempt the first stored takes the record. The current attempt is the highest one a
+    completion or a ``rescue`` decision (one per attempt) names: a request rescued and still
+    running has no accepted completion yet, only stale ones."""
+    completions = list(completions)
+    current: dict[str, int] = {}
+    for d in decisions:
+        if d.stage == "admission" and d.decision == "rescue":
+            current[d.request_id] = current.get(d.request_id, 0) + 1
+    for c in completions:
+        current[c.request_id] = max(current.get(c.request_id, 0), c.attempt)
+    out, done = [], set()
+    for c in completions:
+        if c.request_id in done or c.attempt != current[c.request_id]:
+            log.info("audit: a stale completion of %s (attempt %d, worker %s) left out: another one was accepted",
+                     c.request_id, c.attempt, c.worker)
+            continue
+        done.add(c.request_id)
+        out.append(c)
+    return out
+
+
 # ------------------------------------------------------------------ the two questions
 
 async def _find(bus: "Bus", stream: str, ids: set[str], since: float | None, until: float | None,
@@ -221,7 +253,7 @@ async def audit_request(bus: "Bus", request_id: str, since: float | None = None,
         oldest = f"; the oldest stored request is from {when(kept.first_ts)}" if kept.first_ts else ""
         raise AuditNotFound(f"request {request_id} not found in REQUESTS, DECISIONS or COMPLETIONS "
                             f"({kept.describe()}{oldest})")
-    return timeline(request, found[0] if found else None, decisions, completions, job)
+    return timeline(request, found[0] if found else None, decisions, accepted(completions, decisions), job)
 
 
 def job_attempt_ids(job: JobRecord | None) -> list[str]:
@@ -247,7 +279,8 @@ async def audit_window(bus: "Bus", since: float, until: float | None = None, ten
         since, until, S.decisions_of(tenant) if tenant else None)], Decision)
     completions = decode_completions([m async for m in bus.stream(S.STREAM_COMPLETIONS).window(
         since, until, S.completions_of(tenant) if tenant else None)], bus.fence_key)
-    out = {"tenant": tenant, "since": since, "until": until, **summarize(requests, decisions, completions)}
+    out = {"tenant": tenant, "since": since, "until": until,
+           **summarize(requests, decisions, accepted(completions, decisions))}
     kept = await bus.stream(S.STREAM_REQUESTS).retention()
     if kept.lost_some and kept.first_ts is not None and since < kept.first_ts - 1.0:
         out["note"] = f"data before {when(kept.first_ts)} has aged out: {kept.describe()}"
