@@ -29,6 +29,7 @@ from natsched.client.errors import (ClientSettingsError, DuplicateRequest, Rejec
 from natsched.client.retry import Retry
 from natsched import tracing
 from natsched.wire.errors import DecodeError, SchemaError
+from natsched.wire.ids import scoped
 from natsched.wire.schema import Control, Reply, ReplyKind, ReplyStatus, Request, RequestId, TenantId, WorkerId
 from natsched.bus.server import DEFAULT_URL
 
@@ -263,13 +264,15 @@ class Client:
         """Give up on a request of ``tenant``, wherever it is: queued in an admitter, admitted and
         waiting for a router, or running on its worker (``cancel.<tenant>.<request_id>``; each of
         them ends it and a reservation it holds is released with reason ``cancelled``)."""
-        await self.bus.publish(S.cancel(TenantId(tenant), RequestId(request_id)),
-                               Control(kind="cancel", ts=time.time(), by=self.bus.name,
-                                       request_id=RequestId(request_id)))
+        request_id = scoped(tenant, request_id)  # the id it was submitted under (idempotent)
+        await self.bus.publish(S.cancel(TenantId(tenant), request_id),
+                               Control(kind="cancel", ts=time.time(), by=self.bus.name, request_id=request_id))
 
     async def _exchange(self, request: Request, timeouts: Timeouts | None = None,
                         progress: _Progress | None = None) -> AsyncIterator[Chunk | Result]:
         timeouts = timeouts or self.timeouts
+        # in its tenant's scope (natsched.wire.ids.scoped): another tenant's "same" id is another id
+        request.id = scoped(request.tenant, request.id)
         reply_to = request.reply or S.tenant_reply(request.tenant, request.id)
         request.reply = reply_to
         request.created = request.created or time.time()
@@ -282,7 +285,7 @@ class Client:
             ack = await self.bus.jpublish(
                 S.request(request.cls, request.tenant),
                 request,
-                msg_id=M.request(request.id),
+                msg_id=M.submission(request.id, self.bus.reply_key(request.tenant)),
                 headers=tracing.carry(tracing.current.get(), {S.HDR_REPLY: reply_to}),
                 budget_s=timeouts.publish,
             )
