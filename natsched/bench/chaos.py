@@ -644,9 +644,10 @@ class ChaosRun:
         if self.scenario.auth:  # random, as clients' ids are: predictable ids can be taken (bench.hostile)
             rid += "-" + uuid.uuid4().hex[:8]
         tenant = self.s.tenants[i % len(self.s.tenants)]
-        self.ids.append(rid)
         request = make_request(tenant, f"request {i}: summarise the incident report in two lines. " * 3,
                                id=rid, max_tokens=self.s.max_tokens, system_prompt=f"You work for {tenant}.")
+        rid = request.id  # in its tenant's scope (natsched.wire.ids.scoped): what every record names
+        self.ids.append(rid)
         started = time.monotonic()
         self.producer[rid] = outcome = await self._outcome(client, request)
         if outcome == P_COMPLETED:

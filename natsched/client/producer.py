@@ -42,7 +42,8 @@ def new_request_id() -> RequestId:
 
 def make_request(tenant: str, prompt: str | None = None, *, cls: str = S.ONLINE, messages: list | None = None,
                  **fields: Any) -> Request:
-    """A request with a fresh id and creation time; keyword fields as in :class:`Request`.
+    """A request with a fresh id (or ``id``) in ``tenant``'s scope and a creation time; keyword
+    fields as in :class:`Request`.
 
     ``messages`` (OpenAI-style chat messages, instead of ``prompt``) are rendered by the one chat
     template (:mod:`natsched.wire.chat`), with ``system_prompt`` as a leading system message: the
@@ -51,7 +52,7 @@ def make_request(tenant: str, prompt: str | None = None, *, cls: str = S.ONLINE,
     ``prompt`` are raw text (as ``/v1/completions``). Malformed messages raise
     :class:`~natsched.wire.errors.ChatError` (a ``ValueError``).
     """
-    fields.setdefault("id", new_request_id())
+    fields["id"] = scoped(tenant, fields.get("id") or new_request_id())  # the id it is submitted under
     if messages is not None:
         if prompt is not None:
             raise ValueError("give a prompt or messages, not both")
