@@ -93,3 +93,9 @@ def in_scope(tenant: str, request_id: str) -> bool:
     """Whether ``tenant`` may use ``request_id``: an id of no scope, or one of its own scope."""
     tag = scope_of(request_id)
     return tag is None or tag == tenant_tag(tenant)
+
+
+def unscoped(request_id: str) -> str:
+    """The id as its producer chose it (the part after the tag), or ``request_id`` itself."""
+    m = _SCOPED.match(request_id)
+    return m.group(2) if m else request_id

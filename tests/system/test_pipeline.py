@@ -9,6 +9,7 @@ from natsched.wire import subjects as S
 from natsched.client.producer import make_request
 from natsched.wire.codec import encode
 from natsched.client.errors import DuplicateRequest, Rejected, RequestFailed
+from natsched.wire.ids import scoped
 from natsched.wire.schema import Completion, Control, DeadLetter, Decision, Reply
 from tests.factories.stack import start_stack
 from tests.factories.core import wait_for
@@ -158,7 +159,7 @@ async def test_duplicate_request_id_is_answered_once(stack, bus):
     with pytest.raises(DuplicateRequest):
         await stack.client.submit(make_request("t1", "once", max_tokens=2, id="dup1"))
     decisions = await stream_records(bus, S.STREAM_DECISIONS, Decision, S.decision("admission", "t1"))
-    assert [d.request_id for d in decisions] == ["dup1"]
+    assert [d.request_id for d in decisions] == [scoped("t1", "dup1")]  # the id in its tenant's scope
 
 
 async def test_engine_refusal_is_reported_and_releases_tokens(stack):
