@@ -179,6 +179,12 @@ def decode_all(records: Iterable[Stored], schema: type) -> list:
     return out
 
 
+def unfold(decisions: Iterable[Decision]) -> list[Decision]:
+    """Every decision record, also those stored inside another (an inline router's routing record
+    carries its admission record: :meth:`~natsched.wire.schema.Decision.unfolded`)."""
+    return [record for d in decisions for record in d.unfolded()]
+
+
 def decode_completions(records: Iterable[Stored], fence_key: str | None) -> list[Completion]:
     """The completions a worker published for an attempt assigned to it (:mod:`natsched.wire.fence`):
     a forged or stale one is stored too (the server cannot tell), but it is no part of a
@@ -248,8 +254,8 @@ async def audit_request(bus: "Bus", request_id: str, since: float | None = None,
     if request is not None:
         tenant = request.tenant
     t0 = found[0].ts - 1.0 if found else start
-    decisions = decode_all(await _find(bus, S.STREAM_DECISIONS, ids, t0, until,
-                                       S.decisions_of(tenant) if tenant else None), Decision)
+    decisions = unfold(decode_all(await _find(bus, S.STREAM_DECISIONS, ids, t0, until,
+                                              S.decisions_of(tenant) if tenant else None), Decision))
     completions = decode_completions(await _find(bus, S.STREAM_COMPLETIONS, ids, t0, until,
                                                  S.completions_of(tenant) if tenant else None), bus.fence_key)
     if not found and not decisions and not completions and job is None:
@@ -279,8 +285,8 @@ async def audit_window(bus: "Bus", since: float, until: float | None = None, ten
     async for _ in bus.stream(S.STREAM_REQUESTS).window(since, until, S.requests_of(tenant) if tenant else None,
                                                         headers_only=True):
         requests += 1
-    decisions = decode_all([m async for m in bus.stream(S.STREAM_DECISIONS).window(
-        since, until, S.decisions_of(tenant) if tenant else None)], Decision)
+    decisions = unfold(decode_all([m async for m in bus.stream(S.STREAM_DECISIONS).window(
+        since, until, S.decisions_of(tenant) if tenant else None)], Decision))
     completions = decode_completions([m async for m in bus.stream(S.STREAM_COMPLETIONS).window(
         since, until, S.completions_of(tenant) if tenant else None)], bus.fence_key)
     out = {"tenant": tenant, "since": since, "until": until,
@@ -296,3 +302,49 @@ def when(ts: float | None) -> str:
     if ts is None:
         return "-"
     return dt.datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
+
+
+#: completions of requests routed up to ``--until`` are read this long past it (a request's
+#: completion comes after its routing decision, by its end-to-end time)
+COMPLETION_GRACE_S = 600.0
+
+
+async def audit_by_policy(bus: "Bus", since: float, until: float | None = None, tenant: str | None = None,
+                          baseline: str | None = None) -> dict[str, Any]:
+    """The window's requests by routing policy (:mod:`natsched.audit.compare`): a request belongs
+    to the window when its routing decision does; its completion may come up to
+    :data:`COMPLETION_GRACE_S` after ``until``. The baseline is ``baseline``, else the live
+    policy of the routing config in force (the config bucket), else the busiest policy."""
+    import orjson
+
+    from natsched.audit.compare import compare, group
+
+    if until is not None and until < since:
+        raise AuditError(f"--until ({when(until)}) is before --since ({when(since)})")
+    decisions = decode_all([m async for m in bus.stream(S.STREAM_DECISIONS).window(
+        since, until, S.decisions_of(tenant) if tenant else None)], Decision)
+    done_until = None if until is None else until + COMPLETION_GRACE_S
+    completions = decode_completions([m async for m in bus.stream(S.STREAM_COMPLETIONS).window(
+        since, done_until, S.completions_of(tenant) if tenant else None)], bus.fence_key)
+    from natsched.bus.errors import StreamNotFound
+
+    config, revision = None, None
+    try:
+        current = await bus.kv(S.BUCKET_CONFIG).get(S.KEY_ROUTER_CONFIG)
+    except StreamNotFound:
+        current = None
+    if current is not None:
+        try:
+            config, revision = orjson.loads(current[0]), current[1]
+        except orjson.JSONDecodeError:
+            log.warning("audit: the routing config is not JSON; no live policy to compare against")
+    if not isinstance(config, dict):
+        config = None
+    chosen = baseline or (config or {}).get("policy")
+    out = {"tenant": tenant, "since": since, "until": until, **compare(group(decisions, completions), chosen)}
+    if baseline is not None and out["baseline"] != baseline:
+        out["note"] = f"--baseline {baseline} routed nothing in the window; compared with {out['baseline']}"
+    out["config"] = None if config is None else {
+        "revision": revision, "policy": config.get("policy"), "canary": config.get("canary"),
+        "canary_share": config.get("canary_share")}
+    return out
