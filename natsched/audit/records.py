@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from natsched.bus.streams import Stored
 from natsched.wire import fence
 from natsched.wire import msgids as M
+from natsched.wire.ids import unscoped
 from natsched.errors import NatschedError
 from natsched.wire import subjects as S
 from natsched.stats import percentile  # re-exported: sim.replay reads it here
@@ -47,8 +48,11 @@ class AuditNotFound(AuditError):
 
 
 def matches(msg_id: str, ids: Iterable[str]) -> bool:
-    """A record of one of ``ids``: its ``Nats-Msg-Id`` is the id or ``<id>:<stage>``."""
-    return M.request_of(msg_id) in ids
+    """A record of one of ``ids``: its ``Nats-Msg-Id`` is the id or ``<id>:<stage>``, the id as
+    given or in a tenant's scope (``natsched.wire.ids.scoped``: the id its producer chose then
+    finds it, of whichever tenant; the scoped id finds one tenant's)."""
+    rid = M.request_of(msg_id)
+    return rid in ids or unscoped(rid) in ids
 
 
 # ------------------------------------------------------------------ pure assembly

@@ -306,13 +306,18 @@ def scheduler_role() -> Role:
 
 
 def worker_role(worker: str) -> Role:
-    """A worker: completions on its own ``done.*.<worker>`` only, so that the server vouches for
-    the worker a completion names (the admitter checks it against the assignment's fence:
-    :mod:`natsched.wire.fence`)."""
+    """A worker: completions on its own ``done.*.<worker>`` and replies on its own
+    ``resp.*.*.<worker>`` only, so that the server vouches for the worker a completion or a
+    reply names (the admitter checks a completion against the assignment's fence, the producer
+    a reply against its reply fence: :mod:`natsched.wire.fence`)."""
     S.token(worker, "worker id")
     if worker == S.ROUTER_SOURCE:
         raise ValueError(f"worker id {worker!r} is reserved: the router's own completions use it")
-    pub = _service_base() + [
+    # replies on its own resp.*.*.<worker> only (not a producer's reply subject itself: that is
+    # the services' channel), so a producer can take output from the worker it was assigned to
+    base = [p for p in _service_base() if p not in (subject("reply"), subject("tenant_reply"))]
+    pub = base + [
+        subject("tenant_worker_reply", worker=worker),
         subject("completion", worker=worker), S.heartbeat(worker), S.cache_events(worker), S.deadletter("worker"),
         *consumer_permissions(S.STREAM_WORK, S.worker_consumer(worker), S.work(worker)),
         *kv_read_permissions(S.BUCKET_WORKERS),

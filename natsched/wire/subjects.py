@@ -139,6 +139,31 @@ def tenant_reply(tenant: TenantId, request_id: RequestId) -> str:
     return f"resp.{token(tenant, 'tenant')}.{token(request_id, 'request id')}"
 
 
+def worker_reply(reply: str, worker: WorkerId) -> str:
+    """Where a worker answers a request whose reply subject is ``reply``: its own sub-subject
+    ``<reply>.<worker>`` of a ``resp.`` reply (``resp.<tenant>.<request_id>.<worker>``), so that a
+    per-worker permission (``resp.*.*.<worker>``) makes the server vouch for which worker sent it
+    and the producer can take output only from the worker its request was assigned to
+    (``natsched.wire.fence.reply_problem``). Other reply subjects (job outcomes, benchmark runs)
+    are kept as they are: their readers are services, not producers."""
+    return f"{reply}.{token(worker, 'worker id')}" if reply.startswith("resp.") else reply
+
+
+def tenant_worker_reply(tenant: TenantId, request_id: RequestId, worker: WorkerId) -> str:
+    """A worker's answers to a producer's request: ``resp.<tenant>.<request_id>.<worker>``
+    (:func:`worker_reply` of :func:`tenant_reply`)."""
+    return worker_reply(tenant_reply(tenant, request_id), worker)
+
+
+def reply_source(subject: str, reply: str) -> str | None:
+    """The worker a message on ``subject`` came from when ``reply`` is the request's reply subject
+    (``<reply>.<worker>``), or None for the reply subject itself (the services' channel)."""
+    if subject == reply or not subject.startswith(reply + "."):
+        return None
+    worker = subject[len(reply) + 1:]
+    return worker if is_token(worker) else None
+
+
 def replies_of(tenant: TenantId) -> str:
     """Every reply to one tenant: ``resp.<tenant>.>``."""
     return f"resp.{token(tenant, 'tenant')}.>"
@@ -287,6 +312,7 @@ PATTERNS = {
     "reservation_key": "res.<request_id>",
     "tenant_reply": "resp.<tenant>.<request_id>",
     "replies_of": "resp.<tenant>.>",
+    "tenant_worker_reply": "resp.<tenant>.<request_id>.<worker>",
     "bench_reply": "bench.resp.<run>",
     "calibration_key": "capacity.<model>.<deployment>",
     "scale": "scale.<kind>",
