@@ -28,6 +28,11 @@ def test_a_drained_worker_is_not_restarted(tmp_path):
         assert "not restarted" in line and "by=cli" in line
         # w2 still serves
         assert up.cli("submit", "--tenant", "demo", "--prompt", "still here", "--max-tokens", "3").returncode == 0
+        # an unknown model: refused by the admitter naming what is served (it was the router's no_worker)
+        nope = up.cli("submit", "--tenant", "demo", "--model", "nope", "--prompt", "x", check=False)
+        assert nope.returncode == 2 and "unknown_model" in nope.stderr and "served: default" in nope.stderr, \
+            (nope.stdout, nope.stderr)
+        assert "no_worker" not in nope.stderr
     finally:
         assert up.stop() == 0
     assert not any("worker w1 exited with code" in l for l in up.lines), up.lines
