@@ -96,6 +96,27 @@ async def test_a_retry_outlives_no_worker_and_runs_under_a_fresh_id(bus, nats_ur
         await stack.close()
 
 
+async def test_a_stream_retries_through_no_worker_and_streams_its_output(bus, nats_url):
+    stack = await start_stack(nats_url, workers=0, no_worker_wait_s=0.2)
+    try:
+        stream = stack.client.stream(make_request("t1", "hello", max_tokens=3),
+                                     retry=Retry(attempts=50, base_s=0.1, cap_s=0.3))
+
+        async def read() -> list[str]:
+            return [chunk.text async for chunk in stream]
+
+        task = asyncio.ensure_future(read())
+        assert await wait_for(lambda: sum(
+            s.value for m in stack.router.metrics.decisions.collect() for s in m.samples
+            if s.name.endswith("_total") and s.labels["decision"] == "fail") >= 1)  # a try failed: no worker
+        assert not task.done()  # retried, not raised
+        await add_worker(nats_url, stack, "w1")
+        assert "".join(await task).split() == ["tok0", "tok1", "tok2"]
+        assert stream.result.attempts >= 2 and stream.produced == 3
+    finally:
+        await stack.close()
+
+
 async def test_without_retry_no_worker_fails_at_once(bus, nats_url):
     stack = await start_stack(nats_url, workers=0, no_worker_wait_s=0.2)
     try:
