@@ -37,7 +37,7 @@ from natsched.bus.aio import RECANCEL_S
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery, transport_failure
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import (Assignment, CacheEvent, Completion, CompletionStatus, Control, Heartbeat, Reply,
-                                  ReplyKind, ReplyStatus, WorkerId)
+                                  ReplyKind, ReplyStatus, ServedModel, WorkerId)
 from natsched.workers.backoff import BackoffMonitor, BackoffSettings
 from natsched.workers.calibrate import load_calibration
 from natsched.workers.engine import UNREACHABLE_LEAVE_S, Engine, EngineOutput, EngineRequest, EngineStats
@@ -461,7 +461,7 @@ class WorkerAgent:
             capacity_tokens=self.capacity_tokens or st.capacity_tokens,
             queued_prefill_tokens=st.queued_prefill_tokens, block_size=self.engine.block_size,
             started_at=started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
-            inflight=list(self.inflight), served=served() if served is not None else [],
+            inflight=list(self.inflight), served=served() if served is not None else self._own_card(),
             deployment=self.deployment,
             predecessor_seq=self.predecessor_seq, over=dict(self._over),
         )
@@ -489,6 +489,17 @@ class WorkerAgent:
         self.state = "quiescing"
         if not self.inflight:
             self._stopped.set()
+
+    def _own_card(self) -> list[ServedModel]:
+        """An in-process engine's model as ``vllm serve`` would list it in ``/v1/models``: its
+        ``max_model_len`` (once the engine knows it) and its ``root`` (the weights it loaded),
+        so the gateway answers third-party clients with real numbers, not nulls. An engine
+        server lists its own models (``served_models``)."""
+        limit = getattr(self.engine, "max_model_len", 0)
+        weights = getattr(getattr(self.engine, "settings", None), "model_path", None)  # a vLLM engine's
+        return [ServedModel(id=self.settings.model, owned_by="vllm" if weights else "natsched",
+                            root=weights or self.settings.model,
+                            max_model_len=limit if isinstance(limit, int) and limit > 0 else None)]
 
     def _update_state(self, st: EngineStats) -> None:
         self._check_engine()

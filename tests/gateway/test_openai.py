@@ -143,3 +143,8 @@ async def test_models_lists_what_workers_serve(cluster):
     _, gw = cluster
     models = await sdk(gw).models.list()
     assert [m.id for m in models.data] == ["default"]
+    # every field vLLM's server lists (vllm bench serve reads root), with the engine's real limit
+    entry = models.data[0].to_dict()
+    assert {k: entry[k] for k in ("object", "owned_by", "root", "parent", "max_model_len")} == \
+        {"object": "model", "owned_by": "natsched", "root": "default", "parent": None, "max_model_len": 131072}
+    assert isinstance(entry["created"], int)
