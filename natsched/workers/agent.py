@@ -42,7 +42,7 @@ from natsched.workers.backoff import BackoffMonitor, BackoffSettings
 from natsched.workers.calibrate import load_calibration
 from natsched.workers.engine import UNREACHABLE_LEAVE_S, Engine, EngineOutput, EngineRequest, EngineStats
 from natsched.workers.errors import RunTimeout
-from natsched.workers.limits import limited
+from natsched.workers.limits import DEADLINE_EXCEEDED, limited
 from natsched import tracing
 from natsched.workers.metrics import WorkerMetrics
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
@@ -211,8 +211,9 @@ class WorkerAgent:
         if span is not None:
             self._traces[req.id] = _RunTrace(span, started)
         try:
-            if req.deadline is not None and started > req.deadline:
-                final = EngineOutput(0, finished=True, finish_reason="error", error="deadline_exceeded")
+            if req.deadline is not None and started > req.deadline:  # expired on its way here: not run
+                self.metrics.timeouts.labels(DEADLINE_EXCEEDED).inc()
+                final = EngineOutput(0, finished=True, finish_reason="error", error=DEADLINE_EXCEEDED)
                 await self._finish(a, final, started, None, received=received)
             else:
                 await self._generate(a, started, received=received)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from natsched.bus.connection import Bus
+from natsched.wire import subjects as S
 from natsched.client.errors import RequestFailed
 from natsched.client.producer import Client, Timeouts, make_request
 from natsched.workers.limits import DEADLINE_EXCEEDED, IDLE_TIMEOUT, TTFT_TIMEOUT, next_limit
@@ -68,3 +69,24 @@ async def test_the_worker_stops_a_run_past_its_deadline_when_its_producer_is_gon
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_run_whose_deadline_passed_before_it_started_is_not_run_and_counted(bus):
+    from natsched.workers.agent import WorkerAgent, WorkerSettings
+    from natsched.workers.profiles import H100_LLAMA8B
+    from natsched.workers.simengine import SimEngine
+    from natsched.wire.schema import Completion
+    from tests.workers.test_agent_states import assign, collect
+
+    done = await collect(bus, S.COMPLETIONS_ALL, Completion)
+    agent = WorkerAgent(bus, SimEngine(H100_LLAMA8B, block_size=32, time_scale=0.05),
+                        WorkerSettings(id="wlate", heartbeat_interval_s=0.2))
+    await agent.start()
+    try:
+        req = await assign(bus, "wlate", tenant="t1", prompt="too late", max_tokens=4, deadline=time.time() - 1)
+        assert await wait_for(lambda: any(c.request_id == req.id for c in done))
+        (c,) = [c for c in done if c.request_id == req.id]
+        assert c.reason == DEADLINE_EXCEEDED and c.output_tokens == 0  # dropped, not run
+        assert timeouts_of(agent, DEADLINE_EXCEEDED) == 1
+    finally:
+        await agent.stop()
