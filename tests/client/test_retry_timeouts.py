@@ -179,6 +179,7 @@ async def test_client_ttft_and_stream_idle_limits_cancel_on_the_worker(bus, nats
                                                timeouts=Timeouts(admission=10, ttft=0.01)):
                 pass
         assert err.value.reason == "ttft" and time.time() - started < 10
+        assert await wait_for(lambda: not stack.workers[0].inflight)  # cancelled there too (or never ran)
     finally:
         await stack.close()
 
