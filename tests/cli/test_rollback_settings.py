@@ -118,6 +118,12 @@ async def test_a_setting_set_live_reaches_the_admitter_and_a_bad_one_changes_not
         assert await wait_for(lambda: adm.core.settings.aging_s == 2.5)
         assert adm.core.settings.calibrated_output and adm.leases.missed == 5 and adm.dynamic.settings.high == 0.9
         assert adm.core.settings.slo_ttft_s == {"online": 2.0}
+        # the total while the bucket names none: a knob the quotas read once ignored (always 400000)
+        assert "cluster.total" not in await _entries(bus)
+        cli(nats_url, "quota", "set", "--set", "admission.default_total=5555")
+        assert await wait_for(lambda: adm.total == 5555)
+        cli(nats_url, "quota", "set", "--unset", "admission.default_total")
+        assert await wait_for(lambda: adm.total == 400_000)
         before = await _entries(bus)
         for bad, says in ((["--set", "admission.aging_s=-1"], "aging_s must be >= 0"),
                           (["--set", "admission.nope=1"], "unknown setting 'admission.nope'; known: "),
