@@ -14,7 +14,7 @@ lease      the lease fields of ``AdmitterServiceSettings``        ``lease.missed
 Where they come from, later winning: the code defaults; ``natsched admitter --set K=V`` (and
 ``natsched up --set K=V``, passed to every admitter); the ``quotas`` bucket's ``setting.<group>.<field>``
 entries (``natsched quota set --set K=V``, applied live by every admitter). A value is JSON
-(``5``, ``0.3``, ``true``, ``["batch"]``) of the field's type, checked by the dataclass itself:
+(``5``, ``0.3``, ``true``, ``["batch"]``, ``{"online": 2}``) of the field's type, checked by the dataclass itself:
 a bad one is refused with the reason and changes nothing (the CLI writes nothing; an admitter
 keeps what it ran with and logs it). Pure module: no I/O.
 """
@@ -113,7 +113,22 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise SettingsError(f"{key} must be a list of strings, got {value!r}")
         return tuple(value)
+    if origin is dict:  # per class (admission.slo_ttft_s): {"online": 2.0}
+        return _per_class(key, value)
     raise SettingsError(f"{key} cannot be set")
+
+
+def _per_class(key: str, value: Any) -> dict[str, float]:
+    """A JSON object of request class -> finite number (the dataclass checks the range)."""
+    if not isinstance(value, dict):
+        raise SettingsError(f"{key} must be a JSON object of class -> seconds, e.g. {{\"online\": 2}}, got {value!r}")
+    unknown = sorted(set(value) - set(S.CLASSES))
+    if unknown:
+        raise SettingsError(f"{key} names unknown classes {unknown}; known: {', '.join(S.CLASSES)}")
+    for cls, v in value.items():
+        if type(v) not in (int, float) or not math.isfinite(v):
+            raise SettingsError(f"{key}[{cls!r}] must be a finite number of seconds, got {v!r}")
+    return {cls: float(v) for cls, v in value.items()}
 
 
 def split(key: str) -> tuple[str, str]:
@@ -211,5 +226,5 @@ def flat(knobs: Knobs) -> dict[str, Any]:
     for key in names():
         group, name = key.split(".", 1)
         value = getattr(getattr(knobs, group), name)
-        out[key] = list(value) if isinstance(value, tuple) else value
+        out[key] = list(value) if isinstance(value, tuple) else dict(value) if isinstance(value, dict) else value
     return out

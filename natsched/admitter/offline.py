@@ -360,7 +360,8 @@ class OfflineRunner:
                 self._apply_quotas()
 
     def _apply_quotas(self) -> None:
-        quotas, errors = Quotas.from_kv(self.quota_entries, previous=self.quotas)
+        quotas, errors = Quotas.from_kv(self.quota_entries, previous=self.quotas,
+                                        default_total=self.settings.admission.default_total)
         for err in errors:
             log.error("quota entry ignored: %s", err)
         self.quotas = quotas

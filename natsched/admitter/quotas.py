@@ -172,19 +172,23 @@ class Quotas:
         return out
 
     @classmethod
-    def from_kv(cls, entries: dict[str, bytes], previous: "Quotas | None" = None) -> tuple["Quotas", list[str]]:
-        """Quotas from the bucket's whole content, plus a description of every entry not used."""
-        return _KvReader(entries, previous).read()
+    def from_kv(cls, entries: dict[str, bytes], previous: "Quotas | None" = None,
+                default_total: int | None = None) -> tuple["Quotas", list[str]]:
+        """Quotas from the bucket's whole content, plus a description of every entry not used.
+        ``default_total``: the total while the bucket names none (the reader's
+        ``admission.default_total`` setting; without it, the class default)."""
+        return _KvReader(entries, previous, default_total).read()
 
 
 class _KvReader:
     """One pass of :meth:`Quotas.from_kv`; keeps the previous value of every entry it rejects."""
 
-    def __init__(self, entries: dict[str, bytes], previous: Quotas | None) -> None:
+    def __init__(self, entries: dict[str, bytes], previous: Quotas | None, default_total: int | None = None) -> None:
         self.entries = entries
         self.previous = previous
         self.errors: list[str] = []
-        self.quotas = Quotas(tenants={}, models={})
+        self.quotas = Quotas(tenants={}, models={}) if default_total is None else \
+            Quotas(total=default_total, tenants={}, models={})
 
     def read(self) -> tuple[Quotas, list[str]]:
         for key in sorted(self.entries):

@@ -235,7 +235,8 @@ class AdmitterService(Repairs, PartitionMember):
 
     def apply_quotas(self) -> None:
         self.apply_knobs()
-        quotas, errors = Quotas.from_kv(self.quota_entries, previous=self.cluster_quotas)
+        quotas, errors = Quotas.from_kv(self.quota_entries, previous=self.cluster_quotas,
+                                        default_total=self.core.settings.default_total)
         for err in errors:  # counted and logged once each: every quota change re-reads them all
             if err not in self._quota_errors:
                 self._quota_errors.add(err)

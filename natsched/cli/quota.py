@@ -148,7 +148,7 @@ async def _quota(args) -> int:
                 settings = _edit_settings(entries, args)
             except (QuotaError, ValueError, NatschedError) as exc:
                 return fail(f"quota change refused, nothing written: {exc}")
-            code = await _write(bus, quotas, new, entries, bool(args.settings or args.unset))
+            code = await _write(bus, quotas, new, entries, bool(args.settings or args.unset), args.total is not None)
             changed = [f"{n}: {word(a)} -> {word(b)}" for n, a, b in quota_changes(quotas, new)]
             changed += await _write_settings(bus, entries, settings)
             if changed:
@@ -261,11 +261,14 @@ def _quotas(entries: dict[str, bytes]):
     return Quotas.from_kv(entries)
 
 
-async def _write(bus, old, new, entries, settings_edited: bool = False) -> int:
+async def _write(bus, old, new, entries, settings_edited: bool = False, total_given: bool = False) -> int:
     wanted = new.to_kv()
     for key, value in wanted.items():
-        if entries.get(key) != value:
-            await bus.kv(S.BUCKET_QUOTAS).put(key, value)
+        if entries.get(key) == value:
+            continue
+        if key == S.KEY_CLUSTER_TOTAL and key not in entries and not total_given and old.total == new.total:
+            continue  # never set: the admitters' admission.default_total applies (writing it would pin it)
+        await bus.kv(S.BUCKET_QUOTAS).put(key, value)
     for key in sorted(set(old.to_kv()) - set(wanted)):  # a limit removed (--class-limit -1)
         await bus.kv(S.BUCKET_QUOTAS).delete(key)
     changes = quota_changes(old, new)

@@ -37,12 +37,12 @@ from natsched.bus.aio import RECANCEL_S
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery, transport_failure
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import (Assignment, CacheEvent, Completion, CompletionStatus, Control, Heartbeat, Reply,
-                                  ReplyKind, ReplyStatus, WorkerId)
+                                  ReplyKind, ReplyStatus, ServedModel, WorkerId)
 from natsched.workers.backoff import BackoffMonitor, BackoffSettings
 from natsched.workers.calibrate import load_calibration
 from natsched.workers.engine import UNREACHABLE_LEAVE_S, Engine, EngineOutput, EngineRequest, EngineStats
 from natsched.workers.errors import RunTimeout
-from natsched.workers.limits import limited
+from natsched.workers.limits import DEADLINE_EXCEEDED, limited
 from natsched import tracing
 from natsched.workers.metrics import WorkerMetrics
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
@@ -213,8 +213,9 @@ class WorkerAgent:
         if span is not None:
             self._traces[req.id] = _RunTrace(span, started)
         try:
-            if req.deadline is not None and started > req.deadline:
-                final = EngineOutput(0, finished=True, finish_reason="error", error="deadline_exceeded")
+            if req.deadline is not None and started > req.deadline:  # expired on its way here: not run
+                self.metrics.timeouts.labels(DEADLINE_EXCEEDED).inc()
+                final = EngineOutput(0, finished=True, finish_reason="error", error=DEADLINE_EXCEEDED)
                 await self._finish(a, final, started, None, received=received)
             else:
                 await self._generate(a, started, received=received)
@@ -470,7 +471,7 @@ class WorkerAgent:
             capacity_tokens=self.capacity_tokens or st.capacity_tokens,
             queued_prefill_tokens=st.queued_prefill_tokens, block_size=self.engine.block_size,
             started_at=started_at, interval=self.settings.heartbeat_interval_s, kv_seq=self._kv_seq,
-            inflight=list(self.inflight), served=served() if served is not None else [],
+            inflight=list(self.inflight), served=served() if served is not None else self._own_card(),
             deployment=self.deployment,
             predecessor_seq=self.predecessor_seq, over=dict(self._over),
         )
@@ -498,6 +499,17 @@ class WorkerAgent:
         self.state = "quiescing"
         if not self.inflight:
             self._stopped.set()
+
+    def _own_card(self) -> list[ServedModel]:
+        """An in-process engine's model as ``vllm serve`` would list it in ``/v1/models``: its
+        ``max_model_len`` (once the engine knows it) and its ``root`` (the weights it loaded),
+        so the gateway answers third-party clients with real numbers, not nulls. An engine
+        server lists its own models (``served_models``)."""
+        limit = getattr(self.engine, "max_model_len", 0)
+        weights = getattr(getattr(self.engine, "settings", None), "model_path", None)  # a vLLM engine's
+        return [ServedModel(id=self.settings.model, owned_by="vllm" if weights else "natsched",
+                            root=weights or self.settings.model,
+                            max_model_len=limit if isinstance(limit, int) and limit > 0 else None)]
 
     def _update_state(self, st: EngineStats) -> None:
         self._check_engine()

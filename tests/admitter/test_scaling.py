@@ -112,3 +112,42 @@ async def test_the_admitter_publishes_scale_out_and_status_shows_it(bus, nats_ur
         assert "scale out: add 2 worker(s)" in render_scale(stored, stored.ts + 1)
     finally:
         await stop(adm)
+
+
+async def test_an_idle_cluster_is_advised_to_drain_its_least_loaded_worker_and_status_says_which(bus, nats_url):
+    import os
+    import subprocess
+    import sys
+
+    import orjson
+
+    from tests.admitter.test_service import start_admitter, stop
+    from tests.factories.core import wait_for
+
+    adm = await start_admitter(nats_url, scale=ScaleSettings(idle_window_s=0.5, interval_s=0.1, idle_util=0.1))
+    seen: list[ScaleEvent] = []
+
+    async def on_scale(subject, data, headers):
+        seen.append(ScaleEvent.decode(data))
+
+    await bus.subscribe(S.SCALE_ALL, on_scale)
+    try:
+        for wid, used in (("w1", 50), ("w2", 0), ("w3", 20)):  # 70 of 3000 in use: idle
+            await bus.publish(S.heartbeat(wid), Heartbeat(worker=wid, seq=1, ts=time.time(), capacity_tokens=1000,
+                                                          runtime_tokens=used, interval=30))
+        assert await wait_for(lambda: len(adm.worker_load) == 3)
+        assert await wait_for(lambda: seen, timeout=30)
+        event = seen[0]
+        assert event.kind == "in" and event.drain == "w2" and event.workers == 3 and event.add == 0
+        assert adm.metrics.scale_advice.labels("in")._value.get() == 1
+        assert adm.metrics.scale_signals.labels("in")._value.get() == 1
+        env = os.environ | {"NATSCHED_NATS_URL": nats_url}
+        cmd = [sys.executable, "-m", "natsched", "status"]
+        text = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert text.returncode == 0 and "scale in: drain w2" in text.stdout, text.stdout + text.stderr
+        shown = orjson.loads(subprocess.run([*cmd, "--json"], env=env, capture_output=True, text=True,
+                                            timeout=60).stdout)
+        assert shown["scale"]["kind"] == "in" and shown["scale"]["drain"] == "w2"
+    finally:
+        await stop(adm)
+        await bus.kv(S.BUCKET_CONFIG).delete(S.KEY_SCALE)

@@ -5,8 +5,10 @@ from the buckets' history. Real nats-server, a real admitter, the CLI as a user 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import typing
 
 import orjson
 import pytest
@@ -52,6 +54,26 @@ def test_every_settings_field_is_a_knob_and_bad_values_are_refused():
             K.apply(K.Knobs(), bad)
 
 
+def test_every_listed_knob_can_be_set_the_per_class_slo_included():
+    # a knob that names() lists but no value can set is a flag in name only
+    values = {bool: True, int: 7, float: 0.5, tuple: ["batch"], dict: {"online": 2}}
+    for key in K.names():
+        kind = K._field_type(*K.split(key))
+        value = values[typing.get_origin(kind) or kind]
+        try:
+            K.apply(K.Knobs(), {key: value})
+        except SettingsError as exc:
+            assert "cannot be set" not in str(exc), key  # a range check is fine; unsettable is not
+    key, value = K.parse_assignment('admission.slo_ttft_s={"online": 2, "batch": 30}')
+    knobs = K.apply(K.Knobs(), {key: value})
+    assert knobs.admission.slo_ttft_s == {"online": 2.0, "batch": 30.0}
+    assert K.flat(knobs)["admission.slo_ttft_s"] == {"online": 2.0, "batch": 30.0}
+    for bad, says in (({"online": 0}, "must be seconds > 0"), ({"gold": 1}, "unknown classes ['gold']"),
+                      ([2], "JSON object"), ({"online": "2"}, "finite number"), ({"online": float("nan")}, "finite")):
+        with pytest.raises(SettingsError, match=re.escape(says)):
+            K.apply(K.Knobs(), {"admission.slo_ttft_s": bad})
+
+
 def test_resolve_skips_a_bad_entry_and_keeps_the_good_ones():
     entries = {"setting.admission.aging_s": b"5", "setting.dynamic.high": b"0.1", "setting.x.y": b"1",
                "setting.admission.queue_timeout_s": b"not json"}
@@ -90,10 +112,18 @@ async def test_a_setting_set_live_reaches_the_admitter_and_a_bad_one_changes_not
     try:
         assert adm.core.settings.aging_s == 10.0 and not adm.core.settings.calibrated_output
         out = cli(nats_url, "quota", "set", "--set", "admission.aging_s=2.5", "--set",
-                  "admission.calibrated_output=true", "--set", "lease.missed=5", "--set", "dynamic.high=0.9")
+                  "admission.calibrated_output=true", "--set", "lease.missed=5", "--set", "dynamic.high=0.9",
+                  "--set", 'admission.slo_ttft_s={"online": 2}')
         assert "setting admission.aging_s: unset -> 2.5" in out.stdout
         assert await wait_for(lambda: adm.core.settings.aging_s == 2.5)
         assert adm.core.settings.calibrated_output and adm.leases.missed == 5 and adm.dynamic.settings.high == 0.9
+        assert adm.core.settings.slo_ttft_s == {"online": 2.0}
+        # the total while the bucket names none: a knob the quotas read once ignored (always 400000)
+        assert "cluster.total" not in await _entries(bus)
+        cli(nats_url, "quota", "set", "--set", "admission.default_total=5555")
+        assert await wait_for(lambda: adm.total == 5555)
+        cli(nats_url, "quota", "set", "--unset", "admission.default_total")
+        assert await wait_for(lambda: adm.total == 400_000)
         before = await _entries(bus)
         for bad, says in ((["--set", "admission.aging_s=-1"], "aging_s must be >= 0"),
                           (["--set", "admission.nope=1"], "unknown setting 'admission.nope'; known: "),

@@ -28,6 +28,11 @@ def test_a_drained_worker_is_not_restarted(tmp_path):
         assert "not restarted" in line and "by=cli" in line
         # w2 still serves
         assert up.cli("submit", "--tenant", "demo", "--prompt", "still here", "--max-tokens", "3").returncode == 0
+        # an unknown model: refused by the admitter naming what is served (it was the router's no_worker)
+        nope = up.cli("submit", "--tenant", "demo", "--model", "nope", "--prompt", "x", check=False)
+        assert nope.returncode == 2 and "unknown_model" in nope.stderr and "served: default" in nope.stderr, \
+            (nope.stdout, nope.stderr)
+        assert "no_worker" not in nope.stderr
     finally:
         assert up.stop() == 0
     assert not any("worker w1 exited with code" in l for l in up.lines), up.lines
@@ -51,3 +56,23 @@ def test_up_announces_quotas_and_a_canary_left_in_the_data_dir(tmp_path):
                    for l in notes), notes
     finally:
         assert second.stop() == 0
+
+
+def test_up_set_reaches_every_admitter_at_start(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.factories.core import read_until_up
+
+    # default_total applies while the quotas bucket names no total: the admitter's ready line says it
+    proc = subprocess.Popen([sys.executable, "-m", "natsched", "up", "--workers", "1", "--port", str(free_port()),
+                             "--data-dir", str(tmp_path / "data"), "--time-scale", "0.05",
+                             "--set", "admission.default_total=4321", "--set", "scale.out_wait_s=2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = read_until_up(proc, 60)
+        admitters = [l for l in lines if l.startswith("ready: admitter")]
+        assert admitters and all("total=4321" in l for l in admitters), lines
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0

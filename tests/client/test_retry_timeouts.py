@@ -10,7 +10,7 @@ import time
 import pytest
 
 from natsched.client.errors import ClientSettingsError, Rejected, RequestFailed, RequestTimeout
-from natsched.client.producer import Timeouts, make_request
+from natsched.client.producer import Client, Timeouts, make_request
 from natsched.client.retry import Retry
 from natsched.workers.agent import WorkerAgent, WorkerSettings
 from natsched.workers.profiles import H100_LLAMA8B
@@ -96,6 +96,63 @@ async def test_a_retry_outlives_no_worker_and_runs_under_a_fresh_id(bus, nats_ur
         await stack.close()
 
 
+async def test_a_stream_retries_through_no_worker_and_streams_its_output(bus, nats_url):
+    stack = await start_stack(nats_url, workers=0, no_worker_wait_s=0.2)
+    try:
+        stream = stack.client.stream(make_request("t1", "hello", max_tokens=3),
+                                     retry=Retry(attempts=50, base_s=0.1, cap_s=0.3))
+
+        async def read() -> list[str]:
+            return [chunk.text async for chunk in stream]
+
+        task = asyncio.ensure_future(read())
+        assert await wait_for(lambda: sum(
+            s.value for m in stack.router.metrics.decisions.collect() for s in m.samples
+            if s.name.endswith("_total") and s.labels["decision"] == "fail") >= 1)  # a try failed: no worker
+        assert not task.done()  # retried, not raised
+        await add_worker(nats_url, stack, "w1")
+        assert "".join(await task).split() == ["tok0", "tok1", "tok2"]
+        assert stream.result.attempts >= 2 and stream.produced == 3
+    finally:
+        await stack.close()
+
+
+async def test_a_stream_that_streamed_output_is_retried_only_with_after_output(bus):
+    """Its worker dies after a token went out (the admitter re-admits it: ``rerouted``): a default
+    policy raises ``worker_lost`` (the consumer already has output), ``after_output`` tries again.
+    The services' replies are scripted on the real bus, answering each try as it is published."""
+    from natsched.wire import subjects as S
+    from natsched.wire.schema import Reply, Request
+
+    tries: list[str] = []
+
+    async def on_request(subject, data, headers):
+        req = Request.decode(data)
+        if req.tenant != "t-retry":
+            return
+        tries.append(req.id)
+        script = [Reply(request_id=req.id, kind="token", text="half ", worker="wa"),
+                  Reply(request_id=req.id, kind="status", status="rerouted", worker="wa")] if len(tries) == 1 else \
+            [Reply(request_id=req.id, kind="token", text="whole", worker="wb"),
+             Reply(request_id=req.id, kind="result", worker="wb", output_tokens=1)]
+        for reply in script:
+            await bus.publish(headers[S.HDR_REPLY], reply)
+
+    sub = await bus.subscribe(S.REQUESTS_ALL, on_request)
+    client = Client(bus, Timeouts(admission=5, idle=5), retry=Retry(attempts=3, base_s=0.05, cap_s=0.1))
+    try:
+        with pytest.raises(RequestFailed) as err:
+            _ = [c.text async for c in client.stream(make_request("t-retry", "x"))]
+        assert err.value.reason == "worker_lost" and len(tries) == 1  # raised, not retried
+        tries.clear()
+        request = make_request("t-retry", "x")
+        stream = client.stream(request, retry=Retry(attempts=3, base_s=0.05, cap_s=0.1, after_output=True))
+        assert [c.text async for c in stream] == ["half ", "whole"]  # the consumer sees the output again
+        assert tries == [request.id, f"{request.id}-r1"] and stream.result.attempts == 2
+    finally:
+        await sub.unsubscribe()
+
+
 async def test_without_retry_no_worker_fails_at_once(bus, nats_url):
     stack = await start_stack(nats_url, workers=0, no_worker_wait_s=0.2)
     try:
@@ -122,6 +179,7 @@ async def test_client_ttft_and_stream_idle_limits_cancel_on_the_worker(bus, nats
                                                timeouts=Timeouts(admission=10, ttft=0.01)):
                 pass
         assert err.value.reason == "ttft" and time.time() - started < 10
+        assert await wait_for(lambda: not stack.workers[0].inflight)  # cancelled there too (or never ran)
     finally:
         await stack.close()
 

@@ -146,6 +146,16 @@ async def test_stream_idle_limit_ends_the_stream_with_an_error_event_and_stops_t
         assert sample(gw.gateway.metrics.registry, "natsched_gateway_cancelled_total", reason="idle_timeout") == 1
 
 
+async def test_total_limit_of_a_running_request_is_a_504_and_stops_the_run(bus, nats_url):
+    async with gateway_over_stack(nats_url, workers=1, time_scale=40.0) as (stack, gw):  # ~0.3 s a token: 15 s
+        with pytest.raises(openai.APIStatusError) as caught:
+            await sdk(gw, max_retries=0, timeout=60).chat.completions.create(
+                model="default", max_tokens=50, messages=MESSAGES, extra_headers={"x-natsched-timeout": "1"})
+        assert caught.value.status_code == 504 and caught.value.code == "timeout"
+        assert await wait_for(lambda: not stack.workers[0].inflight)  # not left running for the other 14 s
+        assert sample(gw.gateway.metrics.registry, "natsched_gateway_cancelled_total", reason="timeout") == 1
+
+
 async def test_bad_timeout_headers_and_settings_are_refused(slow_cluster):
     _, gw = slow_cluster
     async with httpx.AsyncClient(base_url=gw.url) as http:

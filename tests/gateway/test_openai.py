@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import orjson
 import pytest
@@ -143,3 +144,16 @@ async def test_models_lists_what_workers_serve(cluster):
     _, gw = cluster
     models = await sdk(gw).models.list()
     assert [m.id for m in models.data] == ["default"]
+    # every field vLLM's server lists (vllm bench serve reads root), with the engine's real limit
+    entry = models.data[0].to_dict()
+    assert {k: entry[k] for k in ("object", "owned_by", "root", "parent", "max_model_len")} == \
+        {"object": "model", "owned_by": "natsched", "root": "default", "parent": None, "max_model_len": 131072}
+    assert isinstance(entry["created"], int)
+
+
+async def test_health_is_served_beside_healthz_as_vllm_clients_ask_for_it(cluster):
+    _, gw = cluster
+    async with httpx.AsyncClient(base_url=gw.url) as http:
+        health, healthz = await http.get("/health"), await http.get("/healthz")
+    assert health.status_code == healthz.status_code == 200  # guidellm and vLLM's probes ask /health
+    assert health.json() == healthz.json() == {"status": "ok", "bus": "connected", "models": ["default"]}

@@ -37,7 +37,9 @@ async def test_openai_sdk_through_the_gateway_to_a_vllm_worker(bus, nats_url, tm
         gw = await start_gateway(nats_url)
         await gw.wait_for_workers(1)
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=ALPHA, max_retries=0)
-        assert [m.id for m in (await client.models.list()).data] == [MODEL]
+        (entry,) = [m.to_dict() for m in (await client.models.list()).data]
+        assert entry["id"] == MODEL and entry["max_model_len"] == LONG + 64  # the engine's, as vllm serve lists it
+        assert entry["root"] == str(path) and entry["owned_by"] == "vllm" and entry["parent"] is None
 
         system = "You answer questions about the routing cache of this knowledge base. " * 3
         reply = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=[
