@@ -573,13 +573,15 @@ class Simulator:
         rr = self._route_reqs.pop(req.index)
         rec = self.records[req.index]
         rec.status = "ok"
-        rec.first_token = seq.first_token_at
+        first = seq.first_token_at
+        # a request re-run after its worker died (rescued, or retried by its client) streamed its
+        # first token on the attempt that died: that is when the client saw it
+        rec.first_token = first if rec.first_token is None or first is None else min(rec.first_token, first)
         rec.finish = now
         rec.cached_tokens = seq.cached_tokens
         self._done += 1
         self._end = now
         started = rec.routed + self.settings.net_delay_s
-        first = seq.first_token_at
         ttft = first - started if first is not None else None
         tpot = (now - first) / (seq.generated - 1) if first is not None and seq.generated > 1 else None
         self._send(now, self._deliver_completion, Completion(
@@ -624,6 +626,12 @@ class Simulator:
         # (their completions were never published)
         mine = [sid for sid, req in self._by_seq_id.items() if self.records[req.index].worker == w.id]
         lost = [self._by_seq_id.pop(sid) for sid in mine]
+        for sid, req in zip(mine, lost):  # first tokens it streamed before it died were seen
+            seq = w.core.seqs.get(sid)
+            first = seq.first_token_at if seq is not None else None
+            rec = self.records[req.index]
+            if first is not None and first <= now and rec.first_token is None:
+                rec.first_token = first
         w.core.waiting.clear()
         w.core.running.clear()
         w.core.seqs.clear()
