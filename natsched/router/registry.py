@@ -3,7 +3,8 @@
 States (the worker reports the first three in ``Heartbeat.state``; the router derives the rest)::
 
     HEALTHY     takes any new work
-    BACKOFF     overloaded or erroring: takes only short requests (cheap to run, cheap to lose)
+    BACKOFF     overloaded or erroring: takes only short requests (cheap to run, cheap to lose) —
+                unless no worker of the model would take the request otherwise (panic)
     QUIESCING   draining before shutdown: takes nothing new
     REREGISTER  came back with a new ``started_at`` (or said "reregister"): its cache claims were
                 dropped and it takes nothing until the router's index has its fresh state

@@ -140,7 +140,12 @@ def test_the_suite_is_bit_for_bit_reproducible(tiny_report):
                     m.pop("wall_s")
         return j
 
-    assert strip(again) == strip(tiny_report)
+    ref = strip(tiny_report)
+    assert strip(again) == ref
+    # two scenarios are prepared side by side in the pool: the same loads, the same numbers
+    other = parse_scenario({**copy.deepcopy(TINY), "name": "tiny2", "seed": 3}, "tiny2.yaml")
+    both = run_suite([parse_scenario(copy.deepcopy(TINY), "tiny.yaml"), other], SuiteSettings(jobs=2, progress=False))
+    assert strip(both)["scenarios"]["tiny"] == ref["scenarios"]["tiny"]
 
 
 def test_every_contender_finishes_every_request_one_way_or_another(tiny_report):

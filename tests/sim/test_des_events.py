@@ -94,6 +94,18 @@ def test_kill_with_rescue_reruns_the_work_elsewhere():
     assert min(r.routed for r in res.records) == pytest.approx(1.0 + 0.5 + 3.0)  # warm-up + kill + rescue
 
 
+def test_a_rescued_request_keeps_the_first_token_its_client_saw():
+    """It streamed its first token on w0 well before w0 died: that is its time to first token (the
+    re-run's first token comes seconds later); one that had none yet gets the re-run's."""
+    rows = [trace_row(0, ids=[100], n_out=2000), trace_row(490, ids=[101], n_out=2000)]
+    kill = WorkerEvent(0.5, "kill", "w0")
+    res = sim(rows, events=(kill,), rescue_s=3.0).run()
+    early, late = res.records
+    assert early.rescued == late.rescued == 1 and early.status == late.status == "ok"
+    assert early.first_token - early.arrival < 0.5  # before the death
+    assert late.first_token - late.arrival > 3.0  # after the rescue
+
+
 def test_kill_without_rescue_fails_to_the_client_who_retries():
     kill = WorkerEvent(0.5, "kill", "w0")
     # the router keeps choosing w0 until it misses two heartbeats (~2 s); the SDK's two retries
