@@ -204,3 +204,15 @@ def test_the_command_runs_a_file_and_refuses_a_bad_one(tmp_path, capsys):
     assert "cluster.workers[0].profile: unknown profile 'h200'" in capsys.readouterr().err
     assert main(["bench", "scenarios", str(good), "--only", "nope", "--no-progress"]) == 1
     assert "no scenario named nope" in capsys.readouterr().err
+
+
+def test_quick_runs_two_loads_and_no_unjudged_variant():
+    raw = {**copy.deepcopy(TINY), "sweep": {"points": 3, "span": 0.2}}
+    raw.pop("contenders")
+    rep = run_suite([parse_scenario(raw, "tiny.yaml")], SuiteSettings(jobs=1, quick=True, progress=False))
+    j = rep["scenarios"]["tiny"]
+    assert j["loads"] == ["load0.8", "load1.2"] and j["verdict"] in ("ahead", "behind", "level")
+    assert "natsched-noadmit" not in j["runs"] and {"natsched", "llm-d", "dynamo"} <= set(j["runs"])
+    named = run_suite([parse_scenario(raw, "tiny.yaml")], SuiteSettings(jobs=1, quick=True, progress=False,
+                                                                          contenders=["natsched", "natsched-noadmit"]))
+    assert set(named["scenarios"]["tiny"]["runs"]) == {"natsched", "natsched-noadmit"}
