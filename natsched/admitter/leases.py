@@ -4,7 +4,12 @@ Workers list their in-flight request ids in every heartbeat. A worker silent for
 ``missed`` heartbeat periods has lost its leases: its reservations are reclaimed. Only silence
 this process could have heard counts: after a pause of its own (a stalled event loop, a
 starved or frozen machine, a long GC), the heartbeats sent meanwhile are still unread in its
-socket, and judging by them would "rescue" — run twice — the work of live workers. The
+socket, and judging by them would "rescue" — run twice — the work of live workers. Nor does
+the time its own connection was down (a nats-server restarting): heartbeats are core NATS
+messages, those sent meanwhile are gone for everyone, and the workers, alive all along, are
+reconnecting too. Judged by that silence, every in-flight request of every worker was rescued
+after a server restart and ran twice (issue 26: two ``ok`` completions, one of them stale, and
+a request whose first run had finished meanwhile run again). The
 reconciliation compares the shared aggregate with the reservation records (and the records
 with what workers report) and says what to repair; the service performs the repair.
 """
@@ -26,8 +31,9 @@ class _Lease:
 
 class LeaseTracker:
     """Leases by worker. ``expired`` is meant to be called every fraction of a second; a gap of
-    more than ``pause_s`` between two calls is this process's own pause, and every lease is
-    then judged from the end of it (``listening_since``)."""
+    more than ``pause_s`` between two calls is this process's own pause, and a call made while
+    this process is not connected (``listening=False``) judges nothing: every lease is then
+    judged from the end of the pause or of the outage (``listening_since``)."""
 
     def __init__(self, missed: int = 3, pause_s: float = 0.5) -> None:
         self.missed = missed
@@ -37,6 +43,7 @@ class LeaseTracker:
         self.listening_since = float("-inf")
         self.paused_s = 0.0  # the own pause the latest check found (0 when none), for the log
         self._last_check: float | None = None
+        self.deaf = False  # the latest check found this process disconnected
 
     def on_heartbeat(self, worker: str, now: float, interval: float, inflight: list[str]) -> None:
         lease = self.workers.setdefault(worker, _Lease(now, interval))
@@ -45,9 +52,18 @@ class LeaseTracker:
         for rid in inflight:
             self.holder[rid] = worker
 
-    def expired(self, now: float) -> dict[str, set[str]]:
-        """Workers past their lease, with the request ids they held; they are forgotten."""
+    def expired(self, now: float, listening: bool = True) -> dict[str, set[str]]:
+        """Workers past their lease, with the request ids they held; they are forgotten.
+
+        ``listening``: whether this process's connection is up now. While it is not, nothing
+        expires; once it is back, the silence counts from then on."""
         self._note_pause(now)
+        if not listening:
+            self.deaf = True
+            return {}
+        if self.deaf:
+            self.deaf = False
+            self.listening_since = now
         out: dict[str, set[str]] = {}
         for worker, lease in list(self.workers.items()):
             if now - max(lease.last, self.listening_since) > self.missed * lease.interval:

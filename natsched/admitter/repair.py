@@ -117,11 +117,16 @@ class Repairs:
             while True:
                 await wait_event(self._takeover_wake, LEASE_TICK_S)  # a restart's takeover starts at once
                 self._takeover_wake.clear()
-                for worker, held in self.leases.expired(time.time()).items():
+                deaf = self.leases.deaf
+                for worker, held in self.leases.expired(time.time(), self.bus.connected).items():
                     waiting.setdefault(worker, set()).update(held)
                 if self.leases.paused_s:
                     log.warning("this admitter was paused for %.1fs: worker leases restart now (heartbeats sent "
                                 "meanwhile are still unread)", self.leases.paused_s)
+                if deaf != self.leases.deaf:
+                    log.warning("this admitter's connection is %s: worker leases %s", "down" if self.leases.deaf
+                                else "back", "are not judged meanwhile (heartbeats sent now are lost to everyone)"
+                                if self.leases.deaf else "restart now")
                 if running is not None and not running.done():
                     continue  # (takeovers wait in self._takeovers, like expiries in waiting)
                 takeovers, self._takeovers = self._takeovers, {}

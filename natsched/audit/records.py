@@ -190,6 +190,38 @@ def decode_completions(records: Iterable[Stored], fence_key: str | None) -> list
     return out
 
 
+def accepted(completions: Iterable[Completion], decisions: Iterable[Decision] = ()) -> list[Completion]:
+    """Of fenced ``completions`` (in stored order), the one per request id the admitters accepted:
+    the first of its current attempt. A request has exactly one accepted completion; any other
+    (a run of an attempt since rescued, or a second run of the same attempt on another worker,
+    e.g. a hand-off repeated after a server restart) is stale: it released nothing, so it is no
+    part of the request's story or of a window's counts either.
+
+    Why this is the admitters' choice: a completion frees the reservation only if the record's
+    attempt is its own (:meth:`natsched.admitter.shared.SharedState.take`), and a rescue moves the
+    attempt on only while the record exists (compare-and-swap on both sides). So an attempt
+    above another was started only after the other's completion was refused, and within one
+    attempt the first stored takes the record. The current attempt is the highest one a
+    completion or a ``rescue`` decision (one per attempt) names: a request rescued and still
+    running has no accepted completion yet, only stale ones."""
+    completions = list(completions)
+    current: dict[str, int] = {}
+    for d in decisions:
+        if d.stage == "admission" and d.decision == "rescue":
+            current[d.request_id] = current.get(d.request_id, 0) + 1
+    for c in completions:
+        current[c.request_id] = max(current.get(c.request_id, 0), c.attempt)
+    out, done = [], set()
+    for c in completions:
+        if c.request_id in done or c.attempt != current[c.request_id]:
+            log.info("audit: a stale completion of %s (attempt %d, worker %s) left out: another one was accepted",
+                     c.request_id, c.attempt, c.worker)
+            continue
+        done.add(c.request_id)
+        out.append(c)
+    return out
+
+
 # ------------------------------------------------------------------ the two questions
 
 async def _find(bus: "Bus", stream: str, ids: set[str], since: float | None, until: float | None,
@@ -221,7 +253,7 @@ async def audit_request(bus: "Bus", request_id: str, since: float | None = None,
         oldest = f"; the oldest stored request is from {when(kept.first_ts)}" if kept.first_ts else ""
         raise AuditNotFound(f"request {request_id} not found in REQUESTS, DECISIONS or COMPLETIONS "
                             f"({kept.describe()}{oldest})")
-    return timeline(request, found[0] if found else None, decisions, completions, job)
+    return timeline(request, found[0] if found else None, decisions, accepted(completions, decisions), job)
 
 
 def job_attempt_ids(job: JobRecord | None) -> list[str]:
@@ -247,7 +279,8 @@ async def audit_window(bus: "Bus", since: float, until: float | None = None, ten
         since, until, S.decisions_of(tenant) if tenant else None)], Decision)
     completions = decode_completions([m async for m in bus.stream(S.STREAM_COMPLETIONS).window(
         since, until, S.completions_of(tenant) if tenant else None)], bus.fence_key)
-    out = {"tenant": tenant, "since": since, "until": until, **summarize(requests, decisions, completions)}
+    out = {"tenant": tenant, "since": since, "until": until,
+           **summarize(requests, decisions, accepted(completions, decisions))}
     kept = await bus.stream(S.STREAM_REQUESTS).retention()
     if kept.lost_some and kept.first_ts is not None and since < kept.first_ts - 1.0:
         out["note"] = f"data before {when(kept.first_ts)} has aged out: {kept.describe()}"
@@ -259,3 +292,49 @@ def when(ts: float | None) -> str:
     if ts is None:
         return "-"
     return dt.datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
+
+
+#: completions of requests routed up to ``--until`` are read this long past it (a request's
+#: completion comes after its routing decision, by its end-to-end time)
+COMPLETION_GRACE_S = 600.0
+
+
+async def audit_by_policy(bus: "Bus", since: float, until: float | None = None, tenant: str | None = None,
+                          baseline: str | None = None) -> dict[str, Any]:
+    """The window's requests by routing policy (:mod:`natsched.audit.compare`): a request belongs
+    to the window when its routing decision does; its completion may come up to
+    :data:`COMPLETION_GRACE_S` after ``until``. The baseline is ``baseline``, else the live
+    policy of the routing config in force (the config bucket), else the busiest policy."""
+    import orjson
+
+    from natsched.audit.compare import compare, group
+
+    if until is not None and until < since:
+        raise AuditError(f"--until ({when(until)}) is before --since ({when(since)})")
+    decisions = decode_all([m async for m in bus.stream(S.STREAM_DECISIONS).window(
+        since, until, S.decisions_of(tenant) if tenant else None)], Decision)
+    done_until = None if until is None else until + COMPLETION_GRACE_S
+    completions = decode_completions([m async for m in bus.stream(S.STREAM_COMPLETIONS).window(
+        since, done_until, S.completions_of(tenant) if tenant else None)], bus.fence_key)
+    from natsched.bus.errors import StreamNotFound
+
+    config, revision = None, None
+    try:
+        current = await bus.kv(S.BUCKET_CONFIG).get(S.KEY_ROUTER_CONFIG)
+    except StreamNotFound:
+        current = None
+    if current is not None:
+        try:
+            config, revision = orjson.loads(current[0]), current[1]
+        except orjson.JSONDecodeError:
+            log.warning("audit: the routing config is not JSON; no live policy to compare against")
+    if not isinstance(config, dict):
+        config = None
+    chosen = baseline or (config or {}).get("policy")
+    out = {"tenant": tenant, "since": since, "until": until, **compare(group(decisions, completions), chosen)}
+    if baseline is not None and out["baseline"] != baseline:
+        out["note"] = f"--baseline {baseline} routed nothing in the window; compared with {out['baseline']}"
+    out["config"] = None if config is None else {
+        "revision": revision, "policy": config.get("policy"), "canary": config.get("canary"),
+        "canary_share": config.get("canary_share")}
+    return out

@@ -37,8 +37,9 @@ after the last kill), lets the shared state settle (bounded) and reports:
 - ``leaked_runtime_tokens`` — after settling, ``used`` of the shared aggregate (key ``usage``
   of ``inflight``, decoded as the admitters do) with every request finished; it should be 0.
 
-- ``readmitted_after_completion`` — request ids admitted (``admitted.>``) or assigned
-  (``work.>``) again after an ``ok`` completion of theirs was seen; it should be 0.
+- ``readmitted_after_completion`` — request ids assigned (``work.>``) after an ``ok``
+  completion of theirs (routed after its time), or admitted (``admitted.>``) for an attempt
+  above the completed one; it should be 0. ``readmitted_detail`` says what was published.
 
 ``--scenario NAME`` picks what goes wrong (:data:`SCENARIOS`): ``kills`` is the one-of-each run
 described here; ``worker-restart`` restarts a worker at once, inside its lease (its predecessor's
@@ -431,8 +432,10 @@ class ChaosRun:
         self.phases: dict[str, float] = {}  # seconds after the first send when each phase ended
         self.t0 = 0.0
         self._gave_up = False
-        self.completed_ok: set[str] = set()  # an ok completion was seen for it
+        # an ok completion was seen for it: (its time, the highest attempt completed)
+        self.completed_ok: dict[str, tuple[float, int]] = {}
         self.readmitted: set[str] = set()  # admitted or assigned again after that
+        self.readmit_detail: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.actor_reports: dict[str, dict[str, Any]] = {}
         self.auth: AuthDir | None = None  # the scenario runs under auth init's config (Scenario.auth)
         self.forged_stored = 0  # completion records no assigned worker published (see _completions)
@@ -547,7 +550,7 @@ class ChaosRun:
             except MessageError:
                 return
             self.assigned[a.request.id] = a.worker
-            self._again(a.request.id)
+            self._again(a.request.id, subject, headers, routed_at=a.routed_at)
             if a.worker in self.down:
                 self.routed_to_dead[a.worker] += 1
                 self.reclaim_watch.setdefault(a.worker, {}).setdefault(a.request.id, ROUTED_WHILE_DOWN)
@@ -566,9 +569,10 @@ class ChaosRun:
 
         async def on_admitted(subject: str, data: bytes, headers: dict) -> None:
             try:
-                self._again(Admitted.decode(data).request.id)
+                adm = Admitted.decode(data)
             except MessageError:
                 return
+            self._again(adm.request.id, subject, headers, attempt=adm.attempt)
 
         async def on_completion(subject: str, data: bytes, headers: dict) -> None:
             try:
@@ -576,7 +580,9 @@ class ChaosRun:
             except MessageError:
                 return
             if c.status == "ok" and fence.fenced(bus.fence_key, c, subject):  # (a forged one finished nothing)
-                self.completed_ok.add(c.request_id)
+                first = self.completed_ok.get(c.request_id)
+                self.completed_ok[c.request_id] = (min(first[0], c.ts) if first else c.ts,
+                                                   max(first[1], c.attempt) if first else c.attempt)
 
         async def on_heartbeat(subject: str, data: bytes, headers: dict) -> None:
             try:
@@ -591,10 +597,27 @@ class ChaosRun:
         await bus.subscribe(S.COMPLETIONS_ALL, on_completion)
         await bus.flush()
 
-    def _again(self, rid: str) -> None:
-        """An admission or assignment of ``rid``: after its ok completion, a re-admission."""
-        if rid in self.completed_ok:
+    def _again(self, rid: str, subject: str, headers: dict | None, *, routed_at: float | None = None,
+               attempt: int | None = None) -> None:
+        """An admission or assignment of ``rid``: one made after its ok completion is a re-admission
+        (what was published is kept for the report's ``readmitted_detail``).
+
+        "After" by what the messages say, not by the order they arrive here: nats-py runs each
+        subscription's callbacks in a task of its own, so under load a completion can be handled
+        before the hand-off that caused it (a loaded run once counted 7 such "re-admissions"). An
+        assignment is later if it was routed after the completion's time (one clock: every
+        process of the run is on this machine); an admission if it is of an attempt above the
+        completed one (a rescue's: its admitted_at is the first admission's), while a repeat of
+        the completed attempt's hand-off can only run again through a new assignment."""
+        done = self.completed_ok.get(rid)
+        if done is None:
+            return
+        ok_ts, ok_attempt = done
+        if (routed_at is not None and routed_at > ok_ts) or (attempt is not None and attempt > ok_attempt):
             self.readmitted.add(rid)
+            self.readmit_detail[rid].append({"subject": subject, "msg_id": (headers or {}).get(S.HDR_MSG_ID),
+                                             "after_completion_s": round(routed_at - ok_ts, 3)
+                                             if routed_at is not None else None})
 
     async def _wait_for_workers(self) -> None:
         """Until every worker's heartbeat was seen (the routers see them too), at most 15 s."""
@@ -874,6 +897,7 @@ class ChaosRun:
             "leftover_reservations": leftover, "forged_completions_stored": self.forged_stored,
             "routed_to_dead_worker": dict(self.routed_to_dead), "reclaim_detail": self.reclaim_detail,
             "kills": self.events, "phases_s": self.phases,
+            "readmitted_detail": {r: self.readmit_detail[r] for r in sorted(self.readmit_detail)[:20]},
             "seed": s.seed, "rate": s.rate, "heartbeat_s": s.heartbeat_s, "down_s": s.down_s,
             **_e2e(self.e2e),
             "system": {"nodes": s.nodes, "admitters": s.admitters, "routers": s.routers,

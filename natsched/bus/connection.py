@@ -29,7 +29,7 @@ from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, Servi
 from natsched.wire import subjects as S
 from natsched.bus.aio import Mailbox
 from natsched.bus.acks import AckInbox
-from natsched.bus.errors import BusError, BusTimeout, ConnectError, NoServerError
+from natsched.bus.errors import BusError, BusTimeout, ConnectError, NoServerError, PublishFailed, PublishRefused
 from natsched.wire.errors import MessageError
 from natsched.bus.provision import (ProvisionSettings, StreamLimits, apply_retention, cluster_nodes,
                                     fit_stored_limits, overrides_to_json, provision, provision_jobs,
@@ -481,12 +481,20 @@ class Bus:
         msg_id: str | None = None,
         headers: dict[str, str] | None = None,
         budget_s: float | None = None,
-    ) -> api.PubAck:
+    ) -> Stored:
         """JetStream publish with an ack, retried within a time budget.
 
         ``msg_id`` becomes ``Nats-Msg-Id``: a retry after a lost ack (or a leader change) is
-        then deduplicated by the server instead of stored twice.
+        then deduplicated by the server instead of stored twice. What the budget cannot save
+        raises a :class:`BusError` (:class:`BusTimeout` when nothing answered, a
+        :class:`PublishRefused` when the server said no), never a nats exception.
         """
+        with _as_bus_errors(subject):
+            return Stored.of(await self._jpublish(subject, msg, msg_id, headers, budget_s))
+
+    async def _jpublish(self, subject: str, msg: Schema | bytes, msg_id: str | None,
+                        headers: dict[str, str] | None, budget_s: float | None) -> api.PubAck:
+        """:meth:`jpublish` as nats-py answers it (its ack, its exceptions)."""
         data = msg if isinstance(msg, bytes) else msg.encode()
         hdrs = _with_msg_id(headers, msg_id)
         started = time.monotonic()
@@ -508,7 +516,7 @@ class Bus:
             ack.duplicate = False
         return ack
 
-    async def jpublish_batch(self, items: list[Outgoing]) -> list[api.PubAck | None]:
+    async def jpublish_batch(self, items: list[Outgoing]) -> list[Stored | None]:
         """Publish several messages (in this order on the connection) and wait once for every ack.
 
         The same guarantee as :meth:`jpublish` for each, at a fraction of its cost: one reply
@@ -529,16 +537,15 @@ class Bus:
         acks = []
         for (subject, msg, msg_id, headers), f in zip(items, futures):
             if f.done() and not f.cancelled() and f.exception() is None:
-                acks.append(f.result())
+                acks.append(Stored.of(f.result()))
             elif f.done() and not f.cancelled() and _refused_condition(f.exception(), headers):
                 acks.append(None)  # a create-only write (expected last subject sequence 0) found the key
             else:
                 inbox.forget(f)
                 try:
-                    acks.append(await self.jpublish(subject, msg, msg_id=msg_id, headers=headers))
-                except APIError as exc:
-                    if not _refused_condition(exc, headers):
-                        raise
+                    with _as_bus_errors(subject, create_only=headers):
+                        acks.append(Stored.of(await self._jpublish(subject, msg, msg_id, headers, None)))
+                except _CreateRefused:
                     acks.append(None)
         return acks
 
@@ -867,6 +874,43 @@ class Bus:
         task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
         self._tasks.append(task)
         return task
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """The server's acknowledgement of a JetStream publish: where the message is stored.
+
+    ``duplicate`` means the server already held a message with this ``Nats-Msg-Id`` (someone
+    else's copy: a retry that found its own first attempt is not a duplicate).
+    """
+
+    stream: str
+    seq: int
+    duplicate: bool = False
+
+    @classmethod
+    def of(cls, ack: api.PubAck) -> Stored:
+        return cls(ack.stream, ack.seq, bool(ack.duplicate))
+
+
+class _CreateRefused(Exception):
+    """A create-only write found its key (jpublish_batch answers None for it)."""
+
+
+@contextlib.contextmanager
+def _as_bus_errors(subject: str, create_only: dict[str, str] | None = None):
+    """Translate what nats-py raises for a publish into the transport's own errors."""
+    try:
+        yield
+    except APIError as exc:
+        if create_only is not None and _refused_condition(exc, create_only):
+            raise _CreateRefused() from exc
+        raise PublishRefused(f"publish to {subject} refused: {exc.description or exc}",
+                             code=exc.code, err_code=exc.err_code) from exc
+    except (NatsTimeout, asyncio.TimeoutError) as exc:
+        raise BusTimeout(f"publish to {subject}: no acknowledgement in time") from exc
+    except NatsError as exc:
+        raise PublishFailed(f"publish to {subject} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _refused_condition(exc: BaseException | None, headers: dict[str, str] | None) -> bool:

@@ -9,6 +9,8 @@ Every error here derives from :class:`BusError`::
     │   └── PortInUseError      its port is already taken
     ├── ProvisionError          a stream or bucket exists with an incompatible config
     ├── ConflictError           a compare-and-swap lost: the key changed since it was read
+    ├── PublishFailed           a JetStream publish that could not be sent (connection closed, ...)
+    │   └── PublishRefused      ... that the server answered with an error (code, err_code)
     ├── SnapshotError           (natsched.bus.snapshot) a bucket read that stopped arriving
     ├── ReadError               (natsched.bus.streams) a stream read that cannot be answered
     │   └── StreamNotFound      the stream (or a bucket's stream) does not exist
@@ -73,3 +75,17 @@ class StreamNotFound(ReadError):
 class BusTimeout(BusError, TimeoutError):
     """Nothing arrived in time (a reply on an inbox, a request's answer). Also a ``TimeoutError``, so
     code that waits with ``asyncio.wait_for`` handles both the same way."""
+
+
+class PublishFailed(BusError):
+    """A JetStream publish that failed past its retry budget (the connection closed, no stream)."""
+
+
+class PublishRefused(PublishFailed):
+    """The server answered a JetStream publish with an error: ``code`` is its HTTP-like status,
+    ``err_code`` JetStream's own number (e.g. 10071: a conditional publish whose subject moved on)."""
+
+    def __init__(self, message: str, code: int | None = None, err_code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.err_code = err_code

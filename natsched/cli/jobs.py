@@ -117,6 +117,11 @@ def _audit_parser(sub) -> None:
     a.add_argument("--tenant", default=None, help="only this tenant's records (window mode)")
     a.add_argument("--since", type=parse_time, default=None, help="window start: now, 15m, 2h, 7d, unix s, ISO")
     a.add_argument("--until", type=parse_time, default=None, help="window end (default: now)")
+    a.add_argument("--by-policy", action="store_true",
+                   help="window mode: the requests by routing policy (live vs canary), each against the baseline "
+                        "with the difference and its standard error")
+    a.add_argument("--baseline", default=None, metavar="POLICY",
+                   help="with --by-policy: compare against this policy (default: the live one of the routing config)")
     a.add_argument("--json", action="store_true")
     return (a,)
 
@@ -363,13 +368,27 @@ def _list_jobs(records: list, matched: int, as_json: bool) -> int:
 # --- audit ------------------------------------------------------------------------------------
 
 async def _audit(args) -> int:
-    from natsched.audit.records import AuditNotFound, audit_request, audit_window
+    from natsched.audit.records import AuditNotFound, audit_by_policy, audit_request, audit_window
     from natsched.client.batch import JobStore
 
     if args.request_id is None and args.since is None:
         raise ValueError("give a request id, or a window with --since TIME [--until TIME] [--tenant T]")
+    if (args.by_policy or args.baseline) and (args.request_id is not None or args.since is None):
+        raise ValueError("--by-policy/--baseline compare a window: give --since TIME (and no request id)")
+    if args.baseline and not args.by_policy:
+        raise ValueError("--baseline needs --by-policy")
     bus = await _connect(args)
     try:
+        if args.by_policy:
+            report = await audit_by_policy(bus, args.since, args.until, args.tenant, args.baseline)
+            if args.json:
+                _print_json(report)
+            else:
+                from natsched.audit.compare import format_table
+                from natsched.audit.records import when
+
+                print(format_table(report, when))
+            return 0
         if args.request_id is None:
             summary = await audit_window(bus, args.since, args.until, args.tenant)
             _print_json(summary) if args.json else _print_summary(summary)

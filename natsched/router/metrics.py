@@ -47,6 +47,9 @@ class RouterMetrics:
         self.claim_failures = Counter("natsched_routing_claim_failures",
                                       "Workers demoted because their cache claims kept failing", ["worker"],
                                       registry=r)
+        self.finished_copies = Counter("natsched_routing_finished_copies",
+                                       "Hand-offs not routed because their attempt's completion was seen already "
+                                       "(a copy whose ack was lost, e.g. to a server restart)", registry=r)
         self.index_entries = Gauge("natsched_routing_index_entries", "Block hashes in the prefix index", registry=r)
         self.bad_reports = Counter("natsched_routing_bad_reports",
                                    "Heartbeats, cache events and shared cost statistics refused", ["kind"], registry=r)

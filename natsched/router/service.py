@@ -37,6 +37,12 @@ from natsched.router.policy import RouteDecision, RouteRequest
 from natsched import tracing
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
+#: completions remembered (request id and attempt): a copy of a hand-off whose ack was lost comes
+#: back after the consumer's ack wait (30 s), after a server restart counted from its return; at
+#: 550 completions a second the oldest go first before the three minutes are up
+FINISHED_MEMORY_S = 180.0
+FINISHED_MEMORY_MAX = 100_000
+
 log = logging.getLogger(__name__)
 
 
@@ -75,6 +81,7 @@ class RouterService:
         self.metrics = metrics or RouterMetrics()
         self._last_worker: OrderedDict[int, str] = OrderedDict()
         self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
+        self.finished = RecentIds(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)  # _attempt_key of fenced completions
         attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
         # the key part of this replica's cost statistics: unique per process, so replicas that share
         # a name do not overwrite each other's
@@ -283,7 +290,9 @@ class RouterService:
         self.observe_completion(c)
 
     def observe_completion(self, c: Completion) -> None:
-        """Release the load of a finished request and score the cache claim it confirms or refutes."""
+        """Release the load of a finished request and score the cache claim it confirms or refutes
+        (and remember that its attempt finished: :meth:`_finished_copy`)."""
+        self.finished.add(_attempt_key(c.request_id, c.attempt))
         if self.core.on_completion(c, time.time()):
             self.metrics.claim_failures.labels(c.worker or "").inc()
         if c.worker and c.status == CompletionStatus.OK:
@@ -299,6 +308,9 @@ class RouterService:
             except MessageError as exc:
                 await self.bus.settle_failed(d, self._spec, "router", exc)
                 continue
+            if self._finished_copy(adm):
+                await d.ack()
+                continue
             if self.is_cancelled(adm):  # admitted, then its producer gave up: never routed
                 await self._fail(adm, RouteDecision(None, self.core.policy.name, reason="cancelled"), "cancelled",
                                  "its producer cancelled it before it was routed")
@@ -313,6 +325,25 @@ class RouterService:
             await self.bus.jpublish_batch([r.outgoing for r in assigned])
             for r in assigned:
                 await self.assigned(r)
+
+    def _finished_copy(self, adm: Admitted) -> bool:
+        """A hand-off whose attempt's completion was seen already: a copy whose ack was lost.
+
+        After an unclean server restart, the acks the server had not written are gone, and so is
+        the dedup of every consumed hand-off (rebuilt from what is stored; ADMITTED and WORK are
+        work queues): a copy routed again is stored as new WORK, and runs a finished request a
+        second time, whenever the first WORK message's id is forgotten (a loaded ``natsched chaos
+        --scenario recovery`` run re-dispatched 17 of 300 this way, 28 s after their completions,
+        11 to another worker; the WORK dedup happened to still know them). Its completion could
+        release nothing (one accepted completion per request), but the engine time is spent
+        twice. Only fenced completions are remembered, so a forged one cannot make a router drop
+        a request."""
+        if _attempt_key(adm.request.id, adm.attempt) not in self.finished:
+            return False
+        self.metrics.finished_copies.inc()
+        log.warning("request %s (attempt %d) handed off again after its completion: acked, not routed",
+                    adm.request.id, adm.attempt)
+        return True
 
     async def _on_cancel(self, subject: str, data: bytes, headers: dict) -> None:
         """Remember a producer's cancel (``cancel.<tenant>.<id>``): an admitted request of that
@@ -428,6 +459,10 @@ class RouterService:
                           expected_cached_tokens=decision.expected_cached_tokens, by=self.settings.name,
                           latency_ms=latency_ms, runtime_tokens=adm.runtime_tokens)
         await self.bus.jpublish_nowait(S.decision("routing", req.tenant), record, msg_id=M.routing(req.id))
+
+
+def _attempt_key(request_id: str, attempt: int) -> str:
+    return f"{request_id}{M.SEP}{attempt}"
 
 
 def _routing_span(adm: Admitted, decision: RouteDecision, parent: dict[str, str] | None):

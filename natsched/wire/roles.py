@@ -20,7 +20,9 @@ and credentials files; ``subjects.md`` ("Roles and permissions") summarises them
   ``resp.<tenant>.>``, ``cancel.<tenant>.*``, ``--gateway-tenants``), nothing on the workers'
   control subjects (it can neither drain a worker nor cancel another tenant's request), and what
   ``/v1/models`` and ``/status`` show: heartbeats, the DECISIONS and COMPLETIONS records (no
-  prompts or outputs), quotas and the ``inflight`` usage. No other tenant's requests or replies.
+  prompts or outputs), quotas and the ``inflight`` usage; and, for ``/v1/natsched/jobs/{id}``, a
+  read of its tenants' job records (``job.<tenant>.*.*``, pinned like the batch role's; no write).
+  No other tenant's requests, replies or jobs.
 - ``batch-<tenant>`` (``natsched batch``/``jobs``): publishes ``req.*.<tenant>``; reads and writes
   its own job records ``job.<tenant>.*.*`` and batch manifests ``batch.<batch>`` (by id: a
   manifest names no tenant in its key), reads its own ``req.*.<tenant>`` in REQUESTS for
@@ -347,9 +349,22 @@ def gateway_role(tenants: list[str]) -> Role:
            *filtered_read_permissions(_kv_stream(S.BUCKET_QUOTAS), _kv_key(S.BUCKET_QUOTAS)),
            # the routers' verdicts on workers (half-open, learned rates) for its status page
            *filtered_read_permissions(_kv_stream(S.BUCKET_WORKERS), _kv_key(S.BUCKET_WORKERS, S.COST_KEYS)),
-           *kv_get_permissions(S.BUCKET_INFLIGHT, S.KEY_USAGE)]
+           *kv_get_permissions(S.BUCKET_INFLIGHT, S.KEY_USAGE),
+           *gateway_jobs_permissions(tenants)]
     sub = [*(S.replies_of(t) for t in tenants), S.HEARTBEATS_ALL, S.DECISIONS_ALL, S.COMPLETIONS_ALL]
     return Role("gateway", "gateway", publish=pub, subscribe=sub, tenants=list(tenants))
+
+
+def gateway_jobs_permissions(tenants: list[str]) -> list[str]:
+    """What ``GET /v1/natsched/jobs/{id}`` needs: read the job records of the tenants it serves
+    (``job.<tenant>.*.*``, pinned: direct gets and filtered consumers name the key), and the reads
+    of the job store's idempotent provisioning (the infos of OUTCOMES, ``config`` and ``jobs``,
+    and the retention key). Never a write, a manifest (``batch.*``) or another tenant's record;
+    a bucket that does not exist yet stays so (creating it is refused: the admin provisions)."""
+    streams = (S.STREAM_OUTCOMES, _kv_stream(S.BUCKET_CONFIG), _kv_stream(S.BUCKET_JOBS))
+    return [*(_js("STREAM", "INFO", st) for st in streams), *kv_get_permissions(S.BUCKET_CONFIG, S.KEY_RETENTION),
+            *(p for t in tenants for p in kv_pinned_read_permissions(
+                S.BUCKET_JOBS, render(S.PATTERNS["job_key"], tenant=t)))]
 
 
 def batch_role(tenant: str) -> Role:

@@ -83,6 +83,29 @@ def test_a_pause_of_the_admitter_itself_does_not_expire_leases():
     assert leases.expired(13.1) == {"w1": {"a"}}  # 3.1 s heard nothing: expired
 
 
+def test_the_time_the_admitter_was_disconnected_does_not_expire_leases():
+    """Heartbeats are core NATS: those sent while this process's connection is down (a
+    nats-server restarting) are lost, and the workers, alive all along, reconnect too. Judged
+    by that silence, a server restart made every worker look dead and its work run twice."""
+    leases = LeaseTracker(missed=3, pause_s=0.5)
+    leases.on_heartbeat("w1", now=0.0, interval=1.0, inflight=["a"])
+    assert all(leases.expired(k / 10) == {} for k in range(1, 10))
+    assert all(leases.expired(1.0 + k / 10, listening=False) == {} for k in range(40))  # 4 s down
+    assert leases.deaf and "w1" in leases.workers
+    assert all(leases.expired(5.0 + k / 10) == {} for k in range(30))  # back at 5.0: 2.9 s of listening
+    assert not leases.deaf and leases.listening_since == 5.0
+    assert leases.expired(8.1) == {"w1": {"a"}}  # 3.1 s heard nothing since the reconnect: expired
+
+
+def test_a_heartbeat_after_the_reconnect_keeps_the_lease():
+    leases = LeaseTracker(missed=3, pause_s=0.5)
+    leases.on_heartbeat("w1", now=0.0, interval=1.0, inflight=["a"])
+    assert all(leases.expired(k / 10, listening=k < 10) == {} for k in range(1, 60))  # down from 1.0 to 6.0
+    leases.on_heartbeat("w1", now=6.5, interval=1.0, inflight=["a"])
+    assert all(leases.expired(6.0 + k / 10) == {} for k in range(1, 35))
+    assert leases.reported("a")
+
+
 def test_heartbeats_read_after_a_pause_keep_the_lease():
     leases = LeaseTracker(missed=3, pause_s=0.5)
     leases.on_heartbeat("w1", now=0.0, interval=1.0, inflight=["a"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import pytest
 
@@ -14,7 +15,9 @@ from natsched.bus.connection import Bus
 from natsched.bus.server import SYNC_ALWAYS, EmbeddedServer, free_port
 from natsched.client.producer import Timeouts
 from natsched.wire import subjects as S
-from natsched.wire.schema import Completion, Decision, Reply
+from natsched.wire import fence
+from natsched.wire import msgids as M
+from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Heartbeat, Reply
 from tests.admitter.test_service import decisions, publish, request, set_quotas, start_admitter, stop
 from tests.factories.core import make_completion, make_request
 from tests.factories.core import wait_for as until
@@ -173,3 +176,75 @@ async def test_a_request_running_through_a_server_restart_completes_and_is_not_a
         if observer is not None:
             await observer.close()
         await stack.close()
+
+
+async def test_a_server_restart_does_not_expire_the_leases_of_live_workers(own_server):
+    """Issue 26's two ``ok`` completions after a server restart: heartbeats are core NATS, so none
+    arrives while the admitter's own connection is down, and the lease loop took that silence
+    for the workers' and rescued every in-flight request of every worker — run twice, the first
+    run's completion then refused as stale. Here a worker (played by the test) runs one request
+    through the restart and reconnects a moment after the admitter: its lease holds, nothing is
+    rescued, and its completion (attempt 0) is the one accepted and releases the reservation."""
+    url = own_server.url
+    adm = await start_admitter(url, lease_missed=3)
+    worker = await Bus.connect(url, name="worker-w1")
+    checks: list[tuple[float, dict]] = []  # every lease judgement of the admitter: (when, expired)
+    judge = adm.leases.expired
+
+    def counted(now: float, *args):
+        out = judge(now, *args)
+        checks.append((now, out))
+        return out
+
+    adm.leases.expired = counted
+    beating = asyncio.Event()
+    seq = 0
+
+    async def heartbeats() -> None:  # the worker's loop: every 0.1 s while it is connected
+        nonlocal seq
+        while True:
+            await beating.wait()
+            seq += 1
+            hb = Heartbeat(worker="w1", seq=seq, ts=time.time(), interval=0.1, inflight=[req.id])
+            await worker.publish(S.heartbeat("w1"), hb)
+            await asyncio.sleep(0.1)
+
+    req = request(tokens=100)  # 300 runtime tokens
+    beat = asyncio.create_task(heartbeats())
+    try:
+        await publish(worker, req)
+        assert await until(lambda: adm.shared.usage.used == 300)
+        [(_, data)] = await worker.stream_messages(S.STREAM_ADMITTED)  # the router's part: assign it to w1
+        adm_msg = Admitted.decode(data)
+        a = Assignment(request=adm_msg.request, worker="w1", runtime_tokens=300, admitted_at=adm_msg.admitted_at,
+                       routed_at=time.time(), fence=fence.sign(None, req.id, "w1", 0))
+        await worker.jpublish(S.work("w1"), a, msg_id=M.work(req.id))
+        beating.set()
+        assert await until(lambda: adm.leases.reported(req.id))
+        beating.clear()
+        own_server.kill()
+        killed = time.time()
+        # the admitter judges leases every 0.1 s: wait until it has judged 1 s of outage (3 leases)
+        assert await until(lambda: any(now - killed > 1.0 for now, _ in checks), timeout=10)
+        assert [out for _, out in checks if out] == []  # nothing expired while nothing could be heard
+        assert "w1" in adm.leases.workers
+        own_server.start()  # the same port and data dir
+        assert await until(lambda: adm.bus.server_changes == 1, timeout=30)
+        back = time.time()
+        # the worker comes back a heartbeat later than the admitter (well within its lease)
+        assert await until(lambda: any(now - back > 0.1 for now, _ in checks), timeout=10)
+        beating.set()
+        assert await until(lambda: worker.connected, timeout=30)
+        done = make_completion(req.id, runtime_tokens=300)
+        await worker.jpublish(S.completion(done.tenant, "w1"), done, msg_id=M.completion(req.id, done.fence))
+        assert await until(lambda: adm.shared.usage.used == 0)  # attempt 0's completion accepted
+        assert [out for _, out in checks if out] == []
+        assert adm.shared.stale == 0
+        admitted = [Admitted.decode(d) for _, d in await worker.stream_messages(S.STREAM_ADMITTED)]
+        assert [(x.request.id, x.attempt) for x in admitted] == [(req.id, 0)]  # no rescue's attempt 1
+        records = [Decision.decode(d) for _, d in await worker.stream_messages(S.STREAM_DECISIONS)]
+        assert [x for x in records if x.decision == "rescue"] == []
+    finally:
+        beat.cancel()
+        await worker.close()
+        await stop(adm)

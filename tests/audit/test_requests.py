@@ -7,11 +7,13 @@ import orjson
 import pytest
 
 from natsched.wire import subjects as S
-from natsched.audit.records import AuditNotFound, audit_request, audit_window
+from natsched.audit.records import AuditNotFound, accepted, audit_request, audit_window, summarize, timeline
 from natsched.client.producer import make_request
 from natsched.client.errors import Rejected
 from natsched.cli.jobs import parse_time
+from natsched.wire.schema import Decision
 from tests.client.test_batch_submit import cli
+from tests.factories.core import make_completion
 
 
 
@@ -112,3 +114,31 @@ def test_times(text, expected):
 def test_bad_times_are_refused(text):
     with pytest.raises(ArgumentTypeError):
         parse_time(text, now=1000.0)
+
+
+# --- one accepted completion per request (issue 26) ----------------------------------------------
+
+def _rescue(rid: str) -> Decision:
+    return Decision(request_id=rid, tenant="t1", cls="online", stage="admission", decision="rescue", ts=2.0)
+
+
+def test_a_request_has_one_accepted_completion_the_first_of_its_current_attempt():
+    a0_w1 = make_completion("a", worker="w1", attempt=0, ts=3.0)
+    a0_w2 = make_completion("a", worker="w2", attempt=0, ts=4.0)  # the same attempt run again elsewhere
+    assert accepted([a0_w1, a0_w2]) == [a0_w1]  # the first stored took the reservation
+    stale = make_completion("b", worker="w1", attempt=0, ts=5.0)  # rescued from w1, which was only slow
+    rerun = make_completion("b", worker="w2", attempt=1, ts=4.0)
+    assert accepted([rerun, stale], [_rescue("b")]) == [rerun]
+    assert accepted([stale, rerun], [_rescue("b")]) == [rerun]  # stored first, but of an attempt since rescued
+    assert accepted([stale], [_rescue("b")]) == []  # rescued and still running: nothing accepted yet
+    assert accepted([a0_w1, stale]) == [a0_w1, stale]  # two requests, one each
+
+
+def test_a_stale_completion_does_not_rewrite_the_story_or_the_counts():
+    first = make_completion("a", worker="w1", attempt=0, ts=3.0, status="ok")
+    late = make_completion("a", worker="w2", attempt=0, ts=9.0, status="error", reason="engine_error")
+    story = timeline(None, None, [], accepted([first, late]))
+    assert (story["worker"], story["outcome"]) == ("w1", "completed")
+    assert [e["worker"] for e in story["events"] if e["stage"] == "completion"] == ["w1"]
+    counts = summarize(1, [], accepted([first, late]))
+    assert (counts["completed"], counts["failed"]) == (1, {})

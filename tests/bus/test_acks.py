@@ -8,10 +8,10 @@ import pytest
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
-from nats.js.errors import APIError, NoStreamResponseError
 
 from natsched.bus.acks import AckInbox
-from natsched.bus.connection import Bus
+from natsched.bus.connection import Bus, Stored
+from natsched.bus.errors import PublishFailed, PublishRefused
 
 STREAM = "ACKTEST"
 
@@ -45,8 +45,9 @@ async def test_a_batch_sent_again_is_deduplicated_by_msg_id(bus, stream):
 async def test_a_refused_publish_in_a_batch_raises_the_servers_error(bus, stream):
     await bus.jpublish("acktest.k", b"v1")
     wrong = {"Nats-Expected-Last-Subject-Sequence": "999"}
-    with pytest.raises(APIError):
+    with pytest.raises(PublishRefused) as refused:  # the transport's own error, with the server's code
         await bus.jpublish_batch([("acktest.ok", b"fine", None, None), ("acktest.k", b"v2", None, wrong)])
+    assert refused.value.err_code == 10071 and "acktest.k" in str(refused.value)
     subjects = [s for s, _ in await bus.stream_messages(STREAM)]
     assert subjects == ["acktest.k", "acktest.ok"]  # the good one is stored, the refused one is not
 
@@ -54,7 +55,7 @@ async def test_a_refused_publish_in_a_batch_raises_the_servers_error(bus, stream
 async def test_a_publish_nothing_stores_fails_after_the_budget(nats_url):
     bus = await Bus.connect(nats_url, name="acks-budget", publish_budget_s=0.6)
     try:
-        with pytest.raises((NoRespondersError, NoStreamResponseError)):  # retried until the budget is spent
+        with pytest.raises(PublishFailed, match="nostream.anywhere"):  # retried until the budget is spent
             await bus.jpublish_batch([("nostream.anywhere", b"x", "n-1", None)])
     finally:
         await bus.close()
@@ -109,3 +110,10 @@ async def test_a_create_only_publish_in_a_batch_on_a_taken_subject_gets_none(bus
     acks = await bus.jpublish_batch([("acktest.new", b"a", None, CREATE_ONLY), ("acktest.k", b"v2", None, CREATE_ONLY)])
     assert acks[0] is not None and acks[1] is None
     assert sorted(s for s, _ in await bus.stream_messages(STREAM)) == ["acktest.k", "acktest.new"]
+
+
+async def test_jpublish_answers_with_the_transports_own_ack(bus, stream):
+    first = await bus.jpublish("acktest.own", b"v", msg_id="own-1")
+    again = await bus.jpublish("acktest.own", b"v", msg_id="own-1")
+    assert isinstance(first, Stored) and (first.stream, first.duplicate) == (STREAM, False)
+    assert (again.seq, again.duplicate) == (first.seq, True)  # someone else's copy: the same message

@@ -96,3 +96,33 @@ async def test_guidellm_runs_unchanged_against_the_gateway(cluster, tokenizer, t
     served = sum(s.value for m in gw.gateway.metrics.requests.collect() for s in m.samples
                  if s.name.endswith("_total") and s.labels["code"] == "200" and "completions" in s.labels["endpoint"])
     assert served >= REQUESTS  # they went through the gateway, each as a natsched request
+
+
+async def test_aiperf_runs_unchanged_against_the_gateway(cluster, tokenizer, tmp_path):
+    # the README's test command installs it in .venv-aiperf and names it in NATSCHED_AIPERF
+    assert _tool("aiperf"), "aiperf is needed: python3 -m venv .venv-aiperf && " \
+                            ".venv-aiperf/bin/pip install aiperf==0.13.0; NATSCHED_AIPERF=.venv-aiperf/bin/aiperf"
+    _, gw = cluster
+    out = tmp_path / "aiperf"
+    # aiperf 0.13.0 with HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE set (to any value, "0" too) loads a
+    # tokenizer directory as a hub snapshot and fails (HFValidationError: "Repo id must be in the
+    # form ..."); without them a directory is loaded as a directory, which reads nothing from a hub
+    env = {k: v for k, v in offline_env(tmp_path).items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    code, log = await run(
+        _tool("aiperf"), "profile", "--model-names", "default", "--url", gw.url, "--endpoint-type", "chat",
+        "--streaming", "--api-key", ALPHA, "--tokenizer", str(tokenizer), "--use-server-token-count",
+        "--prompt-input-tokens-mean", "32", "--prompt-input-tokens-stddev", "0",
+        "--prompt-output-tokens-mean", "8", "--prompt-output-tokens-stddev", "0",
+        "--request-count", str(REQUESTS), "--concurrency", "2",
+        "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry", "--output-artifact-dir", str(out),
+        env=env)
+    assert code == 0, log
+    found = sorted(out.rglob("profile_export_aiperf.json"))
+    assert found, log
+    report = json.loads(found[0].read_text())
+    print(json.dumps({k: report.get(k) for k in ("request_count", "error_request_count", "time_to_first_token",
+                                                  "output_sequence_length", "request_throughput")}, default=str))
+    assert report["request_count"]["avg"] == REQUESTS, log
+    assert not report.get("error_request_count") or report["error_request_count"]["avg"] == 0, log
+    assert report["time_to_first_token"]["avg"] > 0
+    assert report["output_sequence_length"]["avg"] == 8  # the usage the gateway reported (server token count)

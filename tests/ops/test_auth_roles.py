@@ -17,25 +17,19 @@ import openai
 import orjson
 import pytest
 
-from natsched.admitter.offline import OfflineRunner, OfflineSettings
-from natsched.admitter.service import AdmitterService
 from natsched.bus.snapshot import read_kv
 from natsched.wire import subjects as S
 from natsched.bus.errors import ReadError
 from natsched.client.batch import BatchClient, JobStore
 from natsched.bus.connection import Bus, Credentials
 from natsched.bus.server import find_binary
+from tests.factories.auth import RoleServices
 from tests.factories.gateway import start_gateway
 from natsched.cli.auth import add_parsers as add_auth_parser, cmd_auth
 from natsched.ops.auth import AuthSettings, init
 from natsched.wire.roles import local_subject
-from natsched.router.core import RouterSettings
-from natsched.router.service import RouterService, RouterServiceSettings
 from tests.factories.core import wait_for
 from tests.ops.test_auth_permissions import assert_no_violation, probe, start_server  # noqa: F401 (probe: a fixture)
-from natsched.workers.agent import WorkerAgent, WorkerSettings
-from natsched.workers.profiles import H100_LLAMA8B
-from natsched.workers.simengine import SimEngine
 
 TENANTS = ["A", "B"]
 GATEWAY_TENANTS = ["A"]  # the gateway serves A only
@@ -113,17 +107,8 @@ def test_init_flags_name_the_gateway_batch_and_offline_users(tmp_path):
 # --- every role doing its work -------------------------------------------------------------------
 async def test_gateway_batch_and_offline_roles_do_their_work_within_their_permissions(connect, provisioned, caplog):
     """Admitter, router, worker, offline runner, gateway and batch producer, each on its own role."""
-    admitter = AdmitterService(await connect("admitter"))
-    await admitter.start()
-    admitter.core.settings.degrade_watermark = 0.0  # batch and offline work take the offline path
-    router = RouterService(await connect("router"), RouterServiceSettings(core=RouterSettings(policy="least_loaded"),
-                                                                          retry_delay_s=0.2))
-    await router.start()
-    worker = WorkerAgent(await connect("worker-w1"), SimEngine(H100_LLAMA8B, block_size=32, time_scale=0.05),
-                         WorkerSettings(id="w1", heartbeat_interval_s=0.2))
-    await worker.start()
-    runner = OfflineRunner(await connect("offline"), OfflineSettings(poll_s=0.02))
-    await runner.start()
+    running = await RoleServices.start(connect)  # batch and offline work take the offline path
+    admitter = running.admitter
     server, files, _ = provisioned
     gw = await start_gateway(server.url, keys={KEY_A: {"tenant": "A", "class": "online", "status": True}},
                              credentials=files.creds("gateway"))
@@ -157,7 +142,7 @@ async def test_gateway_batch_and_offline_roles_do_their_work_within_their_permis
         await admitter.reconcile_once()
     finally:
         await gw.close()
-        await worker.stop()
+        await running.stop()
     assert_no_violation(caplog)
 
 

@@ -171,3 +171,54 @@ async def test_every_router_replica_releases_what_it_routed_when_the_completion_
     finally:
         for r in replicas:
             await r.bus.close()
+
+
+async def test_a_hand_off_copy_after_its_completion_is_not_routed_again(router, bus):
+    """After an unclean server restart, a hand-off whose ack the server lost comes back, and the
+    restarted server's dedup has forgotten the consumed WORK message: routed again, a finished
+    request ran a second time (issue 26). Played here by the copy itself (another msg id, as the
+    forgotten dedup lets it through): once its attempt's fenced completion was seen, the copy is
+    acked and not routed; a copy of a *later* attempt (a rescue) still is, and a forged
+    completion is not remembered."""
+    routed: list[tuple[str, int]] = []
+
+    async def on_work(subject, data, headers):
+        a = Assignment.decode(data)
+        routed.append((a.request.id, a.attempt))
+
+    async def admitted_empty():
+        return await bus.stream_messages(S.STREAM_ADMITTED) == []
+
+    async def worker_alive():  # the worker's heartbeat loop (0.2 s), for the whole test
+        for seq in range(1, 10_000):
+            await beat(bus, "wf", seq)
+            await asyncio.sleep(0.2)
+
+    await bus.subscribe(S.WORK_ALL, on_work)
+    beating = asyncio.create_task(worker_alive())
+    try:
+        await _finished_copy_is_not_routed(router, bus, routed, admitted_empty)
+    finally:
+        beating.cancel()
+
+
+async def _finished_copy_is_not_routed(router, bus, routed, admitted_empty):
+    assert await until(lambda: "wf" in router.core.workers)
+    req = make_request(max_tokens=4)
+    adm = Admitted(request=req, runtime_tokens=10, admitted_at=time.time())
+    await bus.jpublish(S.admitted(req.cls, req.tenant), adm, msg_id=f"{req.id}:adm")
+    assert await until(lambda: routed == [(req.id, 0)])
+    done = make_completion(req.id, worker="wf")
+    await bus.jpublish(S.completion(done.tenant, "wf"), done, msg_id=f"{req.id}:done:{done.fence}")
+    assert await until(lambda: f"{req.id}:0" in router.finished)
+    await bus.jpublish(S.admitted(req.cls, req.tenant), adm, msg_id=f"{req.id}:adm-copy")
+    assert await until(admitted_empty)  # the copy is acked ...
+    await bus.flush()
+    assert routed == [(req.id, 0)]  # ... and not routed
+    assert router.metrics.finished_copies._value.get() == 1
+    forged = make_completion(req.id, worker="wf", attempt=1, fence="0" * 16)  # not the router's token
+    await bus.publish(S.completion(forged.tenant, "wf"), forged)
+    rescued = Admitted(request=req, runtime_tokens=10, admitted_at=adm.admitted_at, attempt=1, avoid=["wx"])
+    await bus.jpublish(S.admitted(req.cls, req.tenant), rescued, msg_id=f"{req.id}:adm:1")
+    assert await until(lambda: routed == [(req.id, 0), (req.id, 1)])  # a later attempt is routed
+    assert router.metrics.finished_copies._value.get() == 1
