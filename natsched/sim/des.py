@@ -552,9 +552,14 @@ class Simulator:
         self._push(now + d, _STEP_END, w, res)
 
     def _step_end(self, w: _Worker, res: StepResult, now: float) -> None:
-        w.stepping = False
         if not w.alive:  # it died during the step: nothing it computed is reported
+            w.stepping = False
             return
+        # ``stepping`` stays set until its results are handled: a completion below can release
+        # queued requests at the door (admission on_finish), routed to this very worker at once;
+        # they join its *next* step. Cleared first, each of them started a second step beside the
+        # one below, and an engine behind a queueing admission ran two steps at a time (TPOTs
+        # under one step's time for half the requests of burst under natsched and llm-d)
         if res.removed:
             self._publish_cache(w, "removed", res.removed, now)
         if res.stored:
@@ -565,6 +570,7 @@ class Simulator:
             self._publish_cache(w, "stored", res.host_stored, now, "host")
         for seq in res.finished:
             self._finish(w, seq, now)
+        w.stepping = False
         if w.core.has_work():
             self._step(w, now)
 

@@ -8,7 +8,7 @@ import pytest
 
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.policy import RouteDecision
-from natsched.sim.admission import ALLOW, REJECT
+from natsched.sim.admission import ALLOW, QUEUE, REJECT
 from natsched.sim.des import ClientRetry, SimSettings, Simulator, WorkerEvent, WorkerSpec, simulate
 from natsched.sim.errors import SimConfigError
 from natsched.workers.profiles import H100_LLAMA8B
@@ -177,3 +177,38 @@ def test_a_request_finishing_inside_the_step_the_worker_dies_in_is_lost_not_stuc
     s.settings.events = (WorkerEvent(1e-4, "kill", "w0"),)
     res = s.run()
     assert res.records[0].status == "ok" and res.records[0].worker == "w1" and res.records[0].rescued == 1
+
+
+class ReleaseOnFinish:
+    """Queues every second request and lets one in at each completion (a door with a queue)."""
+
+    name = "door"
+    tick_s = 0.0
+
+    def __init__(self) -> None:
+        self.queue = []
+        self.n = 0
+
+    def admit(self, req, now):
+        self.n += 1
+        if self.n % 2:
+            return ALLOW
+        self.queue.append(req)
+        return QUEUE
+
+    def release(self, now):
+        return [self.queue.pop(0)] if self.queue else []
+
+    def on_finish(self, req, ok, now):
+        pass
+
+
+def test_a_request_released_by_a_completion_joins_the_next_step_not_a_second_one():
+    """One engine, one step at a time: a completion that lets a queued request in (routed to the
+    same worker at once) must not start a step beside the one that follows it."""
+    rows = [trace_row(i * 10.0, ids=[200 + i], n_out=20 + i) for i in range(12)]
+    res = sim(rows, admission=ReleaseOnFinish(), workers=1).run()
+    step = H100_LLAMA8B.memory_seconds(0) + H100_LLAMA8B.step_overhead_s
+    ok = [r for r in res.records if r.status == "ok"]
+    assert len(ok) == 12
+    assert all((r.finish - r.first_token) / (r.output_tokens - 1) >= step * 0.999 for r in ok)
