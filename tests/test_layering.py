@@ -6,7 +6,7 @@ Two tables say who may import what; a new rule is a new row:
   ``nats`` belongs to the transport, ``natsched/bus/``: services get handles from it.
 - :data:`ALLOWED`: a part of natsched and everything its modules may import besides the
   standard library. ``natsched/wire/`` is the contract every process shares; it stands on
-  nothing but itself, the root error and its two codecs.
+  nothing but itself, the root error, its two codecs and msgspec (the schema engine decodes with it).
 
 Nor may code outside the transport reach through a Bus into its nats objects (``bus.js``,
 ``bus.nc``, ``js._nc``): :data:`TRANSPORT_ATTRIBUTES`.
@@ -34,7 +34,7 @@ CONFINED: dict[str, tuple[str, ...]] = {
 
 #: natsched part -> what its modules may import besides the standard library (name prefixes)
 ALLOWED: dict[str, tuple[str, ...]] = {
-    "natsched.wire": ("natsched.wire", "natsched.errors", "msgpack", "orjson"),
+    "natsched.wire": ("natsched.wire", "natsched.errors", "msgpack", "msgspec", "orjson"),
 }
 
 #: attributes that hold nats objects (the Bus's connection and JetStream context): bus/ only

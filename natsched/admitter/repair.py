@@ -81,7 +81,7 @@ class Repairs:
         self.leases.on_heartbeat(hb.worker, now, hb.interval, hb.inflight)
         self._dead.pop(hb.worker, None)
         self.worker_load[hb.worker] = (hb.capacity_tokens, hb.runtime_tokens, now)
-        self.note_model(hb.worker, hb.model, now)
+        self.note_model(hb.worker, frozenset({hb.model, *(m.id for m in hb.served)}), now)
         for rid, held in hb.over.items():  # ran past its reservation: grow it (service.grow)
             if self.leases.holder.get(rid) == hb.worker:  # only the worker running it may say so
                 self._grow_wanted[rid] = max(held, self._grow_wanted.get(rid, 0))

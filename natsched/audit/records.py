@@ -175,6 +175,12 @@ def decode_all(records: Iterable[Stored], schema: type) -> list:
     return out
 
 
+def unfold(decisions: Iterable[Decision]) -> list[Decision]:
+    """Every decision record, also those stored inside another (an inline router's routing record
+    carries its admission record: :meth:`~natsched.wire.schema.Decision.unfolded`)."""
+    return [record for d in decisions for record in d.unfolded()]
+
+
 def decode_completions(records: Iterable[Stored], fence_key: str | None) -> list[Completion]:
     """The completions a worker published for an attempt assigned to it (:mod:`natsched.wire.fence`):
     a forged or stale one is stored too (the server cannot tell), but it is no part of a
@@ -244,8 +250,8 @@ async def audit_request(bus: "Bus", request_id: str, since: float | None = None,
     if request is not None:
         tenant = request.tenant
     t0 = found[0].ts - 1.0 if found else start
-    decisions = decode_all(await _find(bus, S.STREAM_DECISIONS, ids, t0, until,
-                                       S.decisions_of(tenant) if tenant else None), Decision)
+    decisions = unfold(decode_all(await _find(bus, S.STREAM_DECISIONS, ids, t0, until,
+                                              S.decisions_of(tenant) if tenant else None), Decision))
     completions = decode_completions(await _find(bus, S.STREAM_COMPLETIONS, ids, t0, until,
                                                  S.completions_of(tenant) if tenant else None), bus.fence_key)
     if not found and not decisions and not completions and job is None:
@@ -275,8 +281,8 @@ async def audit_window(bus: "Bus", since: float, until: float | None = None, ten
     async for _ in bus.stream(S.STREAM_REQUESTS).window(since, until, S.requests_of(tenant) if tenant else None,
                                                         headers_only=True):
         requests += 1
-    decisions = decode_all([m async for m in bus.stream(S.STREAM_DECISIONS).window(
-        since, until, S.decisions_of(tenant) if tenant else None)], Decision)
+    decisions = unfold(decode_all([m async for m in bus.stream(S.STREAM_DECISIONS).window(
+        since, until, S.decisions_of(tenant) if tenant else None)], Decision))
     completions = decode_completions([m async for m in bus.stream(S.STREAM_COMPLETIONS).window(
         since, until, S.completions_of(tenant) if tenant else None)], bus.fence_key)
     out = {"tenant": tenant, "since": since, "until": until,

@@ -48,14 +48,27 @@ def add_server_bench_parser(bsub) -> None:
                          description="Send the same requests to a vllm serve directly, through the agent's server "
                                      "engine, and through the whole natsched pipeline; print p50/p99 of each and "
                                      "the overheads. Without --url a tiny dummy-weights vllm serve is started.")
-    sp.add_argument("--url", default=None, help="a running server (default: start a tiny one)")
-    sp.add_argument("--model", default=None, help="the served model name (default: the server's first)")
-    sp.add_argument("--requests", type=int, default=60, help="requests per path (default 60)")
-    sp.add_argument("--warmup", type=int, default=5, help="unmeasured requests per path first (default 5)")
-    sp.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (default 64)")
-    sp.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (default 8)")
+    add_server_flags(sp)
     sp.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
     sp.set_defaults(handler=run_server_bench)
+
+
+#: the server benchmark's own flags and their defaults (``bench pipeline --engine vllm-server`` takes them too)
+SERVER_DEFAULTS = {"url": None, "model": None, "requests": 60, "warmup": 5, "prompt_tokens": 64, "max_tokens": 8}
+
+
+def add_server_flags(p: argparse.ArgumentParser, note: str = "") -> None:
+    """The server to measure and the requests to send (``note``: a suffix for every help text)."""
+    d = SERVER_DEFAULTS
+    p.add_argument("--url", default=None, help=f"a running server (default: start a tiny one){note}")
+    p.add_argument("--model", default=None, help=f"the served model name (default: the server's first){note}")
+    p.add_argument("--requests", type=int, default=d["requests"], help=f"requests per path (default 60){note}")
+    p.add_argument("--warmup", type=int, default=d["warmup"],
+                   help=f"unmeasured requests per path first (default 5){note}")
+    p.add_argument("--prompt-tokens", type=int, default=d["prompt_tokens"],
+                   help=f"prompt length in tokens (default 64){note}")
+    p.add_argument("--max-tokens", type=int, default=d["max_tokens"],
+                   help=f"output tokens per request (default 8){note}")
 
 
 def run_server_bench(args: argparse.Namespace) -> int:

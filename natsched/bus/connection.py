@@ -389,6 +389,13 @@ class Bus:
         if jobs:
             await self.provision_jobs()
 
+    async def set_partitions(self, partitions: int) -> bool:
+        """Store requests in ``partitions`` partitions from now on (REQUESTS' subject transform and
+        bucket ``budget``: :func:`natsched.bus.provision.set_partitions`); True when it changed."""
+        from natsched.bus.provision import set_partitions
+
+        return await set_partitions(self.js, partitions)
+
     async def provision_jobs(self) -> None:
         """Create or update OUTCOMES and bucket ``jobs`` (idempotent; a batch reader may be the
         first natsched process on a fresh server)."""
@@ -420,9 +427,11 @@ class Bus:
         await self.js.account_info()
 
     async def stream_sizes(self) -> dict[str, dict[str, int]]:
-        """Messages and bytes of every stream on the server."""
+        """Messages and bytes of every stream on the server, and its last sequence number (what
+        was ever stored: a work queue's or KV bucket's ``messages`` shrink as they are removed)."""
         infos = await self.js.streams_info()
-        return {i.config.name: {"messages": i.state.messages, "bytes": i.state.bytes} for i in infos}
+        return {i.config.name: {"messages": i.state.messages, "bytes": i.state.bytes, "last_seq": i.state.last_seq}
+                for i in infos}
 
     # --- the connection ----------------------------------------------------------------------
     @property
@@ -623,16 +632,22 @@ class Bus:
             await self.js.delete_stream(name)
 
     # --- subscribing --------------------------------------------------------------------
-    async def subscribe(self, subject: str, handler: Callable[[str, bytes, dict], Awaitable[None]], queue: str = ""):
-        """Core subscription; the handler gets (subject, data, headers) and must not raise."""
+    async def subscribe(self, subject: str, handler: Callable[..., Awaitable[None]], queue: str = "",
+                        with_reply: bool = False, pending_msgs: int | None = None):
+        """Core subscription; the handler gets (subject, data, headers), with ``with_reply`` also the
+        message's reply subject (a JetStream delivery's is its ack subject), and must not raise."""
 
         async def cb(msg: Any) -> None:
             try:
-                await handler(msg.subject, msg.data, msg.headers or {})
+                if with_reply:
+                    await handler(msg.subject, msg.data, msg.headers or {}, msg.reply or "")
+                else:
+                    await handler(msg.subject, msg.data, msg.headers or {})
             except Exception:
                 log.exception("handler for %s failed", msg.subject)
 
-        return Subscription(await self.nc.subscribe(subject, queue=queue, cb=cb))
+        limits = {} if pending_msgs is None else {"pending_msgs_limit": pending_msgs}
+        return Subscription(await self.nc.subscribe(subject, queue=queue, cb=cb, **limits))
 
     async def inbox(self, subject: str, max_pending: int = 100_000) -> Inbox:
         """A subscription read with ``await sub.next_msg(timeout)`` (producers' reply streams)."""
@@ -856,15 +871,16 @@ class Bus:
     async def _retrying(self, call: Callable[[float], Awaitable[T]], budget_s: float | None, what: str,
                         level: int, retry_on: tuple[type[BaseException], ...] = _RETRYABLE) -> T:
         """``call(remaining_s)`` until it succeeds or the budget (default: the publish budget) is
-        spent; only ``retry_on`` (timeouts and "no responders") is retried, with a doubling pause."""
+        spent; only ``retry_on`` (timeouts and "no responders") is retried, with a doubling pause,
+        and when the budget is spent it raises :class:`BusTimeout`, never nats-py's own error."""
         deadline = time.monotonic() + (budget_s if budget_s is not None else self.publish_budget_s)
         delay = 0.05
         while True:
             try:
                 return await call(deadline - time.monotonic())
             except retry_on as exc:
-                if time.monotonic() + delay >= deadline:
-                    raise
+                if time.monotonic() + delay >= deadline:  # the budget is spent: the transport's own error
+                    raise BusTimeout(f"{what}: no answer within the budget ({type(exc).__name__})") from exc
                 log.log(level, "%s failed (%s); retrying", what, type(exc).__name__)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -902,6 +918,8 @@ def _as_bus_errors(subject: str, create_only: dict[str, str] | None = None):
     """Translate what nats-py raises for a publish into the transport's own errors."""
     try:
         yield
+    except BusError:
+        raise
     except APIError as exc:
         if create_only is not None and _refused_condition(exc, create_only):
             raise _CreateRefused() from exc

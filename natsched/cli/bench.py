@@ -93,14 +93,27 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
                                      "they can; prints commits/s, lost races per commit and lost updates.")
     ss.add_argument("--replicas", default="1,2,3", help="replica counts to run, comma separated (default 1,2,3)")
     ss.add_argument("--seconds", type=positive_float, default=5.0, help="seconds per run (default 5)")
+    ss.add_argument("--partitions", default="1", help="partition counts to run, comma separated: replica i "
+                                                      "commits to partition i %% P's own bucket (default 1)")
     ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     ss.set_defaults(handler=_cmd_shared)
+    ad = bsub.add_parser("partitions", help="decisions/s of real admitter processes, one per partition",
+                         description="Admission alone (no router, no worker): publish --requests requests over one "
+                                     "tenant per partition and time the admitter processes deciding them, at each "
+                                     "partition count.")
+    ad.add_argument("--partitions", default="1,2", help="partition counts to run, comma separated (default 1,2)")
+    ad.add_argument("--requests", type=positive_int, default=5000, help="requests per run (default 5000)")
+    ad.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    ad.set_defaults(handler=_cmd_admission)
     add_scale_parser(bsub)
-    cd = bsub.add_parser("codec", help="decode-and-validate cost per message: natsched's validator vs msgspec",
-                         description="Time decoding and validating the same encoded messages with natsched's "
-                                     "schema engine and with msgspec's typed decoder; both refuse the same "
-                                     "malformed inputs (checked first).")
+    add_priority_parser(bsub)
+    add_stored_parser(bsub)
+    cd = bsub.add_parser("codec", help="decode-and-validate cost per message (the msgspec schema engine)",
+                         description="Time decoding the same encoded messages with msgpack alone (no checks), "
+                                     "with the schema engine (msgspec struct, dataclass, the message's checks) "
+                                     "and with its msgspec struct alone, and encoding them; the engine must "
+                                     "refuse every malformed input first.")
     cd.add_argument("--n", type=positive_int, default=20_000, help="decodes per round (default 20000)")
     cd.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
     cd.set_defaults(handler=_cmd_codec)
@@ -110,14 +123,49 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
 def _cmd_codec(args) -> int:
     from natsched.bench.codec import codec_table, refusals, run_codec_benchmark
 
-    differ = [name for name, (ours, theirs) in refusals().items() if not (ours and theirs)]
-    if differ:
-        return _fail(f"the contenders do not refuse the same input: {', '.join(differ)}")
+    accepted = [name for name, refusal in refusals().items() if refusal is None]
+    if accepted:
+        return _fail(f"the schema engine accepts malformed input: {', '.join(accepted)}")
     rows = run_codec_benchmark(args.n)
     print(codec_table(rows))
     if args.json is not None:
         args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
     return 0
+
+
+def add_stored_parser(bsub) -> None:
+    """``natsched bench stored`` (:mod:`natsched.bench.stored`)."""
+    st = bsub.add_parser("stored", help="JetStream writes and wire messages per request, by stream and kind",
+                         description="Run the real services (null-engine workers) on a short load and count, per "
+                                     "completed request, the messages every stream stored (from the streams' "
+                                     "sequence numbers) and every message on the wire by kind (a '>' "
+                                     "subscription; background traffic of an idle window of the same length "
+                                     "subtracted).")
+    st.add_argument("--requests", type=positive_int, default=300, help="requests to publish (default 300)")
+    st.add_argument("--rate", type=positive_float, default=100.0, help="requests per second (default 100)")
+    st.add_argument("--admitters", type=positive_int, default=1, help="admitter replicas (default 1)")
+    st.add_argument("--routers", type=non_negative_int, default=None,
+                    help="router replicas (default 1; 0 with --inline-routing)")
+    st.add_argument("--inline-routing", action="store_true", help="the admitters route what they admit")
+    st.add_argument("--no-credit", action="store_true", help="admitters without credit blocks")
+    st.add_argument("--workers", type=positive_int, default=2, help="null-engine workers (default 2)")
+    st.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+    st.set_defaults(handler=_cmd_stored)
+
+
+def _cmd_stored(args) -> int:
+    from natsched.bench.pipeline import PipelineRun
+    from natsched.bench.stored import run_stored, stored_table
+
+    routers = args.routers if args.routers is not None else (0 if args.inline_routing else 1)
+    run = PipelineRun(rate=args.rate, duration_s=args.requests / args.rate, admitters=args.admitters,
+                      routers=routers, workers=args.workers, inline_routing=args.inline_routing,
+                      credit=not args.no_credit)
+    res = run_stored(run)
+    print(stored_table(res))
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(res, option=orjson.OPT_INDENT_2) + b"\n")
+    return 0 if res["lost"] == 0 else _fail(f"{res['lost']} requests lost")
 
 
 def add_scale_parser(bsub) -> None:
@@ -151,6 +199,37 @@ def _cmd_scale(args) -> int:
                                                     kill_coordinator_at=args.duration / 2), sys.stderr)
     print(scale_table(report))
     return _write_json(args.json, report)
+
+
+def add_priority_parser(bsub) -> None:
+    """``natsched bench priority`` (:mod:`natsched.sim.priority`)."""
+    pr = bsub.add_parser("priority", help="online waits in a burst over a batch backlog: lending vs none",
+                         description="Replay the same seeded online burst over a batch backlog through "
+                                     "AdmitterCore with class limits and lending, the same limits without "
+                                     "lending, and no class limits; print online waits, rejections, batch "
+                                     "throughput and the loan (virtual time).")
+    pr.add_argument("--burst", default="1.5,2,3",
+                    help="online demand in the burst, as multiples of its own limit's capacity (default 1.5,2,3)")
+    pr.add_argument("--lend-share", type=fraction, default=0.5, help="admission.lend_share (default 0.5)")
+    pr.add_argument("--seed", type=int, default=1)
+    pr.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+    pr.set_defaults(handler=_cmd_priority)
+
+
+def _cmd_priority(args) -> int:
+    from dataclasses import asdict
+
+    from natsched.sim.priority import PrioritySettings, priority_table, run_priority_benchmark
+
+    try:
+        bursts = tuple(float(x) for x in args.burst.split(",") if x.strip())
+        if not bursts or min(bursts) <= 0:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--burst must be positive numbers, got {args.burst!r}")
+    rows = run_priority_benchmark(PrioritySettings(lend_share=args.lend_share, seed=args.seed), bursts)
+    print(priority_table(rows))
+    return _write_json(args.json, [{k: v for k, v in asdict(r).items() if k != "waits"} for r in rows])
 
 
 def _write_json(path: Path | None, report) -> int:
@@ -224,6 +303,8 @@ def _cmd_health(args) -> int:
 
 
 def _add_pipeline_parser(bsub) -> None:
+    from natsched.bench.server import add_server_flags
+
     pp = bsub.add_parser("pipeline", help="the scheduler's own cost on real services (zero-compute engine)",
                          description="Start a fresh system (embedded nats-server, admitters, routers, null-engine "
                                      "workers), publish requests open-loop and measure publish -> assignment. "
@@ -239,6 +320,9 @@ def _add_pipeline_parser(bsub) -> None:
     pp.add_argument("--admitters", type=positive_int, default=1, help="admitter replicas (default 1)")
     pp.add_argument("--routers", type=non_negative_int, default=None,
                     help="router replicas (default 1; 0 with --inline-routing)")
+    pp.add_argument("--partitions", type=positive_int, default=1, metavar="P",
+                    help="partitioned admission (natsched up --partitions): --admitters per partition, the load "
+                         "spread over one tenant per partition (default 1)")
     pp.add_argument("--inline-routing", action="store_true",
                     help="the admitters route what they admit in their own process (natsched admitter --route)")
     pp.add_argument("--floor", action="store_true",
@@ -270,7 +354,36 @@ def _add_pipeline_parser(bsub) -> None:
     pp.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     pp.add_argument("--json", type=Path, default=None, metavar="OUT",
                     help="write the results as JSON (with every memory sample under 'memory')")
+    pp.add_argument("--engine", choices=PIPELINE_ENGINES, default="null",
+                    help="null (default): zero-compute workers, the scheduler's own cost at a rate; vllm-server: "
+                         "the agent's cost per request in front of a real vllm serve, against calling it directly "
+                         "(runs natsched bench server: --url, --model, --requests, --warmup, --prompt-tokens, "
+                         "--max-tokens; the rate, soak and replica flags do not apply)")
+    add_server_flags(pp, note=" (--engine vllm-server)")
     pp.set_defaults(handler=_cmd_pipeline)
+
+
+#: bench pipeline's engines; vllm-server is ``bench server`` (natsched.bench.server)
+PIPELINE_ENGINES = ("null", "vllm-server")
+#: pipeline flags with no meaning in front of a real server (all default to None or False)
+PIPELINE_ONLY = ("rate", "duration", "find_max", "soak", "max_rate", "floor", "inline_routing", "routers",
+                 "no_credit", "audit_max_mib", "nats_url")
+
+
+def _pipeline_on_servers(args) -> int:
+    """``bench pipeline --engine vllm-server``: what the issue asks of it (the agent's overhead per
+    request in front of a real server, p50/p99, against calling the server directly) is what
+    ``bench server`` measures; an open-loop rate through real servers would measure the servers."""
+    from natsched.bench.server import run_server_bench
+
+    given = [n for n in PIPELINE_ONLY if getattr(args, n) not in (None, False)]
+    if given:
+        return _fail(f"--engine vllm-server runs natsched bench server, which takes none of "
+                     f"{', '.join('--' + n.replace('_', '-') for n in given)}")
+    print("bench pipeline --engine vllm-server: running natsched bench server (the same requests to the server "
+          "directly, through the agent's engine and through the whole pipeline, one at a time)",
+          file=sys.stderr, flush=True)
+    return run_server_bench(args)
 
 
 def cmd_bench(args) -> int:
@@ -344,11 +457,29 @@ def _cmd_shared(args) -> int:
 
     try:
         replicas = [int(x) for x in args.replicas.split(",") if x.strip()]
-        if not replicas or min(replicas) < 1:
+        partitions = [int(x) for x in args.partitions.split(",") if x.strip()]
+        if not replicas or min(replicas) < 1 or not partitions or min(partitions) < 1:
             raise ValueError
     except ValueError:
-        return _fail(f"--replicas must be positive integers, got {args.replicas!r}")
-    rows = run_shared_state(replicas, args.seconds, args.nats_url)
+        return _fail(f"--replicas and --partitions must be positive integers, got {args.replicas!r}, "
+                     f"{args.partitions!r}")
+    rows = run_shared_state(replicas, args.seconds, args.nats_url, partitions)
+    print_table(rows)
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
+    return 0
+
+
+def _cmd_admission(args) -> int:
+    from natsched.bench.partitions import print_table, run_admission
+
+    try:
+        partitions = [int(x) for x in args.partitions.split(",") if x.strip()]
+        if not partitions or min(partitions) < 1:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--partitions must be positive integers, got {args.partitions!r}")
+    rows = [run_admission(p, args.requests) for p in partitions]
     print_table(rows)
     if args.json is not None:
         args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
@@ -375,6 +506,14 @@ def _cmd_pipeline(args) -> int:
     from natsched.errors import NatschedError
     from natsched.bench.memory import print_memory, soak_summary
     from natsched.bench.pipeline import PipelineRun, find_max, print_table, run_pipeline
+    from natsched.bench.server import SERVER_DEFAULTS
+
+    if args.engine == "vllm-server":
+        return _pipeline_on_servers(args)
+    server_only = [n for n, default in SERVER_DEFAULTS.items() if getattr(args, n) != default]
+    if server_only:
+        return _fail(f"{', '.join('--' + n.replace('_', '-') for n in server_only)} "
+                     f"{'goes' if len(server_only) == 1 else 'go'} with --engine vllm-server")
 
     if args.max_rate is not None and not args.soak:
         return _fail("--max-rate goes with --soak (the soak runs at half of it)")
@@ -392,7 +531,7 @@ def _cmd_pipeline(args) -> int:
         return _fail(str(exc))
     base = PipelineRun(args.rate or DEFAULT_RATE, duration, args.admitters, routers, args.workers,
                        inline_routing=args.inline_routing, floor=args.floor, credit=not args.no_credit,
-                       sync=args.sync,
+                       sync=args.sync, partitions=args.partitions,
                        sample_every_s=args.sample_every,
                        audit_max_bytes=args.audit_max_mib * 2**20 if args.audit_max_mib else None)
     try:

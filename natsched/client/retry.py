@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 from natsched.client.errors import ClientSettingsError, Rejected, RequestError, RequestFailed
 
-#: failures after admission that another attempt may not meet (a worker may come, or be alive)
-RETRY_FAILURES = ("no_worker", "worker_lost")
+#: failures after admission that another attempt may not meet (a worker may come, or be alive;
+#: an engine server that died sends its agent to backoff, so the next try goes to another one)
+RETRY_FAILURES = ("no_worker", "worker_lost", "server_unavailable")
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,9 @@ class StatusState:
         self.heartbeats[hb.worker] = (hb, now)
 
     def on_decision(self, d: Decision) -> None:
+        if d.admission is not None:  # an inline router's routing record carries the admission record
+            for record in d.unfolded()[:-1]:
+                self.on_decision(record)
         if d.stage != "admission":
             return
         if d.decision == "queue":

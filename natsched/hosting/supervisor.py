@@ -31,7 +31,8 @@ from natsched.hosting.runtime import DRAINED_PREFIX, READY_PREFIX
 log = logging.getLogger(__name__)
 
 
-async def _provision(url: str, credentials: Path | None = None, data_dir: Path | None = None) -> list[str]:
+async def _provision(url: str, credentials: Path | None = None, data_dir: Path | None = None,
+                     partitions: int = 1) -> list[str]:
     """Every stream and bucket, the offline runner's included: under auth only the admin may
     create them (the services' roles may read stream info, not change it). ``data_dir``: the
     embedded server's, whose disk the limits are sized to (or refused with one line). Returns the
@@ -43,6 +44,7 @@ async def _provision(url: str, credentials: Path | None = None, data_dir: Path |
         if data_dir is not None:
             await bus.fit_to_disk(shutil.disk_usage(data_dir).free)
         await bus.provision(jobs=True)
+        await bus.set_partitions(partitions)  # (1: undoes an earlier partitioned run's transform)
         return await persisted_notes(bus)
     finally:
         await bus.close()
@@ -61,7 +63,8 @@ def router_count(routers: int | None, inline_routing: bool) -> int:
 @dataclass
 class UpSettings:
     workers: int = 2
-    admitters: int = 1
+    admitters: int = 1  # per partition
+    partitions: int = 1  # partitioned admission (natsched.admitter.partition): P x admitters processes
     routers: int = 1
     inline_routing: bool = False  # admitters run with --route (then routers may be 0)
     credit: bool = True  # admitters spend credit reserved ahead (natsched.admitter.credit); False: --no-credit
@@ -84,26 +87,35 @@ class UpSettings:
     admitter_settings: list[str] = field(default_factory=list)  # --set GROUP.NAME=VALUE for every admitter
     metrics_port: int | None = None  # Prometheus on this port and the next ones: admitters, routers, workers, gateway
     # engine "vllm-server": the servers to front, one worker agent each (``workers`` follows), and
-    # their KV-event endpoints in the same order (fewer: the rest run without cache summaries)
+    # their KV-event endpoints and replay sockets in the same order (fewer: the rest run without)
     server_urls: list[str] = field(default_factory=list)
     server_kv_events: list[str] = field(default_factory=list)
+    server_kv_replay: list[str] = field(default_factory=list)
+    server_leave_s: float | None = None  # a silent server's agent leaves after this (None: the worker's default)
 
     def __post_init__(self) -> None:
+        if self.partitions > 1 and self.auth_dir is not None:
+            raise ValueError("--partitions with --auth-dir: the roles name the unpartitioned consumers only "
+                             "(docs/fleet.md, what is left)")
+        if self.partitions > 1 and self.inline_routing:
+            raise ValueError("--partitions with --inline-routing: not wired yet (docs/fleet.md)")
         if self.engine == "vllm-server":
             if not self.server_urls:
                 raise ValueError("--engine vllm-server needs --vllm-url URL (once per server)")
             if len(self.server_kv_events) > len(self.server_urls):
                 raise ValueError("more --kv-events than --vllm-url: give them in the servers' order")
+            if len(self.server_kv_replay) > len(self.server_urls):
+                raise ValueError("more --kv-replay than --vllm-url: give them in the servers' order")
             self.workers = len(self.server_urls)
-        elif self.server_urls:
-            raise ValueError("--vllm-url needs --engine vllm-server")
+        elif self.server_urls or self.server_kv_replay:
+            raise ValueError(f"{'--vllm-url' if self.server_urls else '--kv-replay'} needs --engine vllm-server")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - self.metered() + 1:
             raise ValueError(f"--metrics-port {self.metrics_port}: the {self.metered()} services need "
                              f"ports {self.metrics_port}..{self.metrics_port + self.metered() - 1} within 1..65535")
 
     def metered(self) -> int:
         """How many children serve metrics (the offline runner has none)."""
-        return self.admitters + self.routers + self.workers + (self.gateway_port is not None)
+        return self.admitters * self.partitions + self.routers + self.workers + (self.gateway_port is not None)
 
 
 @dataclass
@@ -139,19 +151,18 @@ class Supervisor:
     def plan(self, url: str) -> list[Child]:
         common = ["--nats-url", url]
         kids = []
-        for i in range(1, self.s.admitters + 1):
-            name = "admitter" if self.s.admitters == 1 else f"admitter-{i}"
+        for name, part in self._admitter_names():
             # inline routing: the scheduler role, an admitter's and a router's permissions together
             route = ["--route", "--policy", self.s.policy] if self.s.inline_routing else []
             route += [] if self.s.credit else ["--no-credit"]
-            route += [f"--set={a}" for a in self.s.admitter_settings]
+            route += [f"--set={a}" for a in self.s.admitter_settings] + part
             kids.append(Child(name, self._cmd("admitter", *common, "--name", name, *route),
                               user="scheduler" if self.s.inline_routing else "admitter"))
         for i in range(1, self.s.routers + 1):
             name = "router" if self.s.routers == 1 else f"router-{i}"
             kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy),
                               user="router"))
-        if self.s.offline:
+        if self.s.offline and self.s.partitions == 1:  # (not partitioned yet: docs/fleet.md)
             kids.append(Child("offline", self._cmd("offline", *common, "--name", "offline"), user="offline"))
         for i, wid in enumerate(self.worker_ids()):
             args = ["worker", *common, "--id", wid, "--engine", self.s.engine,
@@ -169,13 +180,26 @@ class Supervisor:
         self._assign_metrics_ports(kids)
         return kids
 
+    def _admitter_names(self) -> list[tuple[str, list[str]]]:
+        """(name, partition flags) of every admitter: ``admitter``, ``admitter-<i>``, or with
+        partitions ``admitter-p<k>`` / ``admitter-p<k>-<i>`` (each also a coordinator candidate)."""
+        n, p = self.s.admitters, self.s.partitions
+        if p == 1:
+            return [("admitter" if n == 1 else f"admitter-{i}", []) for i in range(1, n + 1)]
+        return [(f"admitter-p{k}" if n == 1 else f"admitter-p{k}-{i}",
+                 ["--partition", str(k), "--partitions", str(p)]) for k in range(p) for i in range(1, n + 1)]
+
     def _server_args(self, i: int) -> list[str]:
-        """Worker ``i``'s server (engine vllm-server): its URL and KV-event endpoint."""
+        """Worker ``i``'s server (engine vllm-server): its URL, KV-event endpoint and replay socket."""
         if self.s.engine != "vllm-server":
             return []
         out = ["--url", self.s.server_urls[i]]
         if i < len(self.s.server_kv_events):
             out += ["--kv-events", self.s.server_kv_events[i]]
+        if i < len(self.s.server_kv_replay):
+            out += ["--kv-replay", self.s.server_kv_replay[i]]
+        if self.s.server_leave_s is not None:
+            out += ["--unreachable-leave", repr(self.s.server_leave_s)]
         return out
 
     def _assign_metrics_ports(self, kids: list[Child]) -> None:
@@ -278,7 +302,8 @@ class Supervisor:
                 f"sync {self.s.sync}" + (f", auth {self.auth.config})" if self.auth else ")"), flush=True)
         admin = self.auth.creds("admin") if self.auth else None
         # once, before the components race to create streams
-        notes = asyncio.run(_provision(url, admin, self.server.data_dir if self.server is not None else None))
+        notes = asyncio.run(_provision(url, admin, self.server.data_dir if self.server is not None else None,
+                                       self.s.partitions))
         for note in notes:  # a canary or quota set once persists: say so before it applies
             say(f"note: {note}", flush=True)
             log.warning("data dir state: %s", note)

@@ -291,6 +291,18 @@ class WorkerRegistry:
             return panic or self.health.admits(view.id, req.id, req.cls, req.prompt_tokens)
         return view.state == "backoff" and (panic or req.prompt_tokens <= self.settings.backoff_max_prompt_tokens)
 
+    def why_no_worker(self, model: str, now: float) -> str:
+        """Why a request for ``model`` (a base model or a LoRA adapter) found no worker, for its
+        producer: nobody serves it (and what is served), or who serves it and in what state."""
+        serving = sorted(v.id for v in self.views.values() if v.model == model or model in v.serves)
+        if not serving:
+            served = sorted({m for v in self.views.values() for m in (v.model, *v.serves) if m})
+            return (f"no worker serves model {model!r} (a model or LoRA adapter); served: "
+                    f"{', '.join(served) or 'nothing yet'}")
+        states = [getattr(st, "value", st) for st in (self.state(w, now) for w in serving)]  # (unknown: as said)
+        said = ", ".join(f"{w} {st}" for w, st in zip(serving, states))
+        return f"no worker serving model {model!r} can take it now ({said})"
+
     # ------------------------------------------------------------------ housekeeping
 
     def tick(self, now: float) -> list[WorkerId]:

@@ -70,6 +70,7 @@ class Routed:
     first_block: int | None
     assignment: Assignment | None = None
     outgoing: tuple | None = None
+    admission: Decision | None = None  # inline: the admitter's record, stored inside the routing one
 
 
 class RouterService:
@@ -397,14 +398,15 @@ class RouterService:
             self.metrics.decisions.labels(decision.policy or "", "retry", decision.reason or "").inc()
             await d.nak(delay=self.settings.retry_delay_s)
             return
-        await self._fail(adm, decision, "no_worker", f"no healthy worker for {waited:.0f}s")
+        why = self.core.registry.why_no_worker(adm.request.model, time.time())
+        await self._fail(adm, decision, "no_worker", f"{why}; waited {waited:.0f}s")
         await d.ack()
 
     async def assigned(self, r: "Routed") -> None:
         """A WORK message is stored: record the decision, tell the producer, ack the hand-off."""
         adm, decision, assignment = r.adm, r.decision, r.assignment
         req = adm.request
-        await self._record(adm, decision, "assign", r.latency_ms)
+        await self._record(adm, decision, "assign", r.latency_ms, admission=r.admission)
         if req.reply:
             await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.STATUS,
                                                     status=ReplyStatus.ASSIGNED, worker=decision.worker))
@@ -450,14 +452,17 @@ class RouterService:
         log.warning("request %s failed in routing: %s", req.id, message)
 
     async def _record(self, adm: Admitted, decision: RouteDecision, what: str, latency_ms: float,
-                      reason: str | None = None) -> None:
+                      reason: str | None = None, admission: Decision | None = None) -> None:
+        """The routing record; with ``admission`` (inline routing) the admission record inside it:
+        one stored message for the two decisions one process made at once."""
         req = adm.request
         record = Decision(request_id=req.id, tenant=req.tenant, cls=req.cls, stage="routing", decision=what,
                           ts=time.time(), reason=reason or decision.reason, worker=decision.worker,
                           policy=decision.policy,
                           scores={str(k): decision.terms.get(k, v) for k, v in decision.scores.items()},
                           expected_cached_tokens=decision.expected_cached_tokens, by=self.settings.name,
-                          latency_ms=latency_ms, runtime_tokens=adm.runtime_tokens)
+                          latency_ms=latency_ms, runtime_tokens=adm.runtime_tokens,
+                          admission=admission.to_wire() if admission is not None else None)
         await self.bus.jpublish_nowait(S.decision("routing", req.tenant), record, msg_id=M.routing(req.id))
 
 

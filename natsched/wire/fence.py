@@ -42,7 +42,7 @@ def sign(key: str | None, request_id: str, worker: str, attempt: int) -> str:
 
 def verify(key: str | None, token: str | None, request_id: str, worker: str | None, attempt: int) -> bool:
     """Whether ``token`` is the one :func:`sign` gives for this request, worker and attempt."""
-    if not token or not worker:
+    if not token or not worker or not token.isascii():  # compare_digest raises on non-ASCII text
         return False
     return hmac.compare_digest(token, sign(key, request_id, worker, attempt))
 

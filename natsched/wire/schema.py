@@ -13,6 +13,7 @@ Pure module: no nats import, no I/O.
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +30,13 @@ from natsched.wire.ids import (
 from natsched.wire.subjects import reply_allowed
 from natsched.wire.validate import (  # the engine: Schema is the messages' base
     Schema,
+    bounded,
     wire,
 )
 
 SCHEMA_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 def _check_id(value: str, name: str) -> None:
@@ -45,9 +49,8 @@ def _check_id(value: str, name: str) -> None:
 MAX_TOKEN_ID = 2**31 - 1
 
 
-def _check_token_ids(ids: list[int] | None, name: str) -> None:
-    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
-        raise SchemaError(f"field '{name}' holds a token id outside 0..{MAX_TOKEN_ID}", name)
+#: a token id of a prompt: the engine bounds each as it decodes (no Python loop over 4k ids)
+TokenId = bounded(int, 0, MAX_TOKEN_ID, "a token id")
 
 
 def _check_counts(obj: Any, names: tuple[str, ...]) -> None:
@@ -71,7 +74,7 @@ class Request(Schema):
     cls: str = wire("class")
     model: str = "default"
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     system_prompt: str | None = None
     kb_version: str | None = None
     max_tokens: int = 128
@@ -90,7 +93,6 @@ class Request(Schema):
         _check_id(self.tenant, "tenant")
         if self.prompt is None and self.prompt_token_ids is None:
             raise SchemaError("missing required field 'prompt' (or 'prompt_token_ids')", "prompt")
-        _check_token_ids(self.prompt_token_ids, "prompt_token_ids")
         if self.idle_timeout is not None and not self.idle_timeout > 0:
             raise SchemaError(f"field 'idle_timeout' must be > 0 seconds, got {self.idle_timeout}", "idle_timeout")
         if self.reply is not None and not reply_allowed(self.reply, self.tenant):
@@ -136,7 +138,21 @@ class Decision(Schema):
     expected_cached_tokens: int | None = None
     by: str | None = None  # the replica that decided
     latency_ms: float | None = None
+    #: on a routing record of an inline router (``admitter --route``): the admission record of the
+    #: same request, stored in this one message instead of a second (:meth:`unfolded` reads both)
+    admission: dict | None = None
     v: int = SCHEMA_VERSION
+
+    def unfolded(self) -> list["Decision"]:
+        """The records this message holds, in the order they were decided: the admission record
+        it carries (if any, and readable), then itself. Every reader of DECISIONS reads through it."""
+        if self.admission is None:
+            return [self]
+        try:
+            return [Decision.from_wire(self.admission, path="admission"), self]
+        except SchemaError as exc:
+            log.warning("decision record of %s carries an unreadable admission record: %s", self.request_id, exc)
+            return [self]
 
 
 @dataclass

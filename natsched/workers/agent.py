@@ -40,7 +40,7 @@ from natsched.wire.schema import (Assignment, CacheEvent, Completion, Completion
                                   ReplyKind, ReplyStatus, WorkerId)
 from natsched.workers.backoff import BackoffMonitor, BackoffSettings
 from natsched.workers.calibrate import load_calibration
-from natsched.workers.engine import Engine, EngineOutput, EngineRequest, EngineStats
+from natsched.workers.engine import UNREACHABLE_LEAVE_S, Engine, EngineOutput, EngineRequest, EngineStats
 from natsched.workers.errors import RunTimeout
 from natsched.workers.limits import limited
 from natsched import tracing
@@ -69,7 +69,7 @@ class WorkerSettings:
     calibration_timeout_s: float = 3.0
     backoff: BackoffSettings = field(default_factory=BackoffSettings)
     metrics_port: int | None = None  # serve Prometheus metrics here (natsched.workers.metrics)
-    unreachable_leave_s: float = 5.0  # an engine server silent this long: the worker leaves until it is back
+    unreachable_leave_s: float = UNREACHABLE_LEAVE_S  # a silent engine server: the worker leaves until it is back
 
 
 class WorkerAgent:
@@ -516,7 +516,9 @@ class WorkerAgent:
             return False
         if self.state not in ("healthy", "backoff") and not self._away:
             return True  # drained or failed: stays so
-        if st.unreachable_s >= self.settings.unreachable_leave_s:
+        # backoff is announced before leaving, even when a stalled heartbeat finds the server
+        # silent past the leave time already: the router (and the operator) see it back off first
+        if self._away or (st.unreachable_s >= self.settings.unreachable_leave_s and self.state == "backoff"):
             if not self._away:
                 log.warning("worker %s leaving until its engine server is back (silent %.1fs: %s)", self.id,
                             st.unreachable_s, st.unreachable_reason)

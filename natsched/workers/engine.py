@@ -47,6 +47,11 @@ class EngineOutput:
     error: str | None = None  # set with finished=True when the engine refused or failed
 
 
+#: how long an engine server may not answer before its worker leaves (WorkerSettings.unreachable_leave_s,
+#: ``--unreachable-leave``): long enough to ride out a restart's first seconds and a slow scrape
+UNREACHABLE_LEAVE_S = 5.0
+
+
 @dataclass
 class EngineStats:
     running: int = 0

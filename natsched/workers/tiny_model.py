@@ -94,3 +94,43 @@ def _write_tokenizer(path: Path) -> None:
         "model_max_length": CONFIG["max_position_embeddings"],
         "chat_template": CHAT_TEMPLATE,
     }, indent=1))
+
+
+#: the projections a tiny LoRA adapter adapts: every attention projection of each layer (PEFT's names;
+#: vLLM maps q/k/v onto its packed ``qkv_proj``)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def write_tiny_lora(directory: str | Path, rank: int = 8, seed: int = 0, scale: float = 0.05) -> Path:
+    """A LoRA adapter for the tiny model, in PEFT's on-disk format, with small random weights.
+
+    ``adapter_config.json`` (rank, alpha, the target modules) and ``adapter_model.safetensors``
+    (``lora_A`` ``[rank, in]`` and ``lora_B`` ``[out, rank]`` per layer and projection, under
+    PEFT's ``base_model.model.`` prefix) are what ``vllm serve --lora-modules NAME=PATH`` loads;
+    written here with torch and safetensors, nothing downloaded. ``lora_B`` is not zero (PEFT's
+    init), so the adapter does change the model's output: a request that runs with it answers
+    differently from the base model.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    hidden = CONFIG["hidden_size"]
+    head_dim = hidden // CONFIG["num_attention_heads"]
+    kv = CONFIG["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(CONFIG["num_hidden_layers"]):
+        for name, (fan_in, fan_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * scale
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "target_modules": list(LORA_TARGETS), "lora_dropout": 0.0, "bias": "none",
+        "base_model_name_or_path": None, "fan_in_fan_out": False, "modules_to_save": None,
+    }, indent=1))
+    return path

@@ -47,10 +47,13 @@ async def test_allowed_requests_go_straight_to_work_and_are_audited_as_before(bu
         assert {r.worker for r in results} == {"w1", "w2"}  # the inline least_loaded spreads a burst
         assert await bus.stream_last_seq(S.STREAM_ADMITTED) == 0  # no hand-off was ever stored
         assert await bus.stream_last_seq(S.STREAM_WORK) == 6
-        decisions = await _decisions(bus)
+        stored = await _decisions(bus)  # one message per request: the routing record holds the admission one
+        assert len(stored) == 6 and all(d.stage == "routing" and d.admission is not None for d in stored)
+        decisions = [record for d in stored for record in d.unfolded()]
         assert sorted((d.stage, d.decision) for d in decisions) == (
             [("admission", "allow")] * 6 + [("routing", "assign")] * 6)
         assert {d.worker for d in decisions if d.stage == "routing"} == {"w1", "w2"}
+        assert {d.by for d in decisions if d.stage == "admission"} == {stack.admitter.settings.name}
         assert await wait_for(lambda: stack.admitter.shared.usage.used == 0)  # every reservation released
         assert stack.router.metrics.assignments.labels("least_loaded", "w1")._value.get() >= 1
     finally:
@@ -150,3 +153,39 @@ async def test_up_inline_routing_under_auth_serves_a_request_without_a_router(tm
             assert proc.wait(timeout=30) == 0
     refused = [line for line in err.read_text().splitlines() if "permissions violation" in line.lower()]
     assert not refused, f"the inline-routing admitter was refused a permission: {refused[:3]}"
+
+
+class _Held:
+    """The redelivered copy's delivery: only its ack is used."""
+
+    acked = False
+
+    async def ack(self) -> None:
+        self.acked = True
+
+
+async def test_an_allow_handed_off_again_is_recorded_again_when_its_record_rode_with_the_routing_one(bus, nats_url):
+    """Inline, an allow's record is stored inside the routing record, after the WORK message: an
+    admitter killed between the two left no record of the allow, so the redelivered copy's
+    hand-off records it again, from the reservation."""
+    from natsched.admitter.shared import Reservation
+
+    stack = await start_stack(nats_url, inline_routing=True)
+    try:
+        req = make_request("t1", "redelivered after its allow", max_tokens=2)
+        res = Reservation(req.id, req.tenant, req.model, 40, 123.0, "admitter-dead")
+        held = _Held()
+        await stack.admitter._hand_off_again(req, held, res)
+        assert held.acked
+        records = []
+
+        async def allow_recorded() -> bool:
+            records[:] = [d for d in await _decisions(bus) if d.stage == "admission"]
+            return bool(records)
+
+        assert await wait_for(allow_recorded)
+        (allow,) = records
+        assert (allow.decision, allow.reason, allow.ts, allow.by, allow.runtime_tokens) == (
+            "allow", "redelivered", 123.0, "admitter-dead", 40)
+    finally:
+        await stack.close()

@@ -48,3 +48,43 @@ async def test_a_model_whose_workers_went_silent_is_forgotten(nats_url):
         assert adm.core.served_models is None
     finally:
         await stack.close()
+
+
+async def test_a_lora_adapter_a_fronted_server_serves_is_admitted(nats_url):
+    """A worker fronting ``vllm serve --lora-modules ada=...`` names the adapter in its heartbeat's
+    ``served``: the adapter is a served model for admission (it was refused as unknown before)."""
+    from natsched.wire import subjects as S
+    from natsched.wire.schema import Heartbeat, ServedModel, WorkerId
+
+    stack = await start_stack(nats_url, workers=1)
+    try:
+        adm = stack.admitter
+        assert await wait_for(lambda: adm.core.served_models == frozenset({"default"}))
+        hb = Heartbeat(worker=WorkerId("lora1"), seq=1, ts=time.time(), model="default", interval=0.2,
+                       served=[ServedModel(id="default"), ServedModel(id="ada", parent="default")])
+        await stack.client.bus.publish(S.heartbeat(WorkerId("lora1")), hb)
+        assert await wait_for(lambda: adm.core.served_models == frozenset({"default", "ada"}))
+        assert adm.core.evaluate(make_request("t", "hello", model="ada", max_tokens=4), time.time()).decision != REJECT
+        dec = adm.core.evaluate(make_request("t", "hello", model="bob", max_tokens=4), time.time())
+        assert dec.reason == "unknown_model" and "served: ada, default" in dec.message
+    finally:
+        await stack.close()
+
+
+async def test_a_served_model_no_worker_can_take_fails_naming_who_serves_it(nats_url):
+    """Past admission (the model is served), the router's ``no_worker`` says which workers serve
+    the model and in what state (it used to say only "no healthy worker")."""
+    from natsched.client.errors import RequestFailed
+    from natsched.wire import subjects as S
+    from natsched.wire.schema import Control, WorkerId
+
+    stack = await start_stack(nats_url, workers=1, no_worker_wait_s=0.5)
+    try:
+        await stack.client.bus.publish(S.control(WorkerId("w1")), Control(kind="drain", ts=time.time(), by="test"))
+        assert await wait_for(lambda: stack.router.core.workers["w1"].state == "quiescing")
+        with pytest.raises(RequestFailed) as err:
+            await stack.client.submit(make_request("t", "hello", model="default", max_tokens=4))
+        assert err.value.reason == "no_worker"
+        assert "no worker serving model 'default' can take it now (w1 quiescing)" in str(err.value)
+    finally:
+        await stack.close()

@@ -33,6 +33,28 @@ async def test_an_online_request_tells_its_whole_story(stack, bus):
     assert story["outcome"] == "completed"
 
 
+async def test_an_inline_routed_request_tells_the_same_story_from_one_record(bus, nats_url):
+    """Inline routing stores the admission record inside the routing one: the audit (story and
+    window) still shows both decisions with their inputs."""
+    from natsched.wire.schema import Decision
+    from tests.factories.stack import start_stack
+
+    stack = await start_stack(nats_url, inline_routing=True)
+    try:
+        started = time.time() - 1
+        await stack.client.submit(make_request("t1", "inline audit", max_tokens=2, id="inl1"))
+        stored = [Decision.decode(d) for _, d in await bus.stream_messages(S.STREAM_DECISIONS)]
+        assert [(d.stage, d.request_id) for d in stored] == [("routing", "inl1")]
+        story = await audit_request(bus, "inl1")
+        assert [(e["stage"], e["what"]) for e in story["events"]] == [
+            ("submitted", "stored"), ("admission", "allow"), ("routing", "assign"), ("completion", "ok")]
+        assert story["events"][1]["budget"]["total"] == stack.admitter.total and story["admission"] == "allow"
+        window = await audit_window(bus, started, tenant="t1")
+        assert set(window["decisions"]) == {"admission.allow", "routing.assign"}
+    finally:
+        await stack.close()
+
+
 async def test_a_rejected_request_ends_with_its_reason(stack, bus):
     with pytest.raises(Rejected):
         await stack.client.submit(make_request("t1", "x", max_tokens=0, id="rej1"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from natsched.cli.app import build_parser
-from natsched.cli.up import up_settings
+from natsched.cli.up import up_settings, worker_settings
 from natsched.hosting.supervisor import Supervisor
 
 
@@ -26,6 +26,32 @@ def test_one_agent_per_server_with_its_url_and_kv_events():
         assert parsed.kv_events == f"tcp://{host}:5557" and parsed.ignore_eos
 
 
+def test_replay_sockets_and_the_leave_time_reach_every_agent():
+    kids = plan("--engine", "vllm-server", "--vllm-url", "http://a:8000", "--vllm-url", "http://b:8000",
+                "--kv-events", "tcp://a:5557", "--kv-events", "tcp://b:5557", "--kv-replay", "tcp://a:5558",
+                "--unreachable-leave", "2.5")
+    for kid, replay in zip(kids, ["tcp://a:5558", None]):
+        parsed = build_parser().parse_args(kid.args[kid.args.index("--log-level") + 2:])
+        assert parsed.kv_replay == replay  # the second server has no replay socket named: none
+        settings = worker_settings(parsed, "tiny", None)  # what the worker command gives its agent
+        assert settings.unreachable_leave_s == 2.5 and settings.id == kid.name.split()[1]
+
+
+def test_the_worker_command_gives_its_agent_the_leave_time():
+    args = build_parser().parse_args(["worker", "--id", "g1", "--engine", "vllm-server", "--url", "http://a:1",
+                                      "--unreachable-leave", "0.75"])
+    assert worker_settings(args, "tiny", None).unreachable_leave_s == 0.75
+    default = build_parser().parse_args(["worker", "--id", "g1", "--engine", "vllm-server", "--url", "http://a:1"])
+    assert worker_settings(default, "tiny", None).unreachable_leave_s == 5.0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
+def test_a_bad_leave_time_is_refused_by_the_parser(value, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--unreachable-leave", value])
+    assert "--unreachable-leave" in capsys.readouterr().err
+
+
 def test_a_server_without_kv_events_runs_without_cache_summaries():
     (kid,) = plan("--engine", "vllm-server", "--vllm-url", "http://a:8000")
     assert "--kv-events" not in kid.args and "--url" in kid.args
@@ -36,6 +62,9 @@ def test_a_server_without_kv_events_runs_without_cache_summaries():
     (["--vllm-url", "http://a:8000"], "needs --engine vllm-server"),
     (["--engine", "vllm-server", "--vllm-url", "http://a:1", "--kv-events", "tcp://a:1", "--kv-events", "tcp://b:1"],
      "more --kv-events"),
+    (["--engine", "vllm-server", "--vllm-url", "http://a:1", "--kv-replay", "tcp://a:2", "--kv-replay", "tcp://b:2"],
+     "more --kv-replay"),
+    (["--kv-replay", "tcp://a:2"], "--kv-replay needs --engine vllm-server"),
 ])
 def test_bad_combinations_are_refused(flags, match):
     with pytest.raises(ValueError, match=match):

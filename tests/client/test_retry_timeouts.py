@@ -39,6 +39,7 @@ def test_what_is_retried_and_what_is_not():
     assert retry.next_delay(rejected(1.0), 1, False, now, None) is not None
     assert retry.next_delay(rejected(None, "invalid_class"), 1, False, now, None) is None  # refused as sent
     assert retry.next_delay(RequestFailed("x", "r1", "no_worker"), 1, False, now, None) is not None
+    assert retry.next_delay(RequestFailed("x", "r1", "server_unavailable"), 1, False, now, None) is not None
     assert retry.next_delay(RequestFailed("x", "r1", "engine_error"), 1, False, now, None) is None
     assert retry.next_delay(RequestTimeout("x", "r1", "total"), 1, False, now, None) is None
     assert retry.next_delay(rejected(1.0), 3, False, now, None) is None  # attempts spent

@@ -64,6 +64,15 @@ def test_queue_depth_counts_requests_whose_last_record_is_queue():
     assert queues == {"online": (1, 1000), "batch": (1, 10000), "offline": (0, 0)}
 
 
+def test_an_allow_inside_an_inline_routing_record_ends_the_queue_wait():
+    state = StatusState()
+    state.on_decision(make_decision("q1", decision="queue", cls="batch"))
+    routing = make_decision("q1", decision="assign", stage="routing", cls="batch")
+    routing.admission = make_decision("q1", decision="allow", cls="batch").to_wire()
+    state.on_decision(routing)
+    assert {q.cls: q.depth for q in state.view({}, None, NOW).queues}["batch"] == 0
+
+
 def test_rejections_are_counted_by_reason_within_the_window():
     state = StatusState(StatusSettings(window_s=60))
     state.on_decision(make_decision("old", decision="reject", reason="quota_exhausted", ts=NOW - 120))

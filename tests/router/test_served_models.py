@@ -55,6 +55,17 @@ def test_an_adapter_unloaded_from_a_worker_is_no_longer_served_there():
     assert core.candidates(make_req("r1", model="sql"), NOW) == []
 
 
+def test_no_worker_names_the_unserved_model_and_the_served_ones():
+    core = core_with({"w0": [card("llama"), card("sql", "llama")], "w1": [card("llama")]})
+    why = core.registry.why_no_worker("ada", NOW)
+    assert "'ada'" in why and "served: llama, sql" in why and "no worker serves" in why
+    core.on_heartbeat(make_hb("w0", seq=3, model="llama", state="quiescing",
+                              served=[card("llama"), card("sql", "llama")]), NOW)
+    assert core.route(make_req("r1", model="sql"), NOW).worker is None
+    assert core.registry.why_no_worker("sql", NOW) == "no worker serving model 'sql' can take it now (w0 quiescing)"
+    assert "w0 stale" in core.registry.why_no_worker("sql", NOW + 60)  # silent: says so
+
+
 def test_the_model_list_has_vllms_fields_for_every_served_model_and_adapter():
     state = StatusState()
     state.on_heartbeat(Heartbeat(worker="w0", seq=1, ts=NOW, model="llama",

@@ -168,3 +168,26 @@ def test_a_message_without_an_ack_subject_is_no_delivery():
 
     with pytest.raises(Error):
         Delivery(_Msg("")).num_delivered
+
+
+def test_a_routing_record_unfolds_into_the_admission_record_it_carries():
+    from natsched.wire.schema import Decision
+
+    admission = Decision(request_id="r1", tenant="t", stage="admission", decision="allow", ts=1.0,
+                         budget={"total": 10})
+    routing = Decision(request_id="r1", tenant="t", stage="routing", decision="assign", ts=2.0, worker="w1",
+                       admission=admission.to_wire())
+    assert Decision.decode(routing.encode()).unfolded() == [admission, routing]
+    assert admission.unfolded() == [admission]
+    broken = Decision(request_id="r1", tenant="t", stage="routing", decision="assign", ts=2.0, admission={"ts": 1})
+    assert broken.unfolded() == [broken]  # an unreadable inner record is left out, the outer one kept
+
+
+@pytest.mark.parametrize("token", ["é" * 16, "\x00", ""])
+def test_a_fence_that_is_not_hex_is_refused_not_a_crash(token):
+    """A hostile worker's completion may carry any text as its fence; compare_digest raises on
+    non-ASCII text, which crashed the completion handlers (found by the services' fuzz test)."""
+    from natsched.wire import fence
+
+    assert fence.verify(None, token, "r1", "w1", 0) is False
+    assert fence.verify(None, fence.sign(None, "r1", "w1", 0), "r1", "w1", 0) is True

@@ -79,6 +79,13 @@ async def test_a_silent_server_sends_the_agent_to_backoff_then_away_and_back(bus
         assert not agent._stopped.is_set()  # away, not drained: the process stays to come back
         engine.st.unreachable_s = 0.0
         assert await wait_for(lambda: hbs[-1].state == "healthy")
+        # a heartbeat that comes late (a loaded machine) and finds the server silent past the
+        # leave time already still announces backoff once before the leave
+        seen = len(hbs)
+        engine.st.unreachable_s = 5.0
+        assert await wait_for(lambda: hbs[-1].state == "quiescing")
+        states = [h.state for h in hbs[seen - 1:]]
+        assert [s for i, s in enumerate(states) if i == 0 or states[i - 1] != s] == ["healthy", "backoff", "quiescing"]
     finally:
         await agent.stop()
 
