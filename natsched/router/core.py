@@ -176,10 +176,14 @@ class RouterCore:
             if log_ is None:
                 log_ = self.predictions[w] = deque(maxlen=keep)
             log_.append((n, c.ttft, a.pred_ttft_s, a.fixed_ttft_s))
-        ratio = completion_ratio(c.ttft, a.pred_ttft_s, c.tpot, a.pred_tpot_s)
-        # judged against its *learned* prediction only: the fixed model is no yardstick for a worker
-        # of another GPU or model, nor is a prior that has not met the worker yet
-        if ratio is not None and self.costs.settings.enabled and self.costs.samples(w) >= self.health.settings.min_learned:
+        ratio = completion_ratio(c.ttft, a.pred_ttft_s, c.tpot, a.pred_tpot_s, c.output_tokens,
+                                 self.registry.prefill_since(w, a.prefill_mark), a.kv_queued)
+        # judged against a *learned* prediction only: the fixed model is no yardstick for a worker
+        # of another GPU or model, nor is a prior that has not met the worker yet — and that at
+        # routing time: a long request routed on the prior and completed after the model learned
+        # was judged against the prior (an L4 decoding at 14x the H100 constants' step: half-open)
+        if ratio is not None and a.pred_learned and self.costs.settings.enabled and \
+                self.costs.samples(w) >= self.health.settings.min_learned:
             self.health.observe(w, ratio, now)
             self.costs.freeze(w, self.health.learning_frozen(w, now))
 
@@ -214,10 +218,14 @@ class RouterCore:
         them, for a LoRA adapter's request, those with the adapter loaded (:func:`prefer_loaded`)."""
         eligible = self.registry.eligible
         out = prefer_loaded([w for w in self.workers.values() if eligible(w, req, now)], req.model)
-        if not out and any(self.health.is_half_open(w) for w in self.workers):
-            # a half-open worker is slow, not gone: when nothing else can take it, it may
-            out = prefer_loaded([w for w in self.workers.values() if eligible(w, req, now, ignore_health=True)],
-                                req.model)
+        if not out:
+            # panic (Envoy's panic threshold, reduced to its rule): a half-open worker is slow and a
+            # backoff worker full, not gone; when no worker of the model would take the request
+            # otherwise, they may. Holding it back instead only moves the queue from the engine
+            # (first come, first served, started the moment KV frees) to the router's retry loop
+            # (every retry_delay_s, in no order, refused after no_worker_wait_s): hetero's second
+            # model on 2 L4s, both in backoff, waited 10 s, was refused and retried (TTFT p99 33 s)
+            out = prefer_loaded([w for w in self.workers.values() if eligible(w, req, now, panic=True)], req.model)
         return out
 
     def route(self, req: RouteRequest, now: float) -> RouteDecision:
@@ -276,6 +284,9 @@ class RouterCore:
         a.pred_tpot_s = wc.step_s(a.batch_kv, a.batch)
         a.pred_e2e_s = a.pred_ttft_s + max(0, output - 1) * a.pred_tpot_s
         a.fixed_ttft_s = base.backlog_s(view) + base.prefill_ctx_s(uncached, cached)
+        cap = view.capacity_tokens
+        a.kv_queued = view.waiting > 0 or (cap > 0 and view.load_tokens + a.kv_tokens > cap)
+        a.pred_learned = self.costs.samples(a.worker) >= self.health.settings.min_learned
 
     def _audit(self, decision: RouteDecision, w: WorkerId, now: float) -> None:
         """Every policy's audit terms name the cost estimate behind the pick, and a half-open pick."""
@@ -364,9 +375,11 @@ class RouterCore:
             if age <= factor * a.pred_e2e_s:
                 continue
             view = views.get(a.worker)
-            if view is None or self.costs.samples(a.worker) < hs.min_learned:
+            if view is None or not a.pred_learned or self.costs.samples(a.worker) < hs.min_learned:
                 continue
-            if age > factor * a.pred_e2e_s + self.costs.of(a.worker).wait_s(view, now):
+            # and the prefill routed behind it, which its decode steps share (see completion_ratio)
+            allowance = self.costs.of(a.worker).wait_s(view, now) + self.registry.prefill_since(a.worker, a.prefill_mark)
+            if age > factor * a.pred_e2e_s + allowance:
                 a.overdue = True
                 self.health.observe(a.worker, age / a.pred_e2e_s, now, completed=False)
                 self.costs.freeze(a.worker, self.health.learning_frozen(a.worker, now))

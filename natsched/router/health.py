@@ -79,13 +79,28 @@ class HealthSettings:
             raise ConfigError("health: probe_share within [0, 1], short_prompt_tokens >= 0")
 
 
-def completion_ratio(ttft: float | None, pred_ttft: float, tpot: float | None, pred_tpot: float) -> float | None:
-    """Observed / predicted of one completion (the smaller of TTFT's and TPOT's), or None."""
+def completion_ratio(ttft: float | None, pred_ttft: float, tpot: float | None, pred_tpot: float,
+                     output_tokens: int = 0, interleaved_s: float = 0.0, queued: bool = False) -> float | None:
+    """Observed / predicted of one completion (the smaller of TTFT's and TPOT's), or None — the
+    prediction *given the queue the request met*, because queueing delay is not slowness:
+
+    - ``interleaved_s``: seconds of prefill routed to the worker after this request (first come,
+      first served: behind its first token, so computed during its decode). An engine with chunked
+      prefill runs them inside the decode steps, so the request's decode took
+      ``(output_tokens - 1) x pred_tpot + interleaved_s`` on a worker at its normal speed; its TPOT
+      is judged against that. A loaded L4 taking one long prompt after another decoded at 1.4-1.6x
+      its bare step time, healthy, and went half-open (hetero, elastic);
+    - ``queued``: when it was routed the worker had requests waiting for KV room (or this one did
+      not fit): its TTFT includes a wait for memory that the prefill-queue prediction does not
+      know, so the TTFT is no evidence (4-5 s against a predicted 1-2 s on a full, healthy L4).
+    A slowed worker still shows its slowdown: every step and every prefill of it takes longer."""
     parts = []
-    if ttft is not None and ttft > 0 and pred_ttft > 0:
+    if ttft is not None and ttft > 0 and pred_ttft > 0 and not queued:
         parts.append(ttft / pred_ttft)
     if tpot is not None and tpot > 0 and pred_tpot > 0:
-        parts.append(tpot / pred_tpot)
+        steps = output_tokens - 1
+        allowed = pred_tpot + (interleaved_s / steps if steps > 0 and interleaved_s > 0 else 0.0)
+        parts.append(tpot / allowed)
     if not parts or not all(math.isfinite(p) for p in parts):
         return None
     return min(parts)

@@ -245,7 +245,7 @@ class NatschedPolicy:
             pressure = p.churn_weight * compute * churn[w.id] / mean_churn if churn else 0.0
             sticky_bonus = max(p.stickiness_s, p.stickiness * est) if w.id == sticky else 0.0
             age = now - w.joined_at
-            warm = p.warmup_boost * (1.0 - age / p.warmup_s) * wc.prefill_s(prompt) if age < p.warmup_s else 0.0
+            warm = self._warmup(wc, prompt, age, locality)
             home_bonus = p.home_bonus * est if w.id == home else 0.0
             s = est - cache + pressure - sticky_bonus - warm - home_bonus
             scores[w.id] = s
@@ -254,6 +254,18 @@ class NatschedPolicy:
                                "cache_bonus": cache, "pressure": pressure, "sticky": sticky_bonus, "warmup": warm,
                                "home": home_bonus, "score": s, "host_tokens": ht, **costs.describe(w.id)}
         return scores
+
+    def _warmup(self, wc, prompt: int, age: float, locality: float) -> float:
+        """The warm-up bonus: a worker ``age`` seconds old is scored as if ``warmup_boost`` of the
+        prompt were cached on it (decaying to nothing over ``warmup_s``) — *as* cached tokens count:
+        their prefill saved (physics) plus ``locality`` x it (their future value). Counting only
+        the first part made the boost worth a sixth of a real match at low load: two cold L4s
+        joining six warm ones got no request for 40-60 s (elastic), while the warm ones queued."""
+        p = self.p
+        if age >= p.warmup_s:
+            return 0.0
+        tokens = p.warmup_boost * (1.0 - age / p.warmup_s) * prompt
+        return (1.0 + locality) * wc.prefill_ctx_s(tokens)
 
     # ------------------------------------------------------------------ stickiness
 

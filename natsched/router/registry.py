@@ -3,7 +3,8 @@
 States (the worker reports the first three in ``Heartbeat.state``; the router derives the rest)::
 
     HEALTHY     takes any new work
-    BACKOFF     overloaded or erroring: takes only short requests (cheap to run, cheap to lose)
+    BACKOFF     overloaded or erroring: takes only short requests (cheap to run, cheap to lose) —
+                unless no worker of the model would take the request otherwise (panic)
     QUIESCING   draining before shutdown: takes nothing new
     REREGISTER  came back with a new ``started_at`` (or said "reregister"): its cache claims were
                 dropped and it takes nothing until the router's index has its fresh state
@@ -92,6 +93,10 @@ class Assignment:
     pred_e2e_s: float = 0.0  # first token + its expected decode: past slow_factor x this it is overdue
     overdue: bool = False  # already counted as overdue (natsched.router.health)
     host_tokens: int = 0  # expected cached tokens in the worker's host tier (loaded, not recomputed)
+    # the queue it met, for judging its latency (natsched.router.health.completion_ratio)
+    prefill_mark: float = 0.0  # the worker's prefill-seconds counter right after this assignment
+    kv_queued: bool = False  # requests waited for KV room on the worker (or this one had none)
+    pred_learned: bool = False  # the prediction came from a model learned from enough samples
 
 
 class WorkerRegistry:
@@ -111,6 +116,7 @@ class WorkerRegistry:
         self._reported: dict[WorkerId, str] = {}
         self._awaiting: set[WorkerId] = set()  # re-registered, waiting for fresh cache state
         self._stale: set[WorkerId] = set()
+        self._prefill_s: dict[WorkerId, float] = {}  # per worker: prefill seconds routed to it, ever
 
     # ------------------------------------------------------------------ heartbeats
 
@@ -229,6 +235,13 @@ class WorkerRegistry:
         view.pending_tokens += a.kv_tokens
         view.pending_prefill_tokens += a.prefill_tokens
         view.busy_until = advance(view.busy_until or 0.0, a.routed_at, a.prefill_s)
+        a.prefill_mark = self._prefill_s[a.worker] = self._prefill_s.get(a.worker, 0.0) + a.prefill_s
+
+    def prefill_since(self, w: WorkerId, mark: float) -> float:
+        """Seconds of prefill routed to ``w`` since its counter read ``mark`` (an assignment's
+        ``prefill_mark``): the work queued behind that request."""
+        d = self._prefill_s.get(w, 0.0) - mark
+        return d if d > 0.0 else 0.0
 
     def on_completion(self, rid: RequestId, worker: WorkerId | None, runtime_tokens: int) -> Assignment | None:
         """Release a finished request's load; returns our assignment of it, if we made one."""
@@ -264,18 +277,19 @@ class WorkerRegistry:
             return WorkerState.HALF_OPEN
         return WorkerState(view.state) if view.state in _REPORTED else view.state
 
-    def eligible(self, view: WorkerView, req: RouteRequest, now: float, ignore_health: bool = False) -> bool:
+    def eligible(self, view: WorkerView, req: RouteRequest, now: float, panic: bool = False) -> bool:
         """May ``view`` take ``req`` now? Only if it serves the request's model (its own, or one
         of its ``served`` models and adapters); then Healthy: yes (half-open: batch, short or probe
-        requests); Backoff: short prompts only; else no."""
+        requests); Backoff: short prompts only; else no. ``panic`` (no worker of the model would
+        take it otherwise): half-open and backoff workers take anything."""
         if (view.model != req.model and req.model not in view.serves) or \
                 now - view.last_heartbeat > self.silence_limit(view):
             return False
         if view.id in req.avoid:
             return False
         if view.state == "healthy":
-            return ignore_health or self.health.admits(view.id, req.id, req.cls, req.prompt_tokens)
-        return view.state == "backoff" and req.prompt_tokens <= self.settings.backoff_max_prompt_tokens
+            return panic or self.health.admits(view.id, req.id, req.cls, req.prompt_tokens)
+        return view.state == "backoff" and (panic or req.prompt_tokens <= self.settings.backoff_max_prompt_tokens)
 
     def why_no_worker(self, model: str, now: float) -> str:
         """Why a request for ``model`` (a base model or a LoRA adapter) found no worker, for its
@@ -317,3 +331,4 @@ class WorkerRegistry:
         self._reported.pop(w, None)
         self._awaiting.discard(w)
         self._stale.discard(w)
+        self._prefill_s.pop(w, None)

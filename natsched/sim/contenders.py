@@ -94,7 +94,7 @@ class NatschedGate:
         if now < self._next_dynamic:
             return
         self._next_dynamic = now + self.dynamic.settings.interval_s
-        used = sum(w.core.runtime_tokens() for w in self.sim.live_workers())
+        used = sum(w.engine.stats().runtime_tokens for w in self.sim.live_workers())  # what heartbeats say
         cap = self._capacity()
         self.core.set_total(self.dynamic.next_total(cap * 4, None, cap, used, reserved=self.core.used))
 

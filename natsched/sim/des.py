@@ -552,9 +552,14 @@ class Simulator:
         self._push(now + d, _STEP_END, w, res)
 
     def _step_end(self, w: _Worker, res: StepResult, now: float) -> None:
-        w.stepping = False
         if not w.alive:  # it died during the step: nothing it computed is reported
+            w.stepping = False
             return
+        # ``stepping`` stays set until its results are handled: a completion below can release
+        # queued requests at the door (admission on_finish), routed to this very worker at once;
+        # they join its *next* step. Cleared first, each of them started a second step beside the
+        # one below, and an engine behind a queueing admission ran two steps at a time (TPOTs
+        # under one step's time for half the requests of burst under natsched and llm-d)
         if res.removed:
             self._publish_cache(w, "removed", res.removed, now)
         if res.stored:
@@ -565,6 +570,7 @@ class Simulator:
             self._publish_cache(w, "stored", res.host_stored, now, "host")
         for seq in res.finished:
             self._finish(w, seq, now)
+        w.stepping = False
         if w.core.has_work():
             self._step(w, now)
 
@@ -573,13 +579,15 @@ class Simulator:
         rr = self._route_reqs.pop(req.index)
         rec = self.records[req.index]
         rec.status = "ok"
-        rec.first_token = seq.first_token_at
+        first = seq.first_token_at
+        # a request re-run after its worker died (rescued, or retried by its client) streamed its
+        # first token on the attempt that died: that is when the client saw it
+        rec.first_token = first if rec.first_token is None or first is None else min(rec.first_token, first)
         rec.finish = now
         rec.cached_tokens = seq.cached_tokens
         self._done += 1
         self._end = now
         started = rec.routed + self.settings.net_delay_s
-        first = seq.first_token_at
         ttft = first - started if first is not None else None
         tpot = (now - first) / (seq.generated - 1) if first is not None and seq.generated > 1 else None
         self._send(now, self._deliver_completion, Completion(
@@ -624,6 +632,12 @@ class Simulator:
         # (their completions were never published)
         mine = [sid for sid, req in self._by_seq_id.items() if self.records[req.index].worker == w.id]
         lost = [self._by_seq_id.pop(sid) for sid in mine]
+        for sid, req in zip(mine, lost):  # first tokens it streamed before it died were seen
+            seq = w.core.seqs.get(sid)
+            first = seq.first_token_at if seq is not None else None
+            rec = self.records[req.index]
+            if first is not None and first <= now and rec.first_token is None:
+                rec.first_token = first
         w.core.waiting.clear()
         w.core.running.clear()
         w.core.seqs.clear()

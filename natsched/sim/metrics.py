@@ -45,7 +45,7 @@ class RequestRecord:
     first_block: int | None  # hash of the first full block, or None
     worker: str | None = None
     routed: float | None = None  # when it was handed to a worker
-    first_token: float | None = None
+    first_token: float | None = None  # the first token the client saw (of any attempt)
     finish: float | None = None
     cached_tokens: int = 0
     expected_cached_tokens: int = 0

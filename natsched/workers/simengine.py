@@ -82,7 +82,11 @@ class SimEngine:
             waiting=len(c.waiting),
             kv_used_blocks=c.used_blocks,
             kv_total_blocks=c.kv_blocks,
-            runtime_tokens=c.runtime_tokens(),
+            # as the vLLM engines report it (vllm_engine, vllm_server): KV blocks in use, a prefix
+            # shared by many sequences counted once, plus the prefill still owed. The per-sequence sum
+            # (SimCore.runtime_tokens) counted a shared system prompt once per sequence: at an 80 % hit
+            # ratio the admitter's capacity-following total saw a full cluster at half its real use
+            runtime_tokens=c.used_blocks * c.block_size + c.queued_prefill_tokens(),
             queued_prefill_tokens=c.queued_prefill_tokens(),
             capacity_tokens=c.kv_blocks * c.block_size,
             preemptions=c.preemptions,

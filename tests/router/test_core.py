@@ -61,6 +61,18 @@ def test_candidates_follow_worker_states():
     assert {w.id for w in core.candidates(long_, NOW)} == {"w0", "w3"}
 
 
+def test_when_every_worker_is_in_backoff_a_long_prompt_still_has_somewhere_to_go():
+    """Panic: holding it in the router's retry loop only moves the engine's queue into the router
+    (out of order, refused after no_worker_wait_s); quiescing workers stay out."""
+    core = make_core(3)
+    core.on_heartbeat(make_hb("w0", seq=3, state="backoff"), NOW)
+    core.on_heartbeat(make_hb("w1", seq=3, state="backoff"), NOW)
+    core.on_heartbeat(make_hb("w2", seq=3, state="quiescing"), NOW)
+    assert {w.id for w in core.candidates(make_req(prompt_tokens=5000), NOW)} == {"w0", "w1"}
+    core.on_heartbeat(make_hb("w0", seq=4, state="healthy"), NOW)
+    assert {w.id for w in core.candidates(make_req(prompt_tokens=5000), NOW)} == {"w0"}  # not while one is healthy
+
+
 # ---------------------------------------------------------------- cache events
 
 

@@ -139,3 +139,71 @@ def test_the_fixed_model_is_no_yardstick():
     for i in range(20):
         complete(core, f"r{i}", 1.0 + i, 4.0)  # a 4x slower GPU than the constants: healthy, just slower
     assert core.health.state("w0") == HEALTHY
+
+
+# ------------------------------------------------------------------ queueing delay is not slowness
+
+def test_prefill_queued_behind_a_request_is_allowed_for_in_its_tpot():
+    # 101 tokens at 10 ms a step = 1 s of decode; 2 s of other prefill ran inside its steps: 30 ms each
+    assert completion_ratio(None, 0.0, 0.03, 0.01, output_tokens=101, interleaved_s=2.0) == pytest.approx(1.0)
+    assert completion_ratio(None, 0.0, 0.03, 0.01, output_tokens=101) == pytest.approx(3.0)  # without: "3x slow"
+    # a slowed worker is still slow: its steps and the prefill beside them both take three times as long
+    assert completion_ratio(None, 0.0, 0.09, 0.01, output_tokens=101, interleaved_s=2.0) == pytest.approx(3.0)
+
+
+def test_a_ttft_that_waited_for_kv_room_is_no_evidence():
+    assert completion_ratio(5.0, 1.0, 0.01, 0.01, queued=True) == pytest.approx(1.0)  # the TPOT alone
+    assert completion_ratio(5.0, 1.0, None, 0.0, queued=True) is None
+    assert completion_ratio(5.0, 1.0, 0.01, 0.01) == pytest.approx(1.0)  # the smaller of the two, as before
+
+
+def test_a_busy_healthy_worker_stays_healthy_in_the_core():
+    """A full worker: requests wait for KV room (TTFT 3x the prefill-queue prediction) and each is
+    followed by more prefill on the same worker, which its decode steps share (TPOT well over the
+    bare step) — all of it queueing, explained by what the router itself sent there."""
+    core = learned_core()
+    t = 1.0
+    for i in range(40):
+        complete(core, f"warm{i}", t, 1.0)
+        t += 0.2
+    for w in ("w0", "w1"):
+        core.on_heartbeat(make_hb(w, seq=2, interval=600.0, waiting=3), t)
+    pending = []
+    for i in range(30):
+        rid = f"b{i}"
+        d = core.route(make_req(rid, prompt_tokens=2048, n_blocks=64, tag=rid), t)
+        pending.append((rid, d.worker, core.assignment(rid)))
+        t += 0.2
+    old_rule = 0
+    for rid, w, a in pending[:-4]:  # completed once the work routed behind them has run too
+        assert a.kv_queued
+        tpot = a.pred_tpot_s + core.registry.prefill_since(w, a.prefill_mark) / 19
+        old_rule += min(3.0, tpot / a.pred_tpot_s) > 2.0  # what the ratio was before queues were allowed for
+        core.on_completion(Completion(request_id=rid, tenant="t", status="ok", runtime_tokens=0, worker=w,
+                                      prompt_tokens=2048, output_tokens=20, ttft=a.pred_ttft_s * 3.0,
+                                      tpot=tpot), t)
+        t += 0.1
+    assert old_rule > 13  # most of them would have looked "2x slow"
+    assert core.health.changes() == 0 and core.health.state("w0") == core.health.state("w1") == HEALTHY
+
+
+def test_a_prediction_made_on_the_prior_is_not_judged():
+    """Long requests routed before the worker's model learned, completed after it had: their
+    predictions were the prior's (here 4x too fast), not the worker's."""
+    core = learned_core()
+    early = []
+    for i in range(4):
+        d = core.route(make_req(f"early{i}", prompt_tokens=2048, n_blocks=64, tag=f"early{i}"), 0.5)
+        early.append((f"early{i}", d.worker, core.assignment(f"early{i}")))
+    assert not any(a.pred_learned for _, _, a in early)
+    t = 1.0
+    for i in range(40):
+        complete(core, f"warm{i}", t, 1.0)
+        t += 0.2
+    t += 11.0  # the window holds only the early ones (long: the prefill routed behind them is a small allowance)
+    for rid, w, a in early:
+        core.on_completion(Completion(request_id=rid, tenant="t", status="ok", runtime_tokens=0, worker=w,
+                                      prompt_tokens=2048, output_tokens=2000, ttft=a.pred_ttft_s * 4.0,
+                                      tpot=a.pred_tpot_s * 4.0), t)
+        t += 0.1
+    assert core.health.changes() == 0

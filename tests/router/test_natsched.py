@@ -241,3 +241,13 @@ def test_wait_counts_down_from_busy_until_else_uses_tokens():
     assert m.wait_s(w, NOW + 1.5) == pytest.approx(0.5)
     assert m.wait_s(w, NOW + 3.0) == 0.0
     assert m.wait_s(make_view("w0", queued_prefill_tokens=35_000), NOW) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("held_blocks, winner", [(45, "w1"), (55, "w0")])
+def test_warmup_boost_is_worth_what_as_many_cached_tokens_are(held_blocks, winner):
+    """At full locality strength a new worker competes like a holder of ``warmup_boost`` of the
+    prompt: it wins against a smaller match and loses to a larger one (a boost worth only the
+    prefill saved lost to every match: cold workers got no work for a minute)."""
+    s = Setup(warmup_boost=0.5, warmup_s=60.0, churn_weight=0.0)  # 50 of the 100 blocks, as if cached
+    s.hold("w0", REQ.hashes[:held_blocks])
+    assert s.route(REQ, make_view("w0"), make_view("w1", joined_at=NOW - 1e-6)).worker == winner

@@ -140,7 +140,12 @@ def test_the_suite_is_bit_for_bit_reproducible(tiny_report):
                     m.pop("wall_s")
         return j
 
-    assert strip(again) == strip(tiny_report)
+    ref = strip(tiny_report)
+    assert strip(again) == ref
+    # two scenarios are prepared side by side in the pool: the same loads, the same numbers
+    other = parse_scenario({**copy.deepcopy(TINY), "name": "tiny2", "seed": 3}, "tiny2.yaml")
+    both = run_suite([parse_scenario(copy.deepcopy(TINY), "tiny.yaml"), other], SuiteSettings(jobs=2, progress=False))
+    assert strip(both)["scenarios"]["tiny"] == ref["scenarios"]["tiny"]
 
 
 def test_every_contender_finishes_every_request_one_way_or_another(tiny_report):
@@ -199,3 +204,15 @@ def test_the_command_runs_a_file_and_refuses_a_bad_one(tmp_path, capsys):
     assert "cluster.workers[0].profile: unknown profile 'h200'" in capsys.readouterr().err
     assert main(["bench", "scenarios", str(good), "--only", "nope", "--no-progress"]) == 1
     assert "no scenario named nope" in capsys.readouterr().err
+
+
+def test_quick_runs_two_loads_and_no_unjudged_variant():
+    raw = {**copy.deepcopy(TINY), "sweep": {"points": 3, "span": 0.2}}
+    raw.pop("contenders")
+    rep = run_suite([parse_scenario(raw, "tiny.yaml")], SuiteSettings(jobs=1, quick=True, progress=False))
+    j = rep["scenarios"]["tiny"]
+    assert j["loads"] == ["load0.8", "load1.2"] and j["verdict"] in ("ahead", "behind", "level")
+    assert "natsched-noadmit" not in j["runs"] and {"natsched", "llm-d", "dynamo"} <= set(j["runs"])
+    named = run_suite([parse_scenario(raw, "tiny.yaml")], SuiteSettings(jobs=1, quick=True, progress=False,
+                                                                          contenders=["natsched", "natsched-noadmit"]))
+    assert set(named["scenarios"]["tiny"]["runs"]) == {"natsched", "natsched-noadmit"}

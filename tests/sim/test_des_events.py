@@ -8,7 +8,7 @@ import pytest
 
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.policy import RouteDecision
-from natsched.sim.admission import ALLOW, REJECT
+from natsched.sim.admission import ALLOW, QUEUE, REJECT
 from natsched.sim.des import ClientRetry, SimSettings, Simulator, WorkerEvent, WorkerSpec, simulate
 from natsched.sim.errors import SimConfigError
 from natsched.workers.profiles import H100_LLAMA8B
@@ -94,6 +94,18 @@ def test_kill_with_rescue_reruns_the_work_elsewhere():
     assert min(r.routed for r in res.records) == pytest.approx(1.0 + 0.5 + 3.0)  # warm-up + kill + rescue
 
 
+def test_a_rescued_request_keeps_the_first_token_its_client_saw():
+    """It streamed its first token on w0 well before w0 died: that is its time to first token (the
+    re-run's first token comes seconds later); one that had none yet gets the re-run's."""
+    rows = [trace_row(0, ids=[100], n_out=2000), trace_row(490, ids=[101], n_out=2000)]
+    kill = WorkerEvent(0.5, "kill", "w0")
+    res = sim(rows, events=(kill,), rescue_s=3.0).run()
+    early, late = res.records
+    assert early.rescued == late.rescued == 1 and early.status == late.status == "ok"
+    assert early.first_token - early.arrival < 0.5  # before the death
+    assert late.first_token - late.arrival > 3.0  # after the rescue
+
+
 def test_kill_without_rescue_fails_to_the_client_who_retries():
     kill = WorkerEvent(0.5, "kill", "w0")
     # the router keeps choosing w0 until it misses two heartbeats (~2 s); the SDK's two retries
@@ -165,3 +177,38 @@ def test_a_request_finishing_inside_the_step_the_worker_dies_in_is_lost_not_stuc
     s.settings.events = (WorkerEvent(1e-4, "kill", "w0"),)
     res = s.run()
     assert res.records[0].status == "ok" and res.records[0].worker == "w1" and res.records[0].rescued == 1
+
+
+class ReleaseOnFinish:
+    """Queues every second request and lets one in at each completion (a door with a queue)."""
+
+    name = "door"
+    tick_s = 0.0
+
+    def __init__(self) -> None:
+        self.queue = []
+        self.n = 0
+
+    def admit(self, req, now):
+        self.n += 1
+        if self.n % 2:
+            return ALLOW
+        self.queue.append(req)
+        return QUEUE
+
+    def release(self, now):
+        return [self.queue.pop(0)] if self.queue else []
+
+    def on_finish(self, req, ok, now):
+        pass
+
+
+def test_a_request_released_by_a_completion_joins_the_next_step_not_a_second_one():
+    """One engine, one step at a time: a completion that lets a queued request in (routed to the
+    same worker at once) must not start a step beside the one that follows it."""
+    rows = [trace_row(i * 10.0, ids=[200 + i], n_out=20 + i) for i in range(12)]
+    res = sim(rows, admission=ReleaseOnFinish(), workers=1).run()
+    step = H100_LLAMA8B.memory_seconds(0) + H100_LLAMA8B.step_overhead_s
+    ok = [r for r in res.records if r.status == "ok"]
+    assert len(ok) == 12
+    assert all((r.finish - r.first_token) / (r.output_tokens - 1) >= step * 0.999 for r in ok)

@@ -147,3 +147,16 @@ def test_files_yaml_json_and_broken(tmp_path):
     with pytest.raises(ScenarioError, match="holds no"):
         find_scenarios([empty])
     assert [p.name for p in find_scenarios([tmp_path])] == ["a.json", "b.yaml", "c.json", "d.yaml"]
+
+
+def test_the_generalisation_files_load_and_name_workers_that_exist():
+    """natsched/sim/scenarios/variants: other clusters and traffic, never used to tune anything."""
+    from natsched.sim.scenario import BUILTIN_DIR, find_scenarios, load_scenario
+
+    paths = find_scenarios([BUILTIN_DIR / "variants"])
+    assert len(paths) >= 4
+    for p in paths:
+        sc = load_scenario(p)
+        n = sc.n_workers + sum(e.count for e in sc.events if e.kind == "add")
+        ids = {f"w{i:0{len(str(n - 1))}d}" for i in range(sc.n_workers)}
+        assert all(e.worker in ids for e in sc.events if e.kind in ("kill", "slow")), p.name

@@ -240,3 +240,20 @@ def test_host_tier_is_bounded_lru_and_reports_its_evictions():
     except ValueError:
         return
     raise AssertionError("host tier without bandwidth accepted")
+
+
+def test_simengine_reports_runtime_tokens_as_vllm_does_a_shared_prefix_once():
+    """Heartbeats carry what a vLLM engine reports (blocks in use x block size + prefill owed):
+    two sequences on one 96-token prefix hold its 6 blocks once, not twice."""
+    from natsched.workers.simengine import SimEngine
+
+    eng = SimEngine(H100_LLAMA8B, 16)
+    core = eng.core
+    core.add("a", 100, chain(6), 50, 0)
+    core.step(0)
+    core.add("b", 100, chain(6), 50, 0)
+    core.step(0.01)
+    st = eng.stats()
+    assert st.kv_used_blocks < 2 * 7  # the prefix's blocks are shared
+    assert st.runtime_tokens == st.kv_used_blocks * 16 + core.queued_prefill_tokens()
+    assert st.runtime_tokens < core.runtime_tokens()  # the per-sequence sum counts the prefix twice
