@@ -142,6 +142,7 @@ async def test_natsched_worker_vllm_server_process_fronts_a_server(bus, nats_url
             assert await wait_for(lambda: hbs and hbs[-1].model == "tiny", timeout=20)
             assert [(m.id, m.parent) for m in hbs[-1].served] == [("tiny", None), ("sql-lora", "tiny")]
             assert hbs[-1].kv_total_blocks == 256 and hbs[-1].block_size == 32  # from the server's metrics
+            assert hbs[-1].capacity_tokens == 256 * 32  # what the admitters' total sums
         finally:
             proc.terminate()
             await asyncio.to_thread(proc.wait, 30)
