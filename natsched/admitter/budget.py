@@ -183,7 +183,8 @@ def worst_case_held(plans: Iterable[BudgetPlan], states: Mapping[int, PartitionS
 def partition_quotas(quotas: Quotas, budget: int, total: int, partition: int, partitions: int) -> Quotas:
     """The quotas one partition's admitter core runs with: its budget as the total, its tenants'
     floors rescaled so a floor still means the same runtime tokens, model limits split in
-    proportion to the budget (the sum over partitions stays within each limit)."""
+    proportion to the budget, and so are the class limits (the sum over partitions stays within
+    each limit)."""
     if budget <= 0 or total <= 0:
         factor = 0.0
     else:
@@ -192,10 +193,13 @@ def partition_quotas(quotas: Quotas, budget: int, total: int, partition: int, pa
                for t, q in quotas.tenants.items() if partition_of(t, partitions) == partition}
     share = budget / total if total else 0.0
     models = {m: int(limit * share) for m, limit in quotas.models.items()}
+    # class limits are cluster-wide too: each partition holds its budget's share of each
+    classes = {c: int(limit * share) for c, limit in quotas.class_limits.items()}
     d = quotas.default_tenant
     default = TenantQuota(floor=min(1.0, d.floor * factor / partitions), weight=d.weight, cap=d.cap)
     floors = sum(q.floor for q in tenants.values()) + default.floor
     if floors > 1.0:  # a budget below the floors (it is still being raised): keep their proportions
         tenants = {t: replace(q, floor=q.floor / floors) for t, q in tenants.items()}
         default = replace(default, floor=default.floor / floors)
-    return replace(quotas, total=budget, hard_cap=None, tenants=tenants, models=models, default_tenant=default)
+    return replace(quotas, total=budget, hard_cap=None, tenants=tenants, models=models, default_tenant=default,
+                   class_limits=classes)

@@ -60,5 +60,13 @@ class AdmitterMetrics:
                                            "since rescued (stale)", ["reason"], registry=r)
         self.grown = Counter("natsched_admission_grown_runtime_tokens",
                              "Runtime tokens added to reservations their requests ran past", registry=r)
+        # class limits and loans (natsched.admitter.classes)
+        self.class_tokens = Gauge("natsched_admission_class_tokens",
+                                  "Runtime tokens by class: kind=used (held, borrowed part included), limit "
+                                  "(-1: none), borrowed (of lower classes' limits), lent (to higher classes)",
+                                  ["class", "kind"], registry=r)
+        self.borrowed = Counter("natsched_admission_borrowed_runtime_tokens",
+                                "Runtime tokens admissions of a class borrowed of a lower class's limit",
+                                ["borrower", "lender"], registry=r)
         self.bad_quota_entries = Counter("natsched_admission_bad_quota_entries", "Corrupted quota entries ignored",
                                          registry=r)

@@ -30,6 +30,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from natsched.admitter.classes import CLASS_LIMIT, ClassBook
 from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
 from natsched.admitter.errors import AdmitterError, SettingsError
 from natsched.admitter.policy import AdmissionSettings, runtime_tokens, validate
@@ -120,7 +121,9 @@ class IdleGate:
             if (quota.cap is not None and new.tenant(req.tenant) + cost > quota.cap) or \
                     (model_limit is not None and new.model(req.model) + cost > model_limit):
                 continue  # this tenant / model is at its limit: others may still run
-            new = new.plus(req.tenant, req.model, cost, self.is_long(cost))
+            if not _offline_room(new, quotas, cost):
+                break  # the offline class is at its limit (what it lent included): oldest first
+            new = new.plus(req.tenant, req.model, cost, self.is_long(cost), S.OFFLINE)
             out.takes.append((i, cost))
         out.usage = new if out.takes else None
         return out
@@ -138,7 +141,19 @@ class IdleGate:
         limit = quotas.model_limit(req.model)
         if limit is not None and cost > limit:
             return "model_limit", f"{cost} runtime tokens exceed model {req.model!r}'s limit {limit}"
+        offline = quotas.class_limit(S.OFFLINE)
+        if offline is not None and cost > offline:
+            return CLASS_LIMIT, f"{cost} runtime tokens exceed the offline class limit {offline}"
         return None
+
+
+def _offline_room(usage: Usage, quotas: Quotas, cost: int) -> bool:
+    """Whether the offline class limit (``class.offline.limit``) has ``cost`` free: everything
+    the offline path runs counts in class offline, and what online or batch borrowed of it is not
+    free (natsched.admitter.classes); it borrows from no one."""
+    book = ClassBook(quotas.class_limits, dict(usage.classes), dict(usage.loans))
+    room = book.room(S.OFFLINE)
+    return room is None or cost <= room
 
 
 # ------------------------------------------------------------------ pure: what happens to a job record
@@ -412,7 +427,8 @@ class OfflineRunner:
             await h.delivery.ack()
             return
         aid = record.attempt_id or req.id
-        await self.shared.record(Reservation(aid, req.tenant, req.model, cost, now, self.settings.name))
+        await self.shared.record(Reservation(aid, req.tenant, req.model, cost, now, self.settings.name,
+                                             cls=S.OFFLINE))
         run = dataclasses.replace(req, id=aid, reply=S.outcome(req.tenant, batch, req.id), stream=False)
         admitted = Admitted(request=run, runtime_tokens=cost, admitted_at=now, admitter=self.settings.name,
                             queue_wait=max(0.0, now - h.since))
@@ -428,8 +444,8 @@ class OfflineRunner:
 
     async def _unreserve(self, req: Request, cost: int) -> None:
         async with self._lock:
-            await self.shared.change_usage(lambda u: (u.minus(req.tenant, req.model, cost, self.gate.is_long(cost)),
-                                                      None))
+            await self.shared.change_usage(lambda u: (u.minus(req.tenant, req.model, cost, self.gate.is_long(cost),
+                                                              S.OFFLINE), None))
 
     async def _refuse(self, h: Held, reason: str, message: str) -> None:
         key, batch = job_of(h.request)

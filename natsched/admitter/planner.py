@@ -22,6 +22,18 @@ changes the copy, never the core, so planning has no side effects. The order is:
    stops and the budget accumulates for it (only its own cap, its model's limit or the reserve let
    lower-ranked requests pass it). That is what makes the dequeue token-weighted rather than
    first-fit, and what keeps big requests from starving.
+5. **Under pressure** — used plus queued runtime tokens at or past the degrade watermark of the
+   total — class outranks tenant: the order is the tenant's tier (below its floor or not), then the
+   class, then the tenant's key. So online work of any tenant goes
+   before batch work of every tenant (the seed: high priority first in a surge), while two things
+   stay as they were: a floor is still a guarantee (a tenant below its floor comes first, whatever
+   its class, and :meth:`Planner.headroom_ok` still keeps backlogged tenants' floors), and a request
+   queued longer than ``aging_s`` ranks as online work (aging promotes it) — unless its class has a
+   class limit, which already guarantees it room (its limit less what it lends), so an aged batch
+   backlog under a limit does not undo online's priority (:meth:`Planner.pressure_key`). Within
+   one class the order is exactly the tenant-first one above, as it is without pressure.
+6. **Class limits** (:mod:`natsched.admitter.classes`): a request whose class is at its limit, and
+   cannot borrow the rest, waits (``class_limit``) while other classes' work passes it.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable
 
+from natsched.admitter.classes import CLASS_LIMIT, ClassBook, Loan
 from natsched.admitter.queue import AdmissionQueue, Entry, Lane
 from natsched.admitter.quotas import Quotas, TenantQuota
 from natsched.admitter.usage import Usage
@@ -38,8 +51,10 @@ Rank = tuple[int, float]
 NEVER_RANK: Rank = (-1, 0.0)  # a tenant that may no longer be admitted at all: purge its queue first
 
 
-def never_fits(quotas: Quotas, total: int, tenant: str, model: str, cost: int) -> tuple[str, str] | None:
-    """(reason, message) when no amount of waiting lets the request in under these quotas."""
+def never_fits(quotas: Quotas, total: int, tenant: str, model: str, cost: int, cls: str | None = None,
+               book: ClassBook | None = None) -> tuple[str, str] | None:
+    """(reason, message) when no amount of waiting lets the request in under these quotas (with
+    ``cls`` and ``book``: nor under its class limit, borrowing included)."""
     quota = quotas.tenant_quota(tenant)
     if quota is None:
         return "unknown_tenant", f"tenant {tenant!r} has no quota and unknown tenants are rejected"
@@ -50,6 +65,10 @@ def never_fits(quotas: Quotas, total: int, tenant: str, model: str, cost: int) -
     limit = quotas.model_limit(model)
     if limit is not None and cost > limit:
         return "model_limit", f"needs {cost} runtime tokens, model {model!r} is limited to {limit}"
+    if cls is not None and book is not None:
+        message = book.never(cls, cost)
+        if message:
+            return CLASS_LIMIT, message
     return None
 
 
@@ -96,7 +115,8 @@ class _Cursor:
 
 class Planner:
     def __init__(self, queue: AdmissionQueue, quotas: Quotas, total: int, usage: Usage, now: float, *,
-                 aging_s: float, reserve_long_share: float, class_rank: dict[str, int], scan_limit: int) -> None:
+                 aging_s: float, reserve_long_share: float, class_rank: dict[str, int], scan_limit: int,
+                 book: ClassBook | None = None, pressure: bool = False) -> None:
         self.queue = queue
         self.quotas = quotas
         self.total = total
@@ -113,6 +133,8 @@ class Planner:
         self.longs = queue.longs
         self.taken: set[RequestId] = set()
         self._cursors: dict[tuple[str, Lane], _Cursor] = {}
+        self.book = book  # class limits and loans (None: no class has a limit)
+        self.pressure = pressure  # class before tenant (module docstring, 5.)
 
     # ------------------------------------------------------------------ ranks
     def rank(self, tenant: str) -> Rank:
@@ -128,8 +150,20 @@ class Planner:
             return (0, 0, self.now, math.inf)
         return (1, self.class_rank.get(cls, 99), self.now, math.inf)
 
+    def pressure_key(self, key: tuple, cls: str, rank: Rank, tenant: str = "") -> tuple:
+        """Under pressure (module docstring, 5.): ``key`` (an entry or arrival key) of a request of
+        ``cls`` from ``tenant`` of ``rank`` as (tier, class, tenant key, tenant, the key). An aged request
+        ranks as the top class — aging promotes it — unless its class has a limit of its own: a
+        limited class is guaranteed its limit (less what it lends), so its aged backlog need not
+        pass online. With one class this is exactly the tenant-first order."""
+        aged = key[0] == 0
+        guarded = self.book is not None and cls in self.book.limits
+        level = 0 if aged and not guarded else self.class_rank.get(cls, 99)
+        return (rank[0], level, rank[1], tenant, *key)
+
     # ------------------------------------------------------------------ checks
-    def blocked(self, tenant: str, model: str, cost: int, long: bool, quota: TenantQuota) -> str | None:
+    def blocked(self, tenant: str, model: str, cost: int, long: bool, quota: TenantQuota,
+                cls: str | None = None) -> str | None:
         """Why this request must wait although it could fit one day (None: it may go now)."""
         if quota.cap is not None and self.tenant_used.get(tenant, 0) + cost > quota.cap:
             return "tenant_cap"
@@ -139,7 +173,13 @@ class Planner:
         if not long and self.longs > 0:
             if self.used + cost > self.total - max(0.0, self.long_reserve - self.long_used):
                 return "long_reserve"
+        if cls is not None and self.loan(cls, cost) is None:
+            return CLASS_LIMIT
         return None
+
+    def loan(self, cls: str, cost: int) -> Loan | None:
+        """What an admission of ``cost`` in ``cls`` borrows now ({}: nothing), None: it cannot."""
+        return {} if self.book is None else self.book.fit(cls, cost)
 
     def fits_total(self, cost: int) -> bool:
         return self.used + cost <= self.total
@@ -159,39 +199,68 @@ class Planner:
         return self.total - self.used - cost >= reserved
 
     def _eligible(self, e: Entry, quota: TenantQuota | None) -> bool:
-        if quota is None or never_fits(self.quotas, self.total, e.tenant, e.model, e.cost):
+        if quota is None or never_fits(self.quotas, self.total, e.tenant, e.model, e.cost, e.cls, self.book):
             return True  # surfaces so that the plan rejects it
-        return self.blocked(e.tenant, e.model, e.cost, e.long, quota) is None
+        return self.blocked(e.tenant, e.model, e.cost, e.long, quota, e.cls) is None
 
     # ------------------------------------------------------------------ picking
     def top(self, excluded: set[str] = frozenset()) -> tuple[Entry, Rank] | None:
         """The best eligible queued request and its tenant's rank, or None."""
         order = sorted((self.rank(t), t) for t, left in self.remaining.items() if left and t not in excluded)
+        if self.pressure:
+            return self._top_by_class(order)
         for rank, tenant in order:
-            quota = self.quotas.tenant_quota(tenant)
-            best, best_key = None, None
-            for lane, entries in self.queue.lanes(tenant).items():
-                cursor = self._cursors.get((tenant, lane))
-                if cursor is None:
-                    cursor = self._cursors[(tenant, lane)] = _Cursor(entries.values())
-                e = cursor.first(lambda x: self._eligible(x, quota), self.taken, self.scan_limit)
-                if e is not None:
-                    key = self.entry_key(e)
-                    if best_key is None or key < best_key:
-                        best, best_key = e, key
+            best = self._best(tenant)
             if best is not None:
                 return best, rank
         return None
 
-    def take(self, e: Entry, admit: bool) -> None:
-        """Account for ``e`` leaving the queue (admitted or rejected) in this plan."""
+    def _top_by_class(self, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
+        """Under pressure: each tenant's best, by :meth:`pressure_key`. ``order`` is by rank, so
+        the walk stops at the first request of the top level (no later tenant can beat it) or
+        when the tier changes: with one class it looks at as many tenants as the plain order."""
+        found, found_key = None, None
+        top_level = min(self.class_rank.values(), default=0)
+        for rank, tenant in order:
+            if found_key is not None and (found_key[1] <= top_level or rank[0] > found_key[0]):
+                break
+            key_of = lambda e, rank=rank: self.pressure_key(self.entry_key(e), e.cls, rank, e.tenant)  # noqa: E731
+            e = self._best(tenant, key_of)
+            if e is None:
+                continue
+            key = key_of(e)
+            if found_key is None or key < found_key:
+                found, found_key = (e, rank), key
+        return found
+
+    def _best(self, tenant: str, key_of: Callable[[Entry], tuple] | None = None) -> Entry | None:
+        """The tenant's best eligible queued request (by ``key_of``; default: aged, class, arrival)."""
+        key_of = key_of or self.entry_key
+        quota = self.quotas.tenant_quota(tenant)
+        best, best_key = None, None
+        for lane, entries in self.queue.lanes(tenant).items():
+            cursor = self._cursors.get((tenant, lane))
+            if cursor is None:
+                cursor = self._cursors[(tenant, lane)] = _Cursor(entries.values())
+            e = cursor.first(lambda x: self._eligible(x, quota), self.taken, self.scan_limit)
+            if e is not None:
+                key = key_of(e)
+                if best_key is None or key < best_key:
+                    best, best_key = e, key
+        return best
+
+    def take(self, e: Entry, admit: bool, loan: Loan | None = None) -> None:
+        """Account for ``e`` leaving the queue (admitted, with ``loan`` borrowed, or rejected) in this plan."""
         self.taken.add(e.id)
         self.remaining[e.tenant] -= 1
         self.longs -= e.long
         if admit:
-            self.add_usage(e.tenant, e.model, e.cost, e.long)
+            self.add_usage(e.tenant, e.model, e.cost, e.long, e.cls, loan or {})
 
-    def add_usage(self, tenant: str, model: str, cost: int, long: bool) -> None:
+    def add_usage(self, tenant: str, model: str, cost: int, long: bool, cls: str | None = None,
+                  loan: Loan | None = None) -> None:
+        if self.book is not None and cls is not None:
+            self.book.add(cls, cost, loan or {})
         self.used += cost
         self.long_used += cost if long else 0
         self.tenant_used[tenant] = self.tenant_used.get(tenant, 0) + cost
@@ -203,6 +272,11 @@ class Planner:
             return True
         entry, top_rank = top
         mine = self.rank(request.tenant)
+        if self.pressure:  # class before tenant (module docstring, 5.); it still loses every tie
+            a = self.pressure_key(self.arrival_key(request.cls), request.cls, mine)[:3]
+            b = self.pressure_key(self.entry_key(entry), entry.cls, top_rank)[:3]
+            if a != b:
+                return a < b
         if request.tenant != entry.tenant:
             return mine < top_rank
         return self.arrival_key(request.cls) < self.entry_key(entry)

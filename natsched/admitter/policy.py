@@ -22,13 +22,15 @@ already queued (redelivered message)        queue      -
 model served by no live worker (once any    reject     unknown_model (the served ones named)
 worker reported: see set_served_models)
 tenant unknown and quotas say reject        reject     unknown_tenant
-cost > total / tenant cap / model limit     reject     too_large / tenant_cap / model_limit
+cost > total / tenant cap / model limit     reject     too_large / tenant_cap / model_limit /
+/ class limit (+ what it may borrow)                   class_limit
 deadline already passed                     reject     deadline_exceeded
 class offline                               degrade    offline
 batch or degradable, usage+cost over the    degrade    watermark
 degrade watermark
 tenant's usage + cost over its cap          reject     tenant_cap (with retry_after)
-fits now and nothing queued outranks it     allow      -
+fits now and nothing queued outranks it     allow      - (with the loan its class borrows,
+(its class limit too, borrowing included)              if any: natsched.admitter.classes)
 class has no queue (limit 0)                reject     quota_exhausted (with retry_after)
 class queue full (for this tenant: see      reject     queue_full (with retry_after)
 _queue_full)
@@ -54,7 +56,14 @@ their SLO. In the queue this is checked before anything is admitted, oldest firs
 (``queue_timeout``), past their deadline (``deadline_exceeded``) or that a quota change made
 impossible (``unknown_tenant`` / ``too_large`` / ``tenant_cap`` / ``model_limit``), then allows
 queued requests in order until the best one left does not fit. The order among queued requests
-(and between them and an arrival) is :mod:`natsched.admitter.planner`'s.
+(and between them and an arrival) is :mod:`natsched.admitter.planner`'s: tenant first, but class
+first once used + queued passes the degrade watermark (online of any tenant before batch).
+
+**Class limits and loans** (:mod:`natsched.admitter.classes`): ``class.<c>.limit`` caps what a
+class holds cluster-wide; a class in ``lend_to`` borrows the lower classes' room (idle room any
+time, up to ``lend_share`` of their limit in a surge) and every release of it repays its loans
+first. Each decision's ``budget`` names its class, the class limit, what the class holds and has
+borrowed or lent, and ``loan`` — what this admission borrowed (the audit shows it).
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from natsched.admitter.classes import ClassBook, Loan
 from natsched.admitter.errors import SettingsError
 from natsched.admitter.estimator import OutputEstimator, ReleaseRate
 from natsched.admitter.planner import Planner, never_fits
@@ -106,12 +116,14 @@ class AdmissionSettings:
     slo_ttft_s: dict[str, float] = field(default_factory=dict)  # per class: the promised TTFT (empty: off)
     slo_wait_share: float = 0.5  # of the SLO a request may wait here; the rest is the worker's
     class_rank: dict[str, int] = field(default_factory=_default_class_rank)  # lower is served first
+    lend_to: tuple[str, ...] = (S.ONLINE,)  # classes that may borrow lower classes' limit room (classes.py)
+    lend_share: float = 0.5  # in a surge, at most this share of a lender's limit on loan while it has demand
 
     def __post_init__(self) -> None:
         for cls, slo in self.slo_ttft_s.items():
             if not isinstance(slo, (int, float)) or not slo > 0:
                 raise SettingsError(f"slo_ttft_s[{cls!r}] must be seconds > 0, got {slo!r}")
-        for name in ("reserve_long_share", "degrade_watermark", "ewma_alpha", "slo_wait_share"):
+        for name in ("reserve_long_share", "degrade_watermark", "ewma_alpha", "slo_wait_share", "lend_share"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise SettingsError(f"{name} must be between 0 and 1, got {value}")
@@ -124,9 +136,10 @@ class AdmissionSettings:
                      "max_output_tokens", "default_total", "ewma_min_samples"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be > 0, got {getattr(self, name)}")
-        unknown = sorted(set(self.degrade_classes) - set(self.classes))
-        if unknown:
-            raise SettingsError(f"degrade_classes names unknown classes {unknown}; known: {', '.join(self.classes)}")
+        for name in ("degrade_classes", "lend_to"):
+            unknown = sorted(set(getattr(self, name)) - set(self.classes))
+            if unknown:
+                raise SettingsError(f"{name} names unknown classes {unknown}; known: {', '.join(self.classes)}")
 
 
 @dataclass
@@ -138,6 +151,7 @@ class AdmissionDecision:
     retry_after: float | None = None
     budget: dict = field(default_factory=dict)
     est_wait: float | None = None  # queue: seconds the producer should expect to wait
+    loan: Loan = field(default_factory=dict)  # allow: runtime tokens borrowed per lender class
 
 
 def runtime_tokens(request: Request) -> int:
@@ -265,7 +279,8 @@ class AdmitterCore:
             return self._reject(0, "unknown_model", f"model {request.model!r} is not served; served: "
                                 f"{', '.join(sorted(self.served_models))}", request=request)
         cost = self.cost(request)
-        never = never_fits(self.quotas, self.total, request.tenant, request.model, cost)
+        never = never_fits(self.quotas, self.total, request.tenant, request.model, cost, request.cls,
+                           self._class_book())
         if never:
             return self._reject(cost, *never, request=request)
         if request.deadline is not None and request.deadline <= now:
@@ -279,8 +294,9 @@ class AdmitterCore:
         if quota.cap is not None and held + cost > quota.cap:
             return self._reject(cost, "tenant_cap", f"tenant {request.tenant!r} holds {held} runtime tokens; "
                                 f"+{cost} would pass its cap {quota.cap}", retry=True, request=request)
-        if self._can_allow(request, cost, quota, now):
-            return self._decision(ALLOW, cost, request)
+        loan = self._allow_loan(request, cost, quota, now)
+        if loan is not None:
+            return self._decision(ALLOW, cost, request, loan=loan)
         return self._queue_or_reject(request, cost, now)
 
     def _degrade(self, request: Request, cost: int) -> str | None:
@@ -291,15 +307,18 @@ class AdmitterCore:
                 return "watermark"
         return None
 
-    def _can_allow(self, request: Request, cost: int, quota, now: float) -> bool:
+    def _allow_loan(self, request: Request, cost: int, quota, now: float) -> Loan | None:
+        """The loan an allow would borrow ({}: none), or None when the request may not go now."""
         plan = self._planner(now)
         if not plan.fits_total(cost):
-            return False
-        if plan.blocked(request.tenant, request.model, cost, self.is_long(cost), quota):
-            return False
+            return None
+        if plan.blocked(request.tenant, request.model, cost, self.is_long(cost), quota, request.cls):
+            return None
         if not plan.headroom_ok(request.tenant, quota, cost):
-            return False
-        return plan.arrival_outranks(request, plan.top())
+            return None
+        if not plan.arrival_outranks(request, plan.top()):
+            return None
+        return plan.loan(request.cls, cost)
 
     def _queue_or_reject(self, request: Request, cost: int, now: float) -> AdmissionDecision:
         limit = self.quotas.queue_limit(request.cls)
@@ -345,7 +364,7 @@ class AdmitterCore:
         if decision.decision == ALLOW:
             self.queue.remove(request.id)
             self.usage = self.usage.plus(request.tenant, request.model, decision.runtime_tokens,
-                                         self.is_long(decision.runtime_tokens))
+                                         self.is_long(decision.runtime_tokens), request.cls, decision.loan)
         elif decision.decision == QUEUE:
             self.queue.add(request, decision.runtime_tokens, self.is_long(decision.runtime_tokens), now)
 
@@ -361,7 +380,7 @@ class AdmitterCore:
             if top is None:
                 break
             entry = top[0]
-            never = never_fits(self.quotas, self.total, entry.tenant, entry.model, entry.cost)
+            never = never_fits(self.quotas, self.total, entry.tenant, entry.model, entry.cost, entry.cls, plan.book)
             if never:
                 plan.take(entry, admit=False)
                 out.append((entry.request, self._reject(entry.cost, *never)))
@@ -371,10 +390,11 @@ class AdmitterCore:
             if not plan.headroom_ok(entry.tenant, self.quotas.tenant_quota(entry.tenant), entry.cost):
                 excluded.add(entry.tenant)  # other tenants' floors come first
                 continue
-            plan.take(entry, admit=True)
-            out.append((entry.request, AdmissionDecision(ALLOW, entry.cost)))
+            loan = plan.loan(entry.cls, entry.cost) or {}  # (eligible: it fits its class)
+            plan.take(entry, admit=True, loan=loan)
+            out.append((entry.request, AdmissionDecision(ALLOW, entry.cost, loan=loan)))
         for req, dec in out:
-            dec.budget = self.budget(req.tenant)  # before commit: what the plan saw
+            dec.budget = self.budget(req.tenant, req.cls, dec.loan)  # before commit: what the plan saw
         return out
 
     def _expired(self, plan: Planner, now: float) -> list[tuple[Request, AdmissionDecision]]:
@@ -419,7 +439,7 @@ class AdmitterCore:
                 continue  # forgotten meanwhile
             if decision.decision == ALLOW:
                 self.usage = self.usage.plus(request.tenant, request.model, decision.runtime_tokens,
-                                             self.is_long(decision.runtime_tokens))
+                                             self.is_long(decision.runtime_tokens), request.cls, decision.loan)
 
     def forget(self, request_id: RequestId) -> bool:
         """Drop a queued request (the service lost its message); True when it was queued."""
@@ -427,10 +447,12 @@ class AdmitterCore:
 
     # ------------------------------------------------------------------ completions
     def release(self, completion: Completion, now: float) -> int:
-        """Free the completion's reservation and learn its output length; returns tokens freed."""
+        """Free the completion's reservation (in its class: a release repays the class's loans
+        first) and learn its output length; returns tokens freed."""
         self._clock = max(self._clock, now)
         tokens = max(0, completion.runtime_tokens)
-        self.usage = self.usage.minus(completion.tenant, completion.model, tokens, self.is_long(tokens))
+        self.usage = self.usage.minus(completion.tenant, completion.model, tokens, self.is_long(tokens),
+                                      completion.cls or None)
         self.releases.add(now, tokens)
         if completion.status == CompletionStatus.OK:
             self.outputs.observe(completion.tenant, completion.model, completion.output_tokens)
@@ -443,14 +465,37 @@ class AdmitterCore:
     def queue_depths(self) -> dict[str, int]:
         return self.queue.depths()
 
-    def budget(self, tenant: str | None = None) -> dict:
+    def budget(self, tenant: str | None = None, cls: str | None = None, loan: Loan | None = None) -> dict:
+        """What a decision saw, for its audit record: the cluster, the tenant and (when any class
+        has a limit) the request's class — its limit, what it holds, borrowed and lent, and the
+        ``loan`` this admission takes."""
         out = {"used": self.usage.used, "total": self.total, "queued": len(self.queue)}
         if tenant is not None:
             quota = self.quotas.tenant_quota(tenant)
             out["tenant_used"] = self.usage.tenant(tenant)
             if quota is not None:
                 out["tenant_floor"] = int(quota.floor * self.total)
+        book = self._class_book() if cls is not None else None
+        if book is not None:
+            out.update(book.view(cls))
+        if loan:
+            out["loan"] = dict(loan)
         return out
+
+    def pressure(self, usage: Usage | None = None) -> bool:
+        """Used plus queued runtime tokens past the degrade watermark: class outranks tenant
+        (:mod:`natsched.admitter.planner`) and lenders lend their surge share."""
+        used = (self.usage if usage is None else usage).used
+        return bool(self.queue.tokens) and used + self.queue.tokens >= self.settings.degrade_watermark * self.total
+
+    def _class_book(self, usage: Usage | None = None, pressure: bool = False) -> ClassBook | None:
+        """The class limits and the usage's class counts and loans (None: no class has a limit)."""
+        if not self.quotas.class_limits:
+            return None
+        u = self.usage if usage is None else usage
+        s = self.settings
+        return ClassBook(self.quotas.class_limits, dict(u.classes), dict(u.loans), self.queue.class_tokens(),
+                         s.lend_to, s.lend_share, s.class_rank, pressure)
 
     def est_wait(self, request: Request) -> float:
         """Seconds until the request can expect to start: the tokens ahead of it in its tenant's
@@ -487,23 +532,28 @@ class AdmitterCore:
         quota = self.quotas.tenant_quota(tenant)
         if quota is None or never_fits(self.quotas, self.total, tenant, model, tokens):
             return False
+        if self.quotas.class_limits:  # blocks are in no class: every allow must be counted in its own
+            return False
         plan = self._planner(now, usage)
         return (plan.fits_total(tokens) and plan.blocked(tenant, model, tokens, False, quota) is None
                 and plan.headroom_ok(tenant, quota, tokens))
 
     def _planner(self, now: float, usage: Usage | None = None) -> Planner:
         s = self.settings
-        return Planner(self.queue, self.quotas, self.total, self.usage if usage is None else usage, now,
-                       aging_s=s.aging_s,
-                       reserve_long_share=s.reserve_long_share, class_rank=s.class_rank, scan_limit=s.scan_limit)
+        usage = self.usage if usage is None else usage
+        pressure = self.pressure(usage)
+        return Planner(self.queue, self.quotas, self.total, usage, now,
+                       aging_s=s.aging_s, reserve_long_share=s.reserve_long_share, class_rank=s.class_rank,
+                       scan_limit=s.scan_limit, book=self._class_book(usage, pressure), pressure=pressure)
 
     def _decision(self, kind: str, cost: int, request: Request, reason: str | None = None,
-                  est_wait: float | None = None) -> AdmissionDecision:
-        return AdmissionDecision(kind, cost, reason, budget=self.budget(request.tenant), est_wait=est_wait)
+                  est_wait: float | None = None, loan: Loan | None = None) -> AdmissionDecision:
+        return AdmissionDecision(kind, cost, reason, budget=self.budget(request.tenant, request.cls, loan),
+                                 est_wait=est_wait, loan=dict(loan or {}))
 
     def _reject(self, cost: int, reason: str, message: str, retry: bool = False, retry_after: float | None = None,
                 request: Request | None = None) -> AdmissionDecision:
         if retry and retry_after is None:
             retry_after = self.settings.retry_after_s
-        budget = self.budget(request.tenant) if request is not None else {}
+        budget = self.budget(request.tenant, request.cls) if request is not None else {}
         return AdmissionDecision(REJECT, cost, reason, message, retry_after if retry else None, budget)

@@ -56,6 +56,8 @@ class AdmissionQueue:
         self._tenant_tokens: Counter[str] = Counter()
         self._tenant_count: Counter[str] = Counter()
         self._depth: Counter[str] = Counter()
+        self._class_tokens: Counter[str] = Counter()
+        self.tokens = 0  # runtime tokens of every queued request
         self._deadlines: list[tuple[float, int, RequestId]] = []
         self._seq = itertools.count()
         self.longs = 0
@@ -73,6 +75,8 @@ class AdmissionQueue:
         self._tenant_tokens[request.tenant] += cost
         self._tenant_count[request.tenant] += 1
         self._depth[request.cls] += 1
+        self._class_tokens[request.cls] += cost
+        self.tokens += cost
         self.longs += long
         if request.deadline is not None:
             bisect.insort(self._deadlines, (request.deadline, entry.seq, request.id))
@@ -95,6 +99,10 @@ class AdmissionQueue:
         self._depth[entry.cls] -= 1
         if not self._depth[entry.cls]:
             del self._depth[entry.cls]
+        self._class_tokens[entry.cls] -= entry.cost
+        if not self._class_tokens[entry.cls]:
+            del self._class_tokens[entry.cls]
+        self.tokens -= entry.cost
         self.longs -= entry.long
         if entry.request.deadline is not None:
             i = bisect.bisect_left(self._deadlines, (entry.request.deadline, entry.seq, request_id))
@@ -117,6 +125,10 @@ class AdmissionQueue:
 
     def depth(self, cls: str) -> int:
         return self._depth.get(cls, 0)
+
+    def class_tokens(self) -> dict[str, int]:
+        """Runtime tokens queued per class (a lender's own demand: natsched.admitter.classes)."""
+        return dict(self._class_tokens)
 
     def tenants(self) -> list[str]:
         """Backlogged tenants: those with at least one queued request."""

@@ -15,6 +15,7 @@ KV layout (one entry per key, JSON values; :meth:`Quotas.to_kv` / :meth:`Quotas.
     tenant.<t>           {"floor": 0.5, "weight": 1.0, "cap": null}
     model.<m>            200000
     class.<c>.queue      1000
+    class.<c>.limit      300000   (runtime tokens all requests of the class hold together; natsched.admitter.classes)
     default.tenant       {"floor": 0.0, "weight": 1.0, "cap": null}
     unknown_tenant       "default" | "reject"
 
@@ -87,6 +88,7 @@ class Quotas:
     tenants: dict[str, TenantQuota] = field(default_factory=dict)
     models: dict[str, int] = field(default_factory=dict)  # per-model runtime-token limit
     queue_limits: dict[str, int] = field(default_factory=_default_queue_limits)  # per class, max queued
+    class_limits: dict[str, int] = field(default_factory=dict)  # per class, runtime tokens held (none: no limit)
     unknown_tenant: str = UNKNOWN_DEFAULT  # "default": default_tenant applies; "reject": reason unknown_tenant
     default_tenant: TenantQuota = field(default_factory=TenantQuota)
 
@@ -103,6 +105,9 @@ class Quotas:
 
     def queue_limit(self, cls: str) -> int:
         return self.queue_limits.get(cls, 0)
+
+    def class_limit(self, cls: str) -> int | None:
+        return self.class_limits.get(cls)
 
     def ceiling(self) -> int:
         """The configured total, never above the hard cap."""
@@ -130,6 +135,11 @@ class Quotas:
                 raise QuotaError(f"queue limit for unknown class {cls!r}; classes: {', '.join(S.CLASSES)}")
             if not _is_int(limit) or limit < 0:
                 raise QuotaError(f"class {cls!r}: queue limit must be an integer >= 0, got {limit!r}")
+        for cls, limit in self.class_limits.items():
+            if cls not in S.CLASSES:
+                raise QuotaError(f"class limit for unknown class {cls!r}; classes: {', '.join(S.CLASSES)}")
+            if not _is_int(limit) or limit < 0:
+                raise QuotaError(f"class {cls!r}: limit must be an integer >= 0 runtime tokens, got {limit!r}")
         floors = self.floor_sum()
         if floors > 1.0 + FLOOR_EPSILON:
             raise QuotaError(f"tenant floors sum to {floors:.3f} (> 1.0: they could not all be guaranteed at once); "
@@ -157,6 +167,8 @@ class Quotas:
             out[f"model.{name}"] = orjson.dumps(limit)
         for cls, limit in sorted(self.queue_limits.items()):
             out[f"class.{cls}.queue"] = orjson.dumps(limit)
+        for cls, limit in sorted(self.class_limits.items()):
+            out[f"class.{cls}.limit"] = orjson.dumps(limit)
         return out
 
     @classmethod
@@ -217,6 +229,8 @@ class _KvReader:
             if name not in S.CLASSES:
                 raise QuotaError(f"unknown class {name!r}; classes: {', '.join(S.CLASSES)}")
             q.queue_limits[name] = _int(raw, key)
+        elif key.startswith("class.") and key.endswith(".limit"):
+            q.class_limits[_class_name(key, ".limit")] = _int(raw, key)
         else:
             return False
         return True
@@ -241,6 +255,10 @@ class _KvReader:
             name = key[len("class."):-len(".queue")]
             if name in prev.queue_limits:
                 q.queue_limits[name] = prev.queue_limits[name]
+        elif key.startswith("class.") and key.endswith(".limit"):
+            name = key[len("class."):-len(".limit")]
+            if name in prev.class_limits:
+                q.class_limits[name] = prev.class_limits[name]
 
     def _refuse_floor_overflow(self) -> None:
         """Floors over 100 %: undo the floor edits (new or changed since ``previous``), one by one."""
@@ -286,6 +304,13 @@ def _int(raw: bytes, key: str, nullable: bool = False) -> int | None:
     if not _is_int(value) or value < 0:
         raise QuotaError(f"must be an integer >= 0{' or null' if nullable else ''}, got {value!r}")
     return value
+
+
+def _class_name(key: str, suffix: str) -> str:
+    name = key[len("class."):-len(suffix)]
+    if name not in S.CLASSES:
+        raise QuotaError(f"unknown class {name!r}; classes: {', '.join(S.CLASSES)}")
+    return name
 
 
 def _check_token(name: str, what: str) -> str:

@@ -110,6 +110,10 @@ class Rescuer:
         self.shared = shared
         self.name = name
         self.max_per_sweep = max_per_sweep
+        #: partitioned admission: the tenants whose work this replica's partition rescues (each
+        #: partition sweeps every dead worker; another's request is left for its own partition)
+        self.owns: Callable[[str], bool] = lambda tenant: True
+        self.completions_consumer = S.CONSUMER_ADMITTER_COMPLETIONS
 
     async def sweep(self, is_live: Callable[[WorkerId], bool]) -> RescueReport:
         """Reclaim first (mark every stranded reservation moved), then, once the completions
@@ -137,6 +141,7 @@ class Rescuer:
         return await self._rescue_found(found, report)
 
     async def _rescue_found(self, found: list[Stranded], report: RescueReport) -> RescueReport:
+        found = [s for s in found if self.owns(s.assignment.request.tenant)]
         if not found:
             return report
         await _overlapped(self._mark(s) for s in found)
@@ -181,7 +186,7 @@ class Rescuer:
         all_delivered_at = None
         acked = 0
         while time.monotonic() < deadline:
-            acked, delivered = await self.bus.consumer_progress(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS)
+            acked, delivered = await self.bus.consumer_progress(S.STREAM_COMPLETIONS, self.completions_consumer)
             if acked >= last:
                 return acked, last
             # all delivered but not all acked: handlers still at work, or acks that will not come

@@ -25,6 +25,7 @@ from natsched.admitter.errors import AdmitterError, QuotaError
 from natsched.admitter import knobs as K
 from natsched.admitter.leases import LeaseTracker
 from natsched.admitter.metrics import AdmitterMetrics
+from natsched.admitter.partition import PartitionMember
 from natsched.admitter.policy import (ALLOW, DEGRADE, QUEUE, REJECT, AdmissionDecision, AdmissionSettings,
                                       AdmitterCore, runtime_tokens)
 from natsched.admitter.quotas import Quotas
@@ -70,6 +71,12 @@ class AdmitterServiceSettings:
     scale: ScaleSettings = field(default_factory=ScaleSettings)
     metrics_port: int | None = None
     model_memory_s: float = 60.0  # a model no heartbeat named for this long is no longer served
+    #: partitioned admission (natsched.admitter.partition): this replica's partition of
+    #: ``partitions``; 1 partition is the unpartitioned service. ``coordinate``: also run a
+    #: budget-coordinator candidate in this process (one of them holds the lease)
+    partition: int = 0
+    partitions: int = 1
+    coordinate: bool = True
 
 
 class InlineRouter(Protocol):
@@ -99,13 +106,18 @@ class Held:
     since: float
 
 
-class AdmitterService(Repairs):
+class AdmitterService(Repairs, PartitionMember):
     def __init__(self, bus: Bus, settings: AdmitterServiceSettings | None = None,
                  metrics: AdmitterMetrics | None = None, router: InlineRouter | None = None) -> None:
         self.bus = bus
         self.settings = s = settings or AdmitterServiceSettings()
         self.core = AdmitterCore(s.admission)
-        self.shared = SharedState(bus, s.name)
+        self.init_partition()
+        if self.partitioned:  # its own bucket (usage key and records); no credit (partition.py)
+            self.shared = SharedState(bus, s.name, bucket=S.partition_bucket(s.partition))
+            s.credit = replace(s.credit, enabled=False)
+        else:
+            self.shared = SharedState(bus, s.name)
         self.shared.is_long = self.core.is_long
         self.shared.pending = lambda: [res for _, res in (*self._releasing, *self._committing)]
         self._refused_seen = 0
@@ -113,6 +125,7 @@ class AdmitterService(Repairs):
         self._keeper_wake = asyncio.Event()
         self.leases = LeaseTracker(s.lease_missed)
         self.rescuer = Rescuer(bus, self.shared, s.name)
+        self.rescuer.owns = self.owns
         self._started = time.monotonic()
         self._dead: dict[str, float] = {}  # worker -> when its lease expired here (until it heartbeats)
         self._instances: dict[str, float] = {}  # worker -> started_at of its instance last heard (repair.py)
@@ -144,19 +157,26 @@ class AdmitterService(Repairs):
         self._full_at: float | None = None  # when the reservation records were last read in full
         self._conflicts_seen = 0
         self.total = self.core.quotas.total  # the total in force (configured, or capacity-following)
-        self._completions_spec = ConsumerSpec(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS,
-                                              S.COMPLETIONS_ALL, deliver_new=True, batch=256)
-        self._spec = ConsumerSpec(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER, S.REQUESTS_ALL, ack_wait_s=s.ack_wait_s,
+        consumer, completions, requests = S.CONSUMER_ADMITTER, S.CONSUMER_ADMITTER_COMPLETIONS, S.REQUESTS_ALL
+        if self.partitioned:
+            consumer, completions = S.partition_admitter(s.partition), S.partition_completions(s.partition)
+            requests = S.partition_requests(s.partition)
+            self.rescuer.completions_consumer = completions
+        self._completions_spec = ConsumerSpec(S.STREAM_COMPLETIONS, completions, S.COMPLETIONS_ALL, deliver_new=True,
+                                              batch=256)
+        self._spec = ConsumerSpec(S.STREAM_REQUESTS, consumer, requests, ack_wait_s=s.ack_wait_s,
                                   max_ack_pending=s.max_held, batch=s.fetch_batch)
 
     async def start(self) -> None:
         self.bus.on_server_change(self._server_changed)
         await self.bus.provision()
+        await self.provision_partition()  # (P > 1 only) REQUESTS partitioned, the partition's bucket
         await self.shared.start()
         quotas_ready = asyncio.Event()
         self.bus.spawn(self._watch_quotas(quotas_ready), "quota-watch")
         await asyncio.wait_for(quotas_ready.wait(), 10)
         self.apply_quotas()  # the bucket's content at start; the watch applies every later change
+        await self.start_partition()  # (P > 1 only) the budget plan in force, before any request
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
         await self.bus.subscribe(S.CANCELS_ALL, self._on_cancel)
         if self.router is not None:  # before the first request: it routes from the first batch on
@@ -214,18 +234,19 @@ class AdmitterService(Repairs):
 
     def apply_quotas(self) -> None:
         self.apply_knobs()
-        quotas, errors = Quotas.from_kv(self.quota_entries, previous=self.core.quotas)
+        quotas, errors = Quotas.from_kv(self.quota_entries, previous=self.cluster_quotas)
         for err in errors:  # counted and logged once each: every quota change re-reads them all
             if err not in self._quota_errors:
                 self._quota_errors.add(err)
                 self.metrics.bad_quota_entries.inc()
                 log.error("quota entry refused, last good value kept until natsched quota set rewrites it: %s", err)
         try:
-            self.core.set_quotas(quotas)
+            quotas.validate()
+            self.core.set_quotas(self.core_quotas(quotas))  # (a partition's share of them: partition.py)
         except QuotaError as exc:
             log.error("quota change refused, old quotas kept: %s", exc)
             return
-        self.total = quotas.total
+        self.total = self.core.quotas.total
         if self.worker_load:
             self.update_dynamic_total()  # the new ceiling applies now, not at the next interval
         self._wake.set()
@@ -264,6 +285,7 @@ class AdmitterService(Repairs):
         now = time.time()
         async with self._lock:
             decisions, paid, returned = await self._commit(lambda usage: self._decide(items, usage, now))
+            items, decisions = self.hold_for_budget(items, decisions)  # (a partition's: partition.py)
             for (_, request), dec in zip(items, decisions):
                 if dec.decision != ALLOW:
                     self.core.apply(request, dec, now)
@@ -291,24 +313,24 @@ class AdmitterService(Repairs):
         decisions, paid, returned = [], set(), {}
         for d, request in items:
             self.core.usage = view
-            dec = self.core.evaluate(request, now, d.subject)
+            dec = self.core.evaluate(request, now, self.request_subject(d.subject))
             if dec.decision == ALLOW:
                 tokens, key = dec.runtime_tokens, (request.tenant, request.model)
                 long = self.core.is_long(tokens)
-                if not long and free.get(key, 0) >= tokens:
+                if not long and free.get(key, 0) >= tokens and not self.core.quotas.class_limits:
                     free[key] -= tokens
                     paid.add(request.id)
                 else:
                     if any(free.values()) and not self._allows(shared, request, now, d.subject):
                         shared = self._give_back(shared, free, returned)  # now the same as the view
-                    shared = shared.plus(request.tenant, request.model, tokens, long)
-                view = view.plus(request.tenant, request.model, tokens, long)
+                    shared = shared.plus(request.tenant, request.model, tokens, long, request.cls, dec.loan)
+                view = view.plus(request.tenant, request.model, tokens, long, request.cls, dec.loan)
             decisions.append(dec)
         return (shared if shared is not usage else None), (decisions, paid, returned)
 
     def _allows(self, usage: Usage, request: Request, now: float, subject: str) -> bool:
         self.core.usage = usage
-        return self.core.evaluate(request, now, subject).decision == ALLOW
+        return self.core.evaluate(request, now, self.request_subject(subject)).decision == ALLOW
 
     def _give_back(self, usage: Usage, free: dict, returned: dict) -> Usage:
         """Every unspent token of this replica's credit back into ``usage`` (noted in ``returned``)."""
@@ -395,7 +417,7 @@ class AdmitterService(Repairs):
     async def _released_recently(self, request_id: str) -> bool:
         """Its reservation existed and was released (the purge marker lives ``MARKER_TTL_S``,
         longer than the ack wait after which a copy whose ack was lost comes back)."""
-        op = await self.bus.kv(S.BUCKET_INFLIGHT).last_operation(S.reservation_key(request_id))
+        op = await self.bus.kv(self.shared.bucket).last_operation(S.reservation_key(request_id))
         return op in ("DEL", "PURGE")
 
     async def _hand_off_again(self, request: Request, d: Delivery, res: Reservation) -> None:
@@ -431,7 +453,9 @@ class AdmitterService(Repairs):
             if dec.decision == ALLOW:
                 reservations.append(Reservation(request.id, request.tenant, request.model, dec.runtime_tokens, now,
                                                 self.settings.name, credit=(paid or {}).get(request.id, ""),
-                                                ceiling=runtime_tokens(request)))
+                                                ceiling=runtime_tokens(request), cls=request.cls))
+                for lender, n in dec.loan.items():
+                    self.metrics.borrowed.labels(request.cls, lender).inc(n)
         sent = time.perf_counter()
         # the reservation records are stored before any hand-off (the completion that deletes one is
         # a service or two further away), and each is a create: a request id reserved already
@@ -605,18 +629,22 @@ class AdmitterService(Repairs):
         now = time.time()
         started = time.perf_counter()
 
+        planned: list[Usage] = []
+
         def attempt(usage):
+            planned[:] = [usage]
             self.core.usage = usage
             picks = self.core.plan_dequeue(now)
             new = usage
             for req, dec in picks:
                 if dec.decision == ALLOW:
-                    new = new.plus(req.tenant, req.model, dec.runtime_tokens, self.core.is_long(dec.runtime_tokens))
+                    new = new.plus(req.tenant, req.model, dec.runtime_tokens, self.core.is_long(dec.runtime_tokens),
+                                   req.cls, dec.loan)
             return (new if new is not usage else None), picks
 
         async with self._lock:
             picks = await self.shared.change_usage(attempt)
-            self.core.usage = self._usage_before(picks)
+            self.core.usage = planned[0]  # the usage the committed picks were planned on
             self.core.commit_dequeue(picks, now)
             self.core.usage = self.shared.usage
         latency_ms = (time.perf_counter() - started) * 1000
@@ -632,14 +660,6 @@ class AdmitterService(Repairs):
             entries.append((req, dec, held.delivery, wait, latency_ms))
         await self._act_batch(entries)  # one wait for the whole dequeue, like a fresh batch
         return len(picks)
-
-    def _usage_before(self, picks):
-        """The usage the committed picks were planned on (shared minus what they added)."""
-        usage = self.shared.usage
-        for req, dec in picks:
-            if dec.decision == ALLOW:
-                usage = usage.minus(req.tenant, req.model, dec.runtime_tokens, self.core.is_long(dec.runtime_tokens))
-        return usage
 
     async def _keepalive_loop(self) -> None:
         while True:
@@ -694,7 +714,9 @@ class AdmitterService(Repairs):
             log.debug("credit %s/%s %+d runtime tokens", tenant, model, delta)
 
     async def stop(self) -> None:
-        """Give back the unspent credit, so the others need not wait out its lease."""
+        """Give back the unspent credit, so the others need not wait out its lease (and the
+        coordinator lease, when this replica holds it)."""
+        await self.stop_partition()
         self.credit.settings = replace(self.credit.settings, enabled=False)
         try:
             await asyncio.wait_for(self.keep_credit(), 3)
@@ -706,6 +728,8 @@ class AdmitterService(Repairs):
         """Release a batch of completions: reservations taken concurrently, one usage commit."""
         completions = []
         for d in batch:
+            if not self.owns_completion(d.subject):  # another partition's tenant: acked below
+                continue
             try:
                 c = Completion.decode(d.data)
             except MessageError as exc:
@@ -798,7 +822,7 @@ class AdmitterService(Repairs):
     def _minus(self, usage, pairs: list[tuple[Completion | None, Reservation]]):
         for _, res in pairs:  # (out of the block it was paid from, if that block still exists)
             usage = usage.release_from(res.by, res.credit, res.tenant, res.model, res.tokens,
-                                       self.core.is_long(res.tokens))
+                                       self.core.is_long(res.tokens), res.cls or None)
         return usage
 
     def _released(self, pairs: list[tuple[Completion | None, Reservation]]) -> None:
@@ -857,7 +881,8 @@ class AdmitterService(Repairs):
         old_long, new_long = self.core.is_long(res.tokens), self.core.is_long(tokens)
         async with self._lock:
             await self._commit(lambda u: (u.minus(res.tenant, res.model, res.tokens, old_long)
-                                          .plus(res.tenant, res.model, tokens, new_long), None))
+                                          .plus(res.tenant, res.model, tokens, new_long)
+                                          .reclass(res.cls or None, tokens - res.tokens), None))
             self.core.usage = self.shared.usage
         self.metrics.grown.inc(tokens - res.tokens)
         log.info("request %s grew its reservation %d -> %d runtime tokens (its worker holds %d)", request_id,
@@ -870,6 +895,8 @@ class AdmitterService(Repairs):
             self.update_dynamic_total()
 
     def update_dynamic_total(self) -> int:
+        if self.partitioned:  # the budget is the total (partition.py)
+            return self.total
         now = time.time()
         live = [(cap, used) for cap, used, seen in self.worker_load.values() if now - seen < 10.0]
         q = self.core.quotas
@@ -945,8 +972,23 @@ class AdmitterService(Repairs):
             self.metrics.inflight.labels(tenant).set(used)
         for cls, depth in self.core.queue_depths().items():
             self.metrics.queue_depth.labels(cls).set(depth)
+        self._class_gauges()
         self.metrics.total.set(self.total)
         self.metrics.credit_unspent.set(sum(self.credit.free.values()))
+
+
+    def _class_gauges(self) -> None:
+        """``natsched_admission_class_tokens{class,kind}``: what each class holds, its limit, and
+        what it borrowed and lent (the shared usage: the same on every replica)."""
+        usage, limits = self.shared.usage, self.core.quotas.class_limits
+        for cls in S.CLASSES:
+            borrowed = sum(n for (b, _), n in usage.loans.items() if b == cls)
+            lent = sum(n for (_, l), n in usage.loans.items() if l == cls)
+            gauge = self.metrics.class_tokens
+            gauge.labels(cls, "used").set(usage.cls(cls))
+            gauge.labels(cls, "borrowed").set(borrowed)
+            gauge.labels(cls, "lent").set(lent)
+            gauge.labels(cls, "limit").set(limits.get(cls, -1))
 
 
 def _admission_span(request: Request, dec: AdmissionDecision, d: Delivery | None, queue_wait: float):

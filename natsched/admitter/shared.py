@@ -63,6 +63,7 @@ class Reservation:
     credit: str = ""  # the epoch of ``by``'s credit block it was paid from ("": reserved on its own)
     attempt: int = 0  # the attempt whose completion may release it (a rescue moves it on: fencing)
     ceiling: int = 0  # what it may grow to (prefill + max_tokens of KV); 0: it is at its ceiling
+    cls: str = ""  # the class its tokens are counted in ("": none; natsched.admitter.classes)
 
     def to_json(self) -> bytes:
         record = {"tenant": self.tenant, "model": self.model, "tokens": self.tokens, "ts": self.ts, "by": self.by}
@@ -74,6 +75,8 @@ class Reservation:
             record["ceiling"] = self.ceiling
         if self.credit:
             record["credit"] = self.credit
+        if self.cls:
+            record["cls"] = self.cls
         return orjson.dumps(record)
 
     @classmethod
@@ -91,8 +94,10 @@ class Reservation:
         if (not all(map(_is_count, (tokens, attempt, ceiling))) or isinstance(ts, bool) or not isinstance(ts, (int, float))
                 or not all(isinstance(d.get(k, ""), str) for k in RECORD_FIELDS - counts)):
             raise UsageError(f"reservation {request_id} has a field of the wrong type: {bytes(raw[:80])!r}")
+        if d.get("cls", "") not in ("", *S.CLASSES):
+            raise UsageError(f"reservation {request_id} names an unknown class: {bytes(raw[:80])!r}")
         return cls(request_id, d["tenant"], d["model"], tokens, float(ts), d["by"], revision,
-                   d.get("moved_from", ""), d.get("credit", ""), attempt, ceiling)
+                   d.get("moved_from", ""), d.get("credit", ""), attempt, ceiling, d.get("cls", ""))
 
 
 def _is_count(value) -> bool:
@@ -100,7 +105,8 @@ def _is_count(value) -> bool:
 
 
 #: the fields of a reservation record (:meth:`Reservation.to_json`), and those always written
-RECORD_FIELDS = frozenset({"tenant", "model", "tokens", "ts", "by", "moved_from", "credit", "attempt", "ceiling"})
+RECORD_FIELDS = frozenset({"tenant", "model", "tokens", "ts", "by", "moved_from", "credit", "attempt", "ceiling",
+                           "cls"})
 RECORD_REQUIRED = frozenset({"tenant", "model", "tokens", "ts", "by"})
 
 
@@ -108,9 +114,12 @@ class SharedState:
     """The replica's mirror of ``inflight`` plus the CAS operations that change it."""
 
     def __init__(self, bus: Bus, name: str, max_attempts: int = 200, remember: bool = True,
-                 watch: bool = True) -> None:
+                 watch: bool = True, bucket: str = S.BUCKET_INFLIGHT) -> None:
         self.bus = bus
         self.name = name
+        #: ``inflight``, or with partitioned admission the partition's own ``inflight-p<k>``
+        #: (its usage key and its requests' records: natsched.admitter.partition)
+        self.bucket = bucket
         self.max_attempts = max_attempts
         self.usage = Usage()
         self.revision = 0  # of the usage key; 0 = it does not exist yet
@@ -147,7 +156,7 @@ class SharedState:
         await asyncio.wait_for(self.ready.wait(), 10)
 
     async def _mirror(self) -> None:
-        async for key, value, rev in self.bus.kv(S.BUCKET_INFLIGHT).watch(USAGE, ready=self.ready):
+        async for key, value, rev in self.bus.kv(self.bucket).watch(USAGE, ready=self.ready):
             try:
                 self._apply(key, value, rev)
             except (AdmitterError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:  # UsageError too
@@ -176,7 +185,7 @@ class SharedState:
 
     async def refresh(self) -> None:
         """Read ``usage`` now (after a lost race the mirror may not have caught up yet)."""
-        current = await self.bus.kv(S.BUCKET_INFLIGHT).get(USAGE)
+        current = await self.bus.kv(self.bucket).get(USAGE)
         if current is None:
             self.usage, self.revision, self.corrupted = Usage(), 0, 0
         else:
@@ -196,9 +205,9 @@ class SharedState:
                 return result
             try:
                 if self.revision == 0:
-                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).create(USAGE, new.to_json())
+                    rev = await self.bus.kv(self.bucket).create(USAGE, new.to_json())
                 else:
-                    rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(USAGE, new.to_json(), self.revision)
+                    rev = await self.bus.kv(self.bucket).update(USAGE, new.to_json(), self.revision)
             except ConflictError:
                 self.conflicts += 1
                 # jittered backoff: replicas that keep colliding spread out instead of livelocking
@@ -217,9 +226,9 @@ class SharedState:
         records = await self.snapshot()
         for res in self.pending():
             records.setdefault(res.request_id, res)
-        expected = self.drift(records, self.is_long, Usage(credits=self.usage.credits))
+        expected = self.drift(records, self.is_long, Usage(credits=self.usage.credits, loans=self.usage.loans))
         try:
-            rev = await self.bus.kv(S.BUCKET_INFLIGHT).update(USAGE, expected.to_json(), self.corrupted)
+            rev = await self.bus.kv(self.bucket).update(USAGE, expected.to_json(), self.corrupted)
         except ConflictError:
             await self.refresh()
             return
@@ -229,14 +238,14 @@ class SharedState:
                     len(records), expected.used)
 
     async def record(self, res: Reservation) -> None:
-        self.recorded(res, await self.bus.kv(S.BUCKET_INFLIGHT).put(S.reservation_key(res.request_id), res.to_json()))
+        self.recorded(res, await self.bus.kv(self.bucket).put(S.reservation_key(res.request_id), res.to_json()))
 
     def outgoing(self, res: Reservation) -> tuple[str, bytes, None, None]:
         """The record as a message for :meth:`natsched.bus.connection.Bus.jpublish_batch` (a KV put is a
         publish on the key's subject); :meth:`recorded` takes its ack's sequence = revision. A
         create: a request id already reserved (published again under another msg id, or still
         marked released) gets a None ack, and is not reserved twice."""
-        return S.kv_subject(S.BUCKET_INFLIGHT, S.reservation_key(res.request_id)), res.to_json(), None, CREATE_ONLY
+        return S.kv_subject(self.bucket, S.reservation_key(res.request_id)), res.to_json(), None, CREATE_ONLY
 
     def recorded(self, res: Reservation, revision: int) -> None:
         res.revision = revision
@@ -260,7 +269,7 @@ class SharedState:
         completion handled by another replica): it is forgotten here, so the memory stays bounded.
         """
         started = time.time()
-        raw = await self.bus.kv(S.BUCKET_INFLIGHT).snapshot(RES_PREFIX + ">")
+        raw = await self.bus.kv(self.bucket).snapshot(RES_PREFIX + ">")
         records = {}
         for key, (value, rev) in raw.items():
             rid = key[len(RES_PREFIX):]
@@ -303,7 +312,7 @@ class SharedState:
                             request_id, attempt, res.attempt)
                 return None
             try:
-                await self.bus.kv(S.BUCKET_INFLIGHT).delete(key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
+                await self.bus.kv(self.bucket).delete(key, last=res.revision, marker_ttl_s=MARKER_TTL_S)
             except ConflictError:
                 # rewritten, or a read answered by a cluster follower that is behind: read again
                 # until it is gone or ours; giving up would leave it reserved (and its request
@@ -320,9 +329,9 @@ class SharedState:
         None when it changed meanwhile (another replica grew it, a rescue marked it, it was
         released): the caller adds to the usage only what its own write grew."""
         grown = Reservation(res.request_id, res.tenant, res.model, tokens, res.ts, res.by, 0, res.moved_from,
-                            res.credit, res.attempt, res.ceiling)
+                            res.credit, res.attempt, res.ceiling, res.cls)
         try:
-            grown.revision = await self.bus.kv(S.BUCKET_INFLIGHT).update(S.reservation_key(res.request_id),
+            grown.revision = await self.bus.kv(self.bucket).update(S.reservation_key(res.request_id),
                                                                          grown.to_json(), res.revision)
         except ConflictError:
             return None
@@ -343,7 +352,7 @@ class SharedState:
                 return res
             res.moved_from, res.attempt = worker, max(res.attempt, attempt)
             try:
-                res.revision = await self.bus.kv(S.BUCKET_INFLIGHT).update(S.reservation_key(request_id),
+                res.revision = await self.bus.kv(self.bucket).update(S.reservation_key(request_id),
                                                         res.to_json(), res.revision)
             except ConflictError:
                 continue
@@ -352,7 +361,7 @@ class SharedState:
         raise AdmitterError(f"reservation {request_id}: lost {self.max_attempts} races marking it moved")
 
     async def _read(self, request_id: str) -> Reservation | None:
-        current = await self.bus.kv(S.BUCKET_INFLIGHT).get(S.reservation_key(request_id))
+        current = await self.bus.kv(self.bucket).get(S.reservation_key(request_id))
         if current is None:
             self.reservations.pop(request_id, None)
             return None
@@ -370,14 +379,17 @@ class SharedState:
     def drift(records: dict[str, Reservation], is_long: Callable[[int], bool], usage: Usage | None = None) -> Usage:
         """What the aggregate should be according to the reservation records and the credit
         entries of ``usage``: every block, plus every record not paid from a block that still
-        exists (those are inside their block)."""
+        exists (those are inside their block), each in its class (credit-paid ones in none). The
+        loans between classes are not in the records: ``usage``'s are kept, clamped to what each
+        borrower holds (``natsched.admitter.classes``)."""
         credits = usage.credits if usage is not None else {}
         expected = Usage(credits=credits)
         for res in records.values():
             if res.credit and res.by in credits and credits[res.by].epoch == res.credit:
                 continue
-            expected = expected.plus(res.tenant, res.model, res.tokens, is_long(res.tokens))
+            expected = expected.plus(res.tenant, res.model, res.tokens, is_long(res.tokens),
+                                     None if res.credit else (res.cls or None))
         for entry in credits.values():
             for (tenant, model), tokens in entry.blocks.items():
                 expected = expected.plus(tenant, model, tokens)
-        return expected
+        return expected.with_loans(usage.loans) if usage is not None else expected

@@ -18,6 +18,11 @@ the holder opened), which is what a release and the reconciliation need to tell 
 paid from a block from one reserved on its own. ``beat`` changes with every write of the
 holder: a holder that stops writing for the credit lease loses its entry (:meth:`Usage.drop_credit`).
 
+``classes`` counts the runtime tokens each request class holds (every reservation that carries
+its class, i.e. all but those paid from credit blocks) and ``loans`` what one class borrowed of
+another's class limit, ``(borrower, lender) -> tokens``: the class limits and their lending rule
+are :mod:`natsched.admitter.classes`' (a release of a class repays its loans first).
+
 Pure module: no I/O.
 """
 
@@ -28,7 +33,9 @@ from typing import Any
 
 import orjson
 
+from natsched.admitter.classes import Loans, clamp, repay
 from natsched.admitter.errors import UsageError
+from natsched.wire import subjects as S
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,11 @@ class Usage:
     models: dict[str, int] = field(default_factory=dict)
     long: int = 0  # part of ``used`` held by long requests
     credits: dict[str, CreditEntry] = field(default_factory=dict)  # replica -> its credit (module docstring)
+    classes: dict[str, int] = field(default_factory=dict)  # class -> runtime tokens held (module docstring)
+    loans: Loans = field(default_factory=dict)  # (borrower, lender) -> runtime tokens borrowed
+
+    def cls(self, cls: str) -> int:
+        return self.classes.get(cls, 0)
 
     def tenant(self, tenant: str) -> int:
         return self.tenants.get(tenant, 0)
@@ -99,19 +111,45 @@ class Usage:
                 out[tenant] = out.get(tenant, 0) + tokens
         return out
 
-    def plus(self, tenant: str, model: str, tokens: int, long: bool = False) -> "Usage":
-        """A new usage with ``tokens`` more reserved for ``tenant`` / ``model`` (by a long request)."""
+    def plus(self, tenant: str, model: str, tokens: int, long: bool = False, cls: str | None = None,
+             loan: dict[str, int] | None = None) -> "Usage":
+        """A new usage with ``tokens`` more reserved for ``tenant`` / ``model`` (by a long request),
+        counted in class ``cls`` (None: in no class) with ``loan`` of it borrowed (lender -> tokens)."""
         if tokens < 0:
             raise ValueError(f"cannot reserve a negative number of runtime tokens ({tokens}); use minus()")
+        classes, loans = self.classes, self.loans
+        if cls is not None:
+            classes = _add(classes, cls, tokens)
+            if loan:
+                loans = dict(loans)
+                for lender, n in loan.items():
+                    if n > 0:
+                        loans[(cls, lender)] = loans.get((cls, lender), 0) + n
         return Usage(self.used + tokens, _add(self.tenants, tenant, tokens), _add(self.models, model, tokens),
-                     self.long + (tokens if long else 0), self.credits)
+                     self.long + (tokens if long else 0), self.credits, classes, loans)
 
-    def minus(self, tenant: str, model: str, tokens: int, long: bool = False) -> "Usage":
-        """A new usage with ``tokens`` released; every count clamps at 0 (a release may be late)."""
+    def minus(self, tenant: str, model: str, tokens: int, long: bool = False, cls: str | None = None) -> "Usage":
+        """A new usage with ``tokens`` released; every count clamps at 0 (a release may be late).
+        A release of class ``cls`` repays that class's loans first (:func:`natsched.admitter.classes.repay`)."""
         tokens = max(0, tokens)
+        classes, loans = repay(self.classes, self.loans, cls, tokens) if cls is not None else (self.classes,
+                                                                                                 self.loans)
         return Usage(max(0, self.used - tokens), _add(self.tenants, tenant, -tokens),
                      _add(self.models, model, -tokens), max(0, self.long - tokens) if long else self.long,
-                     self.credits)
+                     self.credits, classes, loans)
+
+    def reclass(self, cls: str | None, delta: int) -> "Usage":
+        """The same usage with class ``cls`` holding ``delta`` more (a reservation that grew: its
+        growth is its class's own, not borrowed)."""
+        if cls is None or not delta:
+            return self
+        return Usage(self.used, self.tenants, self.models, self.long, self.credits, _add(self.classes, cls, delta),
+                     clamp(_add(self.classes, cls, delta), self.loans))
+
+    def with_loans(self, loans: Loans) -> "Usage":
+        """The same usage with ``loans`` (clamped to what each borrower holds): a rebuild keeps them."""
+        return Usage(self.used, self.tenants, self.models, self.long, self.credits, self.classes,
+                     clamp(self.classes, loans))
 
     # --- credit blocks (natsched.admitter.credit) ------------------------------------------------
     def credit(self, replica: str, epoch: str | None = None) -> CreditEntry | None:
@@ -132,13 +170,14 @@ class Usage:
         tokens = min(max(0, tokens), entry.block(tenant, model))
         return self.minus(tenant, model, tokens)._with(replica, entry.adjusted(tenant, model, -tokens))
 
-    def release_from(self, by: str, epoch: str, tenant: str, model: str, tokens: int, long: bool = False) -> "Usage":
+    def release_from(self, by: str, epoch: str, tenant: str, model: str, tokens: int, long: bool = False,
+                     cls: str | None = None) -> "Usage":
         """Release a reservation: out of ``by``'s block when it was paid from that block (``epoch``)
-        and the block still exists, else on its own (``minus``); the aggregate drops by ``tokens``
-        either way."""
+        and the block still exists, else on its own (``minus``, in class ``cls``); the aggregate
+        drops by ``tokens`` either way. A credit-paid request was counted in no class."""
         entry = self.credit(by, epoch) if epoch else None
         if entry is None:
-            return self.minus(tenant, model, tokens, long)
+            return self.minus(tenant, model, tokens, long, None if epoch else cls)
         return self.minus(tenant, model, tokens, long)._with(by, entry.adjusted(tenant, model, -max(0, tokens)))
 
     def renew(self, replica: str, epoch: str) -> "Usage":
@@ -153,7 +192,7 @@ class Usage:
             return self
         credits = dict(self.credits)
         del credits[replica]
-        return Usage(self.used, self.tenants, self.models, self.long, credits)
+        return Usage(self.used, self.tenants, self.models, self.long, credits, self.classes, self.loans)
 
     def _entry(self, replica: str, epoch: str) -> CreditEntry:
         entry = self.credits.get(replica)
@@ -166,12 +205,16 @@ class Usage:
     def _with(self, replica: str, entry: CreditEntry) -> "Usage":
         credits = dict(self.credits)
         credits[replica] = entry
-        return Usage(self.used, self.tenants, self.models, self.long, credits)
+        return Usage(self.used, self.tenants, self.models, self.long, credits, self.classes, self.loans)
 
     def to_json(self) -> bytes:
         data: dict[str, Any] = {"used": self.used, "tenants": self.tenants, "models": self.models, "long": self.long}
         if self.credits:
             data["credits"] = {r: e.to_obj() for r, e in self.credits.items()}
+        if self.classes:
+            data["classes"] = self.classes
+        if self.loans:
+            data["loans"] = [[b, l, n] for (b, l), n in sorted(self.loans.items())]
         return orjson.dumps(data, option=orjson.OPT_SORT_KEYS)
 
     @classmethod
@@ -191,7 +234,7 @@ class Usage:
         if not isinstance(data, dict):
             raise UsageError(f"usage must be a JSON object, got {type(data).__name__}")
         missing = [k for k in REQUIRED_FIELDS if k not in data]
-        unknown = sorted(set(data) - set(REQUIRED_FIELDS) - {"credits"})
+        unknown = sorted(set(data) - set(REQUIRED_FIELDS) - OPTIONAL_FIELDS)
         if missing or unknown:
             raise UsageError("usage is not one the admitters wrote: "
                              + "; ".join(([f"missing {', '.join(missing)}"] if missing else [])
@@ -202,12 +245,19 @@ class Usage:
         credits = data.get("credits", {})
         if not isinstance(credits, dict):
             raise UsageError(f"usage field 'credits' must be an object, got {type(credits).__name__}")
+        classes = _counts(data.get("classes", {}), "classes")
+        unknown_classes = sorted(set(classes) - set(S.CLASSES))
+        if unknown_classes:
+            raise UsageError(f"usage field 'classes' names unknown class(es) {', '.join(unknown_classes)}")
         return cls(used, tenants, models, _count(data["long"], "long"),
-                   {str(r): CreditEntry.from_obj(e, f"credits.{r}") for r, e in credits.items()})
+                   {str(r): CreditEntry.from_obj(e, f"credits.{r}") for r, e in credits.items()},
+                   classes, _loans(data.get("loans", [])))
 
 
 #: what :meth:`Usage.to_json` always writes (``credits`` only while a replica holds credit)
 REQUIRED_FIELDS = ("used", "tenants", "models", "long")
+#: written only while non-empty: a replica's credit, the class counts, the loans between classes
+OPTIONAL_FIELDS = frozenset({"credits", "classes", "loans"})
 
 
 def _add(counts: dict[str, int], key: str, delta: int) -> dict[str, int]:
@@ -224,6 +274,20 @@ def _count(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise UsageError(f"usage field '{where}' must be a non-negative integer, got {value!r}")
     return value
+
+
+def _loans(value: Any) -> Loans:
+    if not isinstance(value, list):
+        raise UsageError(f"usage field 'loans' must be a list of [borrower, lender, tokens], got {type(value).__name__}")
+    out: Loans = {}
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 3 and item[0] in S.CLASSES and item[1] in S.CLASSES
+                and item[0] != item[1]):
+            raise UsageError(f"usage field 'loans' holds {item!r}, not [borrower, lender, tokens] of two classes")
+        n = _count(item[2], "loans")
+        if n:
+            out[(item[0], item[1])] = out.get((item[0], item[1]), 0) + n
+    return out
 
 
 def _counts(value: Any, where: str) -> dict[str, int]:

@@ -64,6 +64,21 @@ class PipelineRun:
     floor: bool = False  # a bare relay instead of admitters and routers (natsched.bench.relay)
     credit: bool = True  # False: admitters --no-credit (every allow committed to the shared usage)
     sync: str = DEFAULT_SYNC  # the embedded server's JetStream sync_interval (natsched.bus.server.SYNC_CHOICES)
+    partitions: int = 1  # partitioned admission (natsched up --partitions): ``admitters`` per partition
+
+
+def bench_tenants(partitions: int) -> list[str]:
+    """The tenants the load is spread over: ``bench`` alone, or with partitions one tenant per
+    partition (the first ``bench-<k>-<j>`` that nats-server's partition() puts in partition k),
+    so each partition's admitters get an equal share of the requests."""
+    if partitions == 1:
+        return ["bench"]
+    from natsched.admitter.budget import partition_of
+
+    out = []
+    for k in range(partitions):
+        out.append(next(f"bench-{k}-{j}" for j in range(10_000) if partition_of(f"bench-{k}-{j}", partitions) == k))
+    return out
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -234,6 +249,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None,
             sampling = asyncio.create_task(sampler.run(), name="memory-sampler")
         cpu0 = {name: read_cpu_s(pid) for name, pid in (pids or {}).items()}
         batches0 = await asyncio.to_thread(admitter_batches, admitter_ports) if admitter_ports else None
+        tenants = bench_tenants(run.partitions)
         t0 = time.perf_counter()  # the pacing clock; the tally's is the wall clock the services stamp
         tally.t0 = time.time()
         for i in range(total):
@@ -243,11 +259,12 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None,
                 await asyncio.sleep(delay)
             rid = f"{run_id}-{i}"
             created = time.time()
-            req = Request(id=rid, tenant="bench", cls=S.ONLINE, prompt="ping " * 8, max_tokens=1, reply=reply_to,
+            tenant = tenants[i % len(tenants)]
+            req = Request(id=rid, tenant=tenant, cls=S.ONLINE, prompt="ping " * 8, max_tokens=1, reply=reply_to,
                           created=created)
             tally.awaiting_assignment[rid] = created
             tally.awaiting_final.add(rid)
-            future = await bus.jpublish_pipelined(S.request(S.ONLINE, "bench"), req.encode(),
+            future = await bus.jpublish_pipelined(S.request(S.ONLINE, tenant), req.encode(),
                                                   headers={S.HDR_MSG_ID: rid, S.HDR_REPLY: reply_to})
             pending.add(future)
             future.add_done_callback(tally.on_ack)
@@ -271,6 +288,7 @@ async def drive(url: str, run: PipelineRun, pids: dict[str, int] | None = None,
         nats_rtt, js_rtt = await reference_rtts(bus) if references else (float("nan"), float("nan"))
         result = {
             "rate": run.rate, "duration_s": run.duration_s, "admitters": run.admitters, "routers": run.routers,
+            "partitions": run.partitions,
             "inline_routing": run.inline_routing, "floor": run.floor, "credit": run.credit, "sync": run.sync,
             "requests": total, "published": tally.published, "assigned": assigned,
             "completed": tally.completed, "rejected": tally.rejected,
@@ -323,7 +341,7 @@ def run_pipeline(run: PipelineRun, nats_url: str | None = None, driver: Callable
     data_dir = tempfile.mkdtemp(prefix="natsched-bench-")
     if run.floor:  # no admitter or router: the relay takes their place
         run = replace(run, admitters=0, routers=0, inline_routing=False)
-    up = UpSettings(workers=run.workers, admitters=run.admitters, routers=run.routers,
+    up = UpSettings(workers=run.workers, admitters=run.admitters, routers=run.routers, partitions=run.partitions,
                     inline_routing=run.inline_routing, credit=run.credit, engine="null",
                     nats_url=nats_url, port=free_port(), data_dir=data_dir, sync=run.sync, log_level="warning")
     sup = Supervisor(replace(up, metrics_port=free_ports(up.metered())))  # the admitters' batch metrics
@@ -427,6 +445,8 @@ HEADER = (f"{'rate':>7} {'adm':>3} {'rtr':>4} {'sent':>7} {'lost':>5} {'p50 ms':
 def _row(r: dict) -> str:
     routers = f"{r['routers']}{'+i' if r.get('inline_routing') else ''}"  # +i: the admitters route inline
     admitters = r["admitters"]
+    if r.get("partitions", 1) > 1:  # per partition x partitions
+        admitters = f"{admitters}x{r['partitions']}"
     if r.get("floor"):
         admitters, routers = "-", "flr"  # the bare relay in their place
     return (f"{r['rate']:>7.0f} {admitters:>3} {routers:>4} {r['requests']:>7} {r['lost']:>5} "

@@ -6,6 +6,10 @@ benchmark reports commits per second, lost races (conflicts) per commit, and che
 final aggregate equals the number of commits: no update lost, nothing admitted twice.
 One commit stands for a whole batch of decisions in the admitter, so these numbers bound how
 often replicas can decide together, not how many requests they can decide.
+
+``--partitions P``: replica ``i`` commits to partition ``i % P``'s own bucket (``inflight-p<k>``), as
+partitioned admitters do (:mod:`natsched.admitter.partition`): what one key's serialisation costs
+against keys that commit in parallel, on the same server.
 """
 
 from __future__ import annotations
@@ -22,10 +26,14 @@ from natsched.bus.connection import Bus
 from natsched.bus.server import EmbeddedServer, free_port
 
 
-async def _replica(url: str, name: str, seconds: float) -> tuple[int, int]:
+def usage_buckets(partitions: int) -> list[str]:
+    return [S.BUCKET_INFLIGHT] if partitions == 1 else [S.partition_bucket(k) for k in range(partitions)]
+
+
+async def _replica(url: str, name: str, seconds: float, bucket: str = S.BUCKET_INFLIGHT) -> tuple[int, int]:
     bus = await Bus.connect(url, name=name)
     try:
-        shared = SharedState(bus, name)
+        shared = SharedState(bus, name, bucket=bucket)
         await shared.start()
         commits = 0
         deadline = time.monotonic() + seconds
@@ -37,29 +45,36 @@ async def _replica(url: str, name: str, seconds: float) -> tuple[int, int]:
         await bus.close()
 
 
-async def measure(url: str, replicas: int, seconds: float) -> dict:
+async def measure(url: str, replicas: int, seconds: float, partitions: int = 1) -> dict:
     setup = await Bus.connect(url, name="bench-shared")
+    keys = usage_buckets(partitions)
     try:
         await setup.provision()
-        await setup.kv(S.BUCKET_INFLIGHT).put(S.KEY_USAGE, Usage().to_json())
+        if partitions > 1:
+            await setup.set_partitions(partitions)
+        for bucket in keys:
+            await setup.kv(bucket).put(S.KEY_USAGE, Usage().to_json())
         started = time.monotonic()
-        results = await asyncio.gather(*(_replica(url, f"r{i}", seconds) for i in range(replicas)))
+        results = await asyncio.gather(*(_replica(url, f"r{i}", seconds, keys[i % len(keys)])
+                                         for i in range(replicas)))
         wall = time.monotonic() - started
-        final = Usage.from_json((await setup.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE))[0])
+        used = [Usage.from_json((await setup.kv(bucket).get(S.KEY_USAGE))[0]).used for bucket in keys]
     finally:
         await setup.close()
     commits = sum(c for c, _ in results)
     conflicts = sum(x for _, x in results)
-    return {"replicas": replicas, "seconds": round(wall, 2), "commits": commits,
+    final = Usage(used=sum(used))
+    return {"replicas": replicas, "partitions": partitions, "seconds": round(wall, 2), "commits": commits,
             "commits_per_s": round(commits / wall), "conflicts_per_commit": round(conflicts / max(1, commits), 3),
-            "final_used": final.used, "lost_updates": commits - final.used}
+            "final_used": final.used, "lost_updates": commits - final.used, "used_per_partition": used}
 
 
-def run_shared_state(replicas: list[int], seconds: float, nats_url: str | None = None) -> list[dict]:
+def run_shared_state(replicas: list[int], seconds: float, nats_url: str | None = None,
+                     partitions: list[int] = (1,)) -> list[dict]:
     data_dir = tempfile.mkdtemp(prefix="natsched-bench-")
     server = None if nats_url else EmbeddedServer(port=free_port(), data_dir=data_dir).start()
     try:
-        return [asyncio.run(measure(nats_url or server.url, n, seconds)) for n in replicas]
+        return [asyncio.run(measure(nats_url or server.url, n, seconds, p)) for p in partitions for n in replicas]
     finally:
         if server:
             server.stop()
@@ -67,6 +82,7 @@ def run_shared_state(replicas: list[int], seconds: float, nats_url: str | None =
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'replicas':>8} {'commits/s':>10} {'conflicts/commit':>17} {'lost updates':>13}")
+    print(f"{'partitions':>10} {'replicas':>8} {'commits/s':>10} {'conflicts/commit':>17} {'lost updates':>13}")
     for r in rows:
-        print(f"{r['replicas']:>8} {r['commits_per_s']:>10} {r['conflicts_per_commit']:>17} {r['lost_updates']:>13}")
+        print(f"{r['partitions']:>10} {r['replicas']:>8} {r['commits_per_s']:>10} {r['conflicts_per_commit']:>17} "
+              f"{r['lost_updates']:>13}")

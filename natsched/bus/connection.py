@@ -389,6 +389,13 @@ class Bus:
         if jobs:
             await self.provision_jobs()
 
+    async def set_partitions(self, partitions: int) -> bool:
+        """Store requests in ``partitions`` partitions from now on (REQUESTS' subject transform and
+        bucket ``budget``: :func:`natsched.bus.provision.set_partitions`); True when it changed."""
+        from natsched.bus.provision import set_partitions
+
+        return await set_partitions(self.js, partitions)
+
     async def provision_jobs(self) -> None:
         """Create or update OUTCOMES and bucket ``jobs`` (idempotent; a batch reader may be the
         first natsched process on a fresh server)."""

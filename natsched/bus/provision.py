@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass, field
 
 from nats.js import api
@@ -74,7 +75,11 @@ _BUCKETS: dict[str, tuple[int, float | None]] = {
     S.BUCKET_WORKERS: (1, None),  # calibrated capacities per model/deployment
     S.BUCKET_CONFIG: (10, None),  # routing policy and weights, switchable live
     S.BUCKET_INFLIGHT: (1, None),  # shared usage + one key per reservation (admitter replicas)
+    S.BUCKET_BUDGET: (1, None),  # partitioned admission only (set_partitions): plan, lease, reports
 }
+
+
+_PARTITION_BUCKET = re.compile(r"-p[0-9]+$")
 
 
 def bucket_history(bucket: str) -> int:
@@ -170,6 +175,9 @@ async def ensure_stream(js, config: api.StreamConfig) -> None:
         config.num_replicas = info.config.num_replicas
     if all(getattr(info.config, k) == getattr(config, k) for k in _MANAGED):
         return
+    # the partition transform is set by set_partitions alone: a service provisioning with its
+    # defaults keeps it (or it would undo a partitioned deployment's routing on every start)
+    config.subject_transform = info.config.subject_transform
     try:
         await js.update_stream(config)
     except BadRequestError as exc:
@@ -182,7 +190,7 @@ async def ensure_stream(js, config: api.StreamConfig) -> None:
 
 async def ensure_bucket(js, bucket: str, replicas: int | None) -> None:
     """Create the bucket; an existing one is only ever scaled up (``replicas`` None: automatic)."""
-    history, ttl = _BUCKETS[bucket]
+    history, ttl = _BUCKETS[_PARTITION_BUCKET.sub("", bucket)]  # inflight-p<k>: as inflight
     replicas = auto_replicas(js) if replicas is None else replicas
     try:
         await js.key_value(bucket)
@@ -490,3 +498,47 @@ async def fit_stored_limits(js, free_bytes: int, replicas: int | None = None) ->
                     "retention overrides; natsched retention set changes them)", free_bytes / GiB,
                     total_reserved(fitted) / GiB)
     return fitted
+
+
+# --- partitioned admission (issue 27) -------------------------------------------------------
+def partition_transform(partitions: int) -> api.SubjectTransform | None:
+    """REQUESTS' subject transform for ``partitions`` (None: one partition, stored as published).
+
+    A stream transform rather than a server ``mappings`` entry (``natsched.admitter.budget.
+    partition_mapping``, the same ``partition()`` function): it lives in the stream's config, so
+    provisioning sets it on any server or cluster without a server config file, and producers
+    keep publishing ``req.<class>.<tenant>`` (their permissions unchanged)."""
+    if partitions < 1:
+        raise ProvisionError(f"partitions must be >= 1, got {partitions}")
+    if partitions == 1:
+        return None
+    return api.SubjectTransform(src="req.*.*", dest=f"{S.PARTITIONED_PREFIX}.{{{{partition({partitions},2)}}}}"
+                                                    ".{{wildcard(1)}}.{{wildcard(2)}}")
+
+
+def stream_partitions(config: api.StreamConfig) -> int:
+    """How many partitions a REQUESTS config stores requests in (1: not partitioned)."""
+    t = config.subject_transform
+    dest = (t.dest if isinstance(t, api.SubjectTransform) else (t or {}).get("dest", "")) or ""
+    marker = "{{partition("
+    if marker not in dest:
+        return 1
+    return int(dest.split(marker, 1)[1].split(",", 1)[0])
+
+
+async def set_partitions(js, partitions: int) -> bool:
+    """Partition REQUESTS into ``partitions`` (1: undo it) and create bucket ``budget`` and each
+    partition's ``inflight-p<k>``; True when the stream changed. Requests stored before keep their
+    subject: change P on a drained system (docs/fleet.md)."""
+    info = await js.stream_info(S.STREAM_REQUESTS)
+    wanted = partition_transform(partitions)
+    if partitions > 1:
+        await ensure_bucket(js, S.BUCKET_BUDGET, None)
+        for k in range(partitions):
+            await ensure_bucket(js, S.partition_bucket(k), None)
+    if stream_partitions(info.config) == partitions:
+        return False
+    info.config.subject_transform = wanted
+    await js.update_stream(info.config)
+    log.info("stream %s now stores requests in %d partition(s)", S.STREAM_REQUESTS, partitions)
+    return True

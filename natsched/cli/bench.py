@@ -93,10 +93,21 @@ def add_parsers(subparsers) -> argparse.ArgumentParser:
                                      "they can; prints commits/s, lost races per commit and lost updates.")
     ss.add_argument("--replicas", default="1,2,3", help="replica counts to run, comma separated (default 1,2,3)")
     ss.add_argument("--seconds", type=positive_float, default=5.0, help="seconds per run (default 5)")
+    ss.add_argument("--partitions", default="1", help="partition counts to run, comma separated: replica i "
+                                                      "commits to partition i %% P's own bucket (default 1)")
     ss.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
     ss.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     ss.set_defaults(handler=_cmd_shared)
+    ad = bsub.add_parser("partitions", help="decisions/s of real admitter processes, one per partition",
+                         description="Admission alone (no router, no worker): publish --requests requests over one "
+                                     "tenant per partition and time the admitter processes deciding them, at each "
+                                     "partition count.")
+    ad.add_argument("--partitions", default="1,2", help="partition counts to run, comma separated (default 1,2)")
+    ad.add_argument("--requests", type=positive_int, default=5000, help="requests per run (default 5000)")
+    ad.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    ad.set_defaults(handler=_cmd_admission)
     add_scale_parser(bsub)
+    add_priority_parser(bsub)
     add_stored_parser(bsub)
     cd = bsub.add_parser("codec", help="decode-and-validate cost per message (the msgspec schema engine)",
                          description="Time decoding the same encoded messages with msgpack alone (no checks), "
@@ -190,6 +201,37 @@ def _cmd_scale(args) -> int:
     return _write_json(args.json, report)
 
 
+def add_priority_parser(bsub) -> None:
+    """``natsched bench priority`` (:mod:`natsched.sim.priority`)."""
+    pr = bsub.add_parser("priority", help="online waits in a burst over a batch backlog: lending vs none",
+                         description="Replay the same seeded online burst over a batch backlog through "
+                                     "AdmitterCore with class limits and lending, the same limits without "
+                                     "lending, and no class limits; print online waits, rejections, batch "
+                                     "throughput and the loan (virtual time).")
+    pr.add_argument("--burst", default="1.5,2,3",
+                    help="online demand in the burst, as multiples of its own limit's capacity (default 1.5,2,3)")
+    pr.add_argument("--lend-share", type=fraction, default=0.5, help="admission.lend_share (default 0.5)")
+    pr.add_argument("--seed", type=int, default=1)
+    pr.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
+    pr.set_defaults(handler=_cmd_priority)
+
+
+def _cmd_priority(args) -> int:
+    from dataclasses import asdict
+
+    from natsched.sim.priority import PrioritySettings, priority_table, run_priority_benchmark
+
+    try:
+        bursts = tuple(float(x) for x in args.burst.split(",") if x.strip())
+        if not bursts or min(bursts) <= 0:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--burst must be positive numbers, got {args.burst!r}")
+    rows = run_priority_benchmark(PrioritySettings(lend_share=args.lend_share, seed=args.seed), bursts)
+    print(priority_table(rows))
+    return _write_json(args.json, [{k: v for k, v in asdict(r).items() if k != "waits"} for r in rows])
+
+
 def _write_json(path: Path | None, report) -> int:
     """Write a benchmark's JSON report when ``--json`` asked for it: 0, or 1 with a message."""
     if path is not None:
@@ -278,6 +320,9 @@ def _add_pipeline_parser(bsub) -> None:
     pp.add_argument("--admitters", type=positive_int, default=1, help="admitter replicas (default 1)")
     pp.add_argument("--routers", type=non_negative_int, default=None,
                     help="router replicas (default 1; 0 with --inline-routing)")
+    pp.add_argument("--partitions", type=positive_int, default=1, metavar="P",
+                    help="partitioned admission (natsched up --partitions): --admitters per partition, the load "
+                         "spread over one tenant per partition (default 1)")
     pp.add_argument("--inline-routing", action="store_true",
                     help="the admitters route what they admit in their own process (natsched admitter --route)")
     pp.add_argument("--floor", action="store_true",
@@ -412,11 +457,29 @@ def _cmd_shared(args) -> int:
 
     try:
         replicas = [int(x) for x in args.replicas.split(",") if x.strip()]
-        if not replicas or min(replicas) < 1:
+        partitions = [int(x) for x in args.partitions.split(",") if x.strip()]
+        if not replicas or min(replicas) < 1 or not partitions or min(partitions) < 1:
             raise ValueError
     except ValueError:
-        return _fail(f"--replicas must be positive integers, got {args.replicas!r}")
-    rows = run_shared_state(replicas, args.seconds, args.nats_url)
+        return _fail(f"--replicas and --partitions must be positive integers, got {args.replicas!r}, "
+                     f"{args.partitions!r}")
+    rows = run_shared_state(replicas, args.seconds, args.nats_url, partitions)
+    print_table(rows)
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
+    return 0
+
+
+def _cmd_admission(args) -> int:
+    from natsched.bench.partitions import print_table, run_admission
+
+    try:
+        partitions = [int(x) for x in args.partitions.split(",") if x.strip()]
+        if not partitions or min(partitions) < 1:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--partitions must be positive integers, got {args.partitions!r}")
+    rows = [run_admission(p, args.requests) for p in partitions]
     print_table(rows)
     if args.json is not None:
         args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2) + b"\n")
@@ -468,7 +531,7 @@ def _cmd_pipeline(args) -> int:
         return _fail(str(exc))
     base = PipelineRun(args.rate or DEFAULT_RATE, duration, args.admitters, routers, args.workers,
                        inline_routing=args.inline_routing, floor=args.floor, credit=not args.no_credit,
-                       sync=args.sync,
+                       sync=args.sync, partitions=args.partitions,
                        sample_every_s=args.sample_every,
                        audit_max_bytes=args.audit_max_mib * 2**20 if args.audit_max_mib else None)
     try:

@@ -444,6 +444,9 @@ def _score(score: Any) -> str:
 
 
 def _short(v: Any) -> str:
+    """A value in one word: a float without noise, a mapping as ``k:v,k:v`` (a loan ``batch:100``)."""
+    if isinstance(v, dict):
+        return ",".join(f"{k}:{_short(x)}" for k, x in v.items()) or "-"
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 

@@ -34,8 +34,11 @@ def add_parsers(sub) -> None:
     qset.add_argument("--cap", type=int, help="tenant's absolute cap in runtime tokens (-1 removes it)")
     qset.add_argument("--model", help="model to limit (with --model-limit)")
     qset.add_argument("--model-limit", type=int, help="runtime tokens the model may hold")
-    qset.add_argument("--class", dest="cls", help="request class (with --queue-limit)")
+    qset.add_argument("--class", dest="cls", help="request class (with --queue-limit / --class-limit)")
     qset.add_argument("--queue-limit", type=int, help="max queued requests of the class")
+    qset.add_argument("--class-limit", type=int,
+                      help="runtime tokens all requests of the class may hold together, cluster-wide (-1 "
+                           "removes it); online borrows lower classes' unused room: docs/admission.md")
     qset.add_argument("--unknown-tenant", choices=["default", "reject"],
                       help="unknown tenants get the default quota, or are rejected")
     qset.add_argument("--set", dest="settings", action="append", default=[], metavar="GROUP.NAME=VALUE",
@@ -109,10 +112,16 @@ def _edit_quotas(quotas, args):
         raise ValueError("--model and --model-limit go together")
     if args.model:
         q.models[args.model] = args.model_limit
-    if (args.cls is None) != (args.queue_limit is None):
-        raise ValueError("--class and --queue-limit go together")
-    if args.cls:
+    limit = getattr(args, "class_limit", None)
+    if (args.cls is None) != (args.queue_limit is None and limit is None):
+        raise ValueError("--class goes with --queue-limit and/or --class-limit")
+    if args.cls and args.queue_limit is not None:
         q.queue_limits[args.cls] = args.queue_limit
+    if args.cls and limit is not None:
+        if limit < 0:
+            q.class_limits.pop(args.cls, None)
+        else:
+            q.class_limits[args.cls] = limit
     if args.unknown_tenant:
         q.unknown_tenant = args.unknown_tenant
     q.validate()
@@ -251,9 +260,12 @@ def _quotas(entries: dict[str, bytes]):
 
 
 async def _write(bus, old, new, entries, settings_edited: bool = False) -> int:
-    for key, value in new.to_kv().items():
+    wanted = new.to_kv()
+    for key, value in wanted.items():
         if entries.get(key) != value:
             await bus.kv(S.BUCKET_QUOTAS).put(key, value)
+    for key in sorted(set(old.to_kv()) - set(wanted)):  # a limit removed (--class-limit -1)
+        await bus.kv(S.BUCKET_QUOTAS).delete(key)
     changes = quota_changes(old, new)
     if not changes and not settings_edited:
         print("quotas unchanged")
@@ -276,6 +288,7 @@ async def _show(bus, quotas, dynamic, as_json: bool, entries: dict | None = None
                                         "credit": credit.get(t, 0)}
                         for t, q in sorted(quotas.tenants.items())},
             "models": dict(quotas.models), "queue_limits": dict(quotas.queue_limits),
+            "classes": _class_view(quotas, usage),
             "used": usage.used if usage else None, "credit": sum(credit.values()), "settings": live}
     if as_json:
         print(orjson.dumps(view).decode())
@@ -287,7 +300,29 @@ async def _show(bus, quotas, dynamic, as_json: bool, entries: dict | None = None
     for name, t in view["tenants"].items():
         print(f"{name:<16}{t['floor']:>8.2f}{t['weight']:>8.2f}{word(t['cap'], '-'):>12}"
               f"{word(t['used'], 'unknown'):>12}{t['credit']:>12}")
-    print(f"unknown tenants: {quotas.unknown_tenant}; models: {word(view['models'])}; "
-          f"queue limits: {word(view['queue_limits'])}")
+    print(f"{'class':<16}{'limit':>12}{'used':>12}{'borrowed':>18}{'lent':>18}{'queue limit':>14}")
+    for name, c in view["classes"].items():
+        print(f"{name:<16}{word(c['limit'], '-'):>12}{word(c['used'], 'unknown'):>12}"
+              f"{_loan_word(c['borrowed'], c['borrowed_from']):>18}{_loan_word(c['lent'], c['lent_to']):>18}"
+              f"{c['queue_limit']:>14}")
+    print(f"unknown tenants: {quotas.unknown_tenant}; models: {word(view['models'])}")
     print(f"settings set live: {word(live) if live else 'none'}")
     return 0
+
+
+def _class_view(quotas, usage) -> dict:
+    """Per class: its limit, what it holds (borrowed part included), its loans both ways."""
+    out = {}
+    loans = usage.loans if usage else {}
+    for cls in S.CLASSES:
+        frm = {l: n for (b, l), n in sorted(loans.items()) if b == cls}
+        to = {b: n for (b, l), n in sorted(loans.items()) if l == cls}
+        out[cls] = {"limit": quotas.class_limits.get(cls), "used": usage.cls(cls) if usage else None,
+                    "borrowed": sum(frm.values()), "borrowed_from": frm, "lent": sum(to.values()), "lent_to": to,
+                    "queue_limit": quotas.queue_limit(cls)}
+    return out
+
+
+def _loan_word(total: int, parts: dict) -> str:
+    """``300 (batch)`` or ``0``: the loan and whom it is with."""
+    return f"{total} ({', '.join(parts)})" if parts else str(total)

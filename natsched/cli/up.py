@@ -25,6 +25,7 @@ ENGINES = ["sim", "vllm", "vllm-server", "null"]
 def add_parsers(sub) -> None:
     _up_parser(sub)
     _admitter_parser(sub)
+    _coordinator_parser(sub)
     _router_parser(sub)
     _worker_parser(sub)
 
@@ -44,7 +45,12 @@ def _up_parser(sub) -> None:
     up = sub.add_parser("up", help="run nats-server (embedded unless --nats-url), admitter, router and N workers",
                         description="Start the whole system in the foreground; Ctrl-C or SIGTERM stops it cleanly.")
     up.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
-    up.add_argument("--admitters", type=int, default=1, help="admitter replicas (default 1)")
+    up.add_argument("--admitters", type=int, default=1, help="admitter replicas (default 1; per partition with "
+                                                              "--partitions)")
+    up.add_argument("--partitions", type=int, default=1, metavar="P",
+                    help="partitioned admission: requests spread over P partitions by tenant, each with its own "
+                         "admitters and usage key, the total split by a budget coordinator (default 1; "
+                         "docs/fleet.md)")
     up.add_argument("--routers", type=int, default=None,
                     help="router replicas (default 1; 0 with --inline-routing)")
     up.add_argument("--no-credit", action="store_true",
@@ -106,7 +112,23 @@ def _admitter_parser(sub) -> None:
     adm.add_argument("--block-size", type=int, default=32, help="with --route: prefix block size (default 32)")
     adm.add_argument("--set", dest="settings", action="append", default=[], metavar="GROUP.NAME=VALUE",
                      help=SET_HELP)
+    adm.add_argument("--partitions", type=int, default=1, metavar="P",
+                     help="partitioned admission: how many partitions requests are spread over (default 1)")
+    adm.add_argument("--partition", type=int, default=0, metavar="K",
+                     help="with --partitions: the partition this replica admits for, 0..P-1")
+    adm.add_argument("--no-coordinator", action="store_true",
+                     help="with --partitions: run no budget-coordinator candidate in this process")
     adm.set_defaults(handler=cmd_admitter)
+
+
+def _coordinator_parser(sub) -> None:
+    co = sub.add_parser("coordinator", help="run a budget-coordinator candidate (partitioned admission)",
+                        description="Split the cluster total between admission partitions; one candidate holds "
+                                    "the lease, the others stand by (docs/fleet.md).")
+    url_flag(co)
+    co.add_argument("--name", default="coordinator", help="candidate name (the lease holder's)")
+    co.add_argument("--partitions", type=int, required=True, metavar="P", help="partitions to split the total into")
+    co.set_defaults(handler=cmd_coordinator)
 
 
 def _router_parser(sub) -> None:
@@ -215,13 +237,14 @@ def up_settings(args):
     """``natsched up``'s flags as :class:`~natsched.hosting.supervisor.UpSettings` (ValueError: a bad combination)."""
     from natsched.hosting.supervisor import UpSettings, router_count
 
-    if args.workers < 0 or args.admitters < 1:
-        raise ValueError("--admitters must be >= 1, --workers >= 0")
+    if args.workers < 0 or args.admitters < 1 or args.partitions < 1:
+        raise ValueError("--admitters and --partitions must be >= 1, --workers >= 0")
     try:
         start_knobs(args.settings)  # a bad --set fails here, not in every admitter
     except ValueError as exc:
         raise ValueError(f"--set refused: {exc}") from None
     return UpSettings(admitter_settings=list(args.settings), workers=args.workers, admitters=args.admitters, inline_routing=args.inline_routing,
+                      partitions=args.partitions,
                       credit=not args.no_credit,
                       routers=router_count(args.routers, args.inline_routing), engine=args.engine,
                       nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, sync=args.sync,
@@ -334,6 +357,9 @@ def cmd_admitter(args) -> int:
         knobs = start_knobs(args.settings)
     except ValueError as exc:  # SettingsError: the bad knob named, nothing started
         return fail(f"--set refused: {exc}")
+    if args.partitions < 1 or not 0 <= args.partition < args.partitions:
+        return fail(f"--partition {args.partition} of --partitions {args.partitions}: the partition must be "
+                    f"0..P-1 and P >= 1")
 
     async def start(bus):
         metrics, router = AdmitterMetrics(), None
@@ -351,7 +377,8 @@ def cmd_admitter(args) -> int:
             name=args.name, metrics_port=args.metrics_port, credit=CreditSettings(enabled=not args.no_credit),
             admission=knobs.admission, dynamic=knobs.dynamic, scale=knobs.scale, lease_missed=lease.missed,
             rescue_grace_s=lease.rescue_grace_s, reconcile_interval_s=lease.reconcile_interval_s,
-            orphan_after_s=lease.orphan_after_s, model_memory_s=lease.model_memory_s),
+            orphan_after_s=lease.orphan_after_s, model_memory_s=lease.model_memory_s,
+            partition=args.partition, partitions=args.partitions, coordinate=not args.no_coordinator),
             metrics, router=router)
         await service.start()
         return f"total={service.total}" + (f" routing={router.core.policy.name}" if router else "")
@@ -362,6 +389,29 @@ def cmd_admitter(args) -> int:
 
     service = None
     return run(serve(args.nats_url, "admitter", start, stop=stop, credentials=args.credentials))
+
+
+def cmd_coordinator(args) -> int:
+    from natsched.admitter.coordinator import Coordinator, CoordinatorSettings
+    from natsched.hosting.runtime import serve
+
+    if args.partitions < 2:
+        return fail("--partitions must be >= 2 (one partition has no budget to split)")
+
+    async def start(bus):
+        nonlocal coordinator
+        await bus.provision()
+        await bus.set_partitions(args.partitions)
+        coordinator = Coordinator(bus, CoordinatorSettings(name=args.name, partitions=args.partitions))
+        await coordinator.start()
+        return f"partitions={args.partitions}"
+
+    async def stop():
+        if coordinator is not None:
+            await coordinator.resign()
+
+    coordinator = None
+    return run(serve(args.nats_url, "coordinator", start, stop=stop, credentials=args.credentials))
 
 
 def cmd_router(args) -> int:

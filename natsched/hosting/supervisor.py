@@ -31,7 +31,8 @@ from natsched.hosting.runtime import DRAINED_PREFIX, READY_PREFIX
 log = logging.getLogger(__name__)
 
 
-async def _provision(url: str, credentials: Path | None = None, data_dir: Path | None = None) -> list[str]:
+async def _provision(url: str, credentials: Path | None = None, data_dir: Path | None = None,
+                     partitions: int = 1) -> list[str]:
     """Every stream and bucket, the offline runner's included: under auth only the admin may
     create them (the services' roles may read stream info, not change it). ``data_dir``: the
     embedded server's, whose disk the limits are sized to (or refused with one line). Returns the
@@ -43,6 +44,7 @@ async def _provision(url: str, credentials: Path | None = None, data_dir: Path |
         if data_dir is not None:
             await bus.fit_to_disk(shutil.disk_usage(data_dir).free)
         await bus.provision(jobs=True)
+        await bus.set_partitions(partitions)  # (1: undoes an earlier partitioned run's transform)
         return await persisted_notes(bus)
     finally:
         await bus.close()
@@ -61,7 +63,8 @@ def router_count(routers: int | None, inline_routing: bool) -> int:
 @dataclass
 class UpSettings:
     workers: int = 2
-    admitters: int = 1
+    admitters: int = 1  # per partition
+    partitions: int = 1  # partitioned admission (natsched.admitter.partition): P x admitters processes
     routers: int = 1
     inline_routing: bool = False  # admitters run with --route (then routers may be 0)
     credit: bool = True  # admitters spend credit reserved ahead (natsched.admitter.credit); False: --no-credit
@@ -91,6 +94,11 @@ class UpSettings:
     server_leave_s: float | None = None  # a silent server's agent leaves after this (None: the worker's default)
 
     def __post_init__(self) -> None:
+        if self.partitions > 1 and self.auth_dir is not None:
+            raise ValueError("--partitions with --auth-dir: the roles name the unpartitioned consumers only "
+                             "(docs/fleet.md, what is left)")
+        if self.partitions > 1 and self.inline_routing:
+            raise ValueError("--partitions with --inline-routing: not wired yet (docs/fleet.md)")
         if self.engine == "vllm-server":
             if not self.server_urls:
                 raise ValueError("--engine vllm-server needs --vllm-url URL (once per server)")
@@ -110,7 +118,7 @@ class UpSettings:
 
     def metered(self) -> int:
         """How many children serve metrics (the offline runner has none)."""
-        return self.admitters + self.routers + self.workers + (self.gateway_port is not None)
+        return self.admitters * self.partitions + self.routers + self.workers + (self.gateway_port is not None)
 
 
 @dataclass
@@ -146,19 +154,18 @@ class Supervisor:
     def plan(self, url: str) -> list[Child]:
         common = ["--nats-url", url]
         kids = []
-        for i in range(1, self.s.admitters + 1):
-            name = "admitter" if self.s.admitters == 1 else f"admitter-{i}"
+        for name, part in self._admitter_names():
             # inline routing: the scheduler role, an admitter's and a router's permissions together
             route = ["--route", "--policy", self.s.policy] if self.s.inline_routing else []
             route += [] if self.s.credit else ["--no-credit"]
-            route += [f"--set={a}" for a in self.s.admitter_settings]
+            route += [f"--set={a}" for a in self.s.admitter_settings] + part
             kids.append(Child(name, self._cmd("admitter", *common, "--name", name, *route),
                               user="scheduler" if self.s.inline_routing else "admitter"))
         for i in range(1, self.s.routers + 1):
             name = "router" if self.s.routers == 1 else f"router-{i}"
             kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy),
                               user="router"))
-        if self.s.offline:
+        if self.s.offline and self.s.partitions == 1:  # (not partitioned yet: docs/fleet.md)
             kids.append(Child("offline", self._cmd("offline", *common, "--name", "offline"), user="offline"))
         for i, wid in enumerate(self.worker_ids()):
             args = ["worker", *common, "--id", wid, "--engine", self.s.engine,
@@ -175,6 +182,15 @@ class Supervisor:
                 kid.args += ["--credentials", str(self.auth.creds(kid.user))]
         self._assign_metrics_ports(kids)
         return kids
+
+    def _admitter_names(self) -> list[tuple[str, list[str]]]:
+        """(name, partition flags) of every admitter: ``admitter``, ``admitter-<i>``, or with
+        partitions ``admitter-p<k>`` / ``admitter-p<k>-<i>`` (each also a coordinator candidate)."""
+        n, p = self.s.admitters, self.s.partitions
+        if p == 1:
+            return [("admitter" if n == 1 else f"admitter-{i}", []) for i in range(1, n + 1)]
+        return [(f"admitter-p{k}" if n == 1 else f"admitter-p{k}-{i}",
+                 ["--partition", str(k), "--partitions", str(p)]) for k in range(p) for i in range(1, n + 1)]
 
     def _server_args(self, i: int) -> list[str]:
         """Worker ``i``'s server (engine vllm-server): its URL, KV-event endpoint and replay socket."""
@@ -289,7 +305,8 @@ class Supervisor:
                 f"sync {self.s.sync}" + (f", auth {self.auth.config})" if self.auth else ")"), flush=True)
         admin = self.auth.creds("admin") if self.auth else None
         # once, before the components race to create streams
-        notes = asyncio.run(_provision(url, admin, self.server.data_dir if self.server is not None else None))
+        notes = asyncio.run(_provision(url, admin, self.server.data_dir if self.server is not None else None,
+                                       self.s.partitions))
         for note in notes:  # a canary or quota set once persists: say so before it applies
             say(f"note: {note}", flush=True)
             log.warning("data dir state: %s", note)

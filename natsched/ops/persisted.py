@@ -89,8 +89,9 @@ def quota_changes(old, new) -> list[tuple[str, Any, Any]]:
             continue
         for name in ("floor", "weight", "cap"):
             out.append((f"tenant {tenant} {name}", getattr(was, name), getattr(now, name)))
-    for label, before, after in (("model", old.models, new.models), ("queue limit", old.queue_limits,
-                                                                      new.queue_limits)):
+    for label, before, after in (("model", old.models, new.models),
+                                 ("queue limit", old.queue_limits, new.queue_limits),
+                                 ("class limit", old.class_limits, new.class_limits)):
         for key in sorted(set(before) | set(after)):
             out.append((f"{label} {key}", before.get(key, UNSET), after.get(key, UNSET)))
     return [(name, a, b) for name, a, b in out if a != b]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
@@ -42,6 +42,7 @@ from natsched.admitter.policy import ALLOW as A_ALLOW, DEGRADE, QUEUE as A_QUEUE
 from natsched.admitter.quotas import Quotas, TenantQuota
 from natsched.sim.admission import ALLOW, QUEUE, REJECT, AllowAll
 from natsched.sim.trace import TraceRequest
+from natsched.wire import subjects as S
 from natsched.wire.schema import Completion, Request, RequestId, TenantId
 
 RESCUE_S = 3.0  # natsched: a dead worker's lease expires after ~3 missed 1 s heartbeats
@@ -142,7 +143,7 @@ class NatschedGate:
         out = []
         for i, cost in plan.takes:
             req, wire, _ = self._parked[i]
-            self._held[req.id] = (req, wire, cost)
+            self._held[req.id] = (req, replace(wire, cls=S.OFFLINE), cost)  # the offline path's class
             out.append(req)
         if plan.usage is not None:
             core.usage = plan.usage

@@ -397,3 +397,67 @@ def job_filter(tenant: str = "*", batch: str = "*", job_id: str = "*") -> str:
     parts = [p if p == "*" else token(p, what) for p, what in ((tenant, "tenant"), (batch, "batch id"),
                                                                 (job_id, "job id"))]
     return "job." + ".".join(parts)
+
+
+# --- partitioned admission (issue 27: natsched.admitter.budget, natsched.admitter.coordinator) --
+#: the subjects REQUESTS stores requests under once it is partitioned: the stream's subject
+#: transform (``natsched.bus.provision.set_partitions``) rewrites ``req.<class>.<tenant>`` to
+#: ``reqp.<partition>.<class>.<tenant>`` with nats-server's own ``partition()`` hash of the tenant
+PARTITIONED_PREFIX = "reqp"
+#: hierarchical budget: the coordinator's plan, its lease, and each partition replica's report
+BUCKET_BUDGET = "budget"
+#: key in ``budget``: the plan in force (JSON ``{"epoch", "total", "grants": {"<partition>": tokens}}``)
+KEY_PLAN = "plan"
+#: key in ``budget``: the coordinator lease (JSON ``{"holder", "until"}``, renewed by compare-and-swap)
+KEY_COORDINATOR = "coordinator"
+#: every partition report in ``budget`` (``report.<partition>.<replica>``)
+REPORTS_ALL = "report.>"
+
+
+def _partition(partition: int | str) -> str:
+    return token(str(partition), "partition")
+
+
+def partition_requests(partition: int | str) -> str:
+    """What partition ``partition``'s admitters consume from REQUESTS: ``reqp.<partition>.>``."""
+    return f"{PARTITIONED_PREFIX}.{_partition(partition)}.>"
+
+
+def partition_admitter(partition: int | str) -> str:
+    """Partition ``partition``'s durable consumer of its requests: ``admitter-p<partition>``."""
+    return f"{CONSUMER_ADMITTER}-p{_partition(partition)}"
+
+
+def partition_completions(partition: int | str) -> str:
+    """Partition ``partition``'s durable consumer of completions: ``admitter-completions-p<partition>``."""
+    return f"{CONSUMER_ADMITTER_COMPLETIONS}-p{_partition(partition)}"
+
+
+def partition_bucket(partition: int | str) -> str:
+    """Partition ``partition``'s own in-flight bucket, ``inflight-p<partition>``: its ``usage`` key and
+    its requests' ``res.`` records, as ``inflight`` holds them unpartitioned. A bucket of its own,
+    not a key of ``inflight``: a bucket is one stream, which orders all its writes (and has one
+    leader in a cluster), so partitions sharing one would still queue behind each other."""
+    return f"{BUCKET_INFLIGHT}-p{_partition(partition)}"
+
+
+def partition_report_key(partition: int | str, replica: str) -> str:
+    """What one replica of a partition reports to the coordinator: ``report.<partition>.<replica>``."""
+    return f"report.{_partition(partition)}.{token(replica, 'replica name')}"
+
+
+def parse_partitioned_subject(subject: str) -> tuple[int, str] | None:
+    """``reqp.<partition>.<class>.<tenant>`` -> (partition, ``req.<class>.<tenant>``), or None."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != PARTITIONED_PREFIX or not parts[1].isdigit():
+        return None
+    return int(parts[1]), f"req.{parts[2]}.{parts[3]}"
+
+
+PATTERNS.update({
+    "partition_requests": "reqp.<partition>.>",
+    "partition_admitter": "admitter-p<partition>",
+    "partition_completions": "admitter-completions-p<partition>",
+    "partition_bucket": "inflight-p<partition>",
+    "partition_report_key": "report.<partition>.<replica>",
+})

@@ -146,6 +146,15 @@ def test_model_limits_are_split_within_the_limit():
     assert sum(pq.models["m"] for pq in plans) <= 301
 
 
+def test_class_limits_are_cluster_wide_split_within_the_limit():
+    """A class limit (natsched.admitter.classes) holds for the cluster: partitions share it in
+    proportion to their budgets instead of each enforcing the whole limit."""
+    q = Quotas(total=1000, class_limits={"batch": 601, "online": 400})
+    plans = [partition_quotas(q, g, 1000, p, 3) for p, g in enumerate([500, 300, 200])]
+    assert sum(pq.class_limits["batch"] for pq in plans) <= 601
+    assert [pq.class_limits["online"] for pq in plans] == [200, 120, 80]
+
+
 @settings(max_examples=300)
 @given(
     partitions=st.integers(1, 6),

@@ -39,6 +39,7 @@ EXPECTED = {
         "natsched_admission_scale_signals": "counter",
         "natsched_admission_scale_advice": "gauge",
         "natsched_admission_lease_expiries": "counter",
+        "natsched_admission_class_tokens": "gauge",
     },
     "router": {
         "natsched_routing_decisions": "counter",
