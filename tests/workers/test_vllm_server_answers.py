@@ -108,13 +108,18 @@ class Fake:
         self.bodies: list[dict] = []
         self.with_ids = True
         self.closed = asyncio.Event()
+        self.auth: list[str | None] = []  # the authorization header of every /metrics scrape
 
     def app(self) -> Starlette:
         async def models(_: Request):
             return JSONResponse(MODELS)
 
-        async def metrics(_: Request):
+        async def metrics(request: Request):
+            self.auth.append(request.headers.get("authorization"))
             return PlainTextResponse(self.metrics)
+
+        async def exporter(_: Request):  # a page elsewhere (a sidecar exporter, a proxy's path)
+            return PlainTextResponse(self.metrics.replace('model_name="tiny"} 3.0', 'model_name="tiny"} 5.0', 1))
 
         async def completions(request: Request):
             body = await request.json()
@@ -132,6 +137,7 @@ class Fake:
             return StreamingResponse(self.stream(mode, pids), media_type="text/event-stream")
 
         return Starlette(routes=[Route("/v1/models", models), Route("/metrics", metrics),
+                                 Route("/exporter/metrics", exporter),
                                  Route("/v1/completions", completions, methods=["POST"])])
 
     async def stream(self, mode: str, pids: list[int]):
@@ -324,6 +330,30 @@ async def test_load_is_the_mean_of_the_scrapes_in_the_window_and_the_servers_cou
         # a heartbeat plans with the window's mean: the scrapes of 3 still count (the last alone says 9)
         samples = [s.running for _, s in eng.window._samples]
         assert 9 in samples and eng.stats().running < 9
+
+
+async def test_the_metrics_url_and_api_key_flags_reach_the_server():
+    """``natsched worker --metrics-url URL --api-key KEY``: load read from that page, the key sent."""
+    from natsched.cli.app import build_parser
+    from natsched.cli.up import server_settings
+
+    fake = Fake()
+    async with fake_server(fake) as (url, _):
+        args = build_parser().parse_args(["worker", "--id", "m1", "--engine", "vllm-server", "--url", url,
+                                          "--metrics-url", f"{url}/exporter/metrics", "--api-key", "k-123"])
+        settings = server_settings(args)
+        assert settings.api_key == "k-123"
+        settings.scrape_interval_s = 0.05
+        eng = ServerEngine(settings)
+        await eng.start()
+        try:
+            assert await wait_for(lambda: eng.last_load.running == 5)  # the exporter's page, not /metrics
+            assert fake.auth == []
+        finally:
+            await eng.stop()
+        async with engine_for(url, api_key="k-123"):
+            assert await wait_for(lambda: fake.auth)
+        assert set(fake.auth) == {"Bearer k-123"}
 
 
 @pytest.mark.parametrize("text", ["", "<html>nope</html>", "vllm:num_requests_running{ 3", "other_metric 1\n"])
