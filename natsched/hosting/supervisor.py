@@ -107,8 +107,11 @@ class UpSettings:
             if len(self.server_kv_replay) > len(self.server_urls):
                 raise ValueError("more --kv-replay than --vllm-url: give them in the servers' order")
             self.workers = len(self.server_urls)
-        elif self.server_urls or self.server_kv_replay:
-            raise ValueError(f"{'--vllm-url' if self.server_urls else '--kv-replay'} needs --engine vllm-server")
+        else:  # flags only an agent in front of a server reads: silently ignored they would mislead
+            given = [flag for flag, value in (("--vllm-url", self.server_urls), ("--kv-events", self.server_kv_events),
+                                              ("--kv-replay", self.server_kv_replay)) if value]
+            if given:
+                raise ValueError(f"{given[0]} needs --engine vllm-server")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - self.metered() + 1:
             raise ValueError(f"--metrics-port {self.metrics_port}: the {self.metered()} services need "
                              f"ports {self.metrics_port}..{self.metrics_port + self.metered() - 1} within 1..65535")
