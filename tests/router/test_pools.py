@@ -159,3 +159,72 @@ async def test_a_bad_pool_map_is_ignored_and_the_one_in_force_kept(fleet):
     assert fleet.admitter.core.pools == POOLS  # ...and refused: the map in force stays
     r = await fleet.client.submit(make_request("t", "hello", model="ma", max_tokens=4))
     assert r.status == "completed" and r.worker in ("wa1", "wa2")
+
+
+def test_the_gateway_answers_no_pool_as_an_unknown_model():
+    from natsched.gateway.service import GatewaySettings, api_error
+
+    err = api_error(Rejected("model 'mc' is routed by no router pool; pools: a (ma)", "r1", "no_pool", None),
+                    GatewaySettings())
+    assert (err.status, err.code) == (404, "model_not_found") and "no router pool" in str(err)
+
+
+async def test_a_rescue_readmits_on_its_models_pool(bus, nats_url):
+    from tests.admitter.test_rescue import make_assignment, reserve
+    from tests.admitter.test_service import start_admitter, stop
+
+    await bus.provision()
+    await store_pools(bus, POOLS)
+    adm = await start_admitter(nats_url, rescue_grace_s=0.0)  # no heartbeats from wdead: dead for it
+    try:
+        assert adm.core.pools == POOLS
+        stuck = make_assignment(model="mb")
+        await reserve(adm, stuck)
+        await bus.jpublish(S.work(stuck.worker), stuck, msg_id=f"{stuck.request.id}:work")
+        report = await adm.reclaim({})
+        assert report.rescued == {stuck.request.id: "wdead"}
+        [(subject, _)] = await bus.stream_messages(S.STREAM_ADMITTED)
+        assert subject == S.admitted("b", stuck.request.cls, stuck.request.tenant)
+    finally:
+        await stop(adm)
+
+
+def test_the_admitter_core_refuses_a_model_no_pool_routes_and_names_the_pools():
+    import time
+
+    from natsched.admitter.policy import REJECT, AdmitterCore
+
+    core = AdmitterCore()
+    req = make_request("t", "hello", model="mc", max_tokens=4)
+    assert core.evaluate(req, time.time()).decision != REJECT  # no map: the one pool routes every model
+    core.set_pools(POOLS)
+    dec = core.evaluate(req, time.time())
+    assert (dec.decision, dec.reason) == (REJECT, "no_pool") and "a (ma); b (mb)" in dec.message
+    assert core.evaluate(make_request("t", "hello", model="ma", max_tokens=4), time.time()).decision != REJECT
+    core.set_pools(PoolMap.parse("a=ma;b=*"))
+    assert core.evaluate(req, time.time()).decision != REJECT  # the * pool takes it
+
+
+async def test_an_inline_router_leaves_a_configured_pools_requests_to_its_routers(bus, nats_url):
+    from tests.factories.stack import start_stack
+
+    stack = await start_stack(nats_url, workers=1, inline_routing=True)
+    try:
+        await store_pools(bus, PoolMap.parse("a=default"))
+        assert await wait_for(lambda: stack.admitter.core.pools.pool_of("default") == "a")
+        pool_a = RouterService(await Bus.connect(nats_url, name="router-a"), RouterServiceSettings(
+            name="router-a", core=RouterSettings(policy="least_loaded"), retry_delay_s=0.2, pool="a"))
+        stack.buses.append(pool_a.bus)
+        await pool_a.start()
+        assert await wait_for(lambda: set(pool_a.core.workers) == {"w1"})
+        routed: list[Decision] = []
+
+        async def on_decision(subject, data, headers):
+            routed.append(Decision.decode(data))
+
+        await bus.subscribe(S.decision("routing", "t"), on_decision)
+        r = await stack.client.submit(make_request("t", "hello", model="default", max_tokens=4))
+        assert r.status == "completed"
+        assert await wait_for(lambda: [d.by for d in routed] == ["router-a"])
+    finally:
+        await stack.close()
