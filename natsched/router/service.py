@@ -7,6 +7,10 @@ puts its own statistics of each worker it learned something new about under
 older than ``cost_share_ttl_s`` (a replica that left) is dropped. A worker's heartbeat naming its
 ``deployment`` makes the router read the calibration stored for it and start that worker's model
 from the measured speed.
+
+Router pools (``natsched.wire.pools``): a replica of pool ``P`` consumes only ``adm.<P>.>``
+(consumer ``router-<P>``) and registers only the workers whose heartbeats name a model of ``P``,
+so its scoring and prefix index cover its pool's tens of workers, not the fleet.
 """
 
 from __future__ import annotations
