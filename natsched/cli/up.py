@@ -122,9 +122,7 @@ def _admitter_parser(sub) -> None:
                      help="with --partitions: the partition this replica admits for, 0..P-1")
     adm.add_argument("--no-coordinator", action="store_true",
                      help="with --partitions: run no budget-coordinator candidate in this process")
-    adm.add_argument("--pools", default=None, metavar="SPEC",
-                     help="store the router pool map first (config key pools): 'a=model1,model2;b=model3,*' "
-                         "(* = every model no pool names; a group without = is one model, its pool named after it)")
+    pools_flag(adm)
     adm.set_defaults(handler=cmd_admitter)
 
 
@@ -138,6 +136,28 @@ def _coordinator_parser(sub) -> None:
     co.set_defaults(handler=cmd_coordinator)
 
 
+def pools_flag(p) -> None:
+    p.add_argument("--pools", default=None, metavar="SPEC",
+                   help="store the router pool map first (config key pools): 'a=model1,model2;b=model3,*' "
+                        "(* = every model no pool names; a group without = is one model, its pool named after it)")
+
+
+def pools_of(args):
+    """``--pools`` as a PoolMap (None: not given); PoolError (a ValueError) says what is wrong."""
+    from natsched.wire.pools import PoolMap
+
+    return PoolMap.parse(args.pools) if args.pools is not None else None
+
+
+async def store_given_pools(bus, pools) -> None:
+    """Store ``--pools`` before the service reads it: nothing goes out under an older map."""
+    from natsched.bus.pools import store_pools
+
+    if pools is not None:
+        await bus.provision()
+        await store_pools(bus, pools)
+
+
 def _router_parser(sub) -> None:
     rt = sub.add_parser("router", help="run one router replica", description="Run one router replica.")
     url_flag(rt)
@@ -148,9 +168,7 @@ def _router_parser(sub) -> None:
     rt.add_argument("--pool", default=None, metavar="NAME",
                     help="route only router pool NAME (its consumer router-NAME reads adm.NAME.>, only the workers "
                          "serving its models are registered); default: the one pool of every model")
-    rt.add_argument("--pools", default=None, metavar="SPEC",
-                    help="store the router pool map first (config key pools): 'a=model1,model2;b=model3,*' "
-                         "(* = every model no pool names; a group without = is one model, its pool named after it)")
+    pools_flag(rt)
     rt.set_defaults(handler=cmd_router)
 
 
@@ -374,18 +392,13 @@ def cmd_admitter(args) -> int:
         return fail(f"--partition {args.partition} of --partitions {args.partitions}: the partition must be "
                     f"0..P-1 and P >= 1")
 
-    from natsched.bus.pools import store_pools
-    from natsched.wire.pools import PoolError, PoolMap
-
     try:
-        pools = PoolMap.parse(args.pools) if args.pools is not None else None
-    except PoolError as exc:
+        pools = pools_of(args)
+    except ValueError as exc:
         return fail(f"--pools refused: {exc}")
 
     async def start(bus):
-        if pools is not None:  # before the service reads it: no request goes out under an older map
-            await bus.provision()
-            await store_pools(bus, pools)
+        await store_given_pools(bus, pools)
         metrics, router = AdmitterMetrics(), None
         if args.route:  # inline routing: a router on this connection, its metrics beside ours
             from natsched.router.core import RouterSettings
@@ -443,21 +456,15 @@ def cmd_router(args) -> int:
     from natsched.router.core import RouterSettings
     from natsched.router.service import RouterService, RouterServiceSettings
 
-    from natsched.bus.pools import store_pools
     from natsched.wire import subjects as S
-    from natsched.wire.pools import PoolMap
-
-    from natsched.wire.pools import PoolError
 
     try:
-        pools = PoolMap.parse(args.pools) if args.pools is not None else None
-    except PoolError as exc:
+        pools = pools_of(args)
+    except ValueError as exc:
         return fail(f"--pools refused: {exc}")
 
     async def start(bus):
-        if pools is not None:
-            await bus.provision()
-            await store_pools(bus, pools)
+        await store_given_pools(bus, pools)
         settings = RouterServiceSettings(name=args.name, core=RouterSettings(policy=args.policy,
                                                                              block_size=args.block_size),
                                          metrics_port=args.metrics_port, pool=args.pool or S.DEFAULT_POOL)
