@@ -17,6 +17,20 @@ a reason: transient ones (``no_worker``, ``engine_error``, a timeout, a quota re
 under a fresh attempt id up to ``max_attempts``; permanent ones (invalid, too large) and the last
 failed attempt end ``failed`` and are dead-lettered on ``dead.offline`` — never dropped.
 
+**Partitioned admission** (``partitions`` > 1, :mod:`natsched.admitter.partition`): one runner
+still reads all of OFFLINE, and admits each job *through its tenant's partition*: the watermark
+applies to that partition's budget (its grant in ``budget/plan``), the reservation is committed
+on that partition's usage key and its record kept in that partition's bucket
+(``inflight-p<k>``), so the partition's admitters count it, report it to the coordinator as held
+and release it on the completion, exactly as their own. Why not a runner per partition or a budget
+of its own: a job's tenant already names one partition, so one consumer of OFFLINE needs no
+split of the queue, and the coordinator's safety rule stays as it is — the runner never takes
+beyond the partition's grant, which the coordinator counts as the partition's potential. A plan
+that changes between the runner's read and its commit may lower that grant: the runner re-reads
+the plan after committing and gives back what it took if a newer plan came meanwhile (taken
+again at the next poll, under the new budget). Before a partition's first plan its grant is 0:
+nothing of its tenants runs.
+
 Pure parts first (:class:`IdleGate`, the record transitions), the thin service after.
 
 Errors: :class:`natsched.admitter.errors.SettingsError` for unusable :class:`OfflineSettings`.
@@ -30,7 +44,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from natsched.admitter.budget import BudgetPlan, partition_of, partition_quotas
 from natsched.admitter.classes import CLASS_LIMIT, ClassBook
+from natsched.admitter.coordinator import decode_plan
 from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
 from natsched.admitter.errors import AdmitterError, SettingsError
 from natsched.admitter.policy import AdmissionSettings, runtime_tokens, validate
@@ -68,8 +84,13 @@ class OfflineSettings:
     poll_s: float = 0.1  # how often held work is matched against the shared usage
     sweep_interval_s: float = 5.0
     metrics_port: int | None = None
+    #: partitioned admission: admit each job through its tenant's partition (module docstring);
+    #: None: as many as REQUESTS stores requests in when the runner starts
+    partitions: int | None = 1
 
     def __post_init__(self) -> None:
+        if self.partitions is not None and self.partitions < 1:
+            raise SettingsError(f"partitions must be >= 1, got {self.partitions}")
         if not 0.0 < self.low_watermark <= 1.0:
             raise SettingsError(f"low_watermark must be in (0, 1], got {self.low_watermark}")
         if self.max_attempts < 1 or self.max_held < 1 or self.fetch_batch < 1:
@@ -102,7 +123,11 @@ class IdleGate:
     def is_long(self, cost: int) -> bool:
         return cost >= self.settings.admission.long_threshold_tokens
 
-    def plan(self, usage: Usage, quotas: Quotas, total: int, held: list[Request]) -> Verdicts:
+    def plan(self, usage: Usage, quotas: Quotas, total: int, held: list[Request],
+             limits: Quotas | None = None) -> Verdicts:
+        """``quotas`` decide what can never run (the cluster's); ``limits`` (default: the same)
+        bound what may run now: a partition's share of the caps and limits, ``total`` its budget."""
+        room = limits or quotas
         limit = int(self.settings.low_watermark * total)
         ceiling = int(self.settings.low_watermark * quotas.ceiling())
         budget = {"used": usage.used, "total": total, "low_watermark": self.settings.low_watermark,
@@ -117,12 +142,12 @@ class IdleGate:
                 continue
             if new.used + cost > limit:
                 break
-            quota = quotas.tenant_quota(req.tenant)
-            model_limit = quotas.model_limit(req.model)
+            quota = room.tenant_quota(req.tenant) or quotas.tenant_quota(req.tenant)
+            model_limit = room.model_limit(req.model)
             if (quota.cap is not None and new.tenant(req.tenant) + cost > quota.cap) or \
                     (model_limit is not None and new.model(req.model) + cost > model_limit):
                 continue  # this tenant / model is at its limit: others may still run
-            if not _offline_room(new, quotas, cost):
+            if not _offline_room(new, room, cost):
                 break  # the offline class is at its limit (what it lent included): oldest first
             new = new.plus(req.tenant, req.model, cost, self.is_long(cost), S.OFFLINE)
             out.takes.append((i, cost))
@@ -279,6 +304,8 @@ class OfflineRunner:
         self.gate = IdleGate(s)
         # the admitters release its records; it decides ten times a second at most: no usage mirror
         self.shared = SharedState(bus, s.name, remember=False, watch=False)
+        self.partitions = s.partitions or 1  # (None: read from REQUESTS at start)
+        self.by_partition: dict[int, SharedState] = {}  # partitioned: each partition's usage key and bucket
         self.store = JobStore(bus)
         self.quotas = Quotas(total=s.admission.default_total)
         self.total = self.quotas.ceiling()
@@ -296,7 +323,14 @@ class OfflineRunner:
 
     async def start(self) -> None:
         await self.bus.provision(jobs=True)  # keeps `natsched retention set` limits
-        await self.shared.start()
+        if self.settings.partitions is None:
+            self.partitions = await self.bus.partitions()
+        if self.partitions > 1:
+            await self.bus.set_partitions(self.partitions)  # (idempotent) the partitions' buckets exist
+            self.by_partition = {k: SharedState(self.bus, self.settings.name, remember=False, watch=False,
+                                                bucket=S.partition_bucket(k)) for k in range(self.partitions)}
+        for shared in (self.by_partition or {0: self.shared}).values():
+            await shared.start()
         ready = asyncio.Event()
         self.bus.spawn(self._watch_quotas(ready), "offline-quotas")
         await asyncio.wait_for(ready.wait(), 10)
@@ -314,8 +348,9 @@ class OfflineRunner:
             from prometheus_client import start_http_server
 
             start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
-        log.info("offline runner %s ready (low watermark %.2f of %d runtime tokens)", self.settings.name,
-                 self.settings.low_watermark, self.total)
+        log.info("offline runner %s ready (low watermark %.2f of %s)", self.settings.name, self.settings.low_watermark,
+                 f"{self.total} runtime tokens" if self.partitions == 1 else
+                 f"each of {self.partitions} partitions' budgets")
 
     # --- totals: the same inputs the admitters use ------------------------------------------
     async def _watch_quotas(self, ready: asyncio.Event) -> None:
@@ -390,21 +425,50 @@ class OfflineRunner:
                     log.exception("offline take failed; trying again")
 
     async def take_once(self) -> int:
-        """Reserve what fits under the watermark (one CAS), then launch it and refuse the hopeless."""
+        """Reserve what fits under the watermark (one CAS per partition), then launch it and refuse
+        the hopeless."""
+        if self.partitions == 1:
+            return await self._take(self.shared, list(self.held), self.total)
+        plan = await self._plan()
+        groups: dict[int, list[Held]] = {}
+        for h in self.held:
+            groups.setdefault(partition_of(h.request.tenant, self.partitions), []).append(h)
+        taken = 0
+        for k, held in sorted(groups.items()):
+            grant = plan.grant(k) if plan else 0
+            limits = partition_quotas(self.quotas, grant, self.quotas.ceiling(), k, self.partitions)
+            taken += await self._take(self.by_partition[k], held, grant, limits, plan, k)
+        return taken
+
+    async def _plan(self) -> BudgetPlan | None:
+        """The budget plan in force (None: none yet, or unreadable: then no partition has a budget)."""
+        got = await self.bus.kv(S.BUCKET_BUDGET).get(S.KEY_PLAN)
+        try:
+            return decode_plan(got[0]) if got else None
+        except AdmitterError as exc:
+            log.error("offline: budget plan refused, nothing taken until a good one: %s", exc)
+            return None
+
+    async def _take(self, shared: SharedState, held: list[Held], total: int, limits: Quotas | None = None,
+                    plan: BudgetPlan | None = None, partition: int | None = None) -> int:
         async with self._lock:
-            held = list(self.held)
             requests = [h.request for h in held]
 
-            def plan(usage: Usage) -> tuple[Usage | None, Verdicts]:
-                verdicts = self.gate.plan(usage, self.quotas, self.total, requests)
+            def decide(usage: Usage) -> tuple[Usage | None, Verdicts]:
+                verdicts = self.gate.plan(usage, self.quotas, total, requests, limits)
                 return verdicts.usage, verdicts
 
-            await self.shared.refresh()
-            verdicts = await self.shared.change_usage(plan)
+            await shared.refresh()
+            verdicts = await shared.change_usage(decide)
+            if partition is not None:
+                verdicts.budget["partition"] = partition
+                if verdicts.takes and await self._plan_moved(plan):
+                    await self._give_back(shared, [(held[i].request, cost) for i, cost in verdicts.takes])
+                    verdicts.takes = []
             gone = {id(held[i]) for i, _ in verdicts.takes} | {id(held[i]) for i, *_ in verdicts.refusals}
             self.held = [h for h in self.held if id(h) not in gone]  # more may have arrived meanwhile
         outcomes = await asyncio.gather(
-            *(self._launch(held[i], cost, verdicts.budget) for i, cost in verdicts.takes),
+            *(self._launch(held[i], cost, verdicts.budget, shared) for i, cost in verdicts.takes),
             *(self._refuse(held[i], reason, msg) for i, reason, msg in verdicts.refusals), return_exceptions=True)
         for exc in (o for o in outcomes if isinstance(o, Exception)):
             # its OFFLINE message was not acked: redelivered after ack_wait; a reservation taken
@@ -412,7 +476,25 @@ class OfflineRunner:
             log.error("offline launch failed: %r", exc)
         return len(verdicts.takes)
 
-    async def _launch(self, h: Held, cost: int, budget: dict) -> None:
+    async def _plan_moved(self, plan: BudgetPlan | None) -> bool:
+        """Whether a newer plan came while we committed on the old one's budget (then what was
+        taken goes back: the new plan may have lowered this partition's grant, and the coordinator
+        may already count on the lower one)."""
+        now = await self._plan()
+        return (now.epoch if now else 0) != (plan.epoch if plan else 0)
+
+    async def _give_back(self, shared: SharedState, taken: list[tuple[Request, int]]) -> None:
+        def undo(usage: Usage) -> tuple[Usage, None]:
+            for req, cost in taken:
+                usage = usage.minus(req.tenant, req.model, cost, self.gate.is_long(cost), S.OFFLINE)
+            return usage, None
+
+        await shared.change_usage(undo)
+        log.info("offline: a new budget plan came during a take: %d job(s) given back, taken again at the next poll",
+                 len(taken))
+
+    async def _launch(self, h: Held, cost: int, budget: dict, shared: SharedState | None = None) -> None:
+        shared = shared or self.shared
         req, now = h.request, time.time()
         key, batch = job_of(req)
         started: dict = {}
@@ -426,11 +508,11 @@ class OfflineRunner:
 
         record = await self.store.update(key, take)
         if record is None or not started:
-            await self._unreserve(req, cost)
+            await self._unreserve(req, cost, shared)
             await h.delivery.ack()
             return
         aid = record.attempt_id or req.id
-        await self.shared.record(Reservation(aid, req.tenant, req.model, cost, now, self.settings.name,
+        await shared.record(Reservation(aid, req.tenant, req.model, cost, now, self.settings.name,
                                              cls=S.OFFLINE))
         run = dataclasses.replace(req, id=aid, reply=S.outcome(req.tenant, batch, req.id), stream=False)
         admitted = Admitted(request=run, runtime_tokens=cost, admitted_at=now, admitter=self.settings.name,
@@ -446,9 +528,9 @@ class OfflineRunner:
         log.info("job %s attempt %d taken as %s: %d runtime tokens, waited %.3fs", req.id, record.attempts, aid,
                  cost, admitted.queue_wait)
 
-    async def _unreserve(self, req: Request, cost: int) -> None:
+    async def _unreserve(self, req: Request, cost: int, shared: SharedState) -> None:
         async with self._lock:
-            await self.shared.change_usage(lambda u: (u.minus(req.tenant, req.model, cost, self.gate.is_long(cost),
+            await shared.change_usage(lambda u: (u.minus(req.tenant, req.model, cost, self.gate.is_long(cost),
                                                               S.OFFLINE), None))
 
     async def _refuse(self, h: Held, reason: str, message: str) -> None:

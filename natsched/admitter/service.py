@@ -42,7 +42,8 @@ from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.bus.pools import PoolWatch
 from natsched.errors import NatschedError
 from natsched import tracing
-from natsched.wire.errors import MessageError
+from natsched.wire.errors import MessageError, SchemaError
+from natsched.wire.ids import in_scope
 from natsched.wire.schema import (Admitted, Completion, Decision, Reply, ReplyKind, ReplyStatus, Request,
                                   ScaleEvent)
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
@@ -271,6 +272,7 @@ class AdmitterService(Repairs, PartitionMember):
         for d in batch:
             try:
                 request = Request.decode(d.data)
+                _check_scope(request, d.subject)
             except MessageError as exc:  # error reply + dead letter + term
                 await self.bus.settle_failed(d, self._spec, "admitter", exc)
                 continue
@@ -1014,3 +1016,12 @@ def _admission_span(request: Request, dec: AdmissionDecision, d: Delivery | None
         "natsched.queue_wait_s": queue_wait, "natsched.est_wait_s": dec.est_wait})
     tracing.end(span)
     return span
+
+
+def _check_scope(request: Request, subject: str) -> None:
+    """Refuse, before it touches any state, a request whose id is in another tenant's scope than
+    its subject's (natsched.wire.ids.scoped): no tenant may take, or act on, another's ids."""
+    parsed = S.parse_request_subject(subject)
+    tenant = parsed[1] if parsed is not None else request.tenant
+    if not in_scope(tenant, request.id) or not in_scope(request.tenant, request.id):
+        raise SchemaError(f"request id {request.id!r} is in another tenant's scope than {tenant!r}'s", "id")

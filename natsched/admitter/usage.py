@@ -260,6 +260,21 @@ REQUIRED_FIELDS = ("used", "tenants", "models", "long")
 OPTIONAL_FIELDS = frozenset({"credits", "classes", "loans"})
 
 
+def sum_usage(usages: list[Usage]) -> Usage:
+    """Several usage keys as one (the partitions' ``inflight-p<k>/usage``, for status readers):
+    counts added, credits side by side (replicas are named per partition). Exact because a tenant
+    lives in one partition: no tenant is counted twice."""
+    out = Usage()
+    for u in usages:
+        tenants, models, classes, loans = dict(out.tenants), dict(out.models), dict(out.classes), dict(out.loans)
+        for mine, theirs in ((tenants, u.tenants), (models, u.models), (classes, u.classes), (loans, u.loans)):
+            for key, n in theirs.items():
+                mine[key] = mine.get(key, 0) + n
+        out = Usage(out.used + u.used, tenants, models, out.long + u.long, {**out.credits, **u.credits}, classes,
+                    loans)
+    return out
+
+
 def _add(counts: dict[str, int], key: str, delta: int) -> dict[str, int]:
     out = dict(counts)
     value = out.get(key, 0) + delta

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from natsched.bus.streams import Stored
 from natsched.wire import fence
 from natsched.wire import msgids as M
+from natsched.wire.ids import unscoped
 from natsched.errors import NatschedError
 from natsched.wire import subjects as S
 from natsched.stats import percentile  # re-exported: sim.replay reads it here
@@ -47,8 +48,11 @@ class AuditNotFound(AuditError):
 
 
 def matches(msg_id: str, ids: Iterable[str]) -> bool:
-    """A record of one of ``ids``: its ``Nats-Msg-Id`` is the id or ``<id>:<stage>``."""
-    return M.request_of(msg_id) in ids
+    """A record of one of ``ids``: its ``Nats-Msg-Id`` is the id or ``<id>:<stage>``, the id as
+    given or in a tenant's scope (``natsched.wire.ids.scoped``: the id its producer chose then
+    finds it, of whichever tenant; the scoped id finds one tenant's)."""
+    rid = M.request_of(msg_id)
+    return rid in ids or unscoped(rid) in ids
 
 
 # ------------------------------------------------------------------ pure assembly
@@ -231,7 +235,7 @@ def accepted(completions: Iterable[Completion], decisions: Iterable[Decision] = 
 # ------------------------------------------------------------------ the two questions
 
 async def _find(bus: "Bus", stream: str, ids: set[str], since: float | None, until: float | None,
-                subject: str | None) -> list[Stored]:
+                subject: str | tuple[str, ...] | None) -> list[Stored]:
     return await bus.stream(stream).find(lambda msg_id: matches(msg_id, ids), since, until, subject)
 
 
@@ -244,7 +248,7 @@ async def audit_request(bus: "Bus", request_id: str, since: float | None = None,
     tenant = job.tenant if job is not None else None
     start = since if since is not None else (job.created - 5.0 if job is not None and job.created else None)
     found = await _find(bus, S.STREAM_REQUESTS, {request_id}, start, until,
-                        S.requests_of(tenant) if tenant else None)
+                        S.stored_requests_of(tenant) if tenant else None)
     requests = decode_all(found, Request)
     request = requests[0] if requests else (job.request if job is not None else None)
     if request is not None:
@@ -278,7 +282,7 @@ async def audit_window(bus: "Bus", since: float, until: float | None = None, ten
     if until is not None and until < since:
         raise AuditError(f"--until ({when(until)}) is before --since ({when(since)})")
     requests = 0
-    async for _ in bus.stream(S.STREAM_REQUESTS).window(since, until, S.requests_of(tenant) if tenant else None,
+    async for _ in bus.stream(S.STREAM_REQUESTS).window(since, until, S.stored_requests_of(tenant) if tenant else None,
                                                         headers_only=True):
         requests += 1
     decisions = unfold(decode_all([m async for m in bus.stream(S.STREAM_DECISIONS).window(

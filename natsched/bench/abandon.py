@@ -23,13 +23,23 @@ that reached the admitter first). ``ran_to_end`` counts those that finished for 
 
 The reply subjects are watched with the benchmark's own subscription (``resp.<tenant>.>``, core
 NATS): the producer's ``Client`` is used as any producer would use it.
+
+``natsched chaos`` runs these clients in a process of their own (:func:`run_child`): a producer
+is its own process, and in the chaos driver's process, which decodes every reply and assignment
+of the run to check it, a client's "left" and its cancel waited behind that work. Tokens the
+engine made meanwhile were counted as made after leaving, though the client had not left yet as
+far as the cluster could know: the count measured the observer, not the cancel path.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import logging
 import random
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +90,9 @@ def summarise(seen: dict[str, _Seen]) -> dict[str, Any]:
         for_nobody = [max(0, s.completion.output_tokens - s.received) for s in done]
         after = [max(0, s.completion.output_tokens - max(s.received, s.delivered)) for s in done]
         beyond = [max(0, n - 1) for n in after]
+        # the split the worker reports: how long each cancel travelled, and what ran after it arrived
+        transit = sorted(s.completion.cancel_transit_s for s in done if s.completion.cancel_transit_s is not None)
+        at_worker = [s.completion.tokens_after_cancel or 0 for s in done]
         out[kind] = {
             "clients": len(mine),
             "left_while": _count(s.left_after for s in mine.values()),
@@ -90,6 +103,9 @@ def summarise(seen: dict[str, _Seen]) -> dict[str, Any]:
             "tokens_after_leaving": sum(after),
             "tokens_beyond_one_step": sum(beyond),
             "max_beyond_one_step": max(beyond, default=0),
+            "tokens_after_cancel_reached_worker": sum(at_worker),
+            "cancel_transit_p50_s": round(transit[len(transit) // 2], 4) if transit else None,
+            "cancel_transit_max_s": round(transit[-1], 4) if transit else None,
             "unaccounted": sum(1 for s in mine.values() if s.completion is None and not s.refused),
         }
     beyond_all = sum(out[k]["tokens_beyond_one_step"] for k in (STREAMS, WAITING))
@@ -190,13 +206,57 @@ class Abandoners:
             seen.completion = c
 
 
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
 def format_abandon(report: dict[str, Any]) -> list[str]:
     """Lines for the chaos table: one per kind of leaving client."""
     lines = ["clients that left | clients | cancelled | refused first | ran to end | tokens never read | "
-             "after leaving | beyond one step (max) | unaccounted"]
+             "after leaving | beyond one step (max) | unaccounted | after the cancel reached the worker | "
+             "cancel transit p50 / max"]
     for kind in (STREAMS, WAITING):
         r = report[kind]
         lines.append(f"{kind} | {r['clients']} | {r['cancelled']} | {r['refused_before_admission']} | "
                      f"{r['ran_to_end']} | {r['tokens_for_nobody']} | {r['tokens_after_leaving']} | {r['tokens_beyond_one_step']} "
-                     f"({r['max_beyond_one_step']}) | {r['unaccounted']}")
+                     f"({r['max_beyond_one_step']}) | {r['unaccounted']} | {r.get('tokens_after_cancel_reached_worker', '-')} | "
+                     f"{_s(r.get('cancel_transit_p50_s'))} / {_s(r.get('cancel_transit_max_s'))}")
     return lines
+
+
+async def run_child(url: str, settings: AbandonSettings, timeout_s: float) -> dict[str, Any]:
+    """:class:`Abandoners` in a child process (``python -m natsched.bench.abandon``): its report,
+    read from the child's stdout (one JSON line); a child that fails or hangs raises."""
+    import orjson
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "natsched.bench.abandon", url, orjson.dumps(dataclasses.asdict(settings)).decode(),
+        stdout=subprocess.PIPE)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"the disconnecting clients' process exited {proc.returncode}")
+    return orjson.loads(out.splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m natsched.bench.abandon URL SETTINGS_JSON``: run, print the report as JSON."""
+    import orjson
+
+    ap = argparse.ArgumentParser(prog="python -m natsched.bench.abandon", description=__doc__.split("\n\n")[0])
+    ap.add_argument("url")
+    ap.add_argument("settings", help="AbandonSettings as a JSON object")
+    args = ap.parse_args(argv)
+    from natsched.hosting.runtime import run_loop  # uvloop, as the services run
+
+    settings = AbandonSettings(**orjson.loads(args.settings))
+    report = run_loop(Abandoners(args.url, settings).run())
+    sys.stdout.write(orjson.dumps(report).decode() + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -644,9 +644,10 @@ class ChaosRun:
         if self.scenario.auth:  # random, as clients' ids are: predictable ids can be taken (bench.hostile)
             rid += "-" + uuid.uuid4().hex[:8]
         tenant = self.s.tenants[i % len(self.s.tenants)]
-        self.ids.append(rid)
         request = make_request(tenant, f"request {i}: summarise the incident report in two lines. " * 3,
                                id=rid, max_tokens=self.s.max_tokens, system_prompt=f"You work for {tenant}.")
+        rid = request.id  # in its tenant's scope (natsched.wire.ids.scoped): what every record names
+        self.ids.append(rid)
         started = time.monotonic()
         self.producer[rid] = outcome = await self._outcome(client, request)
         if outcome == P_COMPLETED:
@@ -867,13 +868,15 @@ class ChaosRun:
 
     async def _abandon(self) -> None:
         """Clients that leave mid-stream and while waiting, beside the load (natsched.bench.abandon)."""
-        from natsched.bench.abandon import AbandonSettings, Abandoners
+        from natsched.bench.abandon import AbandonSettings, run_child
 
         s = self.s
         settings = AbandonSettings(streams=s.disconnects, waiting=s.disconnects, seed=s.seed,
                                    spread_s=s.send_s * 0.8)
         try:
-            self.abandon_report = await Abandoners(self.cluster.url, settings).run()
+            # their own process, as producers are: here they would wait behind the observer's work
+            timeout = settings.spread_s + settings.settle_timeout_s + s.finish_timeout_s + 120
+            self.abandon_report = await run_child(self.cluster.url, settings, timeout)
         except Exception as exc:  # reported as a missed target, never hidden
             log.exception("the disconnecting clients failed")
             self.abandon_report = {"error": f"{type(exc).__name__}: {exc}",

@@ -45,6 +45,7 @@ from natsched.admitter.usage import Usage
 from natsched.admitter.errors import UsageError
 from natsched.bus.connection import Bus
 from natsched.client.producer import make_request
+from natsched.wire.ids import scoped
 from natsched.wire import fence
 from natsched.wire import msgids as M
 from natsched.wire import subjects as S
@@ -146,9 +147,11 @@ async def hostile(run: "ChaosRun", t0: float) -> dict[str, Any]:
                 rid, body = rng.choice(own)
                 await producer.publish(S.request(S.ONLINE, HOSTILE_TENANT), body,
                                        headers={S.HDR_MSG_ID: f"{rid}-again-{secrets.token_hex(2)}"})
-            else:  # an id shaped like the honest load's (which also carries a random part)
-                rid = f"chaos-{run.run_id}-{rng.randrange(run.s.requests):06d}"
-                req = make_request(HOSTILE_TENANT, "mine now", id=rid, max_tokens=4)
+            else:  # an id shaped like the honest load's (which also carries a random part), in its
+                # tenant's scope as the honest client submits it: the admitter refuses it as invalid
+                rid = scoped(rng.choice(run.s.tenants), f"chaos-{run.run_id}-{rng.randrange(run.s.requests):06d}")
+                req = make_request(HOSTILE_TENANT, "mine now", max_tokens=4)
+                req.id = rid
                 await producer.publish(S.request(S.ONLINE, HOSTILE_TENANT), req, headers={S.HDR_MSG_ID: rid})
         else:
             try:

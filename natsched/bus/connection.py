@@ -27,6 +27,7 @@ from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from natsched.wire import subjects as S
+from natsched.wire.fence import reply_key
 from natsched.bus.aio import Mailbox
 from natsched.bus.acks import AckInbox
 from natsched.bus.errors import BusError, BusTimeout, ConnectError, NoServerError, PublishFailed, PublishRefused
@@ -169,6 +170,9 @@ class Credentials:
     #: the key that signs and checks assignments' fencing tokens (``natsched.wire.fence``): only
     #: the scheduler's services (admitter, router, admin) are given it
     fence_key: str | None = None
+    #: per tenant, the key that checks workers' replies (``natsched.wire.fence.reply_key``): given
+    #: to the producers, batch producers and gateway of those tenants instead of the fence key
+    reply_keys: dict[str, str] | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "Credentials":
@@ -250,9 +254,15 @@ class Inbox(Subscription):
     cancelled the reader once, the reader went on, and the request ran to its end for nobody.
     """
 
-    def __init__(self, sub: Any, box: Mailbox) -> None:
+    def __init__(self, sub: Any, box: Mailbox, more: list[Any] | None = None) -> None:
         super().__init__(sub)
         self._box = box
+        self._more = more or []
+
+    async def unsubscribe(self) -> None:
+        for sub in self._more:
+            await sub.unsubscribe()
+        await super().unsubscribe()
 
     async def next_msg(self, timeout: float) -> Received:
         """The next message; :class:`BusTimeout` when none comes within ``timeout`` seconds."""
@@ -275,6 +285,7 @@ class Bus:
         self.closing = False  # loops check it: nats-py's fetch can swallow a cancellation
         self.lost_publishes = 0
         self.fence_key: str | None = None  # natsched.wire.fence (None: the public default)
+        self.reply_keys: dict[str, str] = {}  # tenant -> its reply key (natsched.wire.fence.reply_key)
         self._acks: AckInbox | None = None
         self._acks_lock = asyncio.Lock()
         self.server_id = self._server_id()
@@ -322,11 +333,11 @@ class Bus:
         ``credentials`` (or a path to a credentials file) authenticates; other ``options``
         go to ``nats.connect`` as they are.
         """
-        js_prefix = fence_key = None
+        js_prefix = fence_key = reply_keys = None
         if credentials is not None:
             creds = credentials if isinstance(credentials, Credentials) else Credentials.load(credentials)
             options = {**creds.options(), **options}
-            js_prefix, fence_key = creds.js_prefix, creds.fence_key
+            js_prefix, fence_key, reply_keys = creds.js_prefix, creds.fence_key, creds.reply_keys
         servers = server_urls(url)
         deadline = time.monotonic() + connect_budget_s
         made: list[Bus] = []  # the Bus once built: the reconnect callback reports to it
@@ -358,6 +369,7 @@ class Bus:
                 nc._error_cb = _log_error  # nats-py keeps the callback here: a lost connection is news
                 bus = cls(nc, name, publish_budget_s)
                 bus.fence_key = fence_key
+                bus.reply_keys = dict(reply_keys or {})
                 if js_prefix:
                     bus.js = nc.jetstream(prefix=js_prefix)
                 made.append(bus)
@@ -395,6 +407,15 @@ class Bus:
         from natsched.bus.provision import set_partitions
 
         return await set_partitions(self.js, partitions)
+
+    async def partitions(self) -> int:
+        """How many partitions REQUESTS stores requests in now (1: unpartitioned, or no stream)."""
+        from natsched.bus.provision import stream_partitions
+
+        try:
+            return stream_partitions((await self.js.stream_info(S.STREAM_REQUESTS)).config)
+        except NotFoundError:
+            return 1
 
     async def provision_jobs(self) -> None:
         """Create or update OUTCOMES and bucket ``jobs`` (idempotent; a batch reader may be the
@@ -649,10 +670,18 @@ class Bus:
         limits = {} if pending_msgs is None else {"pending_msgs_limit": pending_msgs}
         return Subscription(await self.nc.subscribe(subject, queue=queue, cb=cb, **limits))
 
-    async def inbox(self, subject: str, max_pending: int = 100_000) -> Inbox:
-        """A subscription read with ``await sub.next_msg(timeout)`` (producers' reply streams)."""
+    def reply_key(self, tenant: str) -> str:
+        """The key this connection checks ``tenant``'s workers' replies with: the one its
+        credentials carry, else derived from its fence key (the services', or without
+        credentials the public default: :mod:`natsched.wire.fence`)."""
+        return self.reply_keys.get(tenant) or reply_key(self.fence_key, tenant)
+
+    async def inbox(self, subject: str, *more: str, max_pending: int = 100_000) -> Inbox:
+        """A subscription read with ``await sub.next_msg(timeout)`` (producers' reply streams);
+        ``more`` subjects feed the same reader (a reply subject and its workers' sub-subjects)."""
         box = Mailbox(subject, max_pending)
-        return Inbox(await self.nc.subscribe(subject, cb=box.put, pending_msgs_limit=max_pending), box)
+        subs = [await self.nc.subscribe(s, cb=box.put, pending_msgs_limit=max_pending) for s in (subject, *more)]
+        return Inbox(subs[0], box, subs[1:])
 
     # --- durable consumers --------------------------------------------------------------
     async def consume(self, spec: ConsumerSpec, handler: Handler, source: str) -> asyncio.Task:

@@ -20,7 +20,7 @@ import asyncio
 import datetime as dt
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
@@ -163,23 +163,27 @@ class Stream:
             out += [m.data or b"" for m in got if not isinstance(m, BaseException)]
         return out
 
-    async def window(self, since: float | None = None, until: float | None = None, subject: str | None = None,
-                     headers_only: bool = False, batch: int = 512) -> AsyncIterator[Stored]:
+    async def window(self, since: float | None = None, until: float | None = None,
+                     subject: str | Sequence[str] | None = None, headers_only: bool = False,
+                     batch: int = 512) -> AsyncIterator[Stored]:
         """Every message stored in ``[since, until]`` (unix seconds; None = open end), oldest
-        first, optionally only ``subject`` (wildcards allowed). Ends at the newest message."""
+        first, optionally only ``subject`` (wildcards allowed; several non-overlapping filters
+        are read by one consumer, in stream order). Ends at the newest message."""
         js = self.bus.js
+        subjects = [subject] if isinstance(subject, str) else list(subject or ())
         config = api.ConsumerConfig(
             ack_policy=api.AckPolicy.NONE,
             deliver_policy=api.DeliverPolicy.BY_START_TIME if since else api.DeliverPolicy.ALL,
             opt_start_time=dt.datetime.fromtimestamp(since, dt.timezone.utc) if since else None,
             headers_only=headers_only or None,
             inactive_threshold=60.0,
-            filter_subject=subject,
+            filter_subject=subjects[0] if len(subjects) == 1 else None,
+            filter_subjects=subjects if len(subjects) > 1 else None,
             mem_storage=True,
         )
         try:
             last = (await js.stream_info(self.name)).state.last_seq  # a busy stream is read up to here, not chased
-            psub = await js.pull_subscribe(subject or "", durable=None, stream=self.name, config=config)
+            psub = await js.pull_subscribe(config.filter_subject or "", durable=None, stream=self.name, config=config)
         except NotFoundError:
             raise _missing(self.name) from None
         info = await psub.consumer_info()
@@ -205,7 +209,7 @@ class Stream:
                 pass
 
     async def find(self, wanted: Callable[[str], bool], since: float | None, until: float | None = None,
-                   subject: str | None = None) -> list[Stored]:
+                   subject: str | Sequence[str] | None = None) -> list[Stored]:
         """Bodies of the messages in the window whose ``Nats-Msg-Id`` is ``wanted`` (a headers-only
         scan; only the matches' bodies are fetched)."""
         out = []

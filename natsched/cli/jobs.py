@@ -154,6 +154,9 @@ def _offline_parser(sub) -> None:
     o.add_argument("--job-timeout", type=positive_float, default=600.0,
                    help="seconds an attempt may stay silent before it counts as failed (600)")
     o.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    o.add_argument("--partitions", type=positive_int, default=None,
+                   help="partitioned admission: admit each job through its tenant's partition, within that "
+                        "partition's budget (default: as many as REQUESTS stores requests in; docs/fleet.md)")
     return (o,)
 
 
@@ -496,12 +499,13 @@ async def _offline(args) -> int:
     from natsched.hosting.runtime import serve
 
     settings = OfflineSettings(name=args.name, low_watermark=args.low_watermark, max_attempts=args.max_attempts,
-                               job_timeout_s=args.job_timeout, metrics_port=args.metrics_port)
+                               job_timeout_s=args.job_timeout, metrics_port=args.metrics_port,
+                               partitions=args.partitions)
 
     async def start(bus):
         runner = OfflineRunner(bus, settings)
         await runner.start()
-        return f"low_watermark={settings.low_watermark} total={runner.total}"
+        return f"low_watermark={settings.low_watermark} total={runner.total} partitions={runner.partitions}"
 
     await serve(args.nats_url, "offline", start, credentials=args.credentials)
     return 0

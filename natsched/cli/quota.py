@@ -72,17 +72,19 @@ async def _read_quotas(bus):
 
 
 async def _read_usage(bus):
-    """The shared usage, or None (with a warning) when the stored value cannot be decoded."""
-    from natsched.admitter.errors import UsageError
-    from natsched.admitter.usage import Usage
+    """The usage in flight (every partition's added when admission is partitioned) and each
+    partition's use and budget; the usage is None (with a warning) when a stored value cannot be
+    decoded."""
+    from natsched.admitter.inflight import read_inflight
 
-    raw = await bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE)
-    try:
-        return Usage.from_json(raw[0]) if raw else Usage()
-    except UsageError as exc:
-        print(f"natsched: warning: the shared usage cannot be decoded ({exc}); the admitters overwrite it "
-              "at their next commit", file=sys.stderr)
-        return None
+    inflight = await read_inflight(bus)
+    if inflight.corrupt:
+        print(f"natsched: warning: the shared usage cannot be decoded ({'; '.join(inflight.warnings)}); the "
+              "admitters overwrite it at their next commit", file=sys.stderr)
+        return None, inflight
+    for warning in inflight.warnings:
+        print(f"natsched: warning: {warning}", file=sys.stderr)
+    return inflight.usage, inflight
 
 
 def _edit_quotas(quotas, args):
@@ -280,7 +282,7 @@ async def _show(bus, quotas, dynamic, as_json: bool, entries: dict | None = None
     from natsched.admitter import knobs as K
 
     live, _ = K.from_kv(entries or {})
-    usage = await _read_usage(bus)
+    usage, inflight = await _read_usage(bus)
     credit = usage.credit_by_tenant() if usage else {}
     view = {"total": quotas.total, "hard_cap": quotas.hard_cap, "dynamic_total": dynamic,
             "unknown_tenant": quotas.unknown_tenant, "default_tenant": asdict(quotas.default_tenant),
@@ -289,13 +291,18 @@ async def _show(bus, quotas, dynamic, as_json: bool, entries: dict | None = None
                         for t, q in sorted(quotas.tenants.items())},
             "models": dict(quotas.models), "queue_limits": dict(quotas.queue_limits),
             "classes": _class_view(quotas, usage),
-            "used": usage.used if usage else None, "credit": sum(credit.values()), "settings": live}
+            "used": usage.used if usage else None, "credit": sum(credit.values()), "settings": live,
+            **inflight.to_json()}
     if as_json:
         print(orjson.dumps(view).decode())
         return 0
     print(f"cluster total {view['total']} runtime tokens (hard cap {word(view['hard_cap'])}, dynamic "
           f"{word(dynamic, 'off')}); in use {word(view['used'], 'unknown')}, of which {view['credit']} in "
           "admitters' credit blocks (reserved ahead, spent or not)")
+    if inflight.partitions:
+        from natsched.ops.status import render_partitions
+
+        print(render_partitions(inflight.partitions) + f" (plan {word(inflight.plan_epoch, 'none')})")
     print(f"{'tenant':<16}{'floor':>8}{'weight':>8}{'cap':>12}{'used':>12}{'credit':>12}")
     for name, t in view["tenants"].items():
         print(f"{name:<16}{t['floor']:>8.2f}{t['weight']:>8.2f}{word(t['cap'], '-'):>12}"

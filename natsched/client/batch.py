@@ -395,13 +395,17 @@ class BatchClient:
 
     async def _already_there(self, plan: BatchPlan, manifest: BatchManifest) -> set[str]:
         """Ids the REQUESTS stream holds since the batch began, plus those whose job record shows
-        the system saw them (the stream may have aged out; records live a month)."""
+        the system saw them (the stream may have aged out; records live a month).
+
+        Both subjects a request may be stored under (unpartitioned, or in any partition), one
+        filtered read each: a read's permission names its one filter (``Stream.filtered``)."""
         prefix = plan.id + "-"
         ids = set()
-        async for head in self.bus.stream(S.STREAM_REQUESTS).filtered(S.request(plan.cls, plan.tenant),
-                                        since=manifest.created - 2.0, headers_only=True):
-            if head.msg_id.startswith(prefix):
-                ids.add(head.msg_id)
+        for subject in S.stored_requests_of(plan.tenant, plan.cls):
+            async for head in self.bus.stream(S.STREAM_REQUESTS).filtered(subject, since=manifest.created - 2.0,
+                                                                          headers_only=True):
+                if head.msg_id.startswith(prefix):
+                    ids.add(head.msg_id)
         for _, record in await self.store.scan(S.job_filter(plan.tenant, plan.id)):
             if record.status != SUBMITTED:
                 ids.add(record.id)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from natsched.wire import chat
+from natsched.wire import fence
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.bus.connection import Bus
@@ -28,6 +29,7 @@ from natsched.client.errors import (ClientSettingsError, DuplicateRequest, Rejec
 from natsched.client.retry import Retry
 from natsched import tracing
 from natsched.wire.errors import DecodeError, SchemaError
+from natsched.wire.ids import scoped
 from natsched.wire.schema import Control, Reply, ReplyKind, ReplyStatus, Request, RequestId, TenantId, WorkerId
 from natsched.bus.server import DEFAULT_URL
 
@@ -40,7 +42,8 @@ def new_request_id() -> RequestId:
 
 def make_request(tenant: str, prompt: str | None = None, *, cls: str = S.ONLINE, messages: list | None = None,
                  **fields: Any) -> Request:
-    """A request with a fresh id and creation time; keyword fields as in :class:`Request`.
+    """A request with a fresh id (or ``id``) in ``tenant``'s scope and a creation time; keyword
+    fields as in :class:`Request`.
 
     ``messages`` (OpenAI-style chat messages, instead of ``prompt``) are rendered by the one chat
     template (:mod:`natsched.wire.chat`), with ``system_prompt`` as a leading system message: the
@@ -49,7 +52,7 @@ def make_request(tenant: str, prompt: str | None = None, *, cls: str = S.ONLINE,
     ``prompt`` are raw text (as ``/v1/completions``). Malformed messages raise
     :class:`~natsched.wire.errors.ChatError` (a ``ValueError``).
     """
-    fields.setdefault("id", new_request_id())
+    fields["id"] = scoped(tenant, fields.get("id") or new_request_id())  # the id it is submitted under
     if messages is not None:
         if prompt is not None:
             raise ValueError("give a prompt or messages, not both")
@@ -144,6 +147,7 @@ class _Progress:
     worker: WorkerId | None = None
     final: bool = False
     abandoned: set[str] = field(default_factory=set)  # workers it was rescued from
+    attempt: int = 0  # the newest attempt it took a worker's reply from (older ones are stale)
     est_wait: float | None = None  # the admitter's estimate, once it queued the request
 
 
@@ -192,6 +196,9 @@ class Client:
         self.bus = bus
         self.timeouts = timeouts or Timeouts()
         self.retry = retry  # the default policy of submit/stream (None: one try)
+        #: workers' replies not taken, by reason (natsched.wire.fence.reply_problem): forged,
+        #: misattributed or stale output never reaches the caller
+        self.refused_replies: dict[str, int] = {}
 
     @classmethod
     async def connect(cls, url: str = DEFAULT_URL, timeouts: Timeouts | None = None, **kw: Any) -> "Client":
@@ -258,24 +265,28 @@ class Client:
         """Give up on a request of ``tenant``, wherever it is: queued in an admitter, admitted and
         waiting for a router, or running on its worker (``cancel.<tenant>.<request_id>``; each of
         them ends it and a reservation it holds is released with reason ``cancelled``)."""
-        await self.bus.publish(S.cancel(TenantId(tenant), RequestId(request_id)),
-                               Control(kind="cancel", ts=time.time(), by=self.bus.name,
-                                       request_id=RequestId(request_id)))
+        request_id = scoped(tenant, request_id)  # the id it was submitted under (idempotent)
+        await self.bus.publish(S.cancel(TenantId(tenant), request_id),
+                               Control(kind="cancel", ts=time.time(), by=self.bus.name, request_id=request_id))
 
     async def _exchange(self, request: Request, timeouts: Timeouts | None = None,
                         progress: _Progress | None = None) -> AsyncIterator[Chunk | Result]:
         timeouts = timeouts or self.timeouts
+        # in its tenant's scope (natsched.wire.ids.scoped): another tenant's "same" id is another id
+        request.id = scoped(request.tenant, request.id)
         reply_to = request.reply or S.tenant_reply(request.tenant, request.id)
         request.reply = reply_to
         request.created = request.created or time.time()
-        sub = await self.bus.inbox(reply_to)
+        # the workers answer on <reply>.<worker> (natsched.wire.subjects.worker_reply)
+        workers = (f"{reply_to}.*",) if _fenced(reply_to) else ()
+        sub = await self.bus.inbox(reply_to, *workers)
         progress = progress if progress is not None else _Progress()
         duplicate = False
         try:
             ack = await self.bus.jpublish(
                 S.request(request.cls, request.tenant),
                 request,
-                msg_id=M.request(request.id),
+                msg_id=M.submission(request.id, self.bus.reply_key(request.tenant)),
                 headers=tracing.carry(tracing.current.get(), {S.HDR_REPLY: reply_to}),
                 budget_s=timeouts.publish,
             )
@@ -306,6 +317,24 @@ class Client:
         except Exception as exc:  # the connection may be gone already
             log.warning("could not unsubscribe from %s: %s", request.reply, exc)
 
+    def _taken(self, request: Request, subject: str, reply: Reply, progress: _Progress) -> bool:
+        """Whether ``reply`` (on ``subject``) may be taken as news of ``request``: output only from
+        the worker an assignment of it was signed for, on that worker's own sub-subject; anything
+        else is refused, counted and logged, and never reaches the caller."""
+        if not request.reply or not _fenced(request.reply):
+            return True  # a job's or a benchmark's reply subject: read by services, not fenced here
+        source = S.reply_source(subject, request.reply)
+        why = fence.reply_problem(self.bus.reply_key(request.tenant), reply, source, request.id, progress.attempt,
+                                  progress.abandoned)
+        if why is None:
+            if source is not None:
+                progress.attempt = max(progress.attempt, reply.attempt or 0)
+            return True
+        self.refused_replies[why] = self.refused_replies.get(why, 0) + 1
+        log.warning("request %s: a %s reply from %s refused (%s): not from the worker it was assigned to",
+                    request.id, reply.kind, source or "the services' subject", why)
+        return False
+
     async def _replies(self, sub: Any, request: Request, progress: _Progress,
                        timeouts: Timeouts) -> AsyncIterator[Chunk | Result]:
         started = time.monotonic()
@@ -325,6 +354,8 @@ class Client:
                 reply = Reply.decode(msg.data)
             except (DecodeError, SchemaError):
                 continue  # not ours to interpret; a stray message on the reply subject
+            if not self._taken(request, msg.subject, reply, progress):
+                continue
             if reply.kind == ReplyKind.STATUS and reply.status == ReplyStatus.REROUTED:
                 _rerouted(request, reply, progress, texts)
                 statuses.append(ReplyStatus.REROUTED)
@@ -370,6 +401,11 @@ class Client:
                     est_wait=progress.est_wait,
                 )
                 return
+
+
+def _fenced(reply_to: str) -> bool:
+    """Whether workers answer ``reply_to`` on their own sub-subjects (``resp.`` replies)."""
+    return S.worker_reply(reply_to, "w") != reply_to
 
 
 def _binding_wait(request: Request, got_token: bool, wait: float, reason: str,

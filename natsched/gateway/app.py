@@ -28,6 +28,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from natsched.client.producer import new_request_id
+from natsched.wire.ids import scoped
 from natsched.gateway import protocol as P
 from natsched.gateway.errors import (ApiError, BadRequest, Forbidden, MethodNotAllowed, NotFound, PayloadTooLarge,
                                      Unauthorized)
@@ -78,7 +79,9 @@ class RequestIdMiddleware:
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
+                # the id the request was submitted under (in its tenant's scope, once the key said whose)
+                xid = state.get("request_id", rid)
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", xid.encode())]}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 self.metrics.duration.labels(endpoint, str(bool(state.get("stream")))).observe(
                     time.monotonic() - started)
@@ -156,6 +159,8 @@ async def _answer(request: Request, gw: Gateway, kind: str, principal: Principal
         inf = P.parse(kind, _json(await _read_body(request, s.max_body_bytes)), s.default_max_tokens,
                       s.max_tokens_limit, s.max_prompt_token_ids)
         gw.check_model(inf.model)
+        # the id every record names, and the one x-request-id answers (natsched.wire.ids.scoped)
+        request.state.request_id = scoped(principal.tenant, request.state.request_id)
         call = gw.limit(gw.call(principal, cls, inf, request.state.request_id, gw.timeout(request.headers),
                                 request.url.path), request.headers)
     except ApiError as err:

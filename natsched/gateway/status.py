@@ -9,7 +9,9 @@ so it works against any cluster it can reach on the bus):
   that reports healthy but that a router judged much slower than its learned prediction shows as
   ``half_open`` (the routers' records ``cost.<worker>.<router>`` in bucket ``workers``,
   :mod:`natsched.router.health`), with the prefill rate the routers learned for it;
-- tenants — the ``quotas`` bucket (floor, cap) and the ``inflight`` bucket's ``usage`` key;
+- tenants — the ``quotas`` bucket (floor, cap) and the ``inflight`` bucket's ``usage`` key (with
+  partitioned admission every partition's ``inflight-p<k>/usage`` added, and each partition's
+  use and budget shown: :mod:`natsched.admitter.inflight`);
 - queue depths by class — admission records (``decision.admission.*``): a request whose last
   record is ``queue`` is still held; the class limit is the quotas' ``class.<c>.queue``;
 - recent rejections by reason — admission records with decision ``reject`` in the window.
@@ -32,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 import orjson
 
 from natsched.admitter.errors import UsageError
+from natsched.admitter.inflight import Inflight, PartitionUsage, read_inflight
 from natsched.admitter.quotas import Quotas
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
@@ -113,6 +116,7 @@ class StatusView:
     rejections: dict[str, int] = field(default_factory=dict)
     window_s: float = 300.0
     warnings: list[str] = field(default_factory=list)
+    partitions: list[PartitionUsage] = field(default_factory=list)  # empty unless admission is partitioned
 
     def to_json(self) -> bytes:
         data = asdict(self)
@@ -202,18 +206,25 @@ class StatusState:
                                "root": m.root, "parent": m.parent, "max_model_len": m.max_model_len}
         return cards
 
-    def view(self, quota_entries: dict[str, bytes], usage_raw: bytes | None, now: float) -> StatusView:
+    def view(self, quota_entries: dict[str, bytes], usage_raw: bytes | None, now: float,
+             inflight: Inflight | None = None) -> StatusView:
+        """``inflight`` (:func:`natsched.admitter.inflight.read_inflight`), when given, replaces
+        ``usage_raw``: the usage of every partition, added."""
         self.prune(now)
         warnings: list[str] = []
         quota_entries = dict(quota_entries)
         dynamic_raw = quota_entries.pop(S.KEY_DYNAMIC_TOTAL, None)
         quotas, errors = Quotas.from_kv(quota_entries)
         warnings += errors
-        try:
-            usage = Usage.from_json(usage_raw) if usage_raw else Usage()
-        except UsageError as exc:
-            warnings.append(f"inflight usage unreadable: {exc}")
-            usage = Usage()
+        if inflight is not None:
+            usage = inflight.usage
+            warnings += inflight.warnings
+        else:
+            try:
+                usage = Usage.from_json(usage_raw) if usage_raw else Usage()
+            except UsageError as exc:
+                warnings.append(f"inflight usage unreadable: {exc}")
+                usage = Usage()
         total = quotas.ceiling()
         try:
             dynamic = orjson.loads(dynamic_raw) if dynamic_raw else None
@@ -226,6 +237,7 @@ class StatusState:
             workers=self._worker_rows(now), tenants=_tenant_rows(quotas, usage, total),
             queues=self._queue_rows(quotas), rejections=self._rejection_counts(),
             window_s=self.settings.window_s, warnings=warnings,
+            partitions=list(inflight.partitions) if inflight is not None else [],
         )
 
     def _worker_rows(self, now: float) -> list[WorkerRow]:
@@ -308,8 +320,7 @@ class StatusCollector:
                 self.state.on_cost_record(key, value)
         except Exception as exc:
             log.debug("status: no router verdicts (%s)", exc)
-        usage = await self.bus.kv(S.BUCKET_INFLIGHT).get(S.KEY_USAGE)
-        return self.state.view(entries, usage[0] if usage else None, time.time())
+        return self.state.view(entries, None, time.time(), inflight=await read_inflight(self.bus))
 
     @staticmethod
     def _apply(data: bytes, schema, sink) -> None:

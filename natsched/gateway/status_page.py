@@ -40,8 +40,16 @@ def render_html(view: StatusView, refresh_s: float = 2.0) -> str:
         "<h1>natsched status</h1>",
         f'<p class=muted id=summary>{_e(when)} · in use <b>{view.used}</b> of <b>{view.total}</b> runtime tokens '
         f"({_pct(share)}) · refreshes every {max(1, round(refresh_s))} s</p>",
-        f"<h2>Workers ({len(view.workers)})</h2>",
     ]
+    if view.partitions:  # partitioned admission: each partition's use of its budget
+        out.append(f"<h2>Partitions ({len(view.partitions)})</h2>")
+        out.append("<table id=partitions><tr><th>partition</th><th>in use</th><th>budget</th><th>share</th></tr>")
+        for p in view.partitions:
+            budget = "–" if p.budget is None else p.budget
+            used_share = _pct(p.used / p.budget) if p.budget else "–"
+            out.append(f"<tr><td>{p.partition}</td><td>{p.used}</td><td>{budget}</td><td>{used_share}</td></tr>")
+        out.append("</table>")
+    out.append(f"<h2>Workers ({len(view.workers)})</h2>")
     if view.workers:
         out.append("<table id=workers><tr><th>worker</th><th>state</th><th>model</th><th>running</th>"
                    "<th>waiting</th><th>load</th><th>KV use</th><th>hit ratio</th><th>heartbeat age</th></tr>")

@@ -174,8 +174,9 @@ class Supervisor:
         for name, pool in self._router_names():
             kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy, *pool),
                               user="router"))
-        if self.s.offline and self.s.partitions == 1:  # (not partitioned yet: docs/fleet.md)
-            kids.append(Child("offline", self._cmd("offline", *common, "--name", "offline"), user="offline"))
+        if self.s.offline:  # one runner, partitioned or not: it admits each job through its tenant's partition
+            split = ["--partitions", str(self.s.partitions)] if self.s.partitions > 1 else []
+            kids.append(Child("offline", self._cmd("offline", *common, "--name", "offline", *split), user="offline"))
         for i, wid in enumerate(self.worker_ids()):
             args = ["worker", *common, "--id", wid, "--engine", self.s.engine,
                     "--time-scale", str(self.s.time_scale), *self.s.extra_worker_args, *self._server_args(i)]

@@ -41,6 +41,7 @@ from pathlib import Path
 import orjson
 
 from natsched.wire.roles import SERVICES_ACCOUNT, Role, local_subject, roles
+from natsched.wire.fence import reply_key
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,8 @@ def init(settings: AuthSettings) -> AuthFiles:
             record["js_prefix"] = role.js_prefix
         if role.fenced:
             record["fence_key"] = fence_key
+        elif role.tenants:  # it checks its tenants' workers' replies, and signs nothing
+            record["reply_keys"] = {t: reply_key(fence_key, t) for t in role.tenants}
         if ca is not None:
             record["tls_ca"] = os.path.relpath(ca, out / CREDS_DIR)
         path = out / CREDS_DIR / f"{role.user}.json"

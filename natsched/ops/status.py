@@ -8,6 +8,7 @@ import time
 
 import orjson
 
+from natsched.admitter.inflight import PartitionUsage
 from natsched.gateway.status import StatusCollector, StatusSettings, StatusView
 from natsched.bus.connection import Bus
 from natsched.wire import subjects as S
@@ -43,6 +44,15 @@ async def read_scale(bus: Bus) -> ScaleEvent | None:
         return None
 
 
+def render_partitions(rows: list[PartitionUsage]) -> str:
+    """Each partition's use of its budget in one line (partitioned admission only)."""
+    def one(p: PartitionUsage) -> str:
+        if p.budget is None:
+            return f"p{p.partition} {p.used}/- (no plan)"
+        return f"p{p.partition} {p.used}/{p.budget} ({_pct(p.used / p.budget if p.budget else None)})"
+    return f"PARTITIONS ({len(rows)}, used/budget)  " + "   ".join(one(p) for p in rows)
+
+
 def render_text(view: StatusView, scale: ScaleEvent | None = None) -> str:
     """A plain-text page: one table per section, widths fixed so ``--watch`` does not jump."""
     out = [f"natsched status  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(view.at))}   "
@@ -69,6 +79,9 @@ def render_text(view: StatusView, scale: ScaleEvent | None = None) -> str:
     elif any(not t.configured for t in view.tenants):
         out.append("  * on the default quota")
     out.append("")
+    if view.partitions:
+        out.append(render_partitions(view.partitions))
+        out.append("")
     out.append("QUEUES  " + "   ".join(f"{q.cls} {q.depth}/{q.limit}" for q in view.queues))
     out.append("")
     window = f"{view.window_s / 60:.0f} min" if view.window_s >= 60 else f"{view.window_s:.0f} s"

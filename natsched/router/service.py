@@ -416,7 +416,9 @@ class RouterService:
                                       admitted_at=adm.admitted_at, routed_at=time.time(), policy=decision.policy,
                                       expected_cached_tokens=decision.expected_cached_tokens, attempt=adm.attempt,
                                       avoid=adm.avoid,
-                                      fence=fence.sign(self.bus.fence_key, req.id, decision.worker, adm.attempt))
+                                      fence=fence.sign(self.bus.fence_key, req.id, decision.worker, adm.attempt),
+                                      reply_fence=fence.reply_sign(fence.reply_key(self.bus.fence_key, req.tenant),
+                                                                   req.id, decision.worker, adm.attempt))
             # one id per request and attempt: a router that crashes after this publish and re-routes
             # on redelivery is deduplicated by the server instead of running the request twice; a
             # rescue (its worker died) is a new attempt, which must not be deduplicated away

@@ -77,7 +77,7 @@ async def load_recording(bus: "Bus", since: float, until: float | None = None, t
                          ) -> Recording:
     """Everything needed to replay ``[since, until]``; :class:`WindowAgedOut` when it is gone."""
     stored = [m async for m in bus.stream(S.STREAM_REQUESTS).window(since, until,
-                                                                    S.requests_of(tenant) if tenant else None)]
+                                                                    S.stored_requests_of(tenant) if tenant else None)]
     if not stored:
         await _check_aged_out(bus, since, until)
         return Recording(since, until, 0)

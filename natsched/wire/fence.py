@@ -67,3 +67,50 @@ def problem(key: str | None, completion, subject: str) -> str | None:
 def fenced(key: str | None, completion, subject: str) -> bool:
     """Whether ``completion`` passes :func:`problem`."""
     return problem(key, completion, subject) is None
+
+
+# --- fenced replies: what a producer can check itself ------------------------------------
+#
+# A producer holds no fence key (it would let it sign assignments), so it cannot check a
+# completion's token. Each tenant is given its own *reply key* instead, derived from the fence
+# key (``natsched auth init`` writes it into that tenant's producer, batch and gateway
+# credentials): the router signs every assignment a second time with the tenant's reply key, the
+# worker copies that ``reply_fence`` into each reply it sends, on its own sub-subject
+# ``<reply>.<worker>`` (a per-worker permission: the server vouches for the sender). The
+# producer takes output only from a worker whose token verifies for (request, that worker,
+# attempt): another worker knows no token of this request, and another tenant's key signs
+# nothing of this tenant's. The producer reads its key, never the fence key.
+
+#: why a producer refused a worker's reply (its ``refused_replies`` counter and log line)
+REPLY_WRONG_WORKER = "wrong_worker"  # the body's worker is not the sub-subject's
+REPLY_BAD_FENCE = "bad_fence"  # no valid token of this request for that worker and attempt
+REPLY_STALE = "stale"  # a worker the request was rerouted from, or an older attempt
+REPLY_UNFENCED = "unfenced"  # output on the services' own reply subject (only services publish there)
+
+
+def reply_key(key: str | None, tenant: str) -> str:
+    """The reply key of ``tenant``, derived from the fence ``key`` (None: the public default)."""
+    message = f"natsched-reply\x00{tenant}".encode()
+    return hmac.new((key or DEFAULT_KEY).encode(), message, hashlib.sha256).hexdigest()[:32]
+
+
+def reply_sign(tenant_key: str, request_id: str, worker: str, attempt: int) -> str:
+    """The token ``worker`` puts in its replies to ``request_id``'s ``attempt``."""
+    return sign(tenant_key, request_id, worker, attempt)
+
+
+def reply_problem(tenant_key: str, reply, source: str | None, request_id: str, attempt: int,
+                  abandoned: frozenset[str] | set[str] = frozenset()) -> str | None:
+    """Why a producer must not take ``reply`` (a :class:`natsched.wire.schema.Reply` of its
+    request ``request_id``) that came from the worker ``source`` (the sub-subject; None: the
+    services' subject), or None when it may. ``attempt`` is the newest attempt it has taken
+    output from, ``abandoned`` the workers it was rerouted from."""
+    if source is None:  # statuses and refusals are the services'; output never comes from them
+        return REPLY_UNFENCED if reply.kind in ("token", "result") else None
+    if reply.worker != source:
+        return REPLY_WRONG_WORKER
+    if source in abandoned or (reply.attempt or 0) < attempt:
+        return REPLY_STALE
+    if not verify(tenant_key, reply.fence, request_id, source, reply.attempt or 0):
+        return REPLY_BAD_FENCE
+    return None

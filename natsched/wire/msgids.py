@@ -5,7 +5,8 @@ lost ack (or by a second replica doing the same work) is not stored twice. The i
 request id, and every later stage adds its own suffix: one request leaves one message per
 stage, and one per attempt where a stage may run again::
 
-    <id>                       the request (producer, batch): REQUESTS
+    <id>                       the request (batch, raw publishers): REQUESTS
+    <id>:req<tag>              the request as natsched's client publishes it (tag: keyed per tenant): REQUESTS
     <id>:adm[:<attempt>]       admitted (admitter, offline runner; a rescue's re-admission): ADMITTED
     <id>:work[:<attempt>]      assigned to a worker (router, inline routing): WORK
     <id>:done:<fence>          its completion (worker, or the router when it cannot route): COMPLETIONS
@@ -23,6 +24,8 @@ Built here and parsed here (the audit finds a request's records by the id before
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import re
 from dataclasses import dataclass
 
@@ -44,6 +47,7 @@ class Kind(enum.StrEnum):
     ROUTING = "routing"
     OFFLINE = "offline"
     DEAD = "dead"
+    SUBMISSION = "req"
 
 
 def _with(request_id: str, kind: Kind, detail: str = "") -> str:
@@ -57,6 +61,16 @@ def _attempt(attempt: int) -> str:
 def request(request_id: str) -> str:
     """A request as its producer publishes it: the id itself."""
     return request_id
+
+
+def submission(request_id: str, key: str) -> str:
+    """A request as natsched's producers publish it: ``<id>:req<tag>``, ``<tag>`` an HMAC of the id
+    with the tenant's reply key (:func:`natsched.wire.fence.reply_key`). A publisher sets its own
+    ``Nats-Msg-Id`` and the server dedups on it alone, so with the bare id as the message id a
+    tenant knowing another's future id could take its dedup slot; no other tenant knows the key.
+    The same tenant submitting the same id again gets the same message id: deduplicated."""
+    tag = hmac.new(key.encode(), f"natsched-submit\x00{request_id}".encode(), hashlib.sha256).hexdigest()[:16]
+    return _with(request_id, Kind.SUBMISSION, tag)
 
 
 def admitted(request_id: str, attempt: int = 0) -> str:

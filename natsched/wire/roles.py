@@ -25,8 +25,8 @@ and credentials files; ``subjects.md`` ("Roles and permissions") summarises them
   No other tenant's requests, replies or jobs.
 - ``batch-<tenant>`` (``natsched batch``/``jobs``): publishes ``req.*.<tenant>``; reads and writes
   its own job records ``job.<tenant>.*.*`` and batch manifests ``batch.<batch>`` (by id: a
-  manifest names no tenant in its key), reads its own ``req.*.<tenant>`` in REQUESTS for
-  ``--resume``. Its reads are confined to those keys and subjects because each names them in its
+  manifest names no tenant in its key), reads its own ``req.*.<tenant>`` (and, as a partitioned
+  REQUESTS stores them, ``reqp.*.*.<tenant>``) in REQUESTS for ``--resume``. Its reads are confined to those keys and subjects because each names them in its
   subject: direct gets (bucket ``jobs`` allows direct access) and named consumers whose create
   subject carries the filter (:func:`natsched.audit.records.read_filtered`); a plain get, a watch, a fetch
   (``CONSUMER.MSG.NEXT``) or a consumer info would not, and are not granted.
@@ -309,13 +309,18 @@ def scheduler_role() -> Role:
 
 
 def worker_role(worker: str) -> Role:
-    """A worker: completions on its own ``done.*.<worker>`` only, so that the server vouches for
-    the worker a completion names (the admitter checks it against the assignment's fence:
-    :mod:`natsched.wire.fence`)."""
+    """A worker: completions on its own ``done.*.<worker>`` and replies on its own
+    ``resp.*.*.<worker>`` only, so that the server vouches for the worker a completion or a
+    reply names (the admitter checks a completion against the assignment's fence, the producer
+    a reply against its reply fence: :mod:`natsched.wire.fence`)."""
     S.token(worker, "worker id")
     if worker == S.ROUTER_SOURCE:
         raise ValueError(f"worker id {worker!r} is reserved: the router's own completions use it")
-    pub = _service_base() + [
+    # replies on its own resp.*.*.<worker> only (not a producer's reply subject itself: that is
+    # the services' channel), so a producer can take output from the worker it was assigned to
+    base = [p for p in _service_base() if p not in (subject("reply"), subject("tenant_reply"))]
+    pub = base + [
+        subject("tenant_worker_reply", worker=worker),
         subject("completion", worker=worker), S.heartbeat(worker), S.cache_events(worker), S.deadletter("worker"),
         *consumer_permissions(S.STREAM_WORK, S.worker_consumer(worker), S.work(worker)),
         *kv_read_permissions(S.BUCKET_WORKERS),
@@ -354,6 +359,7 @@ def gateway_role(tenants: list[str]) -> Role:
            # the routers' verdicts on workers (half-open, learned rates) for its status page
            *filtered_read_permissions(_kv_stream(S.BUCKET_WORKERS), _kv_key(S.BUCKET_WORKERS, S.COST_KEYS)),
            *kv_get_permissions(S.BUCKET_INFLIGHT, S.KEY_USAGE),
+           _js("STREAM", "INFO", S.STREAM_REQUESTS),  # how many partitions (its config; no message)
            *gateway_jobs_permissions(tenants)]
     sub = [*(S.replies_of(t) for t in tenants), S.HEARTBEATS_ALL, S.DECISIONS_ALL, S.COMPLETIONS_ALL]
     return Role("gateway", "gateway", publish=pub, subscribe=sub, tenants=list(tenants))
@@ -387,7 +393,8 @@ def batch_role(tenant: str) -> Role:
            *kv_pinned_read_permissions(S.BUCKET_JOBS, own), *kv_write_permissions(S.BUCKET_JOBS, own),
            _js("DIRECT", "GET", _kv_stream(S.BUCKET_JOBS), _kv_key(S.BUCKET_JOBS, manifests)),
            *kv_write_permissions(S.BUCKET_JOBS, manifests),
-           *filtered_read_permissions(S.STREAM_REQUESTS, S.requests_of(tenant))]
+           *dict.fromkeys(p for f in S.stored_requests_of(tenant)  # as stored unpartitioned and partitioned
+                          for p in filtered_read_permissions(S.STREAM_REQUESTS, f))]
     return Role(f"batch-{tenant}", "batch", publish=pub, tenants=[tenant])
 
 

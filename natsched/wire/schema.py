@@ -169,6 +169,8 @@ class Assignment(Schema):
     attempt: int = 0  # copied from Admitted: a rescue re-admits it with the next one
     avoid: list[str] = field(default_factory=list)
     fence: str = ""  # natsched.wire.fence.sign(request, worker, attempt): the worker's proof in its completion
+    #: natsched.wire.fence.reply_sign with the tenant's reply key: the worker's proof in its replies
+    reply_fence: str = ""
     v: int = SCHEMA_VERSION
 
     def __post_init_check__(self) -> None:
@@ -229,6 +231,10 @@ class Reply(Schema):
     admitted_at: float | None = None
     routed_at: float | None = None
     received_at: float | None = None
+    # on a worker's reply: its assignment's ``reply_fence`` and attempt, which the producer checks
+    # (natsched.wire.fence.reply_problem) before it takes the reply as output of its request
+    fence: str | None = None
+    attempt: int | None = None
     v: int = SCHEMA_VERSION
 
     @property
@@ -268,6 +274,10 @@ class Completion(Schema):
     ts: float = 0.0
     attempt: int = 0  # the assignment's: a completion of an attempt since rescued is stale
     fence: str = ""  # copied from the Assignment
+    # a run its producer cancelled: seconds from the producer's cancel (its ``ts``) to the worker,
+    # and the tokens the run still produced once the worker had it (the cancel path's own share)
+    cancel_transit_s: float | None = None
+    tokens_after_cancel: int | None = None
     v: int = SCHEMA_VERSION
 
     def __post_init_check__(self) -> None:

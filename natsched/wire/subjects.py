@@ -156,6 +156,31 @@ def tenant_reply(tenant: TenantId, request_id: RequestId) -> str:
     return f"resp.{token(tenant, 'tenant')}.{token(request_id, 'request id')}"
 
 
+def worker_reply(reply: str, worker: WorkerId) -> str:
+    """Where a worker answers a request whose reply subject is ``reply``: its own sub-subject
+    ``<reply>.<worker>`` of a ``resp.`` reply (``resp.<tenant>.<request_id>.<worker>``), so that a
+    per-worker permission (``resp.*.*.<worker>``) makes the server vouch for which worker sent it
+    and the producer can take output only from the worker its request was assigned to
+    (``natsched.wire.fence.reply_problem``). Other reply subjects (job outcomes, benchmark runs)
+    are kept as they are: their readers are services, not producers."""
+    return f"{reply}.{token(worker, 'worker id')}" if reply.startswith("resp.") else reply
+
+
+def tenant_worker_reply(tenant: TenantId, request_id: RequestId, worker: WorkerId) -> str:
+    """A worker's answers to a producer's request: ``resp.<tenant>.<request_id>.<worker>``
+    (:func:`worker_reply` of :func:`tenant_reply`)."""
+    return worker_reply(tenant_reply(tenant, request_id), worker)
+
+
+def reply_source(subject: str, reply: str) -> str | None:
+    """The worker a message on ``subject`` came from when ``reply`` is the request's reply subject
+    (``<reply>.<worker>``), or None for the reply subject itself (the services' channel)."""
+    if subject == reply or not subject.startswith(reply + "."):
+        return None
+    worker = subject[len(reply) + 1:]
+    return worker if is_token(worker) else None
+
+
 def replies_of(tenant: TenantId) -> str:
     """Every reply to one tenant: ``resp.<tenant>.>``."""
     return f"resp.{token(tenant, 'tenant')}.>"
@@ -306,6 +331,7 @@ PATTERNS = {
     "reservation_key": "res.<request_id>",
     "tenant_reply": "resp.<tenant>.<request_id>",
     "replies_of": "resp.<tenant>.>",
+    "tenant_worker_reply": "resp.<tenant>.<request_id>.<worker>",
     "bench_reply": "bench.resp.<run>",
     "calibration_key": "capacity.<model>.<deployment>",
     "scale": "scale.<kind>",
@@ -411,6 +437,7 @@ def decisions_of(tenant: TenantId) -> str:
 PATTERNS.update({"requests_of": "req.*.<tenant>", "decisions_of": "decision.*.<tenant>"})
 
 
+
 def job_filter(tenant: str = "*", batch: str = "*", job_id: str = "*") -> str:
     """A key filter over job records (``job.<tenant>.<batch>.<job_id>``), ``*`` where any will do."""
     parts = [p if p == "*" else token(p, what) for p, what in ((tenant, "tenant"), (batch, "batch id"),
@@ -480,3 +507,28 @@ PATTERNS.update({
     "partition_bucket": "inflight-p<partition>",
     "partition_report_key": "report.<partition>.<replica>",
 })
+
+
+def partitioned_requests_of(tenant: TenantId, cls: str = "*") -> str:
+    """A filter over one tenant's requests as a partitioned REQUESTS stores them, in whichever
+    partition and under whichever partition count: ``reqp.*.<class>.<tenant>`` (the partition
+    token wildcarded, so a reader needs neither P nor the hash, and requests stored before P
+    changed are still found)."""
+    return f"{PARTITIONED_PREFIX}.*.{_class_filter(cls)}.{token(tenant, 'tenant')}"
+
+
+def stored_requests_of(tenant: TenantId, cls: str = "*") -> tuple[str, str]:
+    """Every filter a reader of REQUESTS needs for one tenant's requests (of class ``cls``, ``*``:
+    all), whatever the partitioning: ``req.<class>.<tenant>`` as stored unpartitioned and
+    ``reqp.*.<class>.<tenant>`` as stored partitioned. Both, always: the stream may hold either
+    (P changed on a drained system keeps the older subjects for the retention's days), and the
+    two never overlap, so one consumer may take both (``filter_subjects``). Not what a producer
+    publishes to (:func:`requests_of`: its permission)."""
+    return f"req.{_class_filter(cls)}.{token(tenant, 'tenant')}", partitioned_requests_of(tenant, cls)
+
+
+def _class_filter(cls: str) -> str:
+    return cls if cls == "*" else token(cls, "class")
+
+
+PATTERNS.update({"partitioned_requests_of": "reqp.*.*.<tenant>"})

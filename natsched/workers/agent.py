@@ -103,6 +103,8 @@ class WorkerAgent:
         self._tenant_of: dict[str, str] = {}  # running: whose request it is (a cancel must name that tenant)
         self._produced: dict[str, tuple[int, int]] = {}  # running: (prompt, output) tokens so far
         self._stopped_runs: set[str] = set()  # running, cancelled, and the cancel has reached its task
+        #: running and cancelled: (seconds the cancel travelled, tokens produced when it arrived)
+        self._cancel_seen: dict[str, tuple[float | None, int]] = {}
         self._stoppers: set[asyncio.Task] = set()
         self._traces: dict[str, _RunTrace] = {}  # running, traced: its span and token times
         self._tail = tracing.TailTracker()  # the p99 above which a run's token timing is kept
@@ -248,6 +250,7 @@ class WorkerAgent:
             self._produced.pop(req.id, None)
             self._stopped_runs.discard(req.id)
             self._tenant_of.pop(req.id, None)
+            self._cancel_seen.pop(req.id, None)
             self._redelivered.discard(req.id)
             self._reported.discard(req.id)
             if d.settled:  # its outcome is published and it was acked: a copy must not run it again
@@ -289,9 +292,10 @@ class WorkerAgent:
                 trace.token_at(time.time())
             texts.append(out.text)
             if req.stream and req.reply and (out.text or out.token_ids) and not out.error:
-                await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.TOKEN, text=out.text,
-                                                        token_ids=out.token_ids, index=out.index,
-                                                        worker=self.id))  # where to cancel, even before "assigned"
+                await self.bus.publish(S.worker_reply(req.reply, self.id),
+                                       Reply(request_id=req.id, kind=ReplyKind.TOKEN, text=out.text,
+                                             token_ids=out.token_ids, index=out.index, worker=self.id,
+                                             fence=a.reply_fence or None, attempt=a.attempt))
             if out.finished:
                 await self._finish(a, out, started, first_at, "".join(texts), received=received)
                 return
@@ -314,6 +318,10 @@ class WorkerAgent:
             e2e=now - (req.created or started), expected_cached_tokens=a.expected_cached_tokens, ts=now,
             attempt=a.attempt, fence=a.fence,  # the assignment's proof: the admitter checks it
         )
+        seen = self._cancel_seen.get(req.id)
+        if seen is not None:  # what the cancel path cost: its transit, and the run after it arrived
+            completion.cancel_transit_s = seen[0]
+            completion.tokens_after_cancel = max(0, out.output_tokens - seen[1])
         ack = await self._publish_completion(completion)
         self._reported.add(req.id)
         answered = False
@@ -340,7 +348,8 @@ class WorkerAgent:
                 reason, _, message = (out.error or "").partition(": ")
                 reply = Reply(request_id=req.id, kind=ReplyKind.ERROR, status=ReplyStatus.FAILED,
                               reason=reason or "engine_error", message=message or out.error, worker=self.id, **stamps)
-            await self.bus.publish(req.reply, reply)
+            reply.fence, reply.attempt = a.reply_fence or None, a.attempt  # the producer checks them
+            await self.bus.publish(S.worker_reply(req.reply, self.id), reply)
         log.info("request %s %s on %s: %d prompt (%d cached), %d out", req.id, completion.status, self.id,
                  out.prompt_tokens, out.cached_tokens, out.output_tokens)
         self._end_trace(req.id, completion)
@@ -612,6 +621,7 @@ class WorkerAgent:
         self.cancelled.add(subject)  # == S.cancel(tenant, rid)
         task = self.inflight.get(rid)
         if task is not None:
+            self._cancel_seen.setdefault(rid, (_transit(data), self._produced.get(rid, (0, 0))[1]))
             self.metrics.cancelled.inc()
             log.info("request %s cancelled by tenant %s", rid, tenant)
             self._spawn_stop(rid, task)
@@ -652,6 +662,15 @@ class WorkerAgent:
 
 #: how a cancelled request ends: an error completion (its reservation is released) with reason ``cancelled``
 _CANCELLED = EngineOutput(0, finished=True, finish_reason="cancelled", error="cancelled: the producer went away")
+
+
+def _transit(data: bytes) -> float | None:
+    """Seconds since a cancel's producer stamped it (one clock on one machine; else a guess), or
+    None when its body does not say."""
+    try:
+        return max(0.0, time.time() - Control.decode(data).ts)
+    except MessageError:
+        return None
 
 
 def _is_token(out: EngineOutput) -> bool:

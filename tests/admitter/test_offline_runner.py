@@ -11,6 +11,7 @@ from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
 from natsched.client.batch import BatchClient, JobStore
 from natsched.client.producer import make_request
+from natsched.wire.ids import RequestId, scoped
 from natsched.wire.codec import encode
 from natsched.bus.connection import Bus
 from natsched.wire.schema import DeadLetter, Decision, Reply
@@ -39,8 +40,10 @@ async def jobs_stack(url: str, *, total: int = 3000, workers: int = 2, **stack_k
     return stack, runner
 
 
-async def job(bus: Bus, job_id: str):
-    found = await JobStore(bus).find(job_id)
+async def job(bus: Bus, job_id: str, tenant: str = "t1"):
+    """The record of ``job_id`` as given (a record written here), or as the client submitted it
+    (in its tenant's scope: natsched.wire.ids.scoped)."""
+    found = await JobStore(bus).find(job_id) or await JobStore(bus).find(scoped(tenant, job_id))
     return found[1] if found else None
 
 
@@ -61,7 +64,7 @@ async def stack(bus, nats_url):
 async def test_offline_class_request_becomes_a_job_that_completes(stack, bus):
     result = await stack.client.submit(make_request("t1", prompt_token_ids=list(range(64)), max_tokens=4,
                                                     cls="offline", id="solo1"))
-    assert (result.status, result.job_id) == ("degraded", "solo1")
+    assert (result.status, result.job_id) == ("degraded", scoped("t1", "solo1"))  # the id in its tenant's scope
     assert await wait_for(lambda: _status(bus, "solo1", "completed"))
     record = await job(bus, "solo1")
     assert record.batch == S.NO_BATCH and record.path == "offline" and record.output.split() == [
@@ -164,7 +167,7 @@ async def test_the_same_job_queued_twice_runs_once(stack, bus):
     from natsched.wire.schema import Completion
 
     done = await records(bus, S.STREAM_COMPLETIONS, Completion)
-    assert [c.request_id for c in done] == ["twice1"]
+    assert [c.request_id for c in done] == [req.id]
 
 
 async def _queue_empty(bus):
@@ -176,7 +179,8 @@ async def test_a_lost_attempt_times_out_and_is_retried(stack, bus):
     store = JobStore(bus)
     from natsched.wire.schema import JobRecord
 
-    req = make_request("t1", prompt_token_ids=list(range(64)), max_tokens=2, cls="offline", id="lost1")
+    req = make_request("t1", prompt_token_ids=list(range(64)), max_tokens=2, cls="offline")
+    req.id = RequestId("lost1")  # the record's own id, as written here
     await store.create(S.job_key("t1", "-", "lost1"), JobRecord(id="lost1", tenant="t1", status="running",
                                                                request=req, attempts=1, attempt_id="lost1"))
     assert await stack.runner.sweep_once() == 1
@@ -191,10 +195,10 @@ async def test_jobs_cli_shows_lists_and_says_not_found(stack, bus, nats_url):
 
     await stack.client.submit(make_request("t1", "listed", max_tokens=2, cls="offline", id="cli1"))
     assert await wait_for(lambda: _status(bus, "cli1", "completed"))
-    shown = cli2(nats_url, "jobs", "show", "cli1", "--json")
+    shown = cli2(nats_url, "jobs", "show", scoped("t1", "cli1"), "--json")  # the id it was submitted under
     assert shown.returncode == 0 and orjson.loads(shown.stdout)["status"] == "completed"
     listed = cli2(nats_url, "jobs", "list", "--tenant", "t1", "--status", "completed,failed", "--json")
-    assert [j["id"] for j in orjson.loads(listed.stdout)] == ["cli1"]
+    assert [j["id"] for j in orjson.loads(listed.stdout)] == [scoped("t1", "cli1")]
     none = cli2(nats_url, "jobs", "list", "--tenant", "t1", "--status", "failed", "--json")
     assert orjson.loads(none.stdout) == []
     bad = cli2(nats_url, "jobs", "list", "--status", "exploded")
@@ -224,7 +228,8 @@ async def test_metrics_count_what_the_runner_did(bus, nats_url):
         assert samples[("natsched_offline_jobs_total", "completed")] == 1
         assert samples[("natsched_offline_wait_seconds_count", None)] == 1
         # a late duplicate result changes nothing: neither the record nor the count
-        await bus.publish(S.outcome("t1", S.NO_BATCH, "m1"), Reply(request_id="m1", kind="result", text="again"))
+        m1 = scoped("t1", "m1")  # the job's id: the request's, in its tenant's scope
+        await bus.publish(S.outcome("t1", S.NO_BATCH, m1), Reply(request_id=m1, kind="result", text="again"))
         assert await wait_for(lambda: _outcomes_empty(bus))
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert 'natsched_offline_jobs_total{event="completed"} 1.0' in text
@@ -242,8 +247,8 @@ async def test_a_quota_rejection_of_a_batch_line_puts_it_on_the_offline_path(sta
     from natsched.wire.schema import JobRecord
 
     # a batch line as its producer recorded it, and the admitter's answer: refused for quota
-    req = make_request("t1", "rejected, then run offline", max_tokens=2, cls="batch", id="bq1",
-                       reply=S.outcome("t1", "bq", "bq1"))
+    req = make_request("t1", "rejected, then run offline", max_tokens=2, cls="batch", id="bq1")
+    req.id, req.reply = RequestId("bq1"), S.outcome("t1", "bq", "bq1")  # as a batch producer builds it: no scope
     await stack.runner.store.create(S.job_key("t1", "bq", "bq1"),
                                     JobRecord(id="bq1", tenant="t1", status="submitted", batch="bq", request=req))
     rejected = Reply(request_id="bq1", kind="error", status="rejected", reason="queue_full", retry_after=1.0)

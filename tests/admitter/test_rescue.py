@@ -14,6 +14,7 @@ import pytest
 
 from natsched.admitter.rescue import readmission, stranded
 from natsched.admitter.shared import Reservation
+from natsched.wire import fence
 from natsched.wire import subjects as S
 from natsched.client.producer import Client, Timeouts
 from natsched.client.errors import RequestFailed
@@ -105,8 +106,14 @@ async def serve_replies(bus, req, replies: list[Reply]) -> None:
     """Play the services' part on the request's reply subject once it is published."""
     assert await wait_for(lambda: req.reply is not None, timeout=5)
     await asyncio.sleep(0.2)  # the client subscribed before it published
+    attempt = 0
     for r in replies:
-        await bus.publish(req.reply, r)
+        if r.kind == "status":  # the services' news, on the reply subject itself
+            attempt += r.status == "rerouted"
+            await bus.publish(req.reply, r)
+        else:  # a worker's output: on its own sub-subject, with its reply fence (natsched.wire.fence)
+            r.attempt, r.fence = attempt, fence.reply_sign(fence.reply_key(None, req.tenant), req.id, r.worker, attempt)
+            await bus.publish(S.worker_reply(req.reply, r.worker), r)
 
 
 async def test_a_reroute_before_any_output_is_invisible_and_late_tokens_of_the_dead_worker_are_ignored(bus):
@@ -114,7 +121,7 @@ async def test_a_reroute_before_any_output_is_invisible_and_late_tokens_of_the_d
     rid = req.id
     script = [Reply(request_id=rid, kind="status", status="assigned", worker="wa"),
               Reply(request_id=rid, kind="status", status="rerouted", worker="wa"),
-              Reply(request_id=rid, kind="token", text="stale", worker="wa"),
+              Reply(request_id=rid, kind="token", text="stale", worker="wa"),  # fenced as attempt 1: refused, wa was left
               Reply(request_id=rid, kind="status", status="assigned", worker="wb"),
               Reply(request_id=rid, kind="token", text="fresh", worker="wb"),
               Reply(request_id=rid, kind="result", worker="wb", output_tokens=1)]

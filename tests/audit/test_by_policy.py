@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 
 import orjson
+
+from natsched.wire.ids import scoped
 import pytest
 
 from natsched.audit.compare import percentile_se, ratio_se, share_se, verdict
@@ -152,7 +154,8 @@ async def test_a_live_canary_split_is_audited_as_the_producers_saw_it(stack, bus
         results[rid] = await stack.client.submit(make_request("t1", f"question {i}", system_prompt=systems[i % 3],
                                                               max_tokens=3, id=rid))
     report = await audit_by_policy(bus, since)
-    side = {rid: "sglang_cache_aware" if in_canary(rid, 0.5) else "round_robin" for rid in results}
+    # the router splits on the id the request ran under: in its tenant's scope (natsched.wire.ids.scoped)
+    side = {rid: "sglang_cache_aware" if in_canary(scoped("t1", rid), 0.5) else "round_robin" for rid in results}
     assert report["baseline"] == "round_robin"
     for policy in ("round_robin", "sglang_cache_aware"):
         mine = [r for rid, r in results.items() if side[rid] == policy]

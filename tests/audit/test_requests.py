@@ -12,6 +12,7 @@ from natsched.client.producer import make_request
 from natsched.client.errors import Rejected
 from natsched.cli.jobs import parse_time
 from natsched.wire.schema import Decision
+from natsched.wire.ids import scoped
 from tests.client.test_batch_submit import cli
 from tests.factories.core import make_completion
 
@@ -44,7 +45,7 @@ async def test_an_inline_routed_request_tells_the_same_story_from_one_record(bus
         started = time.time() - 1
         await stack.client.submit(make_request("t1", "inline audit", max_tokens=2, id="inl1"))
         stored = [Decision.decode(d) for _, d in await bus.stream_messages(S.STREAM_DECISIONS)]
-        assert [(d.stage, d.request_id) for d in stored] == [("routing", "inl1")]
+        assert [(d.stage, d.request_id) for d in stored] == [("routing", scoped("t1", "inl1"))]
         story = await audit_request(bus, "inl1")
         assert [(e["stage"], e["what"]) for e in story["events"]] == [
             ("submitted", "stored"), ("admission", "allow"), ("routing", "assign"), ("completion", "ok")]

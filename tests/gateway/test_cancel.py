@@ -8,6 +8,7 @@ import orjson
 import pytest
 
 from natsched.wire import subjects as S
+from natsched.wire.ids import scoped
 from natsched.client.producer import make_request
 from natsched.client.errors import Rejected
 from natsched.wire.schema import Completion
@@ -90,7 +91,7 @@ async def test_disconnect_while_waiting_for_a_non_streaming_answer_cancels_it_to
 async def test_a_cancel_that_arrives_before_the_request_is_remembered(cluster):
     stack, _ = cluster
     await stack.client.cancel("t1", "early1")
-    assert await wait_for(lambda: S.cancel("t1", "early1") in stack.workers[0].cancelled)  # every service heard it
+    assert await wait_for(lambda: S.cancel("t1", scoped("t1", "early1")) in stack.workers[0].cancelled)  # every service heard it (the id in its scope)
     with pytest.raises(Rejected) as err:  # the admitter refuses it: it never holds a reservation
         await stack.client.submit(make_request("t1", "never run", id="early1", max_tokens=LONG))
     assert err.value.reason == "cancelled"

@@ -309,6 +309,7 @@ async def run_requests_with_role_credentials(url: str, files: AuthFiles, admin: 
         results = await asyncio.gather(*(stack.producers[t].submit(r) for t in TENANTS for r in reqs[t]))
         assert [r.status for r in results] == ["completed"] * 6
         assert all(r.text.split() == ["tok0", "tok1", "tok2"] for r in results)
+        assert not any(p.refused_replies for p in stack.producers.values())  # honest replies are fenced right
         done = [Completion.decode(data) for _, data in await admin.stream_messages(S.STREAM_COMPLETIONS)]
         ids = {r.id for rs in reqs.values() for r in rs}
         assert {c.request_id for c in done} >= ids and all(c.status == "ok" for c in done if c.request_id in ids)

@@ -72,6 +72,8 @@ async def collect(bus, subject: str, cls):
         out.append(cls.decode(data))
 
     await bus.subscribe(subject, on)
+    if subject.startswith("resp."):  # a worker answers on its own sub-subject (S.worker_reply)
+        await bus.subscribe(f"{subject}.*", on)
     return out
 
 
