@@ -45,7 +45,7 @@ from natsched.wire.fence import fenced
 from natsched.wire.pools import PoolMap
 from natsched.bus.connection import Bus
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, ReplyKind, ReplyStatus, WorkerId
+from natsched.wire.schema import Admitted, Assignment, Completion, Control, Decision, Reply, ReplyKind, ReplyStatus, WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,14 @@ class Rescuer:
         if found:
             log.warning("worker %s restarted: rescuing %d requests its predecessor left unfinished", worker,
                         len(found))
+            # first: the live worker must not run a copy the server redelivers to it from now on
+            # (the heartbeat read above is older than this): schema.Control, kind handover
+            for s in found:
+                if self.owns(s.assignment.request.tenant):
+                    await self.bus.publish(S.control(worker), Control(
+                        kind="handover", ts=time.time(), by=self.name, request_id=s.assignment.request.id,
+                        attempt=s.assignment.attempt))
+            await self.bus.flush(timeout=2)
         return await self._rescue_found(found, report)
 
     async def _rescue_found(self, found: list[Stranded], report: RescueReport) -> RescueReport:

@@ -269,8 +269,10 @@ def admin_role() -> Role:
 def admitter_role() -> Role:
     pub = _service_base() + [
         S.ADMITTED_ALL, S.OFFLINE_ALL, subject("decision", stage="admission"), S.deadletter("admitter"),
-        # rescue (admitter/rescue.py): read and remove what a dead worker left on WORK
+        # rescue (admitter/rescue.py): read and remove what a dead worker left on WORK, and tell a
+        # restarted one which of its predecessor's attempts it must not run (Control handover)
         _js("STREAM", "MSG", "GET", S.STREAM_WORK), _js("STREAM", "MSG", "DELETE", S.STREAM_WORK),
+        subject("control"),
         *consumer_permissions(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER, S.REQUESTS_ALL),
         *consumer_permissions(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS, S.COMPLETIONS_ALL),
         *kv_snapshot_permissions(S.BUCKET_INFLIGHT), *kv_write_permissions(S.BUCKET_INFLIGHT),
