@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -72,23 +73,30 @@ def add_server_flags(p: argparse.ArgumentParser, note: str = "") -> None:
 
 
 def run_server_bench(args: argparse.Namespace) -> int:
-    return asyncio.run(_main(args))
+    try:
+        return asyncio.run(_main(args))
+    except asyncio.CancelledError:  # SIGTERM: the vllm serve it started is stopped already
+        print("bench server: stopped (SIGTERM)", file=sys.stderr)
+        return 143
 
 
 async def _main(args: argparse.Namespace) -> int:
+    # SIGTERM cancels the run, so the finally below stops a vllm serve this bench started (the
+    # default action would leave it running, orphaned, with its engine process)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     serve = None
     url = args.url
-    if url is None:
-        from natsched.bus.server import free_port
-        from natsched.workers.tiny_model import write_tiny_model
-        from natsched.hosting.vllm_serve import VllmServe
-
-        path = write_tiny_model(Path(tempfile.mkdtemp(prefix="natsched-bench-")) / "tiny", tokenizer=True)
-        serve = VllmServe(path, "tiny", port=free_port(), kv_port=free_port(), max_num_seqs=8).start()
-        print("starting vllm serve (tiny model) ...", file=sys.stderr, flush=True)
-        await asyncio.to_thread(serve.wait_ready, 600)
-        url = serve.url
     try:
+        if url is None:
+            from natsched.bus.server import free_port
+            from natsched.workers.tiny_model import write_tiny_model
+            from natsched.hosting.vllm_serve import VllmServe
+
+            path = write_tiny_model(Path(tempfile.mkdtemp(prefix="natsched-bench-")) / "tiny", tokenizer=True)
+            serve = VllmServe(path, "tiny", port=free_port(), kv_port=free_port(), max_num_seqs=8).start()
+            print("starting vllm serve (tiny model) ...", file=sys.stderr, flush=True)
+            await asyncio.to_thread(serve.wait_ready, 600)
+            url = serve.url
         report = await _measure(args, url, serve.kv_endpoint if serve else None)
     finally:
         if serve is not None:

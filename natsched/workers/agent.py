@@ -486,6 +486,7 @@ class WorkerAgent:
         m.kv_total.set(st.kv_total_blocks)
         m.runtime_tokens.set(st.runtime_tokens)
         m.capacity_tokens.set(hb.capacity_tokens)
+        m.set_engine_counters(st.preemptions, st.prefix_cache_queries, st.prefix_cache_hits)
         m.set_state(self.state)
 
     # --- state ----------------------------------------------------------------------------

@@ -61,7 +61,11 @@ class EngineStats:
     runtime_tokens: int = 0
     queued_prefill_tokens: int = 0
     capacity_tokens: int = 0
-    preemptions: int = 0
+    preemptions: int = 0  # cumulative since the engine started (the backoff monitor takes its rate)
+    # cumulative prompt tokens the engine looked up in its prefix cache, and found there (an engine
+    # server's own counters, vllm:prefix_cache_queries/_hits); None: the engine does not count them
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
     # an engine behind a network hop (natsched.workers.vllm_server): seconds it has not answered, and why
     unreachable_s: float = 0.0
     unreachable_reason: str = ""

@@ -464,6 +464,7 @@ class KvEventSubscriber:
         self._sock: Any = None
         self._task: asyncio.Task | None = None
         self._next_seq: int | None = None
+        self._replayed: tuple[int, int] | None = None  # [first, last+1] the start-up replay applied
 
     @property
     def counters(self) -> KvEventCounters:
@@ -510,6 +511,8 @@ class KvEventSubscriber:
             self._ctx = None
 
     async def _run(self) -> None:
+        if self.replay:  # what the server holds already: learnt now, not at its next event batch
+            await self.catch_up(0, None)
         while True:
             try:
                 frames = await self._sock.recv_multipart()
@@ -519,29 +522,42 @@ class KvEventSubscriber:
                 log.warning("kv events: receive failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if self.replay and len(frames) == 3 and len(frames[1]) == 8:
-                seq, expected = int.from_bytes(frames[1], "big", signed=True), self._next_seq
-                if (expected is None and seq > 0) or (expected is not None and seq > expected):
-                    await self.catch_up(0 if expected is None else expected, seq)
-            self.handle_frames(frames)
+            await self.handle_live(frames)
 
-    async def catch_up(self, start: int, stop: int) -> bool:
-        """Ask the replay socket for batches ``start..stop-1`` and apply them in order; True when
-        the sequence is whole again (else the gap stands, and is handled as one).
+    async def handle_live(self, frames: Sequence[bytes]) -> None:
+        """One message from the live socket: batches missed before it are replayed first, and a
+        batch the start-up replay already applied (it reached both sockets) is dropped."""
+        if self.replay and len(frames) == 3 and len(frames[1]) == 8:
+            seq, expected = int.from_bytes(frames[1], "big", signed=True), self._next_seq
+            if self._replayed is not None:
+                if self._replayed[0] <= seq < self._replayed[1]:
+                    return  # a copy of a replayed batch
+                self._replayed = None  # past the replay: a lower sequence now means a restart
+            if (expected is None and seq > 0) or (expected is not None and seq > expected):
+                await self.catch_up(0 if expected is None else expected, seq)
+        self.handle_frames(frames)
+
+    async def catch_up(self, start: int, stop: int | None) -> bool:
+        """Ask the replay socket for batches ``start..stop-1`` (``None``: all it buffers, at start-up)
+        and apply them in order; True when the sequence is whole again (else the gap stands, and
+        is handled as one).
 
         The publisher answers ``[b"", (topic,) seq, payload]`` per buffered batch from ``start``,
-        then ``seq = -1`` (vLLM sends the topic frame, SGLang does not).
+        then ``seq = -1`` (vLLM sends the topic frame, SGLang does not). A start-up replay
+        remembers the sequences it applied: the live socket, connected first, may hand the same
+        batches over again.
         """
         import zmq
 
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        first = None
         try:
             sock.connect(self.replay)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 if not await sock.poll(REPLAY_TIMEOUT_S * 1000):
-                    log.warning("kv events: replay of %d..%d from %s timed out", start, stop - 1, self.replay)
+                    log.warning("kv events: replay from %d from %s timed out", start, self.replay)
                     break
                 frames = await sock.recv_multipart()
                 body = frames[1:] if frames and frames[0] == b"" else frames
@@ -551,13 +567,20 @@ class KvEventSubscriber:
                 seq = int.from_bytes(body[-2], "big", signed=True)
                 if seq < 0:
                     break  # end of the buffer
-                if seq < stop and (self._next_seq is None or seq == self._next_seq):
+                if (stop is None or seq < stop) and (self._next_seq is None or seq == self._next_seq):
                     self.handle_frames([b"", body[-2], body[-1]])
                     self.replayed += 1
+                    first = seq if first is None else first
         except Exception as exc:  # the replay socket is a help, never a reason to stop reading
             log.warning("kv events: replay from %s failed: %s", self.replay, exc)
         finally:
             sock.close(linger=0)
+        if stop is None:
+            if first is not None:
+                self._replayed = (first, self._next_seq)
+                log.info("kv events: learnt batches %d..%d from the replay socket at start", first,
+                         self._next_seq - 1)
+            return True
         whole = self._next_seq == stop
         if whole:
             log.info("kv events: recovered batches %d..%d from the replay socket", start, stop - 1)

@@ -53,7 +53,23 @@ class WorkerMetrics:
         self.runtime_tokens = Gauge("natsched_worker_runtime_tokens", "Runtime tokens in use", registry=r)
         self.capacity_tokens = Gauge("natsched_worker_capacity_tokens", "Runtime-token capacity announced",
                                      registry=r)
+        # the engine's own cumulative counters (a gauge each: they start again when the engine does)
+        self.engine_preemptions = Gauge("natsched_worker_engine_preemptions",
+                                        "Sequences the engine preempted since it started", registry=r)
+        self.engine_prefix_queries = Gauge("natsched_worker_engine_prefix_cache_queries",
+                                           "Prompt tokens the engine looked up in its prefix cache since it "
+                                           "started (engine servers that count them)", registry=r)
+        self.engine_prefix_hits = Gauge("natsched_worker_engine_prefix_cache_hits",
+                                        "... of them, found there", registry=r)
         self.state = Gauge("natsched_worker_state", "1 for the state the worker announces", ["state"], registry=r)
+
+    def set_engine_counters(self, preemptions: int, prefix_queries: int | None, prefix_hits: int | None) -> None:
+        """Copy the engine's own counters (prefix-cache ones only where it reports them)."""
+        self.engine_preemptions.set(preemptions)
+        if prefix_queries is not None:
+            self.engine_prefix_queries.set(prefix_queries)
+        if prefix_hits is not None:
+            self.engine_prefix_hits.set(prefix_hits)
 
     def set_state(self, current: str) -> None:
         for state in STATES:

@@ -261,7 +261,8 @@ class VllmEngine:
             + sum(r.prompt_tokens for r in live if not r.started),
             queued_prefill_tokens=sum(r.prompt_tokens for r in live if not r.started),
             capacity_tokens=self.kv_total_blocks * self.block_size,
-            preemptions=self.window.preemptions,
+            preemptions=self.window.preemptions, prefix_cache_queries=self.window.prefix_queries,
+            prefix_cache_hits=self.window.prefix_hits,
         )
 
     # ------------------------------------------------------------------ requests

@@ -306,7 +306,8 @@ class ServerEngine:
             running=round(s.running), waiting=round(s.waiting), kv_used_blocks=used,
             kv_total_blocks=self.kv_total_blocks, runtime_tokens=used * self.block_size + queued,
             queued_prefill_tokens=queued, capacity_tokens=self.kv_total_blocks * self.block_size,
-            preemptions=self.window.preemptions, unreachable_s=self.unreachable_s,
+            preemptions=self.window.preemptions, prefix_cache_queries=self.last_load.prefix_queries,
+            prefix_cache_hits=self.last_load.prefix_hits, unreachable_s=self.unreachable_s,
             unreachable_reason=self._down_reason if self._down_since is not None else "",
         )
 

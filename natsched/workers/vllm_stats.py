@@ -26,12 +26,13 @@ class LoadSample:
 
 
 class LoadWindow:
-    """Time-windowed mean of scheduler samples, plus a cumulative preemption counter."""
+    """Time-windowed mean of scheduler samples, plus cumulative preemption and prefix-cache counters."""
 
     def __init__(self, window_s: float = 2.0, max_samples: int = 4096) -> None:
         self.window_s = window_s
         self._samples: deque[tuple[float, LoadSample]] = deque(maxlen=max_samples)
         self.preemptions = 0
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up in the prefix cache, found there
         self.steps = 0
 
     def add(self, sample: LoadSample, now: float | None = None) -> None:
@@ -42,6 +43,10 @@ class LoadWindow:
 
     def add_preemptions(self, n: int) -> None:
         self.preemptions += max(0, n)
+
+    def add_prefix_lookups(self, queries: int, hits: int) -> None:
+        self.prefix_queries += max(0, queries)
+        self.prefix_hits += max(0, min(hits, queries))
 
     def _trim(self, now: float) -> None:
         cutoff = now - self.window_s
@@ -85,6 +90,9 @@ def stat_logger_factory(window: LoadWindow) -> Callable[[Any, int], Any]:
                         + float(getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)),
                         kv_usage=float(getattr(scheduler_stats, "kv_cache_usage", 0.0)),
                     ))
+                    pc = getattr(scheduler_stats, "prefix_cache_stats", None)
+                    if pc is not None:
+                        window.add_prefix_lookups(int(pc.queries), int(pc.hits))
                 if iteration_stats is not None:
                     window.add_preemptions(int(getattr(iteration_stats, "num_preempted_reqs", 0)))
             except Exception:  # stats are best effort; the engine must keep serving

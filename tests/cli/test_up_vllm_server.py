@@ -65,6 +65,7 @@ def test_a_server_without_kv_events_runs_without_cache_summaries():
     (["--engine", "vllm-server", "--vllm-url", "http://a:1", "--kv-replay", "tcp://a:2", "--kv-replay", "tcp://b:2"],
      "more --kv-replay"),
     (["--kv-replay", "tcp://a:2"], "--kv-replay needs --engine vllm-server"),
+    (["--engine", "sim", "--kv-events", "tcp://a:1"], "--kv-events needs --engine vllm-server"),
 ])
 def test_bad_combinations_are_refused(flags, match):
     with pytest.raises(ValueError, match=match):

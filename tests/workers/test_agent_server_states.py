@@ -142,6 +142,7 @@ async def test_natsched_worker_vllm_server_process_fronts_a_server(bus, nats_url
             assert await wait_for(lambda: hbs and hbs[-1].model == "tiny", timeout=20)
             assert [(m.id, m.parent) for m in hbs[-1].served] == [("tiny", None), ("sql-lora", "tiny")]
             assert hbs[-1].kv_total_blocks == 256 and hbs[-1].block_size == 32  # from the server's metrics
+            assert hbs[-1].capacity_tokens == 256 * 32  # what the admitters' total sums
         finally:
             proc.terminate()
             await asyncio.to_thread(proc.wait, 30)
@@ -152,3 +153,29 @@ def _ready_line(proc) -> str:
         if line.startswith(READY_PREFIX):
             return line
     raise AssertionError(f"worker exited with {proc.wait()} before it was ready")
+
+
+async def test_the_servers_own_counters_reach_the_agents_prometheus_page(bus):
+    """vllm:num_preemptions and vllm:prefix_cache_queries/_hits, scraped from the server, as the
+    worker's natsched_worker_engine_* gauges (the backoff monitor takes the preemption rate)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from natsched.workers.vllm_server import ServerEngine, ServerSettings
+
+    def page() -> dict[str, float]:
+        text = generate_latest(agent.metrics.registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith("natsched_worker_engine_")}
+
+    async with fake_server(Fake()) as (url, _):
+        engine = ServerEngine(ServerSettings(url=url, scrape_interval_s=0.05))
+        agent = WorkerAgent(bus, engine, WorkerSettings(id="sv4", model="tiny", heartbeat_interval_s=0.05))
+        await agent.start()
+        try:
+            assert await wait_for(lambda: page().get("natsched_worker_engine_prefix_cache_queries") == 400)
+            assert page() == {"natsched_worker_engine_preemptions": 7,
+                              "natsched_worker_engine_prefix_cache_queries": 400,
+                              "natsched_worker_engine_prefix_cache_hits": 192}
+        finally:
+            await agent.stop()

@@ -262,6 +262,51 @@ async def test_batches_published_before_we_connected_are_replayed_from_vllms_own
         await sub.close()
 
 
+async def test_a_late_subscriber_learns_what_an_idle_publisher_buffered_without_a_new_batch():
+    """vLLM's own ZmqEventPublisher publishes two batches and then nothing: a subscriber started
+    afterwards learns them from the replay socket at once (waiting for a live batch to notice the
+    gap would leave an idle server's cache unknown, and a live batch sent before the SUB socket
+    joined is lost to ZMQ's slow joiner)."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+    from natsched.bus.server import free_port
+    from tests.factories.core import wait_for
+
+    port, replay = free_port(), free_port()
+    pub = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}")
+    deltas, resyncs = [], []
+    sub = KvEventSubscriber(KvTranslator("m", BS), lambda k, h: deltas.append((k, list(h))), resyncs.append,
+                            connect=f"tcp://127.0.0.1:{port}", replay=f"tcp://127.0.0.1:{replay}")
+    try:
+        for h, parent, tokens in ((1, None, [1, 2, 3, 4]), (2, 1, [5, 6, 7, 8])):
+            pub.publish(KVEventBatch(ts=0.0, events=[BlockStored(
+                block_hashes=[h], parent_block_hash=parent, token_ids=tokens, block_size=BS, lora_id=None,
+                medium="GPU", lora_name=None)]))
+        assert await wait_for(lambda: len(pub._buffer) >= 2)
+        sub.start()
+        chain = token_block_hashes(list(range(1, 9)), BS, root_hash("m"))
+        assert await wait_for(lambda: set(chain) <= set(sub.translator.cached_hashes()), timeout=20)
+        assert sub.replayed == 2 and not resyncs and sub.counters.gaps == 0
+    finally:
+        pub.shutdown()
+        await sub.close()
+
+
+async def test_live_copies_of_replayed_batches_are_dropped_and_a_lower_sequence_after_is_a_restart():
+    sub, deltas, resyncs = _subscriber()
+    sub.replay = "tcp://127.0.0.1:1"  # never asked here: the replay socket already answered 3..4
+    sub.handle_frames(_frames(3, [stored([1], None, [1, 2, 3, 4])]))
+    sub.handle_frames(_frames(4, [stored([2], 1, [5, 6, 7, 8])]))
+    sub._replayed = (3, 5)
+    for seq in (3, 4):  # the live socket, connected before the replay, hands them over again
+        await sub.handle_live(_frames(seq, []))
+    assert ("cleared", []) not in deltas and len(sub.translator.cached_hashes()) == 2
+    await sub.handle_live(_frames(5, [stored([3], 2, [9, 10, 11, 12])]))  # the next batch, in order
+    assert len(sub.translator.cached_hashes()) == 3 and not resyncs
+    await sub.handle_live(_frames(0, []))  # past the replay, a lower sequence: the publisher restarted
+    assert deltas[-1] == ("cleared", []) and sub.translator.cached_hashes() == []
+
+
 def test_cpu_offload_events_become_host_tier_deltas():
     """vLLM's offloading connector reports CPU copies by the GPU block's hash, often with no tokens."""
     tr = KvTranslator("m", BS)

@@ -187,6 +187,28 @@ async def test_an_adapters_requests_run_where_it_is_served_and_answer_differentl
     assert worker == "s1" and adapted != base  # the same greedy prompt: the adapter's weights answered
 
 
+async def test_an_adapter_in_the_servers_batch_is_announced_loaded_while_it_runs(system):
+    """vllm serve's own ``vllm:lora_requests_info`` (the adapters running or waiting at its last
+    engine step) -> ``active`` in the agent's heartbeat -> the router's view, which prefers such a
+    worker for that adapter. An idle server keeps its last report (and those adapters in its GPU
+    slots): a base-model step is what clears it."""
+    client, watch, router = system.client, system.watch, system.router
+
+    def ada_active() -> bool:
+        return any(m.id == ADAPTER and m.active for m in watch.hb["s1"].served)
+
+    async with only(system, "s1"):
+        await client.submit(make_request("t7", prompt_token_ids=[1, 2, 3], model=MODEL, max_tokens=2))
+    assert await wait_for(lambda: not ada_active(), timeout=30)
+    req = make_request("t7", prompt_token_ids=[1, 5, 6, 7], model=ADAPTER, max_tokens=1000)
+    seen = False
+    async for _chunk in client.stream(req):  # on s1, the one server that serves it
+        if ada_active() and ADAPTER in router.core.workers["s1"].active:
+            seen = True
+            break  # leaving the loop cancels it
+    assert seen
+
+
 async def test_a_model_or_adapter_nobody_serves_is_refused_naming_it(system):
     with pytest.raises(Rejected) as err:
         await system.client.submit(make_request("t7", prompt_token_ids=[1, 2, 3], model="bob", max_tokens=2))

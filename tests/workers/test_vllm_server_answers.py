@@ -30,6 +30,7 @@ from natsched.workers.errors import EngineStartError
 from natsched.workers.kv_events import KvTranslator, decode_batch
 from natsched.workers.server_metrics import MetricsError, parse_metrics
 from natsched.workers.vllm_server import ServerEngine, ServerSettings
+from tests.factories.core import wait_for
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -107,13 +108,18 @@ class Fake:
         self.bodies: list[dict] = []
         self.with_ids = True
         self.closed = asyncio.Event()
+        self.auth: list[str | None] = []  # the authorization header of every /metrics scrape
 
     def app(self) -> Starlette:
         async def models(_: Request):
             return JSONResponse(MODELS)
 
-        async def metrics(_: Request):
+        async def metrics(request: Request):
+            self.auth.append(request.headers.get("authorization"))
             return PlainTextResponse(self.metrics)
+
+        async def exporter(_: Request):  # a page elsewhere (a sidecar exporter, a proxy's path)
+            return PlainTextResponse(self.metrics.replace('model_name="tiny"} 3.0', 'model_name="tiny"} 5.0', 1))
 
         async def completions(request: Request):
             body = await request.json()
@@ -131,6 +137,7 @@ class Fake:
             return StreamingResponse(self.stream(mode, pids), media_type="text/event-stream")
 
         return Starlette(routes=[Route("/v1/models", models), Route("/metrics", metrics),
+                                 Route("/exporter/metrics", exporter),
                                  Route("/v1/completions", completions, methods=["POST"])])
 
     async def stream(self, mode: str, pids: list[int]):
@@ -309,6 +316,44 @@ def test_sglang_documented_metrics_are_read_as_load():
     assert (load.running, load.waiting, load.kv_usage) == (162, 2826, 0.28)
     assert load.kv_total_tokens == 161721 and load.hit_rate == pytest.approx(0.0075, rel=1e-2)
     assert load.preemptions is None  # SGLang documents no preemption counter
+
+
+async def test_load_is_the_mean_of_the_scrapes_in_the_window_and_the_servers_counters_pass_through():
+    fake = Fake()
+    async with fake_server(fake) as (url, _), engine_for(url, stats_window_s=600.0) as eng:
+        assert await wait_for(lambda: len(eng.window._samples) >= 3)  # scrapes of 3 running, 2 waiting
+        st = eng.stats()
+        assert (st.running, st.waiting, st.kv_used_blocks) == (3, 2, 64)  # 0.25 of 256 blocks
+        assert (st.preemptions, st.prefix_cache_queries, st.prefix_cache_hits) == (7, 400, 192)
+        fake.metrics = VLLM_METRICS.replace('model_name="tiny"} 3.0', 'model_name="tiny"} 9.0', 1)
+        assert await wait_for(lambda: eng.last_load.running == 9)
+        # a heartbeat plans with the window's mean: the scrapes of 3 still count (the last alone says 9)
+        samples = [s.running for _, s in eng.window._samples]
+        assert 9 in samples and eng.stats().running < 9
+
+
+async def test_the_metrics_url_and_api_key_flags_reach_the_server():
+    """``natsched worker --metrics-url URL --api-key KEY``: load read from that page, the key sent."""
+    from natsched.cli.app import build_parser
+    from natsched.cli.up import server_settings
+
+    fake = Fake()
+    async with fake_server(fake) as (url, _):
+        args = build_parser().parse_args(["worker", "--id", "m1", "--engine", "vllm-server", "--url", url,
+                                          "--metrics-url", f"{url}/exporter/metrics", "--api-key", "k-123"])
+        settings = server_settings(args)
+        assert settings.api_key == "k-123"
+        settings.scrape_interval_s = 0.05
+        eng = ServerEngine(settings)
+        await eng.start()
+        try:
+            assert await wait_for(lambda: eng.last_load.running == 5)  # the exporter's page, not /metrics
+            assert fake.auth == []
+        finally:
+            await eng.stop()
+        async with engine_for(url, api_key="k-123"):
+            assert await wait_for(lambda: fake.auth)
+        assert set(fake.auth) == {"Bearer k-123"}
 
 
 @pytest.mark.parametrize("text", ["", "<html>nope</html>", "vllm:num_requests_running{ 3", "other_metric 1\n"])
