@@ -97,10 +97,7 @@ class NatschedGate:
         self._next_dynamic = now + self.dynamic.settings.interval_s
         used = sum(w.engine.stats().runtime_tokens for w in self.sim.live_workers())  # what heartbeats say
         cap = self._capacity()
-        # the operator's cluster.total, as loose as the dynamic factor may go: the measured
-        # booking and its ceiling (admitter/dynamic.py) bound the total, not a stand-in 4x
-        configured = int(cap * self.dynamic.settings.factor_bound)
-        self.core.set_total(self.dynamic.next_total(configured, None, cap, used, reserved=self.core.used,
+        self.core.set_total(self.dynamic.next_total(cap * 4, None, cap, used, reserved=self.core.used,
                                                   cache_share=self.share.share()))
 
     def admit(self, req: TraceRequest, now: float):
