@@ -927,7 +927,8 @@ class AdmitterService(Repairs, PartitionMember):
         total = self.dynamic.next_total(q.total, q.hard_cap, sum(c for c, _ in live), sum(u for _, u in live),
                                         reserved=self.shared.usage.used, cache_share=self.cache_share.share())
         if total != self.total:
-            log.info("dynamic total %d runtime tokens (factor %.2f)", total, self.dynamic.factor)
+            log.info("dynamic total %d runtime tokens (factor %.2f, prefix-cache hit share %s)", total,
+                     self.dynamic.factor, "-" if (h := self.cache_share.share()) is None else f"{h:.2f}")
         self.total = total
         self.core.set_total(total)
         self._wake.set()
