@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, TypeVar
 
 from natsched.admitter.credit import Credit, CreditSettings, KeeperPlan
-from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
+from natsched.admitter.dynamic import CacheShare, DynamicTotal, DynamicTotalSettings
 from natsched.admitter.errors import AdmitterError, QuotaError
 from natsched.admitter import knobs as K
 from natsched.admitter.leases import LeaseTracker
@@ -44,8 +44,8 @@ from natsched.errors import NatschedError
 from natsched import tracing
 from natsched.wire.errors import MessageError, SchemaError
 from natsched.wire.ids import in_scope
-from natsched.wire.schema import (Admitted, Completion, Decision, Reply, ReplyKind, ReplyStatus, Request,
-                                  ScaleEvent)
+from natsched.wire.schema import (Admitted, Completion, CompletionStatus, Decision, Reply, ReplyKind, ReplyStatus,
+                                  Request, ScaleEvent)
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,7 @@ class AdmitterService(Repairs, PartitionMember):
         self._settling: asyncio.Future | None = None  # after a server change: completions catching up
         self.refused_duplicates = 0  # copies of a reserved (or just released) request id refused
         self.dynamic = DynamicTotal(s.dynamic)
+        self.cache_share = CacheShare(s.dynamic.share_half_life_s)  # from completions: the factor's ceiling
         self.scale = ScaleAdvisor(s.scale)
         self.knobs = self.base_knobs()  # plus the quotas bucket's setting.* entries (apply_knobs)
         self.metrics = metrics or AdmitterMetrics()
@@ -764,6 +765,10 @@ class AdmitterService(Repairs, PartitionMember):
             self.leases.forget(c.request_id)
             if self.router is not None:
                 self.router.observe_completion(c)
+        now = time.time()
+        for c, _ in pairs:  # once per request (a completion seen twice released nothing the second time)
+            if c.status == CompletionStatus.OK:
+                self.cache_share.observe(c.prompt_tokens, c.cached_tokens, now)
         if pairs:
             pairs = await self._refund(pairs)
         if pairs:
@@ -920,9 +925,10 @@ class AdmitterService(Repairs, PartitionMember):
         q = self.core.quotas
         # what every admitter has booked (the shared usage): the factor is measured from it
         total = self.dynamic.next_total(q.total, q.hard_cap, sum(c for c, _ in live), sum(u for _, u in live),
-                                        reserved=self.shared.usage.used)
+                                        reserved=self.shared.usage.used, cache_share=self.cache_share.share())
         if total != self.total:
-            log.info("dynamic total %d runtime tokens (factor %.2f)", total, self.dynamic.factor)
+            log.info("dynamic total %d runtime tokens (factor %.2f, prefix-cache hit share %s)", total,
+                     self.dynamic.factor, "-" if (h := self.cache_share.share()) is None else f"{h:.2f}")
         self.total = total
         self.core.set_total(total)
         self._wake.set()
