@@ -68,6 +68,10 @@ def _check_dynamic(d: DynamicTotalSettings) -> None:
     if not 0 < d.min_factor <= 1 <= d.max_factor:
         raise SettingsError(f"dynamic factors need 0 < min_factor <= 1 <= max_factor, got "
                             f"{d.min_factor!r}, {d.max_factor!r}")
+    if not (math.isfinite(d.factor_bound) and d.factor_bound >= d.max_factor):
+        raise SettingsError(f"dynamic factor_bound must be >= max_factor, got {d.factor_bound!r}")
+    if not (math.isfinite(d.share_half_life_s) and d.share_half_life_s > 0):
+        raise SettingsError(f"dynamic share_half_life_s must be > 0, got {d.share_half_life_s!r}")
 
 
 @dataclass

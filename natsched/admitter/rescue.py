@@ -42,9 +42,10 @@ from natsched.admitter.shared import SharedState
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.wire.fence import fenced
+from natsched.wire.pools import PoolMap
 from natsched.bus.connection import Bus
 from natsched.wire.errors import MessageError
-from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, ReplyKind, ReplyStatus, WorkerId
+from natsched.wire.schema import Admitted, Assignment, Completion, Control, Decision, Reply, ReplyKind, ReplyStatus, WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class Rescuer:
         #: partition sweeps every dead worker; another's request is left for its own partition)
         self.owns: Callable[[str], bool] = lambda tenant: True
         self.completions_consumer = S.CONSUMER_ADMITTER_COMPLETIONS
+        #: the router pool map (a natsched.bus.pools.PoolWatch): a rescue goes to its model's pool
+        self.pools = None
 
     async def sweep(self, is_live: Callable[[WorkerId], bool]) -> RescueReport:
         """Reclaim first (mark every stranded reservation moved), then, once the completions
@@ -138,6 +141,14 @@ class Rescuer:
         if found:
             log.warning("worker %s restarted: rescuing %d requests its predecessor left unfinished", worker,
                         len(found))
+            # first: the live worker must not run a copy the server redelivers to it from now on
+            # (the heartbeat read above is older than this): schema.Control, kind handover
+            for s in found:
+                if self.owns(s.assignment.request.tenant):
+                    await self.bus.publish(S.control(worker), Control(
+                        kind="handover", ts=time.time(), by=self.name, request_id=s.assignment.request.id,
+                        attempt=s.assignment.attempt))
+            await self.bus.flush(timeout=2)
         return await self._rescue_found(found, report)
 
     async def _rescue_found(self, found: list[Stranded], report: RescueReport) -> RescueReport:
@@ -226,7 +237,8 @@ class Rescuer:
             report.finished.append(rid)  # completed (or released) already: nothing to run again
         else:
             adm = readmission(a, worker, self.name)
-            await self.bus.jpublish(S.admitted(a.request.cls, a.request.tenant), adm,
+            pools = self.pools.map if self.pools is not None else PoolMap()
+            await self.bus.jpublish(pools.admitted_subject(a.request.model, a.request.cls, a.request.tenant), adm,
                                     msg_id=M.admitted(rid, adm.attempt))
             await self._tell(a, worker, adm.attempt)
             report.rescued[rid] = worker

@@ -36,7 +36,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
+from natsched.admitter.dynamic import CacheShare, DynamicTotal, DynamicTotalSettings
 from natsched.admitter.offline import IdleGate, OfflineSettings
 from natsched.admitter.policy import ALLOW as A_ALLOW, DEGRADE, QUEUE as A_QUEUE, AdmissionSettings, AdmitterCore
 from natsched.admitter.quotas import Quotas, TenantQuota
@@ -65,6 +65,7 @@ class NatschedGate:
         self.slo_ttft_s = dict(slo_ttft_s or {})  # the operator's promise, as the admitter is configured
         self.core: AdmitterCore | None = None
         self.dynamic = DynamicTotal(DynamicTotalSettings())
+        self.share = CacheShare(self.dynamic.settings.share_half_life_s)  # from completions, as the service
         self.degraded: set[int] = set()
         self._held: dict[str, tuple[TraceRequest, Request, int]] = {}  # allowed: id -> (req, wire, cost)
         self._queued: dict[str, tuple[TraceRequest, Request]] = {}
@@ -96,7 +97,8 @@ class NatschedGate:
         self._next_dynamic = now + self.dynamic.settings.interval_s
         used = sum(w.engine.stats().runtime_tokens for w in self.sim.live_workers())  # what heartbeats say
         cap = self._capacity()
-        self.core.set_total(self.dynamic.next_total(cap * 4, None, cap, used, reserved=self.core.used))
+        self.core.set_total(self.dynamic.next_total(cap * 4, None, cap, used, reserved=self.core.used,
+                                                  cache_share=self.share.share()))
 
     def admit(self, req: TraceRequest, now: float):
         wire = _request(req)
@@ -160,6 +162,8 @@ class NatschedGate:
         if held is None:
             return
         _, wire, cost = held
+        if ok:  # what the completion reports (the simulator set it just before)
+            self.share.observe(req.input_length, self.sim.records[req.index].cached_tokens, now)
         self.core.release(Completion(request_id=wire.id, tenant=wire.tenant, cls=wire.cls, model=wire.model,
                                      status="ok" if ok else "error", runtime_tokens=cost,
                                      output_tokens=req.output_length if ok else 0, ts=now), now)

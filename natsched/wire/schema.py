@@ -102,7 +102,7 @@ class Request(Schema):
 
 @dataclass
 class Admitted(Schema):
-    """What the admitter forwards on ``adm.<class>.<tenant>``: the request and its reservation."""
+    """What the admitter forwards on ``adm.<pool>.<class>.<tenant>``: the request and its reservation."""
 
     request: Request
     runtime_tokens: int
@@ -395,12 +395,19 @@ class Control(Schema):
 
     ``cancel`` names ``request_id``: its producer went away (an HTTP client disconnected), so
     the worker stops generating and closes the request with reason ``cancelled``.
+
+    ``handover`` names ``request_id`` and ``attempt``: an admitter rescues that attempt, which a
+    restarted worker's predecessor left un-acked (admitter/rescue.py, ``take_over``). The worker
+    must never run it (nor any older attempt): a copy the server redelivers later is acked and
+    dropped, one it started meanwhile is stopped. Without it, a copy redelivered between the
+    heartbeat the rescue read and the rescue itself ran twice (once here, once rescued).
     """
 
     kind: str
     ts: float = 0.0
     by: str | None = None
     request_id: RequestId | None = None
+    attempt: int | None = None
     v: int = SCHEMA_VERSION
 
 

@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 #: Three minutes covers that; at 250 requests/s a worker holds ~45k ids (~7 MiB), then no more.
 FINISHED_MEMORY_S = 180.0
 FINISHED_MEMORY_MAX = 100_000
+#: handed-over attempts remembered (Control ``handover``): a predecessor leaves at most its
+#: max_ack_pending (the concurrency) un-acked, so this is many restarts' worth
+HANDOVER_MEMORY = 10_000
 
 
 @dataclass
@@ -106,6 +109,9 @@ class WorkerAgent:
         #: running and cancelled: (seconds the cancel travelled, tokens produced when it arrived)
         self._cancel_seen: dict[str, tuple[float | None, int]] = {}
         self._stoppers: set[asyncio.Task] = set()
+        #: request -> the newest attempt an admitter took over from this id (Control ``handover``)
+        self._handed_over: dict[str, int] = {}
+        self._attempt_of: dict[str, int] = {}  # running: the attempt its assignment carries
         self._traces: dict[str, _RunTrace] = {}  # running, traced: its span and token times
         self._tail = tracing.TailTracker()  # the p99 above which a run's token timing is kept
 
@@ -197,7 +203,12 @@ class WorkerAgent:
             await self._finish(assignment, _CANCELLED, time.time(), None, received=received)
             await d.ack()
             return
+        if assignment.attempt <= self._handed_over.get(rid, -1):  # an admitter rescued it elsewhere
+            await d.ack()
+            log.info("request %s attempt %d handed over to the admitters; acked, not run", rid, assignment.attempt)
+            return
         self._tenant_of[rid] = assignment.request.tenant
+        self._attempt_of[rid] = assignment.attempt
         self.inflight[rid] = asyncio.create_task(self._run(assignment, d, received), name=f"run:{rid}")
 
     async def _run(self, a: Assignment, d: Delivery, received: float) -> None:
@@ -251,6 +262,7 @@ class WorkerAgent:
             self._produced.pop(req.id, None)
             self._stopped_runs.discard(req.id)
             self._tenant_of.pop(req.id, None)
+            self._attempt_of.pop(req.id, None)
             self._cancel_seen.pop(req.id, None)
             self._redelivered.discard(req.id)
             self._reported.discard(req.id)
@@ -591,6 +603,8 @@ class WorkerAgent:
                 self._stopped.set()
         elif ctl.kind == "cancel":
             self._cancel(ctl.request_id, ctl.by)
+        elif ctl.kind == "handover":
+            self._hand_over(ctl)
         elif ctl.kind == "resume":
             if self.failure:
                 log.warning("worker %s cannot resume: its engine failed (%s)", self.id, self.failure)
@@ -600,6 +614,22 @@ class WorkerAgent:
             await self._heartbeat()
         else:
             log.warning("unknown control kind %r on %s", ctl.kind, subject)
+
+    def _hand_over(self, ctl: Control) -> None:
+        """An admitter rescues ``ctl.attempt`` of ``ctl.request_id`` (Control's docstring): never
+        run it, or an older attempt, here; stop it if it already started."""
+        if not ctl.request_id or ctl.attempt is None or ctl.attempt < 0:
+            log.warning("worker %s: handover without a request id or attempt (from %s)", self.id, ctl.by or "?")
+            return
+        rid = ctl.request_id
+        if len(self._handed_over) >= HANDOVER_MEMORY and rid not in self._handed_over:
+            self._handed_over.pop(next(iter(self._handed_over)))  # bounded: the oldest is long rescued
+        self._handed_over[rid] = max(ctl.attempt, self._handed_over.get(rid, -1))
+        task = self.inflight.get(rid)
+        if task is not None and self._attempt_of.get(rid, 0) <= ctl.attempt:
+            log.warning("request %s attempt %d rescued by %s while it started here; stopped", rid, ctl.attempt,
+                        ctl.by or "?")
+            self._spawn_stop(rid, task)
 
     def _is_cancelled(self, req) -> bool:
         """Cancelled by its own tenant (``cancel.<tenant>.<id>``) or by an operator (control)."""

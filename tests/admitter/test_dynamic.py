@@ -2,7 +2,7 @@
 
 import pytest
 
-from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
+from natsched.admitter.dynamic import CacheShare, DynamicTotal, DynamicTotalSettings, factor_ceiling
 from natsched.admitter.leases import LeaseTracker
 
 
@@ -54,6 +54,69 @@ def test_with_reservations_the_factor_is_measured_not_stepped():
         total = d.next_total(10**9, None, capacity=100_000, workers_used=200_000, reserved=50_000)
     assert d.factor == 0.5 and total == 50_000
     assert d.next_total(10**9, None, capacity=100_000, workers_used=0, reserved=0) == 55_000  # AIMD as before
+
+
+def _settle(d: DynamicTotal, share: float | None, reserved: int, used: int = 10_000, configured: int = 10**9) -> int:
+    for _ in range(30):
+        total = d.next_total(configured, None, capacity=100_000, workers_used=used, reserved=reserved,
+                             cache_share=share)
+    return total
+
+
+def test_without_prefix_sharing_the_ceiling_stays_two():
+    """Each prompt its own: a reservation books it at most twice, the ceiling is 2 as before."""
+    assert factor_ceiling(DynamicTotalSettings(), None) == 2.0
+    assert factor_ceiling(DynamicTotalSettings(), 0.0) == 2.0
+    d = make_dynamic()
+    assert _settle(d, 0.0, reserved=100_000) == 200_000 and d.factor == 2.0  # measured 10, held at 2
+    assert _settle(make_dynamic(), None, reserved=100_000) == 200_000
+
+
+def test_with_80_percent_sharing_the_ceiling_rises_to_what_is_booked():
+    """A prefix shared by many is held once but booked by every reservation: at h = 0.8 a
+    booking ratio up to 2 / (1 - 0.8) = 10 is real, and the measured 8 is followed, not clamped."""
+    assert factor_ceiling(DynamicTotalSettings(), 0.8) == pytest.approx(10.0)
+    d = make_dynamic()
+    assert _settle(d, 0.8, reserved=80_000) == pytest.approx(800_000, rel=0.01)
+    assert _settle(d, 0.8, reserved=200_000) == pytest.approx(1_000_000, rel=0.01)  # ratio 20: the ceiling 10
+    # the sharing falls away: the factor comes down with the ceiling at once
+    assert d.next_total(10**9, None, capacity=100_000, workers_used=10_000, reserved=200_000,
+                        cache_share=0.0) == 200_000
+
+
+def test_the_ceiling_is_bounded_and_never_above_the_configured_total():
+    s = DynamicTotalSettings()
+    assert factor_ceiling(s, 0.99) == s.factor_bound and factor_ceiling(s, 1.0) == s.factor_bound
+    assert factor_ceiling(s, 5.0) == s.factor_bound and factor_ceiling(s, float("nan")) == 2.0
+    d = make_dynamic()
+    assert _settle(d, 1.0, reserved=10**7) == 100_000 * s.factor_bound
+    assert _settle(d, 1.0, reserved=10**7, configured=300_000) == 300_000  # cluster.total rules
+    assert d.next_total(10**9, 250_000, capacity=100_000, workers_used=10_000, reserved=10**7,
+                        cache_share=1.0) == 250_000  # and cluster.hard_cap
+
+
+def test_cache_share_is_the_decayed_hit_share_of_completions():
+    c = CacheShare(half_life_s=30.0)
+    assert c.share() is None
+    c.observe(1000, 800, now=0.0)
+    c.observe(1000, 800, now=0.0)
+    assert c.share() == pytest.approx(0.8)
+    c.observe(2000, 0, now=30.0)  # half a minute on, the old traffic weighs half
+    assert c.share() == pytest.approx(800 / 3000)
+    c.observe(1000, 5000, now=30.0)  # a worker's impossible count is clamped to its prompt
+    c.observe(0, 50, now=30.0)  # and an empty prompt says nothing
+    c.observe(1000, -7, now=30.0)
+    assert c.share() == pytest.approx(1800 / 5000)
+    c.observe(1000, 1000, now=10.0)  # out of order (two admitters' clocks): counted, nothing undecayed
+    assert 0.0 <= c.share() <= 1.0 and c.at == 30.0
+
+
+def test_bad_dynamic_bounds_are_refused():
+    from natsched.admitter.knobs import SettingsError, _check_dynamic
+    with pytest.raises(SettingsError, match="factor_bound"):
+        _check_dynamic(DynamicTotalSettings(factor_bound=1.5))
+    with pytest.raises(SettingsError, match="share_half_life_s"):
+        _check_dynamic(DynamicTotalSettings(share_half_life_s=0))
 
 
 def test_disabled_keeps_the_configured_total():

@@ -121,6 +121,7 @@ async def test_a_stream_that_streamed_output_is_retried_only_with_after_output(b
     """Its worker dies after a token went out (the admitter re-admits it: ``rerouted``): a default
     policy raises ``worker_lost`` (the consumer already has output), ``after_output`` tries again.
     The services' replies are scripted on the real bus, answering each try as it is published."""
+    from natsched.wire import fence
     from natsched.wire import subjects as S
     from natsched.wire.schema import Reply, Request
 
@@ -136,7 +137,11 @@ async def test_a_stream_that_streamed_output_is_retried_only_with_after_output(b
             [Reply(request_id=req.id, kind="token", text="whole", worker="wb"),
              Reply(request_id=req.id, kind="result", worker="wb", output_tokens=1)]
         for reply in script:
-            await bus.publish(headers[S.HDR_REPLY], reply)
+            if reply.kind == "status":  # the services' news, on the reply subject itself
+                await bus.publish(headers[S.HDR_REPLY], reply)
+            else:  # a worker's output: on its own sub-subject with its reply fence (natsched.wire.fence)
+                reply.fence = fence.reply_sign(fence.reply_key(None, req.tenant), req.id, reply.worker, 0)
+                await bus.publish(S.worker_reply(headers[S.HDR_REPLY], reply.worker), reply)
 
     sub = await bus.subscribe(S.REQUESTS_ALL, on_request)
     client = Client(bus, Timeouts(admission=5, idle=5), retry=Retry(attempts=3, base_s=0.05, cap_s=0.1))

@@ -363,3 +363,39 @@ async def test_a_request_running_past_its_reservation_is_reported_in_the_heartbe
         assert await wait_for(lambda: hbs[-1].seq > seq and not hbs[-1].over)
     finally:
         await agent.stop()
+
+
+async def test_an_attempt_handed_over_to_the_admitters_never_runs_here_a_later_one_does(bus):
+    """A restarted worker's predecessor left attempt 0 un-acked and an admitter rescues it
+    (Control ``handover``): a copy of attempt 0 delivered afterwards is acked and not run, one
+    already running is stopped, and the rescued attempt 1 routed back here runs."""
+    engine = ScriptedEngine(steps=3)
+    agent = WorkerAgent(bus, engine, settings("who"))
+    dones = await collect(bus, S.completions_of("t-ho"), Completion)
+    await agent.start()
+    try:
+        late = make_request(tenant="t-ho", id="late")
+        await bus.publish(S.control(WorkerId("who")), Control(kind="handover", by="adm", request_id=late.id, attempt=0))
+        await bus.flush()
+        assert await wait_for(lambda: agent._handed_over.get(late.id) == 0)
+        for attempt in (0, 1):
+            a = Assignment(request=late, worker=WorkerId("who"), runtime_tokens=100, admitted_at=time.time(),
+                           routed_at=time.time(), attempt=attempt)
+            await bus.jpublish(S.work(WorkerId("who")), a, msg_id=f"{late.id}:work:{attempt}")
+        assert await wait_for(lambda: len(dones) == 1, timeout=10)
+        assert engine.seen == [late.id] and dones[0].status == "ok"  # attempt 1 only
+        # one that started before its handover arrived is stopped
+        engine.gate.clear()
+        running = await assign(bus, "who", tenant="t-ho", id="running")
+        assert await wait_for(lambda: running.id in agent.inflight)
+        await bus.publish(S.control(WorkerId("who")), Control(kind="handover", by="adm", request_id=running.id,
+                                                             attempt=0))
+        assert await wait_for(lambda: running.id not in agent.inflight, timeout=10)
+        engine.gate.set()
+        # a handover without an attempt is refused, not read as "every attempt"
+        await bus.publish(S.control(WorkerId("who")), Control(kind="handover", by="adm", request_id="x"))
+        await bus.flush()
+        await assign(bus, "who", tenant="t-ho", id="x")
+        assert await wait_for(lambda: "x" in engine.seen, timeout=10)
+    finally:
+        await agent.stop()
