@@ -86,7 +86,9 @@ async def test_a_tenant_moved_by_a_partition_change_loses_and_duplicates_nothing
             await complete(bus, [(rid, tenant_of[rid]) for rid in running])
             done |= set(running)
 
-            async def more_or_all(n=len(done)):
+            n = len(done)
+
+            async def more_or_all(n=n):
                 return len(await allowed(bus)) > n or n == len(first)
             assert await until(more_or_all)
 
