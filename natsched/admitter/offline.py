@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from natsched.admitter.budget import BudgetPlan, partition_of, partition_quotas
 from natsched.admitter.classes import CLASS_LIMIT, ClassBook
 from natsched.admitter.coordinator import decode_plan
+from natsched.admitter.move import change_partitions
 from natsched.admitter.dynamic import DynamicTotal, DynamicTotalSettings
 from natsched.admitter.errors import AdmitterError, SettingsError
 from natsched.admitter.policy import AdmissionSettings, runtime_tokens, validate
@@ -326,7 +327,7 @@ class OfflineRunner:
         if self.settings.partitions is None:
             self.partitions = await self.bus.partitions()
         if self.partitions > 1:
-            await self.bus.set_partitions(self.partitions)  # (idempotent) the partitions' buckets exist
+            await change_partitions(self.bus, self.partitions)  # the buckets exist (refused while the old P holds work)
             self.by_partition = {k: SharedState(self.bus, self.settings.name, remember=False, watch=False,
                                                 bucket=S.partition_bucket(k)) for k in range(self.partitions)}
         for shared in (self.by_partition or {0: self.shared}).values():

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from natsched.admitter.budget import BudgetPlan, PartitionState, partition_of, partition_quotas
 from natsched.admitter.coordinator import Coordinator, CoordinatorSettings, Report, decode_plan
 from natsched.admitter.errors import QuotaError, UsageError
+from natsched.admitter.move import change_partitions
 from natsched.admitter.planner import never_fits
 from natsched.admitter.policy import REJECT
 from natsched.admitter.quotas import Quotas
@@ -105,7 +106,7 @@ class PartitionMember:
         s = self.settings
         if not 0 <= s.partition < s.partitions:
             raise ProvisionError(f"partition {s.partition} is not one of 0..{s.partitions - 1}")
-        if await self.bus.set_partitions(s.partitions):
+        if await change_partitions(self.bus, s.partitions):  # (refused while the old P holds work)
             log.warning("REQUESTS now stores requests in %d partitions (requests stored before keep their subject)",
                         s.partitions)
 

@@ -869,6 +869,14 @@ class Bus:
         return (info.ack_floor.stream_seq if info.ack_floor else 0,
                 info.delivered.stream_seq if info.delivered else 0)
 
+    async def consumer_backlog(self, stream: str, durable: str) -> tuple[int, int] | None:
+        """(not yet delivered, delivered and not acked) of ``durable``, or None when it does not exist."""
+        try:
+            info = await self._read(lambda: self.js.consumer_info(stream, durable))
+        except NotFoundError:
+            return None
+        return info.num_pending or 0, info.num_ack_pending or 0
+
     async def subject_counts(self, stream: str, subjects: str) -> dict[str, int]:
         """Stored messages per subject matching ``subjects`` (e.g. each worker's ``work.<id>``)."""
         info = await self._read(lambda: self.js.stream_info(stream, subjects_filter=subjects))

@@ -430,6 +430,7 @@ def cmd_admitter(args) -> int:
 
 def cmd_coordinator(args) -> int:
     from natsched.admitter.coordinator import Coordinator, CoordinatorSettings
+    from natsched.admitter.move import change_partitions
     from natsched.hosting.runtime import serve
 
     if args.partitions < 2:
@@ -438,7 +439,7 @@ def cmd_coordinator(args) -> int:
     async def start(bus):
         nonlocal coordinator
         await bus.provision()
-        await bus.set_partitions(args.partitions)
+        await change_partitions(bus, args.partitions)  # (refused while the old P holds work)
         coordinator = Coordinator(bus, CoordinatorSettings(name=args.name, partitions=args.partitions))
         await coordinator.start()
         return f"partitions={args.partitions}"

@@ -46,7 +46,10 @@ async def _provision(url: str, credentials: Path | None = None, data_dir: Path |
         if data_dir is not None:
             await bus.fit_to_disk(shutil.disk_usage(data_dir).free)
         await bus.provision(jobs=True)
-        await bus.set_partitions(partitions)  # (1: undoes an earlier partitioned run's transform)
+        from natsched.admitter.move import change_partitions
+
+        # (1: undoes an earlier partitioned run's transform; refused while the old partitions hold work)
+        await change_partitions(bus, partitions)
         return await persisted_notes(bus)
     finally:
         await bus.close()
