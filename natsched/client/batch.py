@@ -450,7 +450,8 @@ class BatchClient:
         """Record first (the collector may see a reply before we return), then publish."""
         now = time.time()
         await self.store.create(S.job_key(plan.tenant, plan.id, req.id), submitted_record(plan, line, req, now))
-        ack = await self.bus.jpublish(S.request(plan.cls, plan.tenant), req, msg_id=M.submission(req.id, self.bus.reply_key(plan.tenant)),
+        msg_id = M.submission(req.id, self.bus.reply_key(plan.tenant))  # as the client: no other tenant knows it
+        ack = await self.bus.jpublish(S.request(plan.cls, plan.tenant), req, msg_id=msg_id,
                                       headers={S.HDR_REPLY: req.reply or ""})
         return 0 if ack.duplicate else 1
 

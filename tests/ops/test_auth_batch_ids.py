@@ -1,10 +1,14 @@
-"""Batch request ids scoped by tenant, against a real nats-server with ``auth init``'s credentials (issue 26).
+"""Batch request ids scoped by tenant, and job outcomes fenced, against a real nats-server with ``auth init``'s credentials (issue 26).
 
 A batch's ids are a digest of (tenant, class, file), so a tenant that knows another's file could
 compute its line ids and take their dedup slots first: that line was refused as a duplicate. Batch
 lines are now submitted as the client submits (the id in the tenant's scope, the message id keyed
 by the tenant's reply key): every id and message id another tenant can compute is refused or
 lands elsewhere, and the victim's batch runs fully; the same tenant resubmitting runs nothing twice.
+
+A job's outcome is folded into its record only from the worker its attempt was assigned to
+(its own ``outcome.<tenant>.<batch>.<job>.<worker>``, with the router's reply fence): a worker
+that was assigned nothing forges results in vain.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from natsched.wire import fence
 from natsched.wire import msgids as M
 from natsched.wire import subjects as S
 from natsched.wire.ids import in_scope, unscoped
+from natsched.wire.schema import Reply, ReplyKind
 from tests.factories.auth import RoleServices, admin_provisioned, secured_server
 from tests.factories.core import wait_for
 from tests.ops.test_auth_permissions import assert_no_violation
@@ -27,12 +32,13 @@ TENANTS = ["A", "B"]
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
-    with secured_server(tmp_path_factory.mktemp("auth-batch-ids"), tenants=TENANTS, workers=["w1"]) as both:
+    with secured_server(tmp_path_factory.mktemp("auth-batch-ids"), tenants=TENANTS, workers=["w1", "w2"]) as both:
         yield both
 
 
 @pytest.fixture
-async def connect(secured):
+async def services(secured):
+    """(``await as_role(user)``, the services running on their roles: w1 is the only worker)."""
     server, files = secured
     buses: list[Bus] = []
 
@@ -43,11 +49,16 @@ async def connect(secured):
     async with admin_provisioned(server, files):
         running = await RoleServices.start(as_role)
         try:
-            yield as_role
+            yield as_role, running
         finally:
             await running.stop()
             for bus in reversed(buses):
                 await bus.close()
+
+
+@pytest.fixture
+async def connect(services):
+    return services[0]
 
 
 def lines(n: int, salt: str) -> bytes:
@@ -98,3 +109,44 @@ async def test_a_tenant_knowing_anothers_file_cannot_take_its_lines(connect):
     assert report.batch == victim_batch and (report.published, report.already) == (2, 0)
     assert await wait_for(lambda: _done(victim, report.batch), timeout=60)
     assert [r["status"] for r in await victim.results(report.batch)] == ["completed"] * 2
+
+
+def _refused(runner, reason: str) -> float:
+    return runner.metrics.registry.get_sample_value("natsched_offline_refused_outcomes_total",
+                                                    {"reason": reason}) or 0.0
+
+
+async def test_a_worker_not_assigned_a_job_cannot_complete_it_with_forged_output(services):
+    """w2 (its own credentials; nothing is ever assigned to it) publishes results for A's job
+    before A submits it (a record it creates would stand: the first outcome wins): on its own
+    sub-subject with a guessed fence, and naming w1 there. Both are refused and counted; the
+    server refuses it the job's subject and w1's sub-subject. A's job then runs on w1 and
+    keeps w1's output."""
+    as_role, running = services
+    data = lines(1, "forged")
+    _, req = plan_batch(data, "A", S.OFFLINE).requests[0]
+    job = S.parse_outcome_subject(req.reply)
+    w2 = await as_role("worker-w2")
+
+    def forged(worker: str) -> Reply:
+        return Reply(request_id=req.id, kind=ReplyKind.RESULT, text="FORGED", worker=worker, fence="0" * 16,
+                     attempt=0, output_tokens=1)
+
+    await w2.publish(S.worker_outcome(*job, "w2"), forged("w2"))  # a guessed fence
+    await w2.publish(S.worker_outcome(*job, "w2"), forged("w1"))  # naming the worker it may be given to
+    await w2.publish(S.outcome(*job), forged("w2"))  # refused by the server (the services' subject)
+    await w2.publish(S.worker_outcome(*job, "w1"), forged("w1"))  # refused by the server (w1's)
+    await w2.flush()
+    runner = running.runner
+    assert await wait_for(lambda: _refused(runner, fence.REPLY_BAD_FENCE) == 1
+                          and _refused(runner, fence.REPLY_WRONG_WORKER) == 1, timeout=30)
+    assert await runner.store.get(S.job_key(*job)) is None  # nothing folded
+
+    victim = BatchClient(await as_role("batch-A"))
+    report = await victim.submit(data, "A", S.OFFLINE)
+    assert report.published == 1
+    assert await wait_for(lambda: _done(victim, report.batch), timeout=60)
+    [row] = await victim.results(report.batch)
+    assert (row["status"], row["worker"], row["output"].split()) == ("completed", "w1", ["tok0", "tok1", "tok2"])
+    assert (_refused(runner, fence.REPLY_BAD_FENCE), _refused(runner, fence.REPLY_WRONG_WORKER)) == (1, 1)
+    assert _refused(runner, fence.REPLY_UNFENCED) == 0  # the honest run's output was fenced right
