@@ -58,6 +58,7 @@ from natsched.wire import msgids as M
 from natsched.wire import fence
 from natsched.client.batch import COMPLETED, FAILED, FINAL, RUNNING, SUBMITTED, WAITING, JobStore, attempt_id, note
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
+from natsched.bus.pools import PoolWatch
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import (Admitted, DeadLetter, Decision, Heartbeat, JobRecord, Reply, ReplyKind, ReplyStatus,
                                   Request)
@@ -313,6 +314,7 @@ class OfflineRunner:
         self.quotas = Quotas(total=s.admission.default_total)
         self.total = self.quotas.ceiling()
         self.dynamic = DynamicTotal(s.dynamic)
+        self.pools = PoolWatch(bus)  # router pools: a job's attempt goes to its model's pool
         self.quota_entries: dict[str, bytes] = {}
         self.worker_load: dict[str, tuple[int, int, float]] = {}
         self.held: list[Held] = []
@@ -337,6 +339,7 @@ class OfflineRunner:
         self.bus.spawn(self._watch_quotas(ready), "offline-quotas")
         await asyncio.wait_for(ready.wait(), 10)
         self._apply_quotas()
+        await self.pools.start()
         for key, record in await self.store.scan():
             if record.status == RUNNING and record.attempt_id:
                 self.running[key] = (record.attempt_id, record.started or record.updated)
@@ -520,7 +523,8 @@ class OfflineRunner:
         admitted = Admitted(request=run, runtime_tokens=cost, admitted_at=now, admitter=self.settings.name,
                             queue_wait=max(0.0, now - h.since))
         await asyncio.gather(
-            self.bus.jpublish(S.admitted(req.cls, req.tenant), admitted, msg_id=M.admitted(aid)),
+            self.bus.jpublish(self.pools.map.admitted_subject(req.model, req.cls, req.tenant), admitted,
+                              msg_id=M.admitted(aid)),
             self._decide(run, "allow", None, cost, {**budget, "attempt": record.attempts}, admitted.queue_wait))
         await h.delivery.ack()
         self.running[key] = (aid, now)

@@ -21,6 +21,8 @@ malformed (class, subject, max_tokens ...)  reject     invalid_class, subject_mi
 already queued (redelivered message)        queue      -
 model served by no live worker (once any    reject     unknown_model (the served ones named)
 worker reported: see set_served_models)
+model no router pool routes (a pool map is  reject     no_pool (the pools named)
+configured: see set_pools)
 tenant unknown and quotas say reject        reject     unknown_tenant
 cost > total / tenant cap / model limit     reject     too_large / tenant_cap / model_limit /
 / class limit (+ what it may borrow)                   class_limit
@@ -81,6 +83,7 @@ from natsched.admitter.quotas import Quotas
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
 from natsched.wire.blocks import estimate_prompt_tokens
+from natsched.wire.pools import PoolMap
 from natsched.wire.schema import Completion, CompletionStatus, Request, RequestId
 
 log = logging.getLogger(__name__)
@@ -203,6 +206,7 @@ class AdmitterCore:
         self.releases = ReleaseRate(s.rate_window_s)
         self._clock = 0.0  # latest time seen: est_wait() has no `now` of its own
         self.served_models: frozenset[str] | None = None  # None: not known yet (no worker heard)
+        self.pools = PoolMap()  # router pools (natsched.wire.pools); empty: one pool routes every model
 
     # ------------------------------------------------------------------ configuration
     def set_quotas(self, quotas: Quotas) -> None:
@@ -228,6 +232,11 @@ class AdmitterCore:
         """The models live workers serve (from their heartbeats); None while none reported, so a
         replica that just started does not refuse what it simply has not heard of yet."""
         self.served_models = models or None
+
+    def set_pools(self, pools: PoolMap) -> None:
+        """The router pool map in force: a model none of its pools routes is refused (``no_pool``),
+        not stored on a subject no router consumes."""
+        self.pools = pools
 
     @property
     def used(self) -> int:
@@ -278,6 +287,9 @@ class AdmitterCore:
         if self.served_models is not None and request.model not in self.served_models:
             return self._reject(0, "unknown_model", f"model {request.model!r} is not served; served: "
                                 f"{', '.join(sorted(self.served_models))}", request=request)
+        if self.pools.pool_of(request.model) is None:
+            return self._reject(0, "no_pool", f"model {request.model!r} is routed by no router pool; pools: "
+                                f"{self.pools.describe()}", request=request)
         cost = self.cost(request)
         never = never_fits(self.quotas, self.total, request.tenant, request.model, cost, request.cls,
                            self._class_book())

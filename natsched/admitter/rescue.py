@@ -42,6 +42,7 @@ from natsched.admitter.shared import SharedState
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.wire.fence import fenced
+from natsched.wire.pools import PoolMap
 from natsched.bus.connection import Bus
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, ReplyKind, ReplyStatus, WorkerId
@@ -114,6 +115,8 @@ class Rescuer:
         #: partition sweeps every dead worker; another's request is left for its own partition)
         self.owns: Callable[[str], bool] = lambda tenant: True
         self.completions_consumer = S.CONSUMER_ADMITTER_COMPLETIONS
+        #: the router pool map (a natsched.bus.pools.PoolWatch): a rescue goes to its model's pool
+        self.pools = None
 
     async def sweep(self, is_live: Callable[[WorkerId], bool]) -> RescueReport:
         """Reclaim first (mark every stranded reservation moved), then, once the completions
@@ -226,7 +229,8 @@ class Rescuer:
             report.finished.append(rid)  # completed (or released) already: nothing to run again
         else:
             adm = readmission(a, worker, self.name)
-            await self.bus.jpublish(S.admitted(a.request.cls, a.request.tenant), adm,
+            pools = self.pools.map if self.pools is not None else PoolMap()
+            await self.bus.jpublish(pools.admitted_subject(a.request.model, a.request.cls, a.request.tenant), adm,
                                     msg_id=M.admitted(rid, adm.attempt))
             await self._tell(a, worker, adm.attempt)
             report.rescued[rid] = worker

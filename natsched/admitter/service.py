@@ -39,6 +39,7 @@ from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.bus.aio import wait_event
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
+from natsched.bus.pools import PoolWatch
 from natsched.errors import NatschedError
 from natsched import tracing
 from natsched.wire.errors import MessageError, SchemaError
@@ -48,6 +49,8 @@ from natsched.wire.schema import (Admitted, Completion, Decision, Reply, ReplyKi
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
+
+_DEFAULT_POOL_PREFIX = S.pool_admitted(S.DEFAULT_POOL)[:-1]  # "adm.all."
 T = TypeVar("T")
 
 
@@ -127,6 +130,9 @@ class AdmitterService(Repairs, PartitionMember):
         self.leases = LeaseTracker(s.lease_missed)
         self.rescuer = Rescuer(bus, self.shared, s.name)
         self.rescuer.owns = self.owns
+        # router pools (natsched.wire.pools): where each model's admitted requests go
+        self.pools = PoolWatch(bus, on_change=self.core.set_pools)
+        self.rescuer.pools = self.pools
         self._started = time.monotonic()
         self._dead: dict[str, float] = {}  # worker -> when its lease expired here (until it heartbeats)
         self._instances: dict[str, float] = {}  # worker -> started_at of its instance last heard (repair.py)
@@ -177,6 +183,7 @@ class AdmitterService(Repairs, PartitionMember):
         self.bus.spawn(self._watch_quotas(quotas_ready), "quota-watch")
         await asyncio.wait_for(quotas_ready.wait(), 10)
         self.apply_quotas()  # the bucket's content at start; the watch applies every later change
+        await self.pools.start()  # the pool map in force before any request (one pool without one)
         await self.start_partition()  # (P > 1 only) the budget plan in force, before any request
         await self.bus.subscribe(S.HEARTBEATS_ALL, self._on_heartbeat)
         await self.bus.subscribe(S.CANCELS_ALL, self._on_cancel)
@@ -434,9 +441,16 @@ class AdmitterService(Repairs, PartitionMember):
                 request_id=request.id, tenant=request.tenant, cls=request.cls, stage="admission", decision=ALLOW,
                 ts=res.ts, reason="redelivered", runtime_tokens=res.tokens, by=res.by), msg_id=M.admission(request.id))
         admitted = Admitted(request=request, runtime_tokens=res.tokens, admitted_at=res.ts, admitter=res.by)
-        await self.bus.jpublish(S.admitted(request.cls, request.tenant), admitted, msg_id=M.admitted(request.id))
+        await self.bus.jpublish(self._admitted_subject(request), admitted, msg_id=M.admitted(request.id))
         await d.ack()
         log.info("request %s redelivered after its allow; handed off again", request.id)
+
+    def _admitted_subject(self, request: Request) -> str:
+        return self.core.pools.admitted_subject(request.model, request.cls, request.tenant)
+
+    def _routes_inline(self, subject: str) -> bool:
+        """The inline router is the default pool's: with a pool map, each pool's routers route."""
+        return self.router is not None and subject.startswith(_DEFAULT_POOL_PREFIX)
 
     async def _act_batch(self, entries: list[tuple[Request, AdmissionDecision, Delivery, float, float]],
                          paid: dict[str, str] | None = None) -> None:
@@ -472,7 +486,8 @@ class AdmitterService(Repairs, PartitionMember):
             if dec.decision == ALLOW and rid not in refused:
                 admitted = Admitted(request=request, runtime_tokens=dec.runtime_tokens, admitted_at=now,
                                     admitter=self.settings.name, queue_wait=queue_wait)
-                r = self.router.decide(admitted, trace=tracing.carry(trace)) if self.router is not None else None
+                subject = self._admitted_subject(request)
+                r = self.router.decide(admitted, trace=tracing.carry(trace)) if self._routes_inline(subject) else None
                 if r is not None and r.outgoing is not None:  # straight to the worker's WORK subject
                     # its admission record is stored inside its routing record, once the WORK
                     # message is (RouterService.assigned): one DECISIONS message, not two
@@ -480,7 +495,7 @@ class AdmitterService(Repairs, PartitionMember):
                     routed[rid] = r
                     handoffs.append(r.outgoing)
                 else:
-                    handoffs.append((S.admitted(request.cls, request.tenant), admitted, M.admitted(rid),
+                    handoffs.append((subject, admitted, M.admitted(rid),
                                      tracing.carry(trace)))
             elif dec.decision == DEGRADE:
                 handoffs.append((S.offline(request.tenant), request, M.offline(rid), tracing.carry(trace)))

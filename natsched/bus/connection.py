@@ -784,7 +784,8 @@ class Bus:
         reply_to = d.headers.get(S.HDR_REPLY)
         request_id = d.headers.get(S.HDR_MSG_ID, "unknown")
         parts = d.subject.split(".")
-        tenant = parts[2] if len(parts) == 3 and parts[0] in ("req", "adm") else None
+        # req.<class>.<tenant>, adm.<pool>.<class>.<tenant>: the last token names the tenant
+        tenant = parts[-1] if (parts[0], len(parts)) in (("req", 3), ("adm", 4)) else None
         if reply_to and S.reply_allowed(reply_to, tenant):  # never publish where a producer points us
             try:
                 await self.publish(reply_to, Reply(request_id=request_id, kind="error", reason=reason, message=error))

@@ -67,8 +67,17 @@ async def _read_quotas(bus):
         if current is not None:
             entries[key] = current[0]
     dynamic = entries.pop(S.KEY_DYNAMIC_TOTAL, None)
-    quotas, errors = Quotas.from_kv(entries)
+    quotas, errors = Quotas.from_kv(entries, default_total=_live_default_total(entries))
     return quotas, errors, (orjson.loads(dynamic) if dynamic else None), entries
+
+
+def _live_default_total(entries: dict[str, bytes]) -> int | None:
+    """``admission.default_total`` when it is set live: the total the admitters run with while
+    the bucket names none (what ``quota show`` must print instead of the class default)."""
+    from natsched.admitter import knobs as K
+
+    value = K.from_kv(entries)[0].get("admission.default_total")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 async def _read_usage(bus):

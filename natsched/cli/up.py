@@ -52,7 +52,11 @@ def _up_parser(sub) -> None:
                          "admitters and usage key, the total split by a budget coordinator (default 1; "
                          "docs/fleet.md)")
     up.add_argument("--routers", type=int, default=None,
-                    help="router replicas (default 1; 0 with --inline-routing)")
+                    help="router replicas (default 1; 0 with --inline-routing; per pool with --router-pools)")
+    up.add_argument("--router-pools", default="", metavar="SPEC",
+                    help="router pools per model: 'a=model1,model2;b=model3,*' runs --routers replicas per pool, "
+                         "each routing only its pool's models and workers (* = every model no pool names; "
+                         "docs/fleet.md)")
     up.add_argument("--no-credit", action="store_true",
                     help="admitters commit every allow to the shared usage (natsched admitter --no-credit)")
     up.add_argument("--inline-routing", action="store_true",
@@ -118,6 +122,7 @@ def _admitter_parser(sub) -> None:
                      help="with --partitions: the partition this replica admits for, 0..P-1")
     adm.add_argument("--no-coordinator", action="store_true",
                      help="with --partitions: run no budget-coordinator candidate in this process")
+    pools_flag(adm)
     adm.set_defaults(handler=cmd_admitter)
 
 
@@ -131,6 +136,28 @@ def _coordinator_parser(sub) -> None:
     co.set_defaults(handler=cmd_coordinator)
 
 
+def pools_flag(p) -> None:
+    p.add_argument("--pools", default=None, metavar="SPEC",
+                   help="store the router pool map first (config key pools): 'a=model1,model2;b=model3,*' "
+                        "(* = every model no pool names; a group without = is one model, its pool named after it)")
+
+
+def pools_of(args):
+    """``--pools`` as a PoolMap (None: not given); PoolError (a ValueError) says what is wrong."""
+    from natsched.wire.pools import PoolMap
+
+    return PoolMap.parse(args.pools) if args.pools is not None else None
+
+
+async def store_given_pools(bus, pools) -> None:
+    """Store ``--pools`` before the service reads it: nothing goes out under an older map."""
+    from natsched.bus.pools import store_pools
+
+    if pools is not None:
+        await bus.provision()
+        await store_pools(bus, pools)
+
+
 def _router_parser(sub) -> None:
     rt = sub.add_parser("router", help="run one router replica", description="Run one router replica.")
     url_flag(rt)
@@ -138,6 +165,10 @@ def _router_parser(sub) -> None:
     rt.add_argument("--policy", default="natsched", help="routing policy (default natsched)")
     rt.add_argument("--block-size", type=int, default=32, help="prefix block size in tokens (default 32)")
     rt.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    rt.add_argument("--pool", default=None, metavar="NAME",
+                    help="route only router pool NAME (its consumer router-NAME reads adm.NAME.>, only the workers "
+                         "serving its models are registered); default: the one pool of every model")
+    pools_flag(rt)
     rt.set_defaults(handler=cmd_router)
 
 
@@ -244,7 +275,7 @@ def up_settings(args):
     except ValueError as exc:
         raise ValueError(f"--set refused: {exc}") from None
     return UpSettings(admitter_settings=list(args.settings), workers=args.workers, admitters=args.admitters, inline_routing=args.inline_routing,
-                      partitions=args.partitions,
+                      partitions=args.partitions, router_pools=args.router_pools,
                       credit=not args.no_credit,
                       routers=router_count(args.routers, args.inline_routing), engine=args.engine,
                       nats_url=args.nats_url, port=args.port, data_dir=args.data_dir, sync=args.sync,
@@ -361,7 +392,13 @@ def cmd_admitter(args) -> int:
         return fail(f"--partition {args.partition} of --partitions {args.partitions}: the partition must be "
                     f"0..P-1 and P >= 1")
 
+    try:
+        pools = pools_of(args)
+    except ValueError as exc:
+        return fail(f"--pools refused: {exc}")
+
     async def start(bus):
+        await store_given_pools(bus, pools)
         metrics, router = AdmitterMetrics(), None
         if args.route:  # inline routing: a router on this connection, its metrics beside ours
             from natsched.router.core import RouterSettings
@@ -419,13 +456,21 @@ def cmd_router(args) -> int:
     from natsched.router.core import RouterSettings
     from natsched.router.service import RouterService, RouterServiceSettings
 
+    from natsched.wire import subjects as S
+
+    try:
+        pools = pools_of(args)
+    except ValueError as exc:
+        return fail(f"--pools refused: {exc}")
+
     async def start(bus):
+        await store_given_pools(bus, pools)
         settings = RouterServiceSettings(name=args.name, core=RouterSettings(policy=args.policy,
                                                                              block_size=args.block_size),
-                                         metrics_port=args.metrics_port)
+                                         metrics_port=args.metrics_port, pool=args.pool or S.DEFAULT_POOL)
         service = RouterService(bus, settings)
         await service.start()
-        return f"policy={service.core.policy.name}"
+        return f"policy={service.core.policy.name} pool={service.pool}"
 
     return run(serve(args.nats_url, "router", start, credentials=args.credentials))
 

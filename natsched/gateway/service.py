@@ -428,7 +428,7 @@ def api_error(exc: RequestError, settings: GatewaySettings) -> ApiError:
             return Forbidden(message, code=exc.reason)
         if exc.reason == "deadline_exceeded":
             return GatewayTimeout(message, code=exc.reason)
-        if exc.reason == "unknown_model":  # the admitter heard of no worker serving it
+        if exc.reason in ("unknown_model", "no_pool"):  # no worker serves it / no router pool routes it
             return NotFound(message, code="model_not_found", param="model")
         if exc.retry_after is not None:
             return RateLimited(message, code=exc.reason, retry_after=exc.retry_after)

@@ -27,6 +27,8 @@ from natsched.bus.errors import ServerError
 from natsched.bus.server import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SYNC, EmbeddedServer, die_with_parent
 from natsched.ops.auth import AuthDir, AuthError
 from natsched.hosting.runtime import DRAINED_PREFIX, READY_PREFIX
+from natsched.wire import subjects as S
+from natsched.wire.pools import PoolMap
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,8 @@ class UpSettings:
     workers: int = 2
     admitters: int = 1  # per partition
     partitions: int = 1  # partitioned admission (natsched.admitter.partition): P x admitters processes
-    routers: int = 1
+    routers: int = 1  # per pool with router_pools
+    router_pools: str = ""  # natsched.wire.pools.PoolMap.parse spec; "": one pool of every model
     inline_routing: bool = False  # admitters run with --route (then routers may be 0)
     credit: bool = True  # admitters spend credit reserved ahead (natsched.admitter.credit); False: --no-credit
     engine: str = "sim"
@@ -94,6 +97,12 @@ class UpSettings:
     server_leave_s: float | None = None  # a silent server's agent leaves after this (None: the worker's default)
 
     def __post_init__(self) -> None:
+        self.pools = PoolMap.parse(self.router_pools)  # PoolError (a ValueError) names what is wrong
+        if self.pools.configured and self.inline_routing:
+            raise ValueError("--router-pools with --inline-routing: an inline router routes the default pool only")
+        if self.pools.configured and self.auth_dir is not None:
+            raise ValueError("--router-pools with --auth-dir: natsched auth init makes the default pool's router "
+                             "role only (docs/fleet.md)")
         if self.partitions > 1 and self.auth_dir is not None:
             raise ValueError("--partitions with --auth-dir: the roles name the unpartitioned consumers only "
                              "(docs/fleet.md, what is left)")
@@ -118,7 +127,10 @@ class UpSettings:
 
     def metered(self) -> int:
         """How many children serve metrics (the offline runner has none)."""
-        return self.admitters * self.partitions + self.routers + self.workers + (self.gateway_port is not None)
+        return self.admitters * self.partitions + self.router_total() + self.workers + (self.gateway_port is not None)
+
+    def router_total(self) -> int:
+        return self.routers * max(1, len(self.pools.pools))
 
 
 @dataclass
@@ -159,11 +171,11 @@ class Supervisor:
             route = ["--route", "--policy", self.s.policy] if self.s.inline_routing else []
             route += [] if self.s.credit else ["--no-credit"]
             route += [f"--set={a}" for a in self.s.admitter_settings] + part
+            route += ["--pools", self.s.router_pools] if self.s.pools.configured else []
             kids.append(Child(name, self._cmd("admitter", *common, "--name", name, *route),
                               user="scheduler" if self.s.inline_routing else "admitter"))
-        for i in range(1, self.s.routers + 1):
-            name = "router" if self.s.routers == 1 else f"router-{i}"
-            kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy),
+        for name, pool in self._router_names():
+            kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy, *pool),
                               user="router"))
         if self.s.offline:  # one runner, partitioned or not: it admits each job through its tenant's partition
             split = ["--partitions", str(self.s.partitions)] if self.s.partitions > 1 else []
@@ -183,6 +195,16 @@ class Supervisor:
                 kid.args += ["--credentials", str(self.auth.creds(kid.user))]
         self._assign_metrics_ports(kids)
         return kids
+
+    def _router_names(self) -> list[tuple[str, list[str]]]:
+        """(name, pool flags) of every router: ``router``, ``router-<i>``, or with pools
+        ``router-<pool>`` / ``router-<pool>-<i>``."""
+        n = self.s.routers
+        if not self.s.pools.configured:
+            return [("router" if n == 1 else f"router-{i}", []) for i in range(1, n + 1)]
+        return [(S.pool_router(p) if n == 1 else f"{S.pool_router(p)}-{i}",
+                 ["--pool", p, "--pools", self.s.router_pools]) for p in sorted(self.s.pools.pools)
+                for i in range(1, n + 1)]
 
     def _admitter_names(self) -> list[tuple[str, list[str]]]:
         """(name, partition flags) of every admitter: ``admitter``, ``admitter-<i>``, or with

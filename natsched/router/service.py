@@ -7,6 +7,10 @@ puts its own statistics of each worker it learned something new about under
 older than ``cost_share_ttl_s`` (a replica that left) is dropped. A worker's heartbeat naming its
 ``deployment`` makes the router read the calibration stored for it and start that worker's model
 from the measured speed.
+
+Router pools (``natsched.wire.pools``): a replica of pool ``P`` consumes only ``adm.<P>.>``
+(consumer ``router-<P>``) and registers only the workers whose heartbeats name a model of ``P``,
+so its scoring and prefix index cover its pool's tens of workers, not the fleet.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from natsched.wire import fence
 from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
+from natsched.bus.pools import PoolWatch
+from natsched.wire.pools import check_pool
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import (Admitted, Assignment, CacheEvent, Completion, CompletionStatus, Control, Decision,
                                   Heartbeat, Reply, ReplyKind, ReplyStatus)
@@ -57,6 +63,10 @@ class RouterServiceSettings:
     metrics_port: int | None = None  # serve Prometheus metrics here (natsched.router.metrics)
     share_costs: bool = True  # publish and merge learned cost statistics (bucket workers)
     cost_share_ttl_s: float = 120.0  # another replica's statistics older than this are dropped
+    #: the router pool this replica routes (natsched.wire.pools): its consumer ``router-<pool>``
+    #: reads only ``adm.<pool>.>`` and only the workers serving the pool's models are registered;
+    #: the default pool (no pool map) is every model, on consumer ``router``
+    pool: str = S.DEFAULT_POOL
 
 
 @dataclass
@@ -91,7 +101,11 @@ class RouterService:
         self._others: dict[tuple[str, str], float] = {}  # (worker, replica) -> its record's time
         self._priors: dict[tuple[str, str], object] = {}  # (model, deployment) -> prior or None (asked)
         self._refused_seen: dict[str, int] = {}  # reason -> refusals already counted in the metrics
-        self._spec = ConsumerSpec(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL, max_deliver=attempts + 3,
+        self.pool = check_pool(self.settings.pool)
+        self.pools = PoolWatch(bus) if self.pooled else None  # the map: which workers are this pool's
+        self.foreign = 0  # heartbeats of workers of other pools, ignored
+        self._spec = ConsumerSpec(S.STREAM_ADMITTED, S.pool_router(self.pool), S.pool_admitted(self.pool),
+                                  max_deliver=attempts + 3,
                                   redeliver_delay_s=self.settings.retry_delay_s, batch=256)
 
     async def start(self, watch_completions: bool = True) -> None:
@@ -99,6 +113,11 @@ class RouterService:
         (:meth:`observe_completion`) instead of this router watching ``done.>`` beside it, which
         brought every completion into the same process twice."""
         await self.bus.provision()
+        if self.pools is not None:
+            await self.pools.start()
+            if self.pool not in self.pools.map.pools:
+                raise ConfigError(f"router pool {self.pool!r} is not in the pool map (config key "
+                                  f"{S.KEY_POOLS!r}): {self.pools.map.describe()}")
         current = await self.bus.kv(S.BUCKET_CONFIG).get(S.KEY_ROUTER_CONFIG)
         if current is not None:
             self.apply_config(current[0])
@@ -118,7 +137,18 @@ class RouterService:
             from prometheus_client import start_http_server
 
             start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
-        log.info("router ready (policy %s)", self.core.policy.name)
+        log.info("router ready (policy %s, pool %s)", self.core.policy.name, self.pool)
+
+    @property
+    def pooled(self) -> bool:
+        """Whether this replica routes a configured pool (not the default one: every model)."""
+        return self.pool != S.DEFAULT_POOL
+
+    def is_mine(self, hb: Heartbeat) -> bool:
+        """Whether ``hb``'s worker serves a model of this router's pool (the default pool: any)."""
+        if self.pools is None:
+            return True
+        return self.pools.map.routes(self.pool, (hb.model, *(m.id for m in hb.served)))
 
     def apply_config(self, raw: bytes) -> bool:
         """Apply ``{"policy", "weights", "canary", "canary_share", "learn", "health"}`` from the config bucket.
@@ -256,6 +286,9 @@ class RouterService:
             log.warning("ignoring heartbeat of %s published on %s", hb.worker, subject)
             self.metrics.bad_reports.labels("heartbeat").inc()
             return
+        if not self.is_mine(hb):  # another pool's worker: not scored, not indexed here
+            self.foreign += 1
+            return
         known = hb.worker in self.core.workers
         self.core.on_heartbeat(hb, time.time())
         if not known and hb.deployment:
@@ -272,6 +305,9 @@ class RouterService:
         if subject != S.cache_events(ev.worker):
             log.warning("ignoring cache event of %s published on %s", ev.worker, subject)
             self.metrics.bad_reports.labels("cache_event").inc()
+            return
+        if self.pooled and ev.worker not in self.core.workers:
+            # another pool's worker, or one not heard yet: its first heartbeat asks for a snapshot
             return
         if not self.core.on_cache_event(ev, time.time()):
             log.info("cache events of %s have a gap at seq %d; asking for a snapshot", ev.worker, ev.seq)

@@ -278,22 +278,25 @@ def admitter_role() -> Role:
         *kv_read_permissions(S.BUCKET_WORKERS),
         # scaling signals (admitter/scaling.py): the event, and the latest kept for natsched status
         S.SCALE_ALL, _js("STREAM", "INFO", _kv_stream(S.BUCKET_CONFIG)),
-        *kv_write_permissions(S.BUCKET_CONFIG, S.KEY_SCALE),
+        *kv_write_permissions(S.BUCKET_CONFIG, S.KEY_SCALE), *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_POOLS),
     ]
     return Role("admitter", "admitter", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CANCELS_ALL])
 
 
-def router_role() -> Role:
+def router_role(pool: str = S.DEFAULT_POOL) -> Role:
+    """A router of pool ``pool`` (``natsched.wire.pools``): it may create and pull its own pool's
+    consumer only, with its own pool's filter."""
     pub = _service_base() + [
         S.WORK_ALL, subject("completion", worker=S.ROUTER_SOURCE), subject("decision", stage="routing"),
         subject("control"),
         S.deadletter("router"),
-        *consumer_permissions(S.STREAM_ADMITTED, S.CONSUMER_ROUTER, S.ADMITTED_ALL),
-        *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG),
+        *consumer_permissions(S.STREAM_ADMITTED, S.pool_router(pool), S.pool_admitted(pool)),
+        *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_ROUTER_CONFIG), *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_POOLS),
         # learned cost statistics shared between replicas, and the calibrations they start from
         *kv_read_permissions(S.BUCKET_WORKERS), *kv_write_permissions(S.BUCKET_WORKERS, S.COST_KEYS),
     ]
-    return Role("router", "router", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CACHE_EVENTS_ALL, S.COMPLETIONS_ALL,
+    name = "router" if pool == S.DEFAULT_POOL else S.pool_router(pool)
+    return Role(name, "router", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CACHE_EVENTS_ALL, S.COMPLETIONS_ALL,
                                                                 S.CANCELS_ALL])
 
 
@@ -339,6 +342,7 @@ def offline_role() -> Role:
         *kv_read_permissions(S.BUCKET_QUOTAS),
         *kv_pinned_read_permissions(S.BUCKET_JOBS, render(S.PATTERNS["job_key"])),
         *kv_write_permissions(S.BUCKET_JOBS, render(S.PATTERNS["job_key"])),
+        *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_POOLS),
     ]
     return Role("offline", "offline", publish=pub, subscribe=[S.HEARTBEATS_ALL])
 

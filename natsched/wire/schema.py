@@ -102,7 +102,7 @@ class Request(Schema):
 
 @dataclass
 class Admitted(Schema):
-    """What the admitter forwards on ``adm.<class>.<tenant>``: the request and its reservation."""
+    """What the admitter forwards on ``adm.<pool>.<class>.<tenant>``: the request and its reservation."""
 
     request: Request
     runtime_tokens: int

@@ -107,9 +107,26 @@ def request(cls: str, tenant: TenantId) -> str:
     return f"req.{token(cls, 'class')}.{token(tenant, 'tenant')}"
 
 
-def admitted(cls: str, tenant: TenantId) -> str:
-    """Where the admitter forwards an allowed request: ``adm.<class>.<tenant>``."""
-    return f"adm.{token(cls, 'class')}.{token(tenant, 'tenant')}"
+#: the router pool of a deployment with no pool map (``natsched.wire.pools``): every model
+DEFAULT_POOL = "all"
+#: key in ``config`` holding the router pool map (JSON ``{"<pool>": ["<model>", ...]}``)
+KEY_POOLS = "pools"
+
+
+def admitted(pool: str, cls: str, tenant: TenantId) -> str:
+    """Where the admitter forwards an allowed request: ``adm.<pool>.<class>.<tenant>`` (the pool
+    routing its model, ``natsched.wire.pools``; :data:`DEFAULT_POOL` without a pool map)."""
+    return f"adm.{token(pool, 'pool')}.{token(cls, 'class')}.{token(tenant, 'tenant')}"
+
+
+def pool_admitted(pool: str) -> str:
+    """What router pool ``pool`` consumes from ADMITTED: ``adm.<pool>.>``."""
+    return f"adm.{token(pool, 'pool')}.>"
+
+
+def pool_router(pool: str) -> str:
+    """Router pool ``pool``'s durable consumer: ``router-<pool>``; the default pool's is ``router``."""
+    return CONSUMER_ROUTER if pool == DEFAULT_POOL else f"{CONSUMER_ROUTER}-{token(pool, 'pool')}"
 
 
 def work(worker: WorkerId) -> str:
@@ -297,7 +314,9 @@ def reservation_key(request_id: RequestId) -> str:
 #: every subject builder's shape, as written in subjects.md (the doc test renders each one)
 PATTERNS = {
     "request": "req.<class>.<tenant>",
-    "admitted": "adm.<class>.<tenant>",
+    "admitted": "adm.<pool>.<class>.<tenant>",
+    "pool_admitted": "adm.<pool>.>",
+    "pool_router": "router-<pool>",
     "work": "work.<worker>",
     "reply": "resp.<request_id>",
     "decision": "decision.<stage>.<tenant>",

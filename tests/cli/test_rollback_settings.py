@@ -122,6 +122,8 @@ async def test_a_setting_set_live_reaches_the_admitter_and_a_bad_one_changes_not
         assert "cluster.total" not in await _entries(bus)
         cli(nats_url, "quota", "set", "--set", "admission.default_total=5555")
         assert await wait_for(lambda: adm.total == 5555)
+        assert orjson.loads(cli(nats_url, "quota", "show", "--json").stdout)["total"] == 5555  # what runs
+        assert "cluster.total" not in await _entries(bus)  # shown, not pinned
         cli(nats_url, "quota", "set", "--unset", "admission.default_total")
         assert await wait_for(lambda: adm.total == 400_000)
         before = await _entries(bus)

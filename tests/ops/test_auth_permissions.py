@@ -191,7 +191,7 @@ async def test_tenant_cannot_publish_as_another_tenant(probe):
     assert not await a.publish(S.request(S.ONLINE, "A"))  # its own subject: allowed
     for cls in S.CLASSES:
         assert await a.publish(S.request(cls, "B")), f"{cls} request as B was not refused"
-    assert await a.publish(S.admitted(S.ONLINE, "A"))  # nor skip admission
+    assert await a.publish(S.admitted(S.DEFAULT_POOL, S.ONLINE, "A"))  # nor skip admission
 
 
 async def test_tenant_cannot_read_another_tenants_responses_or_results(probe):
@@ -217,7 +217,7 @@ async def test_worker_cannot_publish_admission_decisions_or_act_as_another_worke
     assert not await w1.publish(S.heartbeat("w1"))  # its own reports: allowed
     assert not await w1.publish(S.worker_outcome("A", "b1", "j1", "w1"))
     assert not await w1.publish("$JS.API.CONSUMER.CREATE.WORK.worker-w1.work.w1", b"{}")
-    for subject in (S.admitted(S.ONLINE, "A"), S.decision("admission", "A"), S.decision("routing", "A"),
+    for subject in (S.admitted(S.DEFAULT_POOL, S.ONLINE, "A"), S.decision("admission", "A"), S.decision("routing", "A"),
                     S.request(S.ONLINE, "A"), S.work("w2"), S.heartbeat("w2"), S.cache_events("w2"),
                     S.control("w2"), S.offline("A"),
                     # a job's outcome only on its own sub-subject (the offline runner checks its fence)
@@ -231,7 +231,7 @@ async def test_worker_cannot_publish_admission_decisions_or_act_as_another_worke
 
 async def test_services_are_confined_to_their_stage(probe):
     admitter, router = await probe("admitter"), await probe("router")
-    assert not await admitter.publish(S.admitted(S.ONLINE, "A"))
+    assert not await admitter.publish(S.admitted(S.DEFAULT_POOL, S.ONLINE, "A"))
     assert await admitter.publish(S.work("w1")) and await admitter.publish(S.decision("routing", "A"))
     assert await admitter.publish("$KV.quotas." + S.KEY_CLUSTER_TOTAL)  # quotas are the admin's
     assert not await admitter.publish("$KV.quotas." + S.KEY_DYNAMIC_TOTAL)  # except its own key
@@ -240,7 +240,7 @@ async def test_services_are_confined_to_their_stage(probe):
         assert await admitter.publish(f"$JS.API.STREAM.{api}.REQUESTS", b"{}")
         assert await router.publish(f"$JS.API.STREAM.{api}.WORK", b"{}")
     assert not await router.publish(S.work("w1"))
-    assert await router.publish(S.admitted(S.ONLINE, "A")) and await router.publish(S.decision("admission", "A"))
+    assert await router.publish(S.admitted(S.DEFAULT_POOL, S.ONLINE, "A")) and await router.publish(S.decision("admission", "A"))
     assert await router.publish("$KV.config." + S.KEY_ROUTER_CONFIG)  # reads its config, never writes it
 
 

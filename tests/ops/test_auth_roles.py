@@ -164,7 +164,7 @@ async def test_gateway_cannot_publish_as_a_tenant_it_does_not_serve_or_edit_quot
                     "$JS.API.STREAM.UPDATE.KV_quotas", "$JS.API.STREAM.PURGE.KV_quotas",
                     "$JS.API.STREAM.DELETE.KV_quotas", "$KV.config." + S.KEY_ROUTER_CONFIG,
                     "$KV.inflight." + S.KEY_USAGE,  # reads the usage for /status, never changes it
-                    S.admitted(S.ONLINE, "A"), S.work("w1"), S.completion("A", "w1"), S.decision("admission", "A"),
+                    S.admitted(S.DEFAULT_POOL, S.ONLINE, "A"), S.work("w1"), S.completion("A", "w1"), S.decision("admission", "A"),
                     # no consumer on, or message read from, the streams that hold prompts and replies
                     "$JS.API.CONSUMER.CREATE.REQUESTS", "$JS.API.STREAM.MSG.GET.REQUESTS",
                     "$JS.API.STREAM.MSG.GET.KV_jobs", "$JS.API.CONSUMER.CREATE.OUTCOMES"):
@@ -218,7 +218,7 @@ async def test_batch_role_of_one_tenant_cannot_read_another_tenants_job_records(
 
 async def test_offline_runner_role_cannot_publish_admission_decisions(probe):
     runner = await probe("offline")
-    for allowed in (S.decision(S.STAGE_OFFLINE, "A"), S.admitted(S.BATCH, "A"), S.offline("A"),
+    for allowed in (S.decision(S.STAGE_OFFLINE, "A"), S.admitted(S.DEFAULT_POOL, S.BATCH, "A"), S.offline("A"),
                     S.deadletter("offline"), "$KV.inflight." + S.KEY_USAGE, "$KV.inflight." + S.reservation_key("j1")):
         assert not await runner.publish(allowed), f"the offline runner may publish to {allowed}"
     for subject in (S.decision("admission", "A"), S.decision("routing", "A"), S.request(S.ONLINE, "A"),

@@ -48,7 +48,7 @@ async def admit(bus, n=1):
     ids = []
     for _ in range(n):
         req = make_request(max_tokens=4)
-        await bus.jpublish(S.admitted(req.cls, req.tenant), Admitted(request=req, runtime_tokens=10,
+        await bus.jpublish(S.admitted(S.DEFAULT_POOL, req.cls, req.tenant), Admitted(request=req, runtime_tokens=10,
                                                                      admitted_at=time.time()), msg_id=req.id)
         ids.append(req.id)
     return ids
@@ -126,7 +126,7 @@ async def test_metrics_count_assignments_migrations_and_refused_reports(router, 
     await bus.publish(S.heartbeat("wbad"), codec.encode(make_heartbeat("wbad").to_wire() | {"waiting": -1}))
     same_prefix = [make_request(prompt_token_ids=list(range(64)) + [i], max_tokens=2) for i in range(3)]
     for req in same_prefix:
-        await bus.jpublish(S.admitted(req.cls, req.tenant), Admitted(request=req, runtime_tokens=10,
+        await bus.jpublish(S.admitted(S.DEFAULT_POOL, req.cls, req.tenant), Admitted(request=req, runtime_tokens=10,
                                                                      admitted_at=time.time()), msg_id=req.id)
     assert await until(lambda: len(seen.assigned) == 3)
     m = router.metrics
@@ -206,12 +206,12 @@ async def _finished_copy_is_not_routed(router, bus, routed, admitted_empty):
     assert await until(lambda: "wf" in router.core.workers)
     req = make_request(max_tokens=4)
     adm = Admitted(request=req, runtime_tokens=10, admitted_at=time.time())
-    await bus.jpublish(S.admitted(req.cls, req.tenant), adm, msg_id=f"{req.id}:adm")
+    await bus.jpublish(S.admitted(S.DEFAULT_POOL, req.cls, req.tenant), adm, msg_id=f"{req.id}:adm")
     assert await until(lambda: routed == [(req.id, 0)])
     done = make_completion(req.id, worker="wf")
     await bus.jpublish(S.completion(done.tenant, "wf"), done, msg_id=f"{req.id}:done:{done.fence}")
     assert await until(lambda: f"{req.id}:0" in router.finished)
-    await bus.jpublish(S.admitted(req.cls, req.tenant), adm, msg_id=f"{req.id}:adm-copy")
+    await bus.jpublish(S.admitted(S.DEFAULT_POOL, req.cls, req.tenant), adm, msg_id=f"{req.id}:adm-copy")
     assert await until(admitted_empty)  # the copy is acked ...
     await bus.flush()
     assert routed == [(req.id, 0)]  # ... and not routed
@@ -219,6 +219,6 @@ async def _finished_copy_is_not_routed(router, bus, routed, admitted_empty):
     forged = make_completion(req.id, worker="wf", attempt=1, fence="0" * 16)  # not the router's token
     await bus.publish(S.completion(forged.tenant, "wf"), forged)
     rescued = Admitted(request=req, runtime_tokens=10, admitted_at=adm.admitted_at, attempt=1, avoid=["wx"])
-    await bus.jpublish(S.admitted(req.cls, req.tenant), rescued, msg_id=f"{req.id}:adm:1")
+    await bus.jpublish(S.admitted(S.DEFAULT_POOL, req.cls, req.tenant), rescued, msg_id=f"{req.id}:adm:1")
     assert await until(lambda: routed == [(req.id, 0), (req.id, 1)])  # a later attempt is routed
     assert router.metrics.finished_copies._value.get() == 1

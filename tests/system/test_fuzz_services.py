@@ -359,7 +359,7 @@ def test_admitted_subject(fresh, data):
     reply = S.reply(rid)
     base = valid_messages(rid=rid, reply=reply)["Admitted"].to_wire()
     payload = data.draw(payloads(base))
-    env.run(env.bus.jpublish(S.admitted(S.ONLINE, "fz"), payload, msg_id=f"{rid}:adm",
+    env.run(env.bus.jpublish(S.admitted(S.DEFAULT_POOL, S.ONLINE, "fz"), payload, msg_id=f"{rid}:adm",
                              headers={S.HDR_REPLY: reply}))
     body_id = _body_id(payload, "request")
     assert_settled(env, f"{rid}:adm", payload,
@@ -559,7 +559,7 @@ def test_a_reply_header_no_one_can_publish_to_is_dead_lettered_and_the_admitter_
     assert [d.reason for d in env.observer.dead[rid]] == ["malformed"]
 
 
-@pytest.mark.parametrize("reply", ["sp ace", "a\tb", "$KV.inflight.usage", S.admitted(S.ONLINE, "other")])
+@pytest.mark.parametrize("reply", ["sp ace", "a\tb", "$KV.inflight.usage", S.admitted(S.DEFAULT_POOL, S.ONLINE, "other")])
 def test_a_request_cannot_name_a_reply_subject_outside_its_own_replies(fresh, reply):
     """Found by the fuzz: a body ``reply`` with a space made the admitter (after allowing it), the
     router and the worker raise BadSubjectError on their replies, so the request ran up to 3 times;
