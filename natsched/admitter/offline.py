@@ -56,6 +56,7 @@ from natsched.admitter.shared import Reservation, SharedState
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
+from natsched.wire import fence
 from natsched.client.batch import COMPLETED, FAILED, FINAL, RUNNING, SUBMITTED, WAITING, JobStore, attempt_id, note
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
 from natsched.bus.pools import PoolWatch
@@ -289,6 +290,9 @@ class OfflineMetrics:
         self.running = Gauge("natsched_offline_running", "Attempts this replica watches for a timeout", registry=r)
         self.wait = Histogram("natsched_offline_wait_seconds", "Time on the OFFLINE queue before a job was taken",
                               buckets=(0.1, 1, 5, 30, 60, 300, 900, 3600, 4 * 3600, 86400), registry=r)
+        self.refused = Counter("natsched_offline_refused_outcomes", "Outcomes refused: not from the worker the "
+                               "attempt was assigned to (reason: wrong_worker, bad_fence, unfenced)", ["reason"],
+                               registry=r)
 
 
 @dataclass
@@ -565,13 +569,29 @@ class OfflineRunner:
     async def _on_outcomes(self, batch: list[Delivery]) -> None:
         for d in batch:  # in order: a job's replies are folded in the order they were stored
             try:
-                job = S.parse_outcome_subject(d.subject)
-                if job is None:
+                parsed = S.parse_stored_outcome(d.subject)
+                if parsed is None:
                     raise MessageError(f"{d.subject} is not an outcome subject (outcome.<tenant>.<batch>.<job_id>)")
-                await self.fold(job, Reply.decode(d.data))
+                job, source = parsed
+                reply = Reply.decode(d.data)
+                if not self._refused(job, reply, source):
+                    await self.fold(job, reply)
                 await d.ack()
             except Exception as exc:  # this message only: bad input dead-lettered, the rest retried
                 await self.bus.settle_failed(d, self._outcomes, "offline", exc)
+
+    def _refused(self, job: tuple[str, str, str], reply: Reply, source: str | None) -> bool:
+        """Whether a worker's output must not reach the job record, as the client refuses it
+        (:func:`natsched.wire.fence.reply_problem`): output comes only on the sending worker's own
+        sub-subject, with the reply fence the router signed for that worker and the attempt's id
+        (with the tenant's reply key: no worker holds it). Refused ones are counted and logged."""
+        why = fence.reply_problem(self.bus.reply_key(job[0]), reply, source, reply.request_id, 0)
+        if why is None:
+            return False
+        self.metrics.refused.labels(why).inc()
+        log.warning("job %s: a %s outcome from %s refused (%s): not from the worker its attempt %s was assigned to",
+                    job[2], reply.kind, source or "the services' subject", why, reply.request_id)
+        return True
 
     async def fold(self, job: tuple[str, str, str], reply: Reply) -> JobRecord | None:
         """Apply one reply to its job record and act on what it means."""

@@ -4,7 +4,11 @@ A batch is a file of JSON lines, each ``{"prompt" | "messages" | "prompt_token_i
 ...}`` (an OpenAI batch line's ``body`` works too). Ids are deterministic so a batch is submitted
 once however often it is run:
 
-- batch id ``b<24 hex>`` = digest of (tenant, class, file bytes); request id ``<batch>-<line>``;
+- batch id ``b<24 hex>`` = digest of (tenant, class, file bytes); request id ``<batch>-<line>`` in
+  the tenant's scope (``_<tag>_<batch>-<line>``, :func:`natsched.wire.ids.scoped`), published with a
+  message id keyed by the tenant's reply key (:func:`natsched.wire.msgids.submission`), as the
+  client does: a tenant that knows another's file can compute neither the id the admitter would
+  take from it (another tenant's tag is refused) nor its dedup slot;
 - JetStream's dedup window (2 min) catches a re-run soon after; for later re-runs (``--resume``
   after an interruption) the manifest (``batch.<batch>`` in bucket ``jobs``) and the REQUESTS
   stream itself say which lines are already there, and only the others are published;
@@ -36,6 +40,7 @@ from natsched.wire import msgids as M
 from natsched.bus.connection import Bus
 from natsched.bus.errors import ConflictError
 from natsched.client.errors import BatchError, BatchFileError, JobStoreError, NotFound
+from natsched.wire.ids import scoped
 from natsched.wire.ids import attempt_id  # noqa: F401 (re-exported: the job model names it here too)
 from natsched.wire.errors import ChatError, MessageError
 from natsched.wire.schema import BatchManifest, JobRecord, JobStatus, Request, RequestId, TenantId
@@ -59,8 +64,15 @@ def batch_id(tenant: str, cls: str, data: bytes) -> str:
     return "b" + digest.hexdigest()[:24]
 
 
-def request_id(batch: str, line: int) -> RequestId:
-    return RequestId(f"{batch}-{line}")
+def request_id(batch: str, line: int, tenant: str) -> RequestId:
+    """Line ``line``'s id, in ``tenant``'s scope (the same file of the same tenant: the same id)."""
+    return scoped(tenant, f"{batch}-{line}")
+
+
+def ids_prefix(batch: str, tenant: str) -> str:
+    """What every request id of ``batch`` starts with (a batch's ids are never long enough to be
+    replaced by a digest: ``b<24 hex>-<line>``)."""
+    return request_id(batch, 0, tenant)[:-1]
 
 
 # ------------------------------------------------------------------ lines (pure)
@@ -164,7 +176,7 @@ def plan_batch(data: bytes, tenant: str, cls: str = S.BATCH, now: float | None =
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
-        rid = request_id(bid, number)
+        rid = request_id(bid, number, tenant)
         try:
             fields = parse_line(raw)
             req = Request(id=rid, tenant=TenantId(tenant), cls=cls, reply=S.outcome(tenant, bid, rid),
@@ -399,13 +411,13 @@ class BatchClient:
 
         Both subjects a request may be stored under (unpartitioned, or in any partition), one
         filtered read each: a read's permission names its one filter (``Stream.filtered``)."""
-        prefix = plan.id + "-"
+        prefix = ids_prefix(plan.id, plan.tenant)
         ids = set()
         for subject in S.stored_requests_of(plan.tenant, plan.cls):
             async for head in self.bus.stream(S.STREAM_REQUESTS).filtered(subject, since=manifest.created - 2.0,
                                                                           headers_only=True):
                 if head.msg_id.startswith(prefix):
-                    ids.add(head.msg_id)
+                    ids.add(M.request_of(head.msg_id))
         for _, record in await self.store.scan(S.job_filter(plan.tenant, plan.id)):
             if record.status != SUBMITTED:
                 ids.add(record.id)
@@ -438,7 +450,8 @@ class BatchClient:
         """Record first (the collector may see a reply before we return), then publish."""
         now = time.time()
         await self.store.create(S.job_key(plan.tenant, plan.id, req.id), submitted_record(plan, line, req, now))
-        ack = await self.bus.jpublish(S.request(plan.cls, plan.tenant), req, msg_id=M.request(req.id),
+        msg_id = M.submission(req.id, self.bus.reply_key(plan.tenant))  # as the client: no other tenant knows it
+        ack = await self.bus.jpublish(S.request(plan.cls, plan.tenant), req, msg_id=msg_id,
                                       headers={S.HDR_REPLY: req.reply or ""})
         return 0 if ack.duplicate else 1
 
@@ -459,7 +472,7 @@ class BatchClient:
         records = await self.records(manifest)
         counts: dict[str, int] = {}
         for line in span_lines(manifest.spans):
-            record = records.get(request_id(manifest.id, line))
+            record = records.get(request_id(manifest.id, line, manifest.tenant))
             key = record.status if record is not None else "pending"
             counts[key] = counts.get(key, 0) + 1
         return BatchStatus(manifest, dict(sorted(counts.items())))
@@ -469,8 +482,10 @@ class BatchClient:
         ``output`` (completed) or ``error`` (failed, malformed), in line order."""
         manifest = await self.manifest(batch)
         records = await self.records(manifest)
-        rows = {line: result_row(request_id(manifest.id, line), line, records.get(request_id(manifest.id, line)))
-                for line in span_lines(manifest.spans)}
+        rows = {}
+        for line in span_lines(manifest.spans):
+            rid = request_id(manifest.id, line, manifest.tenant)
+            rows[line] = result_row(rid, line, records.get(rid))
         for line, why in manifest.malformed.items():
             rows[int(line)] = {"id": None, "line": int(line), "status": "malformed", "error": why}
         return [rows[k] for k in sorted(rows)]

@@ -5,8 +5,8 @@ lost ack (or by a second replica doing the same work) is not stored twice. The i
 request id, and every later stage adds its own suffix: one request leaves one message per
 stage, and one per attempt where a stage may run again::
 
-    <id>                       the request (batch, raw publishers): REQUESTS
-    <id>:req<tag>              the request as natsched's client publishes it (tag: keyed per tenant): REQUESTS
+    <id>                       the request (raw publishers): REQUESTS
+    <id>:req<tag>              the request as the client and batch producer publish it (tag: per tenant): REQUESTS
     <id>:adm[:<attempt>]       admitted (admitter, offline runner; a rescue's re-admission): ADMITTED
     <id>:work[:<attempt>]      assigned to a worker (router, inline routing): WORK
     <id>:done:<fence>          its completion (worker, or the router when it cannot route): COMPLETIONS

@@ -61,7 +61,7 @@ GATEWAY_ACCOUNT = "GATEWAY"
 OUTSIDE_KINDS = frozenset({"producer", "batch", "gateway"})
 #: kinds of role given the key that signs assignments (routers) and checks completions
 #: (admitters, the audit): never a worker, producer or gateway
-FENCE_KINDS = frozenset({"admin", "admitter", "router", "scheduler"})
+FENCE_KINDS = frozenset({"admin", "admitter", "router", "scheduler", "offline"})  # offline: checks job outcomes
 #: where an outside account sees the services' JetStream API: every account already answers
 #: ``$JS.API.>`` itself (with "JetStream not enabled"), so an import under the same name would
 #: race it; the client names this prefix instead (its credentials file carries it)
@@ -320,9 +320,10 @@ def worker_role(worker: str) -> Role:
         raise ValueError(f"worker id {worker!r} is reserved: the router's own completions use it")
     # replies on its own resp.*.*.<worker> only (not a producer's reply subject itself: that is
     # the services' channel), so a producer can take output from the worker it was assigned to
-    base = [p for p in _service_base() if p not in (subject("reply"), subject("tenant_reply"))]
+    # (and a job's outcomes likewise on its own outcome.*.*.*.<worker>: the offline runner checks them)
+    base = [p for p in _service_base() if p not in (subject("reply"), subject("tenant_reply"), S.OUTCOMES_ALL)]
     pub = base + [
-        subject("tenant_worker_reply", worker=worker),
+        subject("tenant_worker_reply", worker=worker), subject("worker_outcome", worker=worker),
         subject("completion", worker=worker), S.heartbeat(worker), S.cache_events(worker), S.deadletter("worker"),
         *consumer_permissions(S.STREAM_WORK, S.worker_consumer(worker), S.work(worker)),
         *kv_read_permissions(S.BUCKET_WORKERS),

@@ -161,9 +161,12 @@ def worker_reply(reply: str, worker: WorkerId) -> str:
     ``<reply>.<worker>`` of a ``resp.`` reply (``resp.<tenant>.<request_id>.<worker>``), so that a
     per-worker permission (``resp.*.*.<worker>``) makes the server vouch for which worker sent it
     and the producer can take output only from the worker its request was assigned to
-    (``natsched.wire.fence.reply_problem``). Other reply subjects (job outcomes, benchmark runs)
-    are kept as they are: their readers are services, not producers."""
-    return f"{reply}.{token(worker, 'worker id')}" if reply.startswith("resp.") else reply
+    (``natsched.wire.fence.reply_problem``). A job's outcome subject gets the same sub-subject
+    (``outcome.<tenant>.<batch>.<job_id>.<worker>``: the offline runner checks it alike, issue 26);
+    benchmark replies are kept as they are."""
+    if reply.startswith(("resp.", "outcome.")):
+        return f"{reply}.{token(worker, 'worker id')}"
+    return reply
 
 
 def tenant_worker_reply(tenant: TenantId, request_id: RequestId, worker: WorkerId) -> str:
@@ -407,6 +410,22 @@ def parse_outcome_subject(subject: str) -> tuple[str, str, str] | None:
     return parts[1], parts[2], parts[3]
 
 
+def worker_outcome(tenant: TenantId, batch: str, job_id: RequestId, worker: WorkerId) -> str:
+    """A worker's replies to a job: ``outcome.<tenant>.<batch>.<job_id>.<worker>`` (:func:`worker_reply`
+    of :func:`outcome`)."""
+    return worker_reply(outcome(tenant, batch, job_id), worker)
+
+
+def parse_stored_outcome(subject: str) -> tuple[tuple[str, str, str], str | None] | None:
+    """An OUTCOMES subject -> ((tenant, batch, job id), the worker that sent it or None), or None:
+    ``outcome.<tenant>.<batch>.<job_id>`` is the services' (statuses, refusals), and
+    ``outcome.<tenant>.<batch>.<job_id>.<worker>`` a worker's own (:func:`worker_reply`)."""
+    parts = subject.split(".")
+    if len(parts) not in (4, 5) or parts[0] != "outcome" or not all(is_token(p) for p in parts[1:]):
+        return None
+    return (parts[1], parts[2], parts[3]), (parts[4] if len(parts) == 5 else None)
+
+
 def job_key(tenant: TenantId, batch: str, job_id: RequestId) -> str:
     """A job record in bucket ``jobs``: ``job.<tenant>.<batch>.<job_id>``."""
     return f"job.{token(tenant, 'tenant')}.{token(batch, 'batch id')}.{token(job_id, 'job id')}"
@@ -419,6 +438,7 @@ def batch_key(batch: str) -> str:
 
 PATTERNS.update({
     "outcome": "outcome.<tenant>.<batch>.<job_id>",
+    "worker_outcome": "outcome.<tenant>.<batch>.<job_id>.<worker>",
     "job_key": "job.<tenant>.<batch>.<job_id>",
     "batch_key": "batch.<batch>",
 })

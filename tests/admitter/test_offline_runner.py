@@ -9,7 +9,7 @@ from natsched.admitter.offline import OfflineRunner, OfflineSettings
 from natsched.admitter.shared import SharedState
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
-from natsched.client.batch import BatchClient, JobStore
+from natsched.client.batch import BatchClient, JobStore, request_id
 from natsched.client.producer import make_request
 from natsched.wire.ids import RequestId, scoped
 from natsched.wire.codec import encode
@@ -97,7 +97,7 @@ async def test_transient_failures_are_retried_then_failed_and_dead_lettered(bus,
     try:
         client = BatchClient(bus)
         report = await client.submit(b'{"prompt": "nobody home", "max_tokens": 2}\n', "t1")
-        rid = f"{report.batch}-1"
+        rid = request_id(report.batch, 1, "t1")
         assert await wait_for(lambda: _status(bus, rid, "failed"), timeout=60)
         record = await job(bus, rid)
         assert (record.reason, record.attempts) == ("no_worker", 3) and "after 3 attempt" in record.message

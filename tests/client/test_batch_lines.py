@@ -5,7 +5,7 @@ import pytest
 
 from natsched.wire import subjects as S
 from natsched.client.batch import LineError, attempt_id, batch_id, parse_line, plan_batch, request_id, span_lines, to_spans
-from natsched.wire.ids import ID_PATTERN
+from natsched.wire.ids import ID_PATTERN, in_scope, unscoped
 
 
 def jsonl(*rows) -> bytes:
@@ -78,7 +78,8 @@ def test_ids_are_deterministic_valid_tokens_and_carry_the_job_reply_subject():
     first, again = plan_batch(data, "t1"), plan_batch(data, "t1")
     assert [r.id for _, r in first.requests] == [r.id for _, r in again.requests]
     _, req = first.requests[1]
-    assert req.id == request_id(first.id, 2) and ID_PATTERN.match(req.id)
+    assert req.id == request_id(first.id, 2, "t1") and ID_PATTERN.match(req.id)
+    assert in_scope("t1", req.id) and not in_scope("t2", req.id) and unscoped(req.id) == f"{first.id}-2"
     assert req.reply == S.outcome("t1", first.id, req.id) and req.cls == "batch" and req.tenant == "t1"
 
 

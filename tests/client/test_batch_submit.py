@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from natsched.wire import subjects as S
-from natsched.client.batch import BatchClient
+from natsched.client.batch import BatchClient, request_id
 from natsched.client.errors import NotFound
 from natsched.bus.provision import ProvisionSettings
 from natsched.wire.schema import BatchManifest, Request
@@ -45,7 +45,7 @@ async def test_running_twice_submits_nothing_twice(bus):
     assert (first.published, first.already) == (10, 0)
     assert (again.published, again.already, again.batch) == (0, 10, first.batch)
     ids = await stored_ids(bus)
-    assert len(ids) == 10 and sorted(ids) == sorted(f"{first.batch}-{i}" for i in range(1, 11))
+    assert len(ids) == 10 and sorted(ids) == sorted(request_id(first.batch, i, "t1") for i in range(1, 11))
 
 
 async def test_resume_after_an_interruption_long_after_the_dedup_window(bus):

@@ -215,10 +215,13 @@ async def test_tenant_cannot_read_another_tenants_responses_or_results(probe):
 async def test_worker_cannot_publish_admission_decisions_or_act_as_another_worker(probe):
     w1 = await probe("worker-w1")
     assert not await w1.publish(S.heartbeat("w1"))  # its own reports: allowed
+    assert not await w1.publish(S.worker_outcome("A", "b1", "j1", "w1"))
     assert not await w1.publish("$JS.API.CONSUMER.CREATE.WORK.worker-w1.work.w1", b"{}")
     for subject in (S.admitted(S.DEFAULT_POOL, S.ONLINE, "A"), S.decision("admission", "A"), S.decision("routing", "A"),
                     S.request(S.ONLINE, "A"), S.work("w2"), S.heartbeat("w2"), S.cache_events("w2"),
                     S.control("w2"), S.offline("A"),
+                    # a job's outcome only on its own sub-subject (the offline runner checks its fence)
+                    S.outcome("A", "b1", "j1"), S.worker_outcome("A", "b1", "j1", "w2"),
                     # its consumer cannot be re-pointed at, nor another consumer read, w2's work
                     "$JS.API.CONSUMER.CREATE.WORK.worker-w1.work.w2", "$JS.API.CONSUMER.DURABLE.CREATE.WORK.worker-w1",
                     "$JS.API.CONSUMER.MSG.NEXT.WORK.worker-w2", "$JS.API.CONSUMER.CREATE.WORK"):

@@ -20,7 +20,7 @@ import pytest
 from natsched.bus.snapshot import read_kv
 from natsched.wire import subjects as S
 from natsched.bus.errors import ReadError
-from natsched.client.batch import BatchClient, JobStore
+from natsched.client.batch import BatchClient, JobStore, request_id
 from natsched.bus.connection import Bus, Credentials
 from natsched.bus.server import find_binary
 from tests.factories.auth import RoleServices
@@ -178,15 +178,16 @@ async def test_gateway_cannot_publish_as_a_tenant_it_does_not_serve_or_edit_quot
 async def test_batch_role_of_one_tenant_cannot_read_another_tenants_job_records(probe, connect):
     b = BatchClient(await connect("batch-B"))
     report = await b.submit(offline_lines("B", 2), "B", S.OFFLINE)
-    theirs = S.job_key("B", report.batch, f"{report.batch}-1")
+    theirs = S.job_key("B", report.batch, request_id(report.batch, 1, "B"))
     own = BatchClient(await connect("batch-A"))
     mine = await own.submit(offline_lines("A-again", 1), "A", S.OFFLINE)
     # its own records, through the real reads: every one A's, none of B's
     keys = [k for k, _ in await own.store.scan(S.job_filter("A"))]
-    assert keys and all(k.startswith("job.A.") for k in keys) and S.job_key("A", mine.batch, f"{mine.batch}-1") in keys
+    mine_key = S.job_key("A", mine.batch, request_id(mine.batch, 1, "A"))
+    assert keys and all(k.startswith("job.A.") for k in keys) and mine_key in keys
 
     a = await probe("batch-A")
-    assert not await a.publish(local_subject(f"$JS.API.DIRECT.GET.KV_jobs.$KV.jobs.job.A.{mine.batch}.{mine.batch}-1"))
+    assert not await a.publish(local_subject(f"$JS.API.DIRECT.GET.KV_jobs.$KV.jobs.{mine_key}"))
     for subject in (f"$JS.API.DIRECT.GET.KV_jobs.$KV.{S.BUCKET_JOBS}.{theirs}",  # B's record by key
                     "$JS.API.DIRECT.GET.KV_jobs", "$JS.API.STREAM.MSG.GET.KV_jobs",  # any record, key in the body
                     "$JS.API.CONSUMER.CREATE.KV_jobs",  # a watch: its filter is in the body

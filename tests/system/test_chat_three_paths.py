@@ -9,7 +9,7 @@ import orjson
 
 from natsched.wire.ids import scoped
 
-from natsched.client.batch import BatchClient
+from natsched.client.batch import BatchClient, request_id
 from natsched.client.producer import make_request
 from natsched.wire import chat
 from natsched.wire import subjects as S
@@ -45,7 +45,7 @@ async def test_one_conversation_three_paths_one_hash_chain(bus, nats_url):
         await stack.close()
 
     stored = {r.id: r for r in (Request.decode(data) for _, data in await bus.stream_messages(S.STREAM_REQUESTS))}
-    batch_id = f"{report.batch}-1"
+    batch_id = request_id(report.batch, 1, "alpha")
     paths = [stored[scoped("alpha", gateway_id)], stored[batch_id], stored[client_req.id]]  # the gateway's, scoped
     assert [r.cls for r in paths] == [S.ONLINE, S.BATCH, S.ONLINE]  # three different ways in
     assert {(r.system_prompt, r.prompt) for r in paths} == {chat.render(MESSAGES)}
