@@ -137,17 +137,16 @@ class Rescuer:
         would hand that work to it only after the ack wait (30 s)."""
         report = RescueReport()
         found = [s for s in await self._read_subject(worker, S.work(worker), self.max_per_sweep, report, upto_seq)
-                 if not running(s.assignment.request.id)]
+                 if not running(s.assignment.request.id) and self.owns(s.assignment.request.tenant)]
         if found:
             log.warning("worker %s restarted: rescuing %d requests its predecessor left unfinished", worker,
                         len(found))
             # first: the live worker must not run a copy the server redelivers to it from now on
             # (the heartbeat read above is older than this): schema.Control, kind handover
             for s in found:
-                if self.owns(s.assignment.request.tenant):
-                    await self.bus.publish(S.control(worker), Control(
-                        kind="handover", ts=time.time(), by=self.name, request_id=s.assignment.request.id,
-                        attempt=s.assignment.attempt))
+                await self.bus.publish(S.control(worker), Control(
+                    kind="handover", ts=time.time(), by=self.name, request_id=s.assignment.request.id,
+                    attempt=s.assignment.attempt))
             await self.bus.flush(timeout=2)
         return await self._rescue_found(found, report)
 
