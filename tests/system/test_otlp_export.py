@@ -88,7 +88,8 @@ def test_natsched_up_exports_one_trace_per_request_over_otlp(tmp_path):
                 return [s for s in collector.spans if s[3].get("natsched.request_id") == rid]
 
         deadline = time.monotonic() + 60
-        while {s[1] for s in mine()} < set(PATH) and time.monotonic() < deadline:
+        # (not a strict-subset test: a span outside PATH, such as first_token, must not end the wait)
+        while not {s[1] for s in mine()} >= set(PATH) and time.monotonic() < deadline:
             time.sleep(0.1)  # polling a collector thread: the exporter sends on its own schedule
         spans = mine()
         assert {s[1] for s in spans} >= set(PATH), spans

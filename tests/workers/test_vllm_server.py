@@ -281,21 +281,31 @@ async def test_a_text_prefix_is_announced_under_the_routers_text_hashes(system):
 
 
 async def test_a_cancel_stops_generation_on_the_server(system):
+    """A cancel closes the agent's HTTP stream and vLLM aborts the request whose client went away.
+
+    The tiny model makes 900 tokens in about a second; a test process stalled that long by a loaded
+    machine sees its second token only after the server finished them all, and no cancel can stop
+    what is done. So the experiment runs up to three times with fresh requests: lost cancels make
+    every run generate all 900 tokens, a stall spoils one run."""
     client = system.client
     srv = system.servers["s1"]
-    before = await generated_on(srv)
-    req = make_request("t4", prompt_token_ids=[1, 5, 6, 7], model=MODEL, max_tokens=900)
-    async with only(system, "s1"):
-        got = 0
-        async for chunk in client.stream(req):
-            got += len(chunk.token_ids or [])
-            if got >= 2:
-                break  # leaving the loop cancels the request on its worker
-        assert await wait_for(lambda: req.id in system.agents["s1"].finished, timeout=30)
-    # the server runs nothing any more, and stopped well short of the 900 tokens it was asked for:
-    # its HTTP stream was closed, and vLLM aborts a request whose client went away
-    assert await wait_for(lambda: _idle(srv), timeout=30)
-    assert await generated_on(srv) - before < 900
+    made = []
+    for attempt in range(3):
+        before = await generated_on(srv)
+        req = make_request("t4", prompt_token_ids=[1, 5, 6, 7 + attempt], model=MODEL, max_tokens=900)
+        async with only(system, "s1"):
+            got = 0
+            async for chunk in client.stream(req):
+                got += len(chunk.token_ids or [])
+                if got >= 2:
+                    break  # leaving the loop cancels the request on its worker
+            assert await wait_for(lambda: req.id in system.agents["s1"].finished, timeout=30)
+        # the server runs nothing any more, and stopped short of the 900 tokens it was asked for
+        assert await wait_for(lambda: _idle(srv), timeout=30)
+        made.append(await generated_on(srv) - before)
+        if made[-1] < 900:
+            break
+    assert made[-1] < 900, made
 
 
 async def _idle(srv: VllmServe) -> bool:
