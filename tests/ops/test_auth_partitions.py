@@ -11,9 +11,12 @@ with no permission refused. Then a raw connection as each role shows what the se
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import subprocess
 import time
 
+import httpx
 import pytest
 
 from natsched.admitter.budget import partition_of
@@ -28,6 +31,8 @@ from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings
 from natsched.wire import subjects as S
 from natsched.wire.pools import PoolMap
+from natsched.cli.auth import add_parsers as add_auth_parser, cmd_auth
+from natsched.bus.server import find_binary
 from natsched.wire.schema import Decision
 from natsched.workers.agent import WorkerAgent, WorkerSettings
 from natsched.workers.profiles import H100_LLAMA8B
@@ -35,12 +40,14 @@ from natsched.workers.simengine import SimEngine
 from tests.admitter.test_service import set_quotas
 from tests.factories.auth import secured_server
 from tests.factories.core import wait_for
+from tests.factories.gateway import start_gateway
 from tests.ops.test_auth_permissions import Probe, assert_no_violation, tenant_request
 
 P0, P1 = "globex", "acme"  # partition_of(.., 2): 0 and 1
 assert (partition_of(P0, 2), partition_of(P1, 2)) == (0, 1)
 POOLS = "a=ma;b=*"  # pool a routes model ma, pool b every other model
 WORKER_MODELS = {"w1": "ma", "w2": "mb"}
+KEY = "sk-globex-0123456789"
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +116,7 @@ async def _decisions(admin: Bus, stage: str) -> list[Decision]:
 # --- (a) every partitioned role doing its job --------------------------------------------------
 async def test_partition_admitters_coordinator_pool_routers_and_runner_work_on_their_own_roles(
         connect, provisioned, caplog):
-    _, _, admin = provisioned
+    server, files, admin = provisioned
     coord = Coordinator(await connect("coordinator"),
                         CoordinatorSettings(name="coord", partitions=2, interval_s=0.1, lease_s=1.0))
     await coord.start()
@@ -145,6 +152,17 @@ async def test_partition_admitters_coordinator_pool_routers_and_runner_work_on_t
             r.id: "adm-p0" if r.tenant == P0 else "adm-p1" for r in reqs}  # each tenant by its partition
         routed_by = {d.request_id: d.by for d in await _decisions(admin, "routing")}
         assert {r.id: routed_by[r.id] for r in reqs} == {r.id: "rtr-a" if r.model == "ma" else "rtr-b" for r in reqs}
+
+        # the gateway's status page, on its own role: every partition's usage and its budget in the plan
+        gw = await start_gateway(server.url, keys={KEY: {"tenant": P0, "class": "online", "status": True}},
+                                 credentials=files.creds("gateway"))
+        try:
+            async with httpx.AsyncClient(timeout=30) as http:
+                shown = (await http.get(gw.url + "/status.json", headers={"Authorization": f"Bearer {KEY}"})).json()
+        finally:
+            await gw.close()
+        assert [p["partition"] for p in shown["partitions"]] == [0, 1]
+        assert all(p["budget"] is not None for p in shown["partitions"])
 
         # offline work: degraded by the partition admitter, admitted by the runner through its partition
         jobs = [tenant_request(t, f"{t} offline job " * 6, cls=S.OFFLINE, model="mb", max_tokens=2) for t in (P0, P1)]
@@ -237,3 +255,30 @@ async def test_the_runner_and_the_gateway_read_the_plan_and_write_no_budget(prob
         assert await runner.publish(subject), f"the offline runner publishing to {subject} was not refused"
     for subject in ("$KV.inflight-p0.usage", "$KV.budget.plan", "JS.NATSCHED.API.CONSUMER.CREATE.KV_budget"):
         assert await gateway.publish(subject), f"the gateway publishing to {subject} was not refused"
+
+
+# --- auth init's flags ------------------------------------------------------------------------------
+def _auth_init(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="natsched")
+    add_auth_parser(parser.add_subparsers(dest="command"))
+    return cmd_auth(parser.parse_args(["auth", "init", *argv]))
+
+
+def test_init_flags_write_the_partition_and_pool_users_and_refuse_a_bad_pool_spec(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert _auth_init("--out", str(out), "--tenants", P0, "--workers", "w1", "--partitions", "3",
+                      "--router-pools", POOLS) == 0
+    users = {p.stem for p in (out / "creds").iterdir()}
+    assert {"admitter-p0", "admitter-p1", "admitter-p2", "coordinator", "router-a", "router-b"} <= users
+    check = subprocess.run([find_binary(), "-c", str(out / "nats-auth.conf"), "-t"], capture_output=True, text=True,
+                           timeout=30)
+    assert check.returncode == 0, check.stderr
+    # replaced with fewer partitions: the users it no longer has lose their files too
+    assert _auth_init("--out", str(out), "--tenants", P0, "--workers", "w1", "--force") == 0
+    assert not {p.stem for p in (out / "creds").iterdir()} & {"admitter-p0", "coordinator", "router-a"}
+    capsys.readouterr()
+    bad = tmp_path / "bad"
+    assert _auth_init("--out", str(bad), "--router-pools", "a.b=m") == 1
+    assert "subject token" in capsys.readouterr().err and not bad.exists()
+    with pytest.raises(SystemExit):  # argparse: N must be a positive integer
+        _auth_init("--out", str(bad), "--partitions", "0")
