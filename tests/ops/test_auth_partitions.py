@@ -25,14 +25,15 @@ from natsched.admitter.offline import OfflineRunner, OfflineSettings
 from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
 from natsched.bus.connection import Bus
 from natsched.bus.pools import store_pools
+from natsched.bus.server import find_binary
+from natsched.cli.auth import add_parsers as add_auth_parser
+from natsched.cli.auth import cmd_auth
 from natsched.client.batch import JobStore
 from natsched.client.producer import Client, Timeouts
 from natsched.router.core import RouterSettings
 from natsched.router.service import RouterService, RouterServiceSettings
 from natsched.wire import subjects as S
 from natsched.wire.pools import PoolMap
-from natsched.cli.auth import add_parsers as add_auth_parser, cmd_auth
-from natsched.bus.server import find_binary
 from natsched.wire.schema import Decision
 from natsched.workers.agent import WorkerAgent, WorkerSettings
 from natsched.workers.profiles import H100_LLAMA8B
@@ -270,7 +271,7 @@ def test_init_flags_write_the_partition_and_pool_users_and_refuse_a_bad_pool_spe
                       "--router-pools", POOLS) == 0
     users = {p.stem for p in (out / "creds").iterdir()}
     assert {"admitter-p0", "admitter-p1", "admitter-p2", "coordinator", "router-a", "router-b"} <= users
-    check = subprocess.run([find_binary(), "-c", str(out / "nats-auth.conf"), "-t"], capture_output=True, text=True,
+    check = subprocess.run([find_binary(), "-c", str(out / "nats-auth.conf"), "-t"], capture_output=True, text=True, check=False,
                            timeout=30)
     assert check.returncode == 0, check.stderr
     # replaced with fewer partitions: the users it no longer has lose their files too
