@@ -252,4 +252,5 @@ class Rescuer:
         await self.bus.jpublish_nowait(S.decision("admission", req.tenant), record, msg_id=M.rescue(req.id, attempt))
         if req.reply:
             await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.STATUS,
-                                                    status=ReplyStatus.REROUTED, worker=worker))
+                                                    status=ReplyStatus.REROUTED, worker=worker,
+                                                    attempt=attempt))  # a job's runner fences by it
