@@ -21,6 +21,7 @@ import pytest
 
 from natsched.admitter.budget import partition_of
 from natsched.admitter.coordinator import Coordinator, CoordinatorSettings, decode_plan
+from natsched.admitter.move import change_partitions
 from natsched.admitter.offline import OfflineRunner, OfflineSettings
 from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
 from natsched.bus.connection import Bus
@@ -42,7 +43,8 @@ from tests.admitter.test_service import set_quotas
 from tests.factories.auth import secured_server
 from tests.factories.core import wait_for
 from tests.factories.gateway import start_gateway
-from tests.ops.test_auth_permissions import Probe, assert_no_violation, tenant_request
+from tests.ops.test_auth_permissions import assert_no_violation, probe, tenant_request  # noqa: F401 (a fixture)
+from tests.ops.test_auth_roles import connect  # noqa: F401 (a fixture: each role's Bus, on this module's server)
 
 P0, P1 = "globex", "acme"  # partition_of(.., 2): 0 and 1
 assert (partition_of(P0, 2), partition_of(P1, 2)) == (0, 1)
@@ -75,40 +77,6 @@ async def provisioned(secured):
         await admin.close()
 
 
-@pytest.fixture
-async def connect(provisioned):
-    server, files, _ = provisioned
-    buses: list[Bus] = []
-
-    async def as_role(user: str) -> Bus:
-        bus = await Bus.connect(server.url, name=user, credentials=files.creds(user))
-        buses.append(bus)
-        return bus
-
-    try:
-        yield as_role
-    finally:
-        for bus in reversed(buses):
-            await bus.close()
-
-
-@pytest.fixture
-async def probe(provisioned):
-    server, files, _ = provisioned
-    opened: list[Probe] = []
-
-    async def open_as(user: str) -> Probe:
-        p = await Probe.connect(server.url, files.creds(user))
-        opened.append(p)
-        return p
-
-    try:
-        yield open_as
-    finally:
-        for p in opened:
-            await p.close()
-
-
 async def _decisions(admin: Bus, stage: str) -> list[Decision]:
     return [d for d in (Decision.decode(data) for _, data in await admin.stream_messages(S.STREAM_DECISIONS))
             if d.stage == stage]
@@ -116,10 +84,12 @@ async def _decisions(admin: Bus, stage: str) -> list[Decision]:
 
 # --- (a) every partitioned role doing its job --------------------------------------------------
 async def test_partition_admitters_coordinator_pool_routers_and_runner_work_on_their_own_roles(
-        connect, provisioned, caplog):
+        connect, provisioned, caplog):  # noqa: F811
     server, files, admin = provisioned
-    coord = Coordinator(await connect("coordinator"),
-                        CoordinatorSettings(name="coord", partitions=2, interval_s=0.1, lease_s=1.0))
+    coord_bus = await connect("coordinator")
+    await coord_bus.provision()  # natsched coordinator's start-up: reads only, P already 2
+    assert await change_partitions(coord_bus, 2) is False
+    coord = Coordinator(coord_bus, CoordinatorSettings(name="coord", partitions=2, interval_s=0.1, lease_s=1.0))
     await coord.start()
     admitters = []
     for k in (0, 1):  # no candidate of their own: the coordinator role alone plans
@@ -194,7 +164,7 @@ async def test_partition_admitters_coordinator_pool_routers_and_runner_work_on_t
 
 
 # --- (b) what each role may not do ----------------------------------------------------------------
-async def test_a_partition_admitter_is_confined_to_its_own_partition(probe):
+async def test_a_partition_admitter_is_confined_to_its_own_partition(probe):  # noqa: F811
     p0 = await probe("admitter-p0")
     assert not await p0.publish("$JS.API.CONSUMER.INFO.REQUESTS.admitter-p0", b"")  # its own: allowed
     assert not await p0.publish("$JS.API.STREAM.INFO.KV_inflight-p0", b"")
@@ -212,7 +182,7 @@ async def test_a_partition_admitter_is_confined_to_its_own_partition(probe):
         assert await p0.publish(subject, b"{}"), f"admitter-p0 publishing to {subject} was not refused"
 
 
-async def test_the_coordinator_plans_and_touches_no_request_usage_or_report(probe):
+async def test_the_coordinator_plans_and_touches_no_request_usage_or_report(probe):  # noqa: F811
     c = await probe("coordinator")
     assert not await c.publish("$JS.API.STREAM.INFO.KV_budget", b"")
     for subject in ("$KV.inflight-p0.usage", "$KV.inflight.usage", "$KV.budget.report.0.adm-p0",
@@ -223,7 +193,7 @@ async def test_the_coordinator_plans_and_touches_no_request_usage_or_report(prob
     assert await c.subscribe(S.HEARTBEATS_ALL)
 
 
-async def test_producers_and_workers_gain_nothing_from_partitions(probe):
+async def test_producers_and_workers_gain_nothing_from_partitions(probe):  # noqa: F811
     prod = await probe(f"producer-{P0}")
     assert not await prod.publish(S.cancel(P0, "r1"))  # its own (core NATS): allowed
     for subject in (f"reqp.0.online.{P0}", f"reqp.1.online.{P0}", f"reqp.0.online.{P1}",  # past the transform
@@ -239,7 +209,7 @@ async def test_producers_and_workers_gain_nothing_from_partitions(probe):
         assert await worker.publish(subject, b"{}"), f"worker publishing to {subject} was not refused"
 
 
-async def test_a_pool_router_consumes_its_own_pool_only(probe):
+async def test_a_pool_router_consumes_its_own_pool_only(probe):  # noqa: F811
     a = await probe("router-a")
     assert not await a.publish("$JS.API.CONSUMER.INFO.ADMITTED.router-a", b"")
     for subject in ("$JS.API.CONSUMER.CREATE.ADMITTED.router-b.adm.b.>", "$JS.API.CONSUMER.CREATE.ADMITTED.router-a.adm.b.>",
@@ -249,7 +219,7 @@ async def test_a_pool_router_consumes_its_own_pool_only(probe):
         assert await a.publish(subject, b"{}"), f"router-a publishing to {subject} was not refused"
 
 
-async def test_the_runner_and_the_gateway_read_the_plan_and_write_no_budget(probe):
+async def test_the_runner_and_the_gateway_read_the_plan_and_write_no_budget(probe):  # noqa: F811
     runner, gateway = await probe("offline"), await probe("gateway")
     assert not await runner.publish("$JS.API.STREAM.INFO.KV_inflight-p1", b"")
     for subject in ("$KV.budget.plan", "$KV.budget.coordinator", "$KV.budget.report.0.x", "$KV.inflight-p1.other"):
