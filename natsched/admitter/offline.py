@@ -17,6 +17,13 @@ a reason: transient ones (``no_worker``, ``engine_error``, a timeout, a quota re
 under a fresh attempt id up to ``max_attempts``; permanent ones (invalid, too large) and the last
 failed attempt end ``failed`` and are dead-lettered on ``dead.offline`` — never dropped.
 
+A worker's outcome is fenced like a producer's reply (:func:`natsched.wire.fence.reply_problem`:
+its own sub-subject, the router's reply fence) *and by admission attempt*: a job whose worker died
+is rescued as the next attempt of the same attempt id (:mod:`natsched.admitter.rescue`), and the
+old worker, only paused, still holds a genuine fence for the old one. Its outcome is refused as
+``stale`` (:func:`stale`: older than the reservation's attempt or the record's
+``admission_attempt``), as the admitters refuse its completion.
+
 **Partitioned admission** (``partitions`` > 1, :mod:`natsched.admitter.partition`): one runner
 still reads all of OFFLINE, and admits each job *through its tenant's partition*: the watermark
 applies to that partition's budget (its grant in ``budget/plan``), the reservation is committed
@@ -194,6 +201,7 @@ def on_take(record: JobRecord | None, request: Request, batch: str, now: float, 
     record.attempts += 1
     record.attempt_id = attempt_id(record.id, record.attempts)
     record.status, record.path, record.started, record.worker = RUNNING, "offline", now, None
+    record.admission_attempt = 0  # a fresh attempt id starts at its first admission
     note(record, "taken", now, by=by)
     return record
 
@@ -240,8 +248,28 @@ def on_reply(record: JobRecord | None, reply: Reply, job: tuple[str, str, str], 
     return on_failure(record, reason, reply.message, now, max_attempts)
 
 
+def stale(record: JobRecord | None, reply: Reply, reserved: int = 0) -> bool:
+    """Whether a worker's outcome ``reply`` is of an admission attempt since rescued: older than
+    the newest attempt its reservation (``reserved``: ``Reservation.attempt``, 0 when released) or
+    the record (a ``rerouted`` status, an outcome taken) knows of its attempt id.
+
+    Why both: a rescue moves the reservation's attempt on before it re-admits the request, so
+    while the new attempt runs the reservation says so; once that attempt's completion has
+    released it, the record has heard the rescue's ``rerouted`` (or taken the new attempt's
+    outcome). The old worker's fence is genuine (it was assigned the old attempt), so the fence
+    alone cannot tell; the attempt it signs can. Outcomes of an earlier attempt *id* (a retried
+    job) are not judged here: :func:`on_reply` keeps the first result of any of them."""
+    current = (record.attempt_id or record.id) if record is not None else reply.request_id
+    if reply.request_id != current:
+        return False
+    known = record.admission_attempt if record is not None else 0
+    return (reply.attempt or 0) < max(known, reserved)
+
+
 def _completed(record: JobRecord, reply: Reply, now: float) -> JobRecord:
     record.status, record.finished, record.reason, record.message = COMPLETED, now, None, None
+    if reply.request_id == (record.attempt_id or record.id):
+        record.admission_attempt = max(record.admission_attempt, reply.attempt or 0)
     record.output = reply.text or ""
     for name in ("worker", "prompt_tokens", "cached_tokens", "output_tokens", "ttft", "tpot"):
         setattr(record, name, getattr(reply, name))
@@ -260,6 +288,11 @@ def _status(record: JobRecord, reply: Reply, now: float) -> JobRecord | None:
         record.status, record.path, record.attempts, record.attempt_id = RUNNING, "online", 1, record.id
         record.started = now
         note(record, "admitted", now)
+        return record
+    if reply.status == ReplyStatus.REROUTED and record.status == RUNNING and reply.request_id == record.attempt_id \
+            and (reply.attempt or 0) > record.admission_attempt:  # rescued: only the new attempt's outcome counts
+        record.admission_attempt, record.worker = reply.attempt, None
+        note(record, "rerouted", now, worker=reply.worker, admission=reply.attempt)
         return record
     if reply.status == ReplyStatus.ASSIGNED and record.status == RUNNING and reply.request_id == record.attempt_id:
         record.worker = reply.worker
@@ -291,8 +324,8 @@ class OfflineMetrics:
         self.wait = Histogram("natsched_offline_wait_seconds", "Time on the OFFLINE queue before a job was taken",
                               buckets=(0.1, 1, 5, 30, 60, 300, 900, 3600, 4 * 3600, 86400), registry=r)
         self.refused = Counter("natsched_offline_refused_outcomes", "Outcomes refused: not from the worker the "
-                               "attempt was assigned to (reason: wrong_worker, bad_fence, unfenced)", ["reason"],
-                               registry=r)
+                               "attempt was assigned to, or of an attempt since rescued (reason: wrong_worker, "
+                               "bad_fence, unfenced, stale)", ["reason"], registry=r)
 
 
 @dataclass
@@ -575,7 +608,8 @@ class OfflineRunner:
                 job, source = parsed
                 reply = Reply.decode(d.data)
                 if not self._refused(job, reply, source):
-                    await self.fold(job, reply)
+                    await self.fold(job, reply, await self._reserved_attempt(job[0], reply) if source else None,
+                                    source)
                 await d.ack()
             except Exception as exc:  # this message only: bad input dead-lettered, the rest retried
                 await self.bus.settle_failed(d, self._outcomes, "offline", exc)
@@ -593,18 +627,40 @@ class OfflineRunner:
                     job[2], reply.kind, source or "the services' subject", why, reply.request_id)
         return True
 
-    async def fold(self, job: tuple[str, str, str], reply: Reply) -> JobRecord | None:
-        """Apply one reply to its job record and act on what it means."""
+    async def _reserved_attempt(self, tenant: str, reply: Reply) -> int:
+        """The admission attempt the reservation of a final outcome's attempt id is at now (0:
+        released, or not final: a token chunk changes no record)."""
+        if not reply.final:
+            return 0
+        shared = (self.by_partition.get(partition_of(tenant, self.partitions), self.shared) if self.by_partition
+                  else self.shared)
+        res = await shared.lookup(reply.request_id)
+        return res.attempt if res is not None else 0
+
+    async def fold(self, job: tuple[str, str, str], reply: Reply, reserved: int | None = None,
+                   source: str | None = None) -> JobRecord | None:
+        """Apply one reply to its job record and act on what it means. ``reserved`` (a worker's
+        outcome: the attempt its reservation is at, :meth:`_reserved_attempt`) fences it by
+        admission attempt: one of an attempt since rescued is refused (:func:`stale`), counted
+        and logged, and never folded. None: a message of the services', not bound to an attempt."""
         key = S.job_key(*job)
         action: dict = {}
 
         def change(record: JobRecord | None) -> JobRecord | None:
+            action["stale"] = reserved is not None and reply.final and stale(record, reply, reserved)
+            if action["stale"]:
+                return None
             new, action["act"] = on_reply(record, reply, job, time.time(), self.settings.max_attempts)
             action["wrote"] = new is not None
             return new
 
         record = await self.store.update(key, change)
-        if record is not None and action["wrote"]:  # a late or duplicate reply changes nothing
+        if action["stale"]:
+            self.metrics.refused.labels(fence.REPLY_STALE).inc()
+            log.warning("job %s: a %s outcome from %s refused (stale): attempt %d of %s was rescued and runs as "
+                        "attempt %d", job[2], reply.kind, source or "?", reply.attempt or 0, reply.request_id,
+                        max(reserved or 0, record.admission_attempt if record else 0))
+        elif record is not None and action["wrote"]:  # a late or duplicate reply changes nothing
             await self._act(key, record, action["act"])
         return record
 

@@ -17,7 +17,8 @@ message back onto ADMITTED as the next *attempt*, naming the dead worker in ``av
    finished: the message is only removed, never re-run (a reservation still held is released
    when its completion is processed). Otherwise publish the :class:`~natsched.wire.schema.Admitted`
    with ``Nats-Msg-Id`` ``<id>:adm:<attempt>`` (two replicas rescuing the same message at once
-   store it once), tell the producer (status ``rerouted``), write an audit record (``rescue``);
+   store it once), after telling the producer (status ``rerouted``, with the new attempt: a job's
+   runner refuses the old attempt's outcomes by it) and writing an audit record (``rescue``);
 4. delete the WORK message (a replica that finds it already deleted did nothing wrong).
 
 A crash between 3 and 4 leaves the message for the next sweep, whose publish is deduplicated.
@@ -237,9 +238,12 @@ class Rescuer:
         else:
             adm = readmission(a, worker, self.name)
             pools = self.pools.map if self.pools is not None else PoolMap()
+            # told first: a job's offline runner fences outcomes by the attempt it names, and the
+            # new attempt's outcome (and its release of the reservation) can only come after the
+            # re-admission; a tell repeated by the next sweep after a failed publish changes nothing
+            await self._tell(a, worker, adm.attempt)
             await self.bus.jpublish(pools.admitted_subject(a.request.model, a.request.cls, a.request.tenant), adm,
                                     msg_id=M.admitted(rid, adm.attempt))
-            await self._tell(a, worker, adm.attempt)
             report.rescued[rid] = worker
             log.warning("request %s rescued from dead worker %s (attempt %d)", rid, worker, adm.attempt)
         await self.bus.delete_message(S.STREAM_WORK, s.seq)
@@ -252,4 +256,5 @@ class Rescuer:
         await self.bus.jpublish_nowait(S.decision("admission", req.tenant), record, msg_id=M.rescue(req.id, attempt))
         if req.reply:
             await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.STATUS,
-                                                    status=ReplyStatus.REROUTED, worker=worker))
+                                                    status=ReplyStatus.REROUTED, worker=worker,
+                                                    attempt=attempt))  # a job's runner fences by it

@@ -43,7 +43,7 @@ from natsched.bus.pools import PoolWatch
 from natsched.errors import NatschedError
 from natsched import tracing
 from natsched.wire.errors import MessageError, SchemaError
-from natsched.wire.ids import in_scope
+from natsched.wire.ids import in_scope, scope_of
 from natsched.wire.schema import (Admitted, Completion, CompletionStatus, Decision, Reply, ReplyKind, ReplyStatus,
                                   Request, ScaleEvent)
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
@@ -274,7 +274,7 @@ class AdmitterService(Repairs, PartitionMember):
         for d in batch:
             try:
                 request = Request.decode(d.data)
-                _check_scope(request, d.subject)
+                _check_scope(request, d.subject, keyed=self.bus.fence_key is not None)
             except MessageError as exc:  # error reply + dead letter + term
                 await self.bus.settle_failed(d, self._spec, "admitter", exc)
                 continue
@@ -1025,10 +1025,27 @@ def _admission_span(request: Request, dec: AdmissionDecision, d: Delivery | None
     return span
 
 
-def _check_scope(request: Request, subject: str) -> None:
+def _check_scope(request: Request, subject: str, keyed: bool = False) -> None:
     """Refuse, before it touches any state, a request whose id is in another tenant's scope than
-    its subject's (natsched.wire.ids.scoped): no tenant may take, or act on, another's ids."""
+    its subject's (natsched.wire.ids.scoped): no tenant may take, or act on, another's ids.
+
+    ``keyed`` (the deployment runs with ``natsched auth init``'s keys: this admitter was given a
+    fence key) also refuses an id of *no* scope: a raw publisher bypassing the client would
+    otherwise share one namespace of bare ids with every other tenant's raw publishers (its ``x``
+    makes another tenant's ``x`` a duplicate). Refused (``invalid``, dead-lettered, nothing
+    reserved), not scoped here on intake: the id is in the subjects the producer chose before it
+    published (``resp.<tenant>.<id>``, a job's ``outcome.<tenant>.<batch>.<id>``, which the offline
+    runner matches to the request's id), and it is what the producer matches replies, cancels
+    and reply fences by (the worker signs and names the id it runs): an id rewritten here would
+    answer on a subject naming one id with a body naming another, fenced for an id the producer
+    never sent, and its job would lose its record. Open
+    mode (no keys) keeps accepting bare ids as they are: there every connection may publish
+    anything anyway, and legacy publishers keep working."""
     parsed = S.parse_request_subject(subject)
     tenant = parsed[1] if parsed is not None else request.tenant
     if not in_scope(tenant, request.id) or not in_scope(request.tenant, request.id):
         raise SchemaError(f"request id {request.id!r} is in another tenant's scope than {tenant!r}'s", "id")
+    if keyed and scope_of(request.id) is None:
+        raise SchemaError(f"request id {request.id!r} is not in tenant {tenant!r}'s scope: with tenant keys every "
+                          f"request id must be scoped (natsched.wire.ids.scoped(tenant, id); the natsched client, "
+                          f"batch producer and gateway do it)", "id")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from natsched.cli.argtypes import positive_int
 from natsched.cli.options import fail
 
 
@@ -16,7 +17,9 @@ def add_parsers(sub) -> None:
     init_p = au_sub.add_parser("init", help="write nats-auth.conf and creds/<user>.json",
                                description="Write DIR/nats-auth.conf (nats-server -c) and DIR/creds/<user>.json "
                                            "for admin, admitter, router, the offline runner, each worker, the "
-                                           "gateway, and each tenant's producer and batch producer.")
+                                           "gateway, and each tenant's producer and batch producer (and with "
+                                           "--partitions / --router-pools each partition's admitter, the "
+                                           "coordinator and each pool's router).")
     init_p.add_argument("--out", default="natsched-auth", help="output directory (default ./natsched-auth)")
     init_p.add_argument("--tenants", default="demo", help="comma-separated tenants, one producer user each "
                                                           "(default demo)")
@@ -30,6 +33,13 @@ def add_parsers(sub) -> None:
                              "(default: every --tenants; '' for none)")
     init_p.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
                         help="the offline runner's user (default: yes; natsched up runs the runner)")
+    init_p.add_argument("--partitions", type=positive_int, default=1, metavar="N",
+                        help="partitioned admission (natsched up --partitions P, any P <= N): a user per "
+                             "partition, admitter-p0..admitter-p<N-1>, each confined to its partition's "
+                             "consumers and bucket, and the budget coordinator's (default 1: none)")
+    init_p.add_argument("--router-pools", default="", metavar="SPEC",
+                        help="router pools, the spec natsched up --router-pools takes ('a=m1;b=m2,*'): a user "
+                             "router-<pool> per pool, confined to its pool's consumer (default: none)")
     init_p.add_argument("--tls", action="store_true", help="also make a self-signed CA and a server certificate "
                                                            "for 127.0.0.1/localhost (openssl)")
     init_p.add_argument("--force", action="store_true", help="replace an existing config (every password changes)")
@@ -51,7 +61,7 @@ def auth_settings(args):
     return AuthSettings(out=Path(args.out), tenants=parse_list(args.tenants), workers=parse_list(args.workers),
                         gateway_tenants=_optional_list(args.gateway_tenants),
                         batch_tenants=_optional_list(args.batch_tenants), offline=args.offline,
-                        tls=args.tls, force=args.force)
+                        partitions=args.partitions, router_pools=args.router_pools, tls=args.tls, force=args.force)
 
 
 def cmd_auth(args) -> int:

@@ -29,14 +29,16 @@ from natsched.ops.auth import AuthDir, AuthError
 from natsched.hosting.runtime import DRAINED_PREFIX, READY_PREFIX
 from natsched.wire import subjects as S
 from natsched.wire.pools import PoolMap
+from natsched.wire.roles import partition_admitter_user
 
 log = logging.getLogger(__name__)
 
 
 async def _provision(url: str, credentials: Path | None = None, data_dir: Path | None = None,
-                     partitions: int = 1) -> list[str]:
-    """Every stream and bucket, the offline runner's included: under auth only the admin may
-    create them (the services' roles may read stream info, not change it). ``data_dir``: the
+                     partitions: int = 1, pools: PoolMap | None = None) -> list[str]:
+    """Every stream and bucket, the offline runner's included, the partition count and the pool
+    map (``pools``, when configured): under auth only the admin may create or change them (the
+    services' roles may read stream info and the map, not change them). ``data_dir``: the
     embedded server's, whose disk the limits are sized to (or refused with one line). Returns the
     notes on settings the data dir carries from earlier runs (:mod:`natsched.ops.persisted`)."""
     from natsched.ops.persisted import persisted_notes
@@ -50,6 +52,10 @@ async def _provision(url: str, credentials: Path | None = None, data_dir: Path |
 
         # (1: undoes an earlier partitioned run's transform; refused while the old partitions hold work)
         await change_partitions(bus, partitions)
+        if pools is not None and pools.configured:
+            from natsched.bus.pools import store_pools
+
+            await store_pools(bus, pools)
         return await persisted_notes(bus)
     finally:
         await bus.close()
@@ -103,12 +109,6 @@ class UpSettings:
         self.pools = PoolMap.parse(self.router_pools)  # PoolError (a ValueError) names what is wrong
         if self.pools.configured and self.inline_routing:
             raise ValueError("--router-pools with --inline-routing: an inline router routes the default pool only")
-        if self.pools.configured and self.auth_dir is not None:
-            raise ValueError("--router-pools with --auth-dir: natsched auth init makes the default pool's router "
-                             "role only (docs/fleet.md)")
-        if self.partitions > 1 and self.auth_dir is not None:
-            raise ValueError("--partitions with --auth-dir: the roles name the unpartitioned consumers only "
-                             "(docs/fleet.md, what is left)")
         if self.partitions > 1 and self.inline_routing:
             raise ValueError("--partitions with --inline-routing: not wired yet (docs/fleet.md)")
         if self.engine == "vllm-server":
@@ -169,17 +169,14 @@ class Supervisor:
     def plan(self, url: str) -> list[Child]:
         common = ["--nats-url", url]
         kids = []
-        for name, part in self._admitter_names():
-            # inline routing: the scheduler role, an admitter's and a router's permissions together
+        for name, part, user in self._admitter_names():
             route = ["--route", "--policy", self.s.policy] if self.s.inline_routing else []
             route += [] if self.s.credit else ["--no-credit"]
-            route += [f"--set={a}" for a in self.s.admitter_settings] + part
-            route += ["--pools", self.s.router_pools] if self.s.pools.configured else []
-            kids.append(Child(name, self._cmd("admitter", *common, "--name", name, *route),
-                              user="scheduler" if self.s.inline_routing else "admitter"))
-        for name, pool in self._router_names():
-            kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy, *pool),
-                              user="router"))
+            route += [f"--set={a}" for a in self.s.admitter_settings] + part + self._pools_flag()
+            kids.append(Child(name, self._cmd("admitter", *common, "--name", name, *route), user=user))
+        for name, pool, user in self._router_names():
+            kids.append(Child(name, self._cmd("router", *common, "--name", name, "--policy", self.s.policy, *pool,
+                                              *self._pools_flag()), user=user))
         if self.s.offline:  # one runner, partitioned or not: it admits each job through its tenant's partition
             split = ["--partitions", str(self.s.partitions)] if self.s.partitions > 1 else []
             kids.append(Child("offline", self._cmd("offline", *common, "--name", "offline", *split), user="offline"))
@@ -199,24 +196,34 @@ class Supervisor:
         self._assign_metrics_ports(kids)
         return kids
 
-    def _router_names(self) -> list[tuple[str, list[str]]]:
-        """(name, pool flags) of every router: ``router``, ``router-<i>``, or with pools
-        ``router-<pool>`` / ``router-<pool>-<i>``."""
+    def _pools_flag(self) -> list[str]:
+        """``--pools SPEC`` for the admitters and routers: each stores the map before it starts.
+        Not under ``--auth-dir``: the map is the admin's to write (their roles read it), and
+        :func:`_provision` stored it as the admin before any child starts."""
+        return ["--pools", self.s.router_pools] if self.s.pools.configured and self.s.auth_dir is None else []
+
+    def _router_names(self) -> list[tuple[str, list[str], str]]:
+        """(name, pool flags, user under --auth-dir) of every router: ``router``, ``router-<i>``, or
+        with pools ``router-<pool>`` / ``router-<pool>-<i>`` (user ``router-<pool>``: its pool's
+        consumer only, natsched.wire.roles.router_role)."""
         n = self.s.routers
         if not self.s.pools.configured:
-            return [("router" if n == 1 else f"router-{i}", []) for i in range(1, n + 1)]
-        return [(S.pool_router(p) if n == 1 else f"{S.pool_router(p)}-{i}",
-                 ["--pool", p, "--pools", self.s.router_pools]) for p in sorted(self.s.pools.pools)
-                for i in range(1, n + 1)]
+            return [("router" if n == 1 else f"router-{i}", [], "router") for i in range(1, n + 1)]
+        return [(S.pool_router(p) if n == 1 else f"{S.pool_router(p)}-{i}", ["--pool", p], S.pool_router(p))
+                for p in sorted(self.s.pools.pools) for i in range(1, n + 1)]
 
-    def _admitter_names(self) -> list[tuple[str, list[str]]]:
-        """(name, partition flags) of every admitter: ``admitter``, ``admitter-<i>``, or with
-        partitions ``admitter-p<k>`` / ``admitter-p<k>-<i>`` (each also a coordinator candidate)."""
+    def _admitter_names(self) -> list[tuple[str, list[str], str]]:
+        """(name, partition flags, user under --auth-dir) of every admitter: ``admitter``,
+        ``admitter-<i>``, or with partitions ``admitter-p<k>`` / ``admitter-p<k>-<i>`` (each also a
+        coordinator candidate; user ``admitter-p<k>``: its partition's consumers and bucket only).
+        Inline routing runs as ``scheduler``: an admitter's and a router's permissions together."""
         n, p = self.s.admitters, self.s.partitions
         if p == 1:
-            return [("admitter" if n == 1 else f"admitter-{i}", []) for i in range(1, n + 1)]
+            user = "scheduler" if self.s.inline_routing else "admitter"
+            return [("admitter" if n == 1 else f"admitter-{i}", [], user) for i in range(1, n + 1)]
         return [(f"admitter-p{k}" if n == 1 else f"admitter-p{k}-{i}",
-                 ["--partition", str(k), "--partitions", str(p)]) for k in range(p) for i in range(1, n + 1)]
+                 ["--partition", str(k), "--partitions", str(p)], partition_admitter_user(k))
+                for k in range(p) for i in range(1, n + 1)]
 
     def _server_args(self, i: int) -> list[str]:
         """Worker ``i``'s server (engine vllm-server): its URL, KV-event endpoint and replay socket."""
@@ -250,8 +257,10 @@ class Supervisor:
             return
         self.auth = auth = AuthDir.open(self.s.auth_dir)
         needs = {"admin": "provisioning", **{kid.user: kid.name for kid in self.plan("")}}
-        hint = f"--workers {','.join(f'w{i}' for i in range(1, self.s.workers + 1))}" if self.s.workers else ""
-        auth.require(needs, hint)
+        hint = [f"--workers {','.join(self.worker_ids())}"] if self.s.workers else []
+        hint += [f"--partitions {self.s.partitions}"] if self.s.partitions > 1 else []
+        hint += [f"--router-pools '{self.s.router_pools}'"] if self.s.pools.configured else []
+        auth.require(needs, " ".join(hint))
         if self.s.gateway_port is not None:
             self._open_tenant = self._gateway_tenant(auth.tenants("gateway"))
 
@@ -332,7 +341,7 @@ class Supervisor:
         admin = self.auth.creds("admin") if self.auth else None
         # once, before the components race to create streams
         notes = asyncio.run(_provision(url, admin, self.server.data_dir if self.server is not None else None,
-                                       self.s.partitions))
+                                       self.s.partitions, self.s.pools))
         for note in notes:  # a canary or quota set once persists: say so before it applies
             say(f"note: {note}", flush=True)
             log.warning("data dir state: %s", note)

@@ -8,8 +8,11 @@ account per tenant (``TENANT_<t>``: its producer and batch producer) and one for
 (``GATEWAY``), which reach the services only through what ``NATSCHED`` exports to them: a reply
 subject or header they choose is mapped back into their own account by the server, so it cannot
 name the scheduler's KV or streams. One user per role, each with allow-lists for publish and
-subscribe (anything not listed is refused). The
-roles, their allow-lists and why each may do what it may are pure data in :mod:`natsched.wire.roles`;
+subscribe (anything not listed is refused). With ``--partitions N`` and ``--router-pools SPEC``
+it adds the users of partitioned admission (one admitter user per partition, confined to that
+partition, for any P up to N, and the budget coordinator) and of router pools (one router user
+per pool): why one user per partition and not wildcards is in :func:`natsched.wire.roles.roles`.
+The roles, their allow-lists and why each may do what it may are pure data in :mod:`natsched.wire.roles`;
 this module writes them as a server config and credentials files.
 
 Passwords, not nkeys: the server config then needs no extra package on either side (nkeys
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import orjson
 
+from natsched.wire.pools import PoolMap
 from natsched.wire.roles import SERVICES_ACCOUNT, Role, local_subject, roles
 from natsched.wire.fence import reply_key
 
@@ -76,6 +80,10 @@ class AuthSettings:
     gateway_tenants: list[str] | None = None  # None: every tenant; []: no gateway user
     batch_tenants: list[str] | None = None  # None: every tenant; []: no batch users
     offline: bool = True  # the offline runner's user (natsched up runs one)
+    #: partitioned admission for any P up to this (natsched.wire.roles.roles): admitter-p<k> per
+    #: partition, the coordinator, partition rights for the offline runner and gateway; 1: none
+    partitions: int = 1
+    router_pools: str = ""  # natsched up --router-pools' spec: one router-<pool> user per pool
     tls: bool = False
     force: bool = False
     password_bytes: int = 24
@@ -175,8 +183,9 @@ def init(settings: AuthSettings) -> AuthFiles:
         raise AuthExistsError(f"{config_path} exists: running servers and services use it; pass --force to replace "
                               "it (every password changes)")
     try:
+        pools = sorted(PoolMap.parse(settings.router_pools).pools)  # (PoolError is a ValueError)
         all_roles = roles(settings.tenants, settings.workers, settings.gateway_tenants, settings.batch_tenants,
-                          settings.offline)
+                          settings.offline, settings.partitions, pools)
     except ValueError as exc:
         raise AuthError(str(exc)) from None
     tls_block, ca = None, None
@@ -205,8 +214,20 @@ def init(settings: AuthSettings) -> AuthFiles:
         path = out / CREDS_DIR / f"{role.user}.json"
         _write_secret(path, orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
         creds[role.user] = path
+    _remove_stale(out / CREDS_DIR, set(creds))
     log.info("wrote %s and %d credentials files", config_path, len(creds))
     return AuthFiles(config_path, creds, ca)
+
+
+def _remove_stale(directory: Path, users: set[str]) -> None:
+    """Remove the credentials files of users the new config no longer has (a replaced config
+    changes every password, so an old file would only fail later, and ``natsched up --auth-dir``
+    takes a file's presence for the role's: an ``admitter-p3.json`` left from ``--partitions 4``
+    must not pass for a partition the new config does not have)."""
+    for path in directory.glob("*.json"):
+        if path.stem not in users:
+            path.unlink()
+            log.info("removed %s: the new config has no user %s", path, path.stem)
 
 
 def make_tls(directory: Path, days: int = 825) -> tuple[Path, Path, Path]:

@@ -12,6 +12,13 @@ and credentials files; ``subjects.md`` ("Roles and permissions") summarises them
 - ``worker-<id>``: its own consumer on ``work.<id>``, its heartbeat/cache subjects and control
   subject, completions and replies; it cannot publish admission (``adm.>``) or decisions.
 - ``admitter`` / ``router``: their consumers, the subjects they hand off to, their KV keys.
+- ``admitter-p<k>`` (partitioned admission, ``auth init --partitions N``, k < N): an admitter
+  confined to partition ``k``: consumers ``admitter-p<k>`` (``reqp.<k>.>``) and
+  ``admitter-completions-p<k>``, bucket ``inflight-p<k>``, reports ``budget/report.<k>.*``, and a
+  coordinator candidate's plan and lease; ``coordinator``: the candidate alone (``natsched
+  coordinator``). Enumerated per partition, not wildcards: see :func:`roles`.
+- ``router-<pool>`` (``auth init --router-pools SPEC``): a router of one pool, its own consumer
+  ``router-<pool>`` created with filter ``adm.<pool>.>`` only.
 - ``offline`` (the offline runner): consumes OFFLINE and OUTCOMES, hands taken work to ADMITTED
   (``adm.>``), re-queues on ``offline.>``, records ``decision.offline.*`` (never an admission or
   routing decision), reserves in ``inflight`` (``usage``, ``res.*``) like an admitter, reads quotas
@@ -201,7 +208,7 @@ class Role:
     """One NATS user: what it may publish and subscribe to."""
 
     user: str
-    kind: str  # admin | admitter | router | scheduler | worker | offline | gateway | batch | producer
+    kind: str  # admin | admitter | coordinator | router | scheduler | worker | offline | gateway | batch | producer
     publish: list[str] = field(default_factory=list)
     subscribe: list[str] = field(default_factory=list)
     tenants: list[str] = field(default_factory=list)  # whose requests it may publish (producer, batch, gateway)
@@ -266,21 +273,29 @@ def admin_role() -> Role:
     return Role("admin", "admin", publish=[">"], subscribe=[">"])
 
 
-def admitter_role() -> Role:
-    pub = _service_base() + [
+def _admitter_common() -> list[str]:
+    """What every admitter publishes, partitioned or not: hand-offs, decisions, the rescue, the
+    workers' reports and the pool map, the scaling signal."""
+    return _service_base() + [
         S.ADMITTED_ALL, S.OFFLINE_ALL, subject("decision", stage="admission"), S.deadletter("admitter"),
-        # rescue (admitter/rescue.py): read and remove what a dead worker left on WORK, and tell a
-        # restarted one which of its predecessor's attempts it must not run (Control handover)
+        # rescue (admitter/rescue.py): read and remove what a dead worker left on WORK, read the
+        # completions its consumer has not processed yet, and tell a restarted worker which of its
+        # predecessor's attempts it must not run (Control handover)
         _js("STREAM", "MSG", "GET", S.STREAM_WORK), _js("STREAM", "MSG", "DELETE", S.STREAM_WORK),
-        subject("control"),
-        *consumer_permissions(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER, S.REQUESTS_ALL),
-        *consumer_permissions(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS, S.COMPLETIONS_ALL),
-        *kv_snapshot_permissions(S.BUCKET_INFLIGHT), *kv_write_permissions(S.BUCKET_INFLIGHT),
-        *kv_read_permissions(S.BUCKET_QUOTAS), *kv_write_permissions(S.BUCKET_QUOTAS, S.KEY_DYNAMIC_TOTAL),
-        *kv_read_permissions(S.BUCKET_WORKERS),
+        _js("STREAM", "MSG", "GET", S.STREAM_COMPLETIONS), subject("control"),
+        *kv_read_permissions(S.BUCKET_QUOTAS), *kv_read_permissions(S.BUCKET_WORKERS),
         # scaling signals (admitter/scaling.py): the event, and the latest kept for natsched status
         S.SCALE_ALL, _js("STREAM", "INFO", _kv_stream(S.BUCKET_CONFIG)),
         *kv_write_permissions(S.BUCKET_CONFIG, S.KEY_SCALE), *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_POOLS),
+    ]
+
+
+def admitter_role() -> Role:
+    pub = _admitter_common() + [
+        *consumer_permissions(S.STREAM_REQUESTS, S.CONSUMER_ADMITTER, S.REQUESTS_ALL),
+        *consumer_permissions(S.STREAM_COMPLETIONS, S.CONSUMER_ADMITTER_COMPLETIONS, S.COMPLETIONS_ALL),
+        *kv_snapshot_permissions(S.BUCKET_INFLIGHT), *kv_write_permissions(S.BUCKET_INFLIGHT),
+        *kv_write_permissions(S.BUCKET_QUOTAS, S.KEY_DYNAMIC_TOTAL),
     ]
     return Role("admitter", "admitter", publish=pub, subscribe=[S.HEARTBEATS_ALL, S.CANCELS_ALL])
 
@@ -310,6 +325,70 @@ def scheduler_role() -> Role:
                 subscribe=_unique(adm.subscribe + rtr.subscribe))
 
 
+# --- partitioned admission (issue 27) ----------------------------------------------------------
+def partition_admitter_user(partition: int) -> str:
+    """The user partition ``partition``'s admitters connect as: ``admitter-p<partition>`` (its
+    consumer's name)."""
+    return S.partition_admitter(partition)
+
+
+def coordinator_permissions() -> list[str]:
+    """A budget-coordinator candidate (:mod:`natsched.admitter.coordinator`): its lease and the plan
+    in bucket ``budget`` (both by compare-and-swap), and reads of the partitions' reports and of
+    the quotas in acknowledged windows. Never a report (the partitions'), a quota or a usage key."""
+    return [*kv_snapshot_permissions(S.BUCKET_BUDGET), *kv_snapshot_permissions(S.BUCKET_QUOTAS),
+            *kv_write_permissions(S.BUCKET_BUDGET, S.KEY_PLAN),
+            *kv_write_permissions(S.BUCKET_BUDGET, S.KEY_COORDINATOR)]
+
+
+def partition_admitter_role(partition: int) -> Role:
+    """An admitter of partition ``partition`` (``natsched admitter --partition K --partitions P``):
+    the admitter's hand-offs, but only its own partition's consumers (``admitter-p<k>`` created
+    with filter ``reqp.<k>.>``, ``admitter-completions-p<k>``), its own bucket ``inflight-p<k>``
+    and its own reports ``budget/report.<k>.*``; never ``inflight``, another partition's bucket,
+    consumer or report, nor ``cluster.dynamic_total`` (off in a partition).
+
+    Every one is also a coordinator candidate (``natsched up`` runs them so; ``--no-coordinator``
+    leaves the rights unused): the plan is no new power, since an admitter that ignored its
+    budget could over-admit through its own usage key anyway. Nothing in it depends on P, so the
+    same user serves partition ``k`` of any P > k (:func:`roles`)."""
+    k = str(partition)
+    bucket = S.partition_bucket(k)
+    pub = _admitter_common() + [
+        *consumer_permissions(S.STREAM_REQUESTS, S.partition_admitter(k), S.partition_requests(k)),
+        *consumer_permissions(S.STREAM_COMPLETIONS, S.partition_completions(k), S.COMPLETIONS_ALL),
+        *kv_snapshot_permissions(bucket), *kv_write_permissions(bucket),
+        *kv_write_permissions(S.BUCKET_BUDGET, render(S.PATTERNS["partition_report_key"], partition=k)),
+        *coordinator_permissions(),  # (its plan watch is a read of bucket budget: in there)
+    ]
+    return Role(partition_admitter_user(partition), "admitter", publish=pub,
+                subscribe=[S.HEARTBEATS_ALL, S.CANCELS_ALL])
+
+
+def coordinator_role() -> Role:
+    """``natsched coordinator``: a candidate in a process of its own. Its start-up reads (stream
+    infos, the retention key) and :func:`coordinator_permissions`; no request, usage key, report
+    or reply. A change of P is the admin's (``natsched up`` provisions it as the admin)."""
+    pub = [_js("STREAM", "INFO", "*"), *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_RETENTION),
+           *coordinator_permissions()]
+    return Role("coordinator", "coordinator", publish=pub)
+
+
+def partitions_permissions(partitions: int, write: bool) -> list[str]:
+    """Every partition's bucket ``inflight-p<k>`` (k < ``partitions``) and the plan in force, for a
+    role that admits or reads through every partition: the offline runner (``write``: its
+    reservations, ``usage`` and ``res.*``) or the gateway (``usage`` gets only)."""
+    out = [*kv_get_permissions(S.BUCKET_BUDGET, S.KEY_PLAN)] if partitions > 1 else []
+    for k in range(partitions if partitions > 1 else 0):
+        bucket = S.partition_bucket(k)
+        if write:
+            out += [*kv_read_permissions(bucket), *kv_write_permissions(bucket, S.KEY_USAGE),
+                    *kv_write_permissions(bucket, render(S.PATTERNS["reservation_key"]))]
+        else:
+            out += kv_get_permissions(bucket, S.KEY_USAGE)
+    return out
+
+
 def worker_role(worker: str) -> Role:
     """A worker: completions on its own ``done.*.<worker>`` and replies on its own
     ``resp.*.*.<worker>`` only, so that the server vouches for the worker a completion or a
@@ -331,10 +410,12 @@ def worker_role(worker: str) -> Role:
     return Role(f"worker-{worker}", "worker", publish=pub, subscribe=[S.control(worker), S.CANCELS_ALL])
 
 
-def offline_role() -> Role:
+def offline_role(partitions: int = 1) -> Role:
     """The offline runner (admitter/offline.py): takes OFFLINE work when the cluster is idle,
     reserves it in ``inflight`` as an admitter does, hands it to ADMITTED, folds OUTCOMES into
-    the job records. It records ``decision.offline.*`` only: admission decisions are the admitter's."""
+    the job records. It records ``decision.offline.*`` only: admission decisions are the admitter's.
+    With ``partitions`` > 1 it admits each job through its tenant's partition: the same rights on
+    every ``inflight-p<k>``, and a get of the plan (:func:`partitions_permissions`)."""
     pub = _service_base() + [
         S.ADMITTED_ALL, S.OFFLINE_ALL, subject("decision", stage=S.STAGE_OFFLINE), S.deadletter("offline"),
         *consumer_permissions(S.STREAM_OFFLINE, S.CONSUMER_OFFLINE, S.OFFLINE_ALL),
@@ -344,15 +425,16 @@ def offline_role() -> Role:
         *kv_read_permissions(S.BUCKET_QUOTAS),
         *kv_pinned_read_permissions(S.BUCKET_JOBS, render(S.PATTERNS["job_key"])),
         *kv_write_permissions(S.BUCKET_JOBS, render(S.PATTERNS["job_key"])),
-        *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_POOLS),
+        *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_POOLS), *partitions_permissions(partitions, write=True),
     ]
     return Role("offline", "offline", publish=pub, subscribe=[S.HEARTBEATS_ALL])
 
 
-def gateway_role(tenants: list[str]) -> Role:
+def gateway_role(tenants: list[str], partitions: int = 1) -> Role:
     """The HTTP gateway: a producer for the tenants its API keys map to (requests, their replies,
     their cancels; nothing on the workers' control subjects), plus what ``/v1/models`` and ``/status`` show:
-    heartbeats, admission records and completions (no prompts or outputs), quotas and usage."""
+    heartbeats, admission records and completions (no prompts or outputs), quotas and usage (with
+    ``partitions`` > 1 every partition's ``usage`` and the plan: :func:`partitions_permissions`)."""
     if not tenants:
         raise ValueError("the gateway role needs at least one tenant")
     records = (S.STREAM_DECISIONS, S.STREAM_COMPLETIONS)
@@ -363,7 +445,7 @@ def gateway_role(tenants: list[str]) -> Role:
            *filtered_read_permissions(_kv_stream(S.BUCKET_WORKERS), _kv_key(S.BUCKET_WORKERS, S.COST_KEYS)),
            *kv_get_permissions(S.BUCKET_INFLIGHT, S.KEY_USAGE),
            _js("STREAM", "INFO", S.STREAM_REQUESTS),  # how many partitions (its config; no message)
-           *gateway_jobs_permissions(tenants)]
+           *gateway_jobs_permissions(tenants), *partitions_permissions(partitions, write=False)]
     sub = [*(S.replies_of(t) for t in tenants), S.HEARTBEATS_ALL, S.DECISIONS_ALL, S.COMPLETIONS_ALL]
     return Role("gateway", "gateway", publish=pub, subscribe=sub, tenants=list(tenants))
 
@@ -407,11 +489,30 @@ def producer_role(tenant: str) -> Role:
 
 
 def roles(tenants: list[str], workers: list[str], gateway_tenants: list[str] | None = None,
-          batch_tenants: list[str] | None = None, offline: bool = True) -> list[Role]:
+          batch_tenants: list[str] | None = None, offline: bool = True, partitions: int = 1,
+          pools: list[str] | tuple[str, ...] = ()) -> list[Role]:
     """Every role to generate; ``gateway_tenants`` / ``batch_tenants`` None: the same as ``tenants``
-    (empty: no gateway user / no batch users)."""
+    (empty: no gateway user / no batch users).
+
+    ``partitions`` (N > 1): the users of partitioned admission for any P <= N: one admitter user
+    per partition, ``admitter-p0`` .. ``admitter-p<N-1>`` (each confined to its partition), the
+    ``coordinator``, and partition rights for the offline runner and the gateway on
+    ``inflight-p0`` .. ``inflight-p<N-1>``. Why enumerated, not wildcards: a NATS wildcard matches
+    whole subject tokens, and a partition's names are partial tokens (``inflight-p3``,
+    ``admitter-p3``), so a pattern would have to be ``$KV.*.>`` (every bucket, quotas included)
+    or a consumer create of any name on ``reqp.*.>`` (any partition's requests, which the
+    consumer's acks remove). Why N and not P: partition ``k``'s names do not depend on P, so one
+    generated directory serves every P up to N (``natsched up --partitions 2``, later ``4``)
+    without new passwords; a P above N is refused by ``natsched up`` (no ``admitter-p<k>`` file).
+
+    ``pools``: one router user per pool, ``router-<pool>`` (:func:`router_role`), besides the
+    default pool's ``router``. Producers and workers are the same whatever N and the pools."""
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
     gateway_tenants = tenants if gateway_tenants is None else gateway_tenants
     batch_tenants = tenants if batch_tenants is None else batch_tenants
-    return [admin_role(), admitter_role(), router_role(), scheduler_role(), *([offline_role()] if offline else []),
-            *(worker_role(w) for w in workers), *([gateway_role(gateway_tenants)] if gateway_tenants else []),
+    split = [*(partition_admitter_role(k) for k in range(partitions)), coordinator_role()] if partitions > 1 else []
+    return [admin_role(), admitter_role(), *split, router_role(), *(router_role(p) for p in pools), scheduler_role(),
+            *([offline_role(partitions)] if offline else []), *(worker_role(w) for w in workers),
+            *([gateway_role(gateway_tenants, partitions)] if gateway_tenants else []),
             *(batch_role(t) for t in batch_tenants), *(producer_role(t) for t in tenants)]

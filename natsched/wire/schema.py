@@ -484,6 +484,9 @@ class JobRecord(Schema):
     request: Request | None = None
     attempts: int = 0
     attempt_id: str | None = None
+    #: the admission attempt ``attempt_id`` runs as now (0; a rescue re-admits it as the next:
+    #: Assignment.attempt): a worker's outcome of an older one is stale (issue 26)
+    admission_attempt: int = 0
     enqueued: int = 0  # times put on the OFFLINE queue (by the admitter or a retry)
     path: str | None = None  # "online" (the admitter let it run) | "offline" (the offline runner did)
     worker: WorkerId | None = None

@@ -3,7 +3,7 @@
 import pytest
 
 from natsched.admitter.errors import SettingsError
-from natsched.admitter.offline import IdleGate, OfflineSettings, on_failure, on_reply, on_take
+from natsched.admitter.offline import IdleGate, OfflineSettings, on_failure, on_reply, on_take, stale
 from natsched.admitter.quotas import Quotas, TenantQuota
 from natsched.admitter.usage import Usage
 from natsched.wire.schema import JobRecord, Reply
@@ -152,3 +152,35 @@ def test_a_reply_of_another_request_on_our_subject_changes_nothing():
     r, _ = on_reply(record(), reply(status="admitted"), JOB, 1.0, 3)
     assert on_reply(r, reply("result", request_id="someone-else", text="forged"), JOB, 2.0, 3) == (None, None)
     assert on_reply(r, reply("result", request_id="job1-r2", text="not yet"), JOB, 2.0, 3) == (None, None)
+
+
+# --- outcomes fenced by admission attempt (issue 26) ------------------------------------------
+
+def _running_record(admission_attempt=0) -> JobRecord:
+    r = on_take(None, make_request(id="job-1", cls="batch"), "b", 1.0, "offline")
+    r.admission_attempt = admission_attempt
+    return r
+
+
+def _result(attempt, rid="job-1") -> Reply:
+    return Reply(request_id=rid, kind="result", text="out", worker="w", attempt=attempt)
+
+
+def test_an_outcome_older_than_the_reservations_or_the_records_attempt_is_stale():
+    assert stale(_running_record(), _result(0), reserved=1)  # the rescue moved the reservation on
+    assert stale(_running_record(admission_attempt=1), _result(0), reserved=0)  # released; the record knows
+    assert not stale(_running_record(admission_attempt=1), _result(1), reserved=1)  # the attempt running now
+    assert not stale(_running_record(), _result(0), reserved=0)  # never rescued
+    assert not stale(_running_record(admission_attempt=2), _result(0, rid="job-1-r2"))  # another attempt id: on_reply decides
+    assert stale(None, _result(0), reserved=1)  # no record yet: the reservation alone decides
+
+
+def test_a_rerouted_status_moves_the_records_admission_attempt_on_and_a_taken_result_keeps_it():
+    record = _running_record()
+    rerouted = Reply(request_id="job-1", kind="status", status="rerouted", worker="w1", attempt=1)
+    record, act = on_reply(record, rerouted, ("t", "b", "job-1"), 2.0, 3)
+    assert (record.admission_attempt, record.worker, act) == (1, None, None)
+    assert on_reply(record, rerouted, ("t", "b", "job-1"), 2.5, 3) == (None, None)  # told twice: nothing new
+    record, _ = on_reply(record, _result(1), ("t", "b", "job-1"), 3.0, 3)
+    assert (record.status, record.admission_attempt) == ("completed", 1)
+    assert on_take(record, record.request, "b", 4.0, "offline").admission_attempt == 0  # a fresh attempt id

@@ -507,3 +507,29 @@ async def test_a_reservation_stored_before_its_ack_was_lost_is_kept_not_refused(
         assert await adm._reserve([other]) == {"lost-ack-1"}
     finally:
         await stop(adm)
+
+
+async def test_open_mode_takes_unscoped_ids_as_they_are_one_namespace_for_every_tenant(bus, nats_url):
+    """Without auth keys (no fence key: the open mode) a raw publisher's bare id is accepted as
+    it is, as before issue 26's scoping: the ids then share one namespace, so another tenant's
+    same bare id is refused as a ``duplicate`` (docs/reliability.md says so; under auth such an
+    id is refused ``invalid``: tests/ops/test_auth_tenant_ids.py)."""
+    adm = await start_admitter(nats_url)
+    assert adm.bus.fence_key is None
+    rid = f"x-open-{time.time_ns()}"
+    try:
+        first = request("t1")
+        first.id, first.reply = rid, S.reply(f"{rid}-t1")
+        sub = await bus.inbox(first.reply)
+        await bus.jpublish(S.request(first.cls, "t1"), first, msg_id=f"{rid}-t1", headers={S.HDR_REPLY: first.reply})
+        reply = Reply.decode((await sub.next_msg(timeout=10)).data)
+        await sub.unsubscribe()
+        assert (reply.kind, reply.status) == ("status", "admitted")
+        before = adm.refused_duplicates
+        second = request("t2")
+        second.id, second.reply = rid, S.reply(f"{rid}-t2")
+        await bus.jpublish(S.request(second.cls, "t2"), second, msg_id=f"{rid}-t2", headers={S.HDR_REPLY: second.reply})
+        assert await until(lambda: adm.refused_duplicates == before + 1)  # refused silently, as every duplicate
+        assert (await adm.shared.lookup(rid)).tenant == "t1"
+    finally:
+        await stop(adm)

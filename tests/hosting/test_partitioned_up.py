@@ -98,3 +98,79 @@ def test_partitioned_up_completes_requests_of_both_partitions(tmp_path):
         assert submit("acme")["status"] == "completed"
     finally:
         assert _stop(proc) == 0
+
+
+# --- under natsched auth init --partitions / --router-pools (issue 27) -----------------------------
+POOLS = "a=m1;b=*"
+
+
+def _auth_dir(root, partitions: int = 2):
+    from natsched.ops.auth import AuthSettings, init
+
+    init(AuthSettings(out=root / "auth", tenants=["globex", "acme"], workers=["w1"], partitions=partitions,
+                      router_pools=POOLS))
+    return root / "auth"
+
+
+def test_up_with_auth_dir_runs_each_partition_and_pool_on_its_own_user(tmp_path):
+    from natsched.hosting.supervisor import Supervisor, UpSettings
+    from natsched.ops.auth import MissingCredentialsError
+
+    auth = _auth_dir(tmp_path)
+    sup = Supervisor(UpSettings(workers=1, partitions=2, router_pools=POOLS, auth_dir=auth))
+    sup._open_auth()
+    kids = {c.name: c for c in sup.plan("nats://127.0.0.1:4222")}
+    assert {n: c.user for n, c in kids.items()} == {
+        "admitter-p0": "admitter-p0", "admitter-p1": "admitter-p1", "router-a": "router-a", "router-b": "router-b",
+        "offline": "offline", "worker w1": "worker-w1"}
+    for kid in kids.values():
+        assert kid.args[kid.args.index("--credentials") + 1] == str(auth / "creds" / f"{kid.user}.json")
+        assert "--pools" not in kid.args  # the admin stored the map: the roles may only read it
+    # a P above the one auth init was given: refused before anything starts, saying how to fix it
+    with pytest.raises(MissingCredentialsError, match=r"admitter-p2 \(for admitter-p2\).*--partitions 3"):
+        Supervisor(UpSettings(workers=1, partitions=3, router_pools=POOLS, auth_dir=auth))._open_auth()
+    with pytest.raises(MissingCredentialsError, match=r"router-c .*--router-pools 'a=m1;c=\*'"):
+        Supervisor(UpSettings(workers=1, partitions=2, router_pools="a=m1;c=*", auth_dir=auth))._open_auth()
+
+
+def test_partitioned_up_with_router_pools_on_auth_init_credentials_completes_both_partitions(tmp_path):
+    auth = _auth_dir(tmp_path)
+    creds = auth / "creds"
+    port, stderr_path = free_port(), tmp_path / "up.stderr"
+    env = os.environ | {"NATSCHED_NATS_URL": f"nats://127.0.0.1:{port}"}
+
+    def cli(*args: str, user: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*PY, *args, "--credentials", str(creds / f"{user}.json")], env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    def submit(tenant: str, *flags: str) -> dict:
+        out = cli("submit", "--tenant", tenant, "--prompt", "hello", "--max-tokens", "3", "--json", *flags,
+                  user=f"producer-{tenant}")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    with open(stderr_path, "wb") as stderr:
+        proc = subprocess.Popen([*PY, "up", "--workers", "1", "--port", str(port), "--data-dir", str(tmp_path / "data"),
+                                 "--time-scale", "0.05", "--partitions", "2", "--router-pools", POOLS,
+                                 "--auth-dir", str(auth)], stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        lines = read_until_up(proc, 180, "natsched up --partitions --router-pools --auth-dir",
+                              lambda: stderr_path.read_text(errors="replace")[-2000:])
+        ready = [line.split()[1] for line in lines if line.startswith("ready:")]
+        assert ready == ["nats-server", "admitter-p0", "admitter-p1", "router-a", "router-b", "offline", "worker"]
+        assert f"auth {auth / 'nats-auth.conf'}" in lines[0]
+        for tenant in ("globex", "acme"):  # partitions 0 and 1; model default: pool b's router
+            result = submit(tenant)
+            assert (result["status"], result["output_tokens"], result["worker"]) == ("completed", 3, "w1")
+        for tenant in ("globex", "acme"):  # degraded work: the runner admits it through the tenant's partition
+            job = submit(tenant, "--class", "offline")
+            assert job["status"] == "degraded", job
+            assert wait_job(env | {"NATSCHED_CREDENTIALS": str(creds / "admin.json")}, job["job_id"]) == "completed"
+        status = cli("status", "--json", user="admin")
+        assert status.returncode == 0, status.stderr
+        assert [p["partition"] for p in json.loads(status.stdout)["partitions"]] == [0, 1]  # the admin reads them all
+    finally:
+        assert _stop(proc) == 0
+    refused = [line for line in stderr_path.read_text(errors="replace").splitlines()
+               if "permissions violation" in line.lower()]
+    assert not refused, f"a component was refused a permission: {refused[:3]}"

@@ -18,6 +18,7 @@ from natsched.bus.connection import Bus, Credentials
 from natsched.wire import fence
 from natsched.wire import msgids as M
 from natsched.wire import subjects as S
+from natsched.wire.ids import scoped
 from natsched.wire.schema import Completion
 from tests.factories.core import make_request, wait_for
 from tests.ops.test_auth_permissions import probe, provisioned, secured  # noqa: F401 (fixtures)
@@ -39,6 +40,7 @@ async def admitter(provisioned):  # noqa: F811
 async def _admitted(admin: Bus, adm: AdmitterService, tenant: str = "A") -> str:
     """One request of ``tenant`` admitted (no router runs: it stays reserved); its id."""
     req = make_request(tenant=tenant, prompt_token_ids=list(range(50)), max_tokens=10)
+    req.id = scoped(tenant, req.id)  # under auth keys the admitter takes scoped ids only
     req.reply = S.tenant_reply(tenant, req.id)
     await admin.jpublish(S.request(S.ONLINE, tenant), req, msg_id=req.id, headers={S.HDR_REPLY: req.reply})
     assert await wait_for(lambda: adm.shared.usage.tenant(tenant) > 0, timeout=10)

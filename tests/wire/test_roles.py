@@ -64,3 +64,54 @@ def test_every_service_that_holds_a_request_hears_every_cancel():
     for role in (R.admitter_role(), R.router_role(), R.scheduler_role(), R.worker_role("w1")):
         assert S.CANCELS_ALL in role.subscribe, role.user
         assert not any(p.startswith("cancel.") for p in role.publish), role.user
+
+
+def _rights(role: R.Role) -> tuple[list[str], list[str]]:
+    return role.publish, role.subscribe
+
+
+def test_partitions_and_pools_add_their_users_and_grow_no_producer_worker_or_batch_right():
+    plain = {r.user: r for r in R.roles(["A", "B"], ["w1"])}
+    split = {r.user: r for r in R.roles(["A", "B"], ["w1"], partitions=4, pools=["a", "b"])}
+    assert set(split) - set(plain) == {"admitter-p0", "admitter-p1", "admitter-p2", "admitter-p3", "coordinator",
+                                       "router-a", "router-b"}
+    assert set(plain) <= set(split)
+    for user in ("producer-A", "batch-B", "worker-w1", "admitter", "router", "scheduler"):
+        assert _rights(split[user]) == _rights(plain[user]), user
+    assert [r.user for r in R.roles(["A"], ["w1"], partitions=1)] == [r.user for r in R.roles(["A"], ["w1"])]
+    with pytest.raises(ValueError, match="partitions"):
+        R.roles(["A"], ["w1"], partitions=0)
+
+
+def test_a_partition_admitter_names_its_own_partition_only():
+    for k in range(4):
+        pub = R.partition_admitter_role(k).publish
+        mine = {f"inflight-p{k}", f"admitter-p{k}", f"admitter-completions-p{k}"}
+        others = [p for p in pub for j in range(8) if j != k and (
+            f"-p{j}." in p or p.endswith(f"-p{j}") or f"reqp.{j}." in p or f"report.{j}." in p)]
+        assert not others, others
+        assert R._js("CONSUMER", "CREATE", S.STREAM_REQUESTS, f"admitter-p{k}", f"reqp.{k}.>") in pub
+        assert any(m in p for p in pub for m in mine)
+        assert not any(p.startswith(("$KV.inflight.", "$KV.*")) or ".admitter." in p for p in pub)
+        assert "$KV.quotas." + S.KEY_DYNAMIC_TOTAL not in pub  # off in a partition
+        assert "$KV.budget.plan" in pub and "$KV.budget.coordinator" in pub  # every one is a candidate
+    coordinator = R.coordinator_role()
+    assert not any(p.startswith(("$KV.inflight", "$KV.budget.report", "adm.", "resp.", "work.")) for p in coordinator.publish)
+    assert not any("CONSUMER.CREATE.REQUESTS" in p for p in coordinator.publish)
+
+
+def test_the_runner_and_the_gateway_reach_every_partition_up_to_n_and_write_no_budget():
+    runner, gateway = R.offline_role(partitions=3).publish, R.gateway_role(["A"], partitions=3).publish
+    for k in range(3):
+        assert f"$KV.inflight-p{k}.usage" in runner and f"$KV.inflight-p{k}.res.*" in runner
+        assert not any(p.startswith(f"$KV.inflight-p{k}") for p in gateway)  # gets only
+        assert R._js("DIRECT", "GET", f"KV_inflight-p{k}", f"$KV.inflight-p{k}.usage") in gateway
+    assert not any("inflight-p3" in p for p in runner + gateway)
+    assert not any(p.startswith("$KV.budget") for p in runner + gateway)
+    assert R.offline_role().publish == R.offline_role(partitions=1).publish
+
+
+def test_a_pool_routers_consumer_is_pinned_to_its_pool():
+    pub = R.router_role("a").publish
+    assert R._js("CONSUMER", "CREATE", S.STREAM_ADMITTED, "router-a", "adm.a.>") in pub
+    assert not any(p.startswith("$JS.API.CONSUMER.CREATE.ADMITTED.") and "router-a.adm.a." not in p for p in pub)
