@@ -608,6 +608,8 @@ class Simulator:
             log.info("worker %s added at t=%.1f", w.id, now)
         else:
             w = self.workers.get(WorkerId(ev.worker))
+            if w is not None and not w.alive and ev.kind == "slow" and ev.factor == 1.0:
+                return  # a slowdown's end after its worker died: nothing left to speed up
             if w is None or not w.alive:
                 raise SimConfigError(f"{ev.kind} event at {ev.at:g}s: no live worker {ev.worker!r}; "
                                      f"workers: {', '.join(self.workers)}")

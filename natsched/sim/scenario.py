@@ -270,6 +270,7 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
     _cluster(top.child("cluster", required=True), sc)
     sc.traffic = _traffic(top.child("traffic", required=True), sc)
     sc.events = [_event(_Reader(source, e, f"events[{i}]"), sc) for i, e in enumerate(top.items("events"))]
+    _check_event_workers(sc)
     slo = top.child("slo")
     ttft = slo.raw("ttft_s", {})
     if not isinstance(ttft, dict):
@@ -439,6 +440,41 @@ def _traffic(r: _Reader, sc: Scenario) -> Traffic:
     return t
 
 
+def worker_id(i: int, total: int) -> str:
+    """The simulator's id of the ``i``-th worker of ``total`` (initial and added): ``w`` and the
+    index zero-padded to the width of the largest (``w03`` of 16), as ``sim/des.py`` names them."""
+    return f"w{i:0{len(str(max(1, total) - 1))}d}"
+
+
+def _check_event_workers(sc: Scenario) -> None:
+    """Every kill/slow names a worker alive at that moment, in the simulator's time order (by
+    ``at_s``, file order on ties, as its event heap runs them): checked here, so a wrong id fails
+    when the file is read and not minutes into a run. ``w3`` and ``w03`` name the same worker; the
+    event keeps the simulator's spelling."""
+    total = sc.n_workers + sum(e.count for e in sc.events if e.kind == "add")
+    alive, added = set(range(sc.n_workers)), sc.n_workers
+    for i, ev in sorted(enumerate(sc.events), key=lambda p: (p[1].at_s, p[0])):
+        if ev.kind == "add":
+            alive |= set(range(added, added + ev.count))
+            added += ev.count
+            continue
+        n = int(ev.worker[1:])
+        where = f"events[{i}].worker"
+        if n >= total:
+            raise ScenarioError(sc.source, where, f"no worker {ev.worker!r}: the cluster has {sc.n_workers}"
+                                f" and events add {total - sc.n_workers} (ids {worker_id(0, total)}.."
+                                f"{worker_id(total - 1, total)})")
+        if n >= added:
+            raise ScenarioError(sc.source, where, f"{ev.kind} at {ev.at_s:g}s: worker {ev.worker!r} "
+                                f"({worker_id(n, total)}) is not added yet at that time")
+        if n not in alive:
+            raise ScenarioError(sc.source, where, f"{ev.kind} at {ev.at_s:g}s: worker {ev.worker!r} "
+                                f"({worker_id(n, total)}) is killed by an earlier event")
+        ev.worker = worker_id(n, total)
+        if ev.kind == "kill":
+            alive.discard(n)
+
+
 def _event(r: _Reader, sc: Scenario) -> Event:
     kind = r.text("kind", required=True)
     if kind not in ("add", "kill", "slow"):
@@ -456,8 +492,6 @@ def _event(r: _Reader, sc: Scenario) -> Event:
         ev.worker = r.text("worker", required=True)
         if not re.match(r"^w\d+$", ev.worker):
             r.fail("worker", f"must be a worker id like w0, got {ev.worker!r}")
-        if int(ev.worker[1:]) >= sc.n_workers + sum(e.count for e in sc.events if e.kind == "add"):
-            r.fail("worker", f"no worker {ev.worker!r} in a cluster of {sc.n_workers}")
         if kind == "slow":
             ev.factor = r.num("factor", required=True, lo=0.0, hi=1.0, lo_open=True)
             ev.duration_s = r.num("duration_s", None, lo=0.0, lo_open=True)

@@ -160,3 +160,55 @@ def test_the_generalisation_files_load_and_name_workers_that_exist():
         n = sc.n_workers + sum(e.count for e in sc.events if e.kind == "add")
         ids = {f"w{i:0{len(str(n - 1))}d}" for i in range(sc.n_workers)}
         assert all(e.worker in ids for e in sc.events if e.kind in ("kill", "slow")), p.name
+
+
+def _events(*events) -> dict:
+    return bad("events", list(events))
+
+
+@pytest.mark.parametrize("events,index,message", [
+    ([{"at_s": 10, "kind": "kill", "worker": "w2"}], 0, "no worker 'w2': the cluster has 2 and events add 0"),
+    # an added worker exists only from its add on (the simulator runs events by time)
+    ([{"at_s": 10, "kind": "kill", "worker": "w2"}, {"at_s": 20, "kind": "add"}], 0, "not added yet"),
+    ([{"at_s": 5, "kind": "kill", "worker": "w1"},
+      {"at_s": 9, "kind": "slow", "worker": "w01", "factor": 0.5}], 1, "killed by an earlier event"),
+    # file order is not time order: the later kill in the file runs first
+    ([{"at_s": 30, "kind": "kill", "worker": "w0"}, {"at_s": 10, "kind": "kill", "worker": "w0"}], 0,
+     "killed by an earlier event"),
+])
+def test_event_workers_are_checked_against_the_cluster_in_time_order(events, index, message):
+    with pytest.raises(ScenarioError) as e:
+        parse_scenario(_events(*events), "mine.yaml")
+    assert e.value.field == f"events[{index}].worker" and message in e.value.detail
+    assert str(e.value).startswith(f"mine.yaml: events[{index}].worker: ")
+
+
+def test_event_workers_take_the_simulators_spelling():
+    """11 workers after the add: the simulator names them w00..w10; ``w1`` and ``w01`` are one."""
+    d = _events({"at_s": 1, "kind": "add", "count": 9}, {"at_s": 2, "kind": "slow", "worker": "w1", "factor": 0.5},
+                {"at_s": 3, "kind": "kill", "worker": "w9"}, {"at_s": 4, "kind": "kill", "worker": "w01"})
+    sc = parse_scenario(d, "f")
+    assert [e.worker for e in sc.events] == [None, "w01", "w09", "w01"]
+
+
+def test_a_wrong_worker_id_fails_when_the_file_is_read(tmp_path):
+    """Before: this file loaded, and the run failed at the event (minutes in, for a real scenario)."""
+    d = _events({"at_s": 1, "kind": "add", "count": 2}, {"at_s": 2, "kind": "kill", "worker": "w4"})
+    (tmp_path / "typo.json").write_text(json.dumps(d))
+    with pytest.raises(ScenarioError, match=r"typo.json: events\[1\].worker: no worker 'w4'.*ids w0..w3"):
+        load_scenario(tmp_path / "typo.json")
+
+
+def test_a_slowdown_ending_after_its_worker_died_is_no_error():
+    """slow w0 for 60 s, killed at 20 s: the end of the slowdown has nothing to restore."""
+    from natsched.sim.bench_scenarios import sim_settings
+    from natsched.sim.des import Simulator
+    from natsched.sim.traffic import generate
+
+    d = _events({"at_s": 1, "kind": "slow", "worker": "w0", "factor": 0.5, "duration_s": 60},
+                {"at_s": 20, "kind": "kill", "worker": "w0"})
+    d["traffic"]["duration_s"] = 90
+    sc = parse_scenario(d, "f")
+    sim = Simulator(generate(sc), sim_settings(sc, "least_loaded", rescue=False))
+    sim.run()
+    assert not sim.workers["w0"].alive and sim.workers["w1"].alive
