@@ -19,7 +19,7 @@ changes the copy, never the core, so planning has no side effects. The order is:
    and a long request never finds room; beyond the reserve, long and short compete in order.
    (Any queued long request switches the reserve on, even one held back by its own cap.)
 4. **No backfill past the top**: when the best request does not fit the free budget, planning
-   stops and the budget accumulates for it (only its own cap, its model's limit or the reserve let
+   stops and the budget accumulates for it (only its own cap, its model's limit or capacity, or the reserve let
    lower-ranked requests pass it). That is what makes the dequeue token-weighted rather than
    first-fit, and what keeps big requests from starving.
 5. **Under pressure** — used plus queued runtime tokens at or past the degrade watermark of the
@@ -34,6 +34,12 @@ changes the copy, never the core, so planning has no side effects. The order is:
    one class the order is exactly the tenant-first one above, as it is without pressure.
 6. **Class limits** (:mod:`natsched.admitter.classes`): a request whose class is at its limit, and
    cannot borrow the rest, waits (``class_limit``) while other classes' work passes it.
+7. **Per-model capacity** (``model_totals``, :class:`natsched.admitter.dynamic.ModelTotals`): a
+   request whose model's admitted tokens would pass what that model's workers can take waits
+   (``model_capacity``) while other models' work passes it — each model has its own lanes in the
+   queue, so a full model's backlog never fills the ``scan_limit`` window of another's. A model
+   holding nothing may pass a bound smaller than the request (the bound is measured and moves;
+   it must not starve the model); a model absent from the map has no live worker and waits.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from natsched.admitter.queue import AdmissionQueue, Entry, Lane
 from natsched.admitter.quotas import Quotas, TenantQuota
 from natsched.admitter.usage import Usage
 from natsched.wire.schema import Request, RequestId
+
+MODEL_CAPACITY = "model_capacity"  # a wait: the model's own workers are full (7.)
 
 Rank = tuple[int, float]
 NEVER_RANK: Rank = (-1, 0.0)  # a tenant that may no longer be admitted at all: purge its queue first
@@ -116,7 +124,8 @@ class _Cursor:
 class Planner:
     def __init__(self, queue: AdmissionQueue, quotas: Quotas, total: int, usage: Usage, now: float, *,
                  aging_s: float, reserve_long_share: float, class_rank: dict[str, int], scan_limit: int,
-                 book: ClassBook | None = None, pressure: bool = False) -> None:
+                 book: ClassBook | None = None, pressure: bool = False,
+                 model_totals: dict[str, int | None] | None = None) -> None:
         self.queue = queue
         self.quotas = quotas
         self.total = total
@@ -135,6 +144,7 @@ class Planner:
         self._cursors: dict[tuple[str, Lane], _Cursor] = {}
         self.book = book  # class limits and loans (None: no class has a limit)
         self.pressure = pressure  # class before tenant (module docstring, 5.)
+        self.model_totals = model_totals  # per-model capacity (module docstring, 7.); None: no bound
 
     # ------------------------------------------------------------------ ranks
     def rank(self, tenant: str) -> Rank:
@@ -170,12 +180,24 @@ class Planner:
         limit = self.quotas.model_limit(model)
         if limit is not None and self.model_used.get(model, 0) + cost > limit:
             return "model_limit"
+        if self.over_model_capacity(model, cost):
+            return MODEL_CAPACITY
         if not long and self.longs > 0:
             if self.used + cost > self.total - max(0.0, self.long_reserve - self.long_used):
                 return "long_reserve"
         if cls is not None and self.loan(cls, cost) is None:
             return CLASS_LIMIT
         return None
+
+    def over_model_capacity(self, model: str, cost: int) -> bool:
+        """``cost`` more would pass what the model's own workers can take (module docstring, 7.)."""
+        if self.model_totals is None:
+            return False
+        if model not in self.model_totals:
+            return True  # no live worker serves it: wait for one
+        bound = self.model_totals[model]
+        held = self.model_used.get(model, 0)
+        return bound is not None and held + cost > bound and (held > 0 or bound <= 0)
 
     def loan(self, cls: str, cost: int) -> Loan | None:
         """What an admission of ``cost`` in ``cls`` borrows now ({}: nothing), None: it cannot."""

@@ -1,9 +1,12 @@
 """The admission queue: queued requests in lanes, with O(1) add / remove / redelivery lookup.
 
-Requests are kept per tenant in four FIFO *lanes* — (class, long/short) — because the dequeue
+Requests are kept per tenant in FIFO *lanes* — (class, long/short, model) — because the dequeue
 order is decided in that shape: tenants first (floors, then weighted shares), then inside a tenant
 aged requests, then class, then arrival order; and short requests are held back, lane by lane,
-while the budget reserved for long ones is in use (:mod:`natsched.admitter.planner`). A global FIFO finds
+while the budget reserved for long ones is in use (:mod:`natsched.admitter.planner`). The model is
+in the lane because a model can be full while others are not (per-model capacity): the planner
+looks at most ``scan_limit`` entries into a lane, so one lane of mixed models would let a full
+model's backlog hide the others' requests behind it (head-of-line blocking across models). A global FIFO finds
 timed-out requests from its head and a sorted deadline list finds expired ones, so a dequeue plan
 never scans the whole queue. The planner only reads this structure; ``add`` and ``remove`` are
 called by :class:`~natsched.admitter.policy.AdmitterCore` when a decision is applied.
@@ -21,7 +24,7 @@ from typing import Iterator
 
 from natsched.wire.schema import Request, RequestId
 
-Lane = tuple[str, bool]  # (class, long)
+Lane = tuple[str, bool, str]  # (class, long, model)
 
 
 @dataclass(slots=True, eq=False)
@@ -71,7 +74,7 @@ class AdmissionQueue:
         entry = Entry(request, cost, long, now, next(self._seq))
         self._by_id[request.id] = entry
         lanes = self._lanes.setdefault(request.tenant, {})
-        lanes.setdefault((request.cls, long), OrderedDict())[request.id] = entry
+        lanes.setdefault((request.cls, long, request.model), OrderedDict())[request.id] = entry
         self._tenant_tokens[request.tenant] += cost
         self._tenant_count[request.tenant] += 1
         self._depth[request.cls] += 1
@@ -88,10 +91,11 @@ class AdmissionQueue:
             return None
         t = entry.tenant
         lanes = self._lanes[t]
-        lane = lanes[(entry.cls, entry.long)]
+        key = (entry.cls, entry.long, entry.model)
+        lane = lanes[key]
         del lane[request_id]
         if not lane:
-            del lanes[(entry.cls, entry.long)]
+            del lanes[key]
         self._tenant_tokens[t] -= entry.cost
         self._tenant_count[t] -= 1
         if not self._tenant_count[t]:
@@ -138,7 +142,7 @@ class AdmissionQueue:
         return self._tenant_count.get(tenant, 0)
 
     def tenant_class_count(self, tenant: str, cls: str) -> int:
-        return sum(len(lane) for (c, _), lane in self._lanes.get(tenant, {}).items() if c == cls)
+        return sum(len(lane) for (c, _, _), lane in self._lanes.get(tenant, {}).items() if c == cls)
 
     def tenant_tokens(self, tenant: str) -> int:
         return self._tenant_tokens.get(tenant, 0)

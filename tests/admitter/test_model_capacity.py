@@ -1,0 +1,107 @@
+"""Per-model capacity: each model's admitted runtime tokens are bounded by what the workers serving
+that model can hold (natsched/admitter/dynamic.py ModelTotals, natsched/admitter/planner.py 7.),
+and a full model's queue never blocks another model's requests."""
+
+import pytest
+
+from natsched.admitter.dynamic import DynamicTotalSettings, ModelTotals, WorkerLoad
+from natsched.admitter.policy import ALLOW, QUEUE
+from tests.admitter.test_dequeue import allowed, drain, finish, make_core, sized, submit
+
+
+def of(model: str, cost: int, **fields):
+    return sized(cost, model=model, **fields)
+
+
+def pools(big: int = 4, small: int = 1, per_worker: int = 100) -> list[WorkerLoad]:
+    """``big`` workers of model "big" and ``small`` of model "small", idle."""
+    return ([WorkerLoad(frozenset({"big"}), per_worker, 0) for _ in range(big)]
+            + [WorkerLoad(frozenset({"small"}), per_worker, 0) for _ in range(small)])
+
+
+def test_totals_follow_each_models_own_workers():
+    totals = ModelTotals(DynamicTotalSettings())
+    assert totals.current(pools(), ceiling=10_000) == {"big": 400, "small": 100}  # factor 1 at first
+    assert totals.current(pools(), ceiling=250) == {"big": 250, "small": 100}  # never above the cluster total
+    # a model's reservations over what its workers hold measure its factor, not the other model's
+    loads = [WorkerLoad(frozenset({"big"}), 100, 50) for _ in range(4)] + [WorkerLoad(frozenset({"small"}), 100, 50)]
+    for _ in range(40):
+        out = totals.next_totals(loads, {"big": 400, "small": 50}, ceiling=10_000)
+    assert out["small"] == 100 and out["big"] == pytest.approx(800, abs=2)  # big books 2 per held token, small 1
+
+
+def test_a_worker_without_capacity_gives_its_model_no_bound_and_a_gone_model_is_absent():
+    totals = ModelTotals(DynamicTotalSettings())
+    loads = [WorkerLoad(frozenset({"a"}), 0, 0), WorkerLoad(frozenset({"b", "b-lora"}), 100, 0)]
+    out = totals.next_totals(loads, {}, ceiling=1_000)  # (idle: b's factor loosens a step, to 1.1)
+    assert out == {"a": None, "b": 110, "b-lora": 110}  # an adapter shares its server's KV
+    assert totals.next_totals(loads[1:], {}, ceiling=1_000).keys() == {"b", "b-lora"}  # a's worker left
+    disabled = ModelTotals(DynamicTotalSettings(enabled=False))
+    assert disabled.next_totals(loads, {}, ceiling=1_000) == {"a": None, "b": None, "b-lora": None}
+
+
+def test_the_small_pools_model_queues_while_the_big_pools_is_admitted():
+    core = make_core(total=500)  # the cluster total has room for both
+    core.set_model_totals({"big": 400, "small": 100})
+    assert submit(core, of("small", 60)).decision == ALLOW
+    held_back = of("small", 60)
+    assert submit(core, held_back).decision == QUEUE  # 120 > small's 100, though 120 < 500
+    big = [of("big", 60) for _ in range(5)]
+    assert [submit(core, r).decision for r in big] == [ALLOW] * 5  # not behind the queued small one
+    assert core.usage.model("big") == 300 and core.usage.model("small") == 60
+
+
+def test_queued_requests_of_a_full_model_do_not_block_other_models():
+    """Head-of-line blocking across models: more queued requests of the full model than the
+    planner's scan window, then one of another model behind them in the same tenant and class."""
+    core = make_core(total=10_000, scan_limit=4)
+    core.set_model_totals({"big": 10_000, "small": 100})
+    assert submit(core, of("small", 100)).decision == ALLOW
+    stuck = [of("small", 50) for _ in range(10)]
+    assert {submit(core, r).decision for r in stuck} == {QUEUE}
+    filler = of("big", 9_900)
+    assert submit(core, filler).decision == ALLOW  # the cluster is full: what comes next queues
+    behind = of("big", 50)
+    assert submit(core, behind).decision == QUEUE
+    finish(core, filler, 1.0)
+    assert allowed(drain(core, 1.0)) == [behind.id]  # past all ten small ones
+
+
+def test_a_leaving_worker_shrinks_its_models_bound_and_a_model_with_none_waits():
+    totals = ModelTotals(DynamicTotalSettings())
+    core = make_core(total=1_000)
+    core.set_model_totals(totals.current(pools(big=2, small=2), ceiling=core.total))
+    first, second = of("small", 100), of("small", 100)
+    assert [submit(core, r).decision for r in (first, second)] == [ALLOW, ALLOW]
+    core.set_model_totals(totals.current(pools(big=2, small=1), ceiling=core.total))  # a small worker left
+    third = of("small", 100)
+    assert submit(core, third).decision == QUEUE  # 300 > the one worker's 100
+    finish(core, first, 1.0)
+    assert allowed(drain(core, 1.0)) == []  # still 100 held of 100
+    finish(core, second, 2.0)
+    assert allowed(drain(core, 2.0)) == [third.id]
+    core.set_model_totals(totals.current(pools(big=2, small=0), ceiling=core.total))  # the last one left
+    orphan = of("small", 10)
+    assert submit(core, orphan).decision == QUEUE  # no worker of it: held at the door, not sent
+    finish(core, third, 3.0)
+    assert allowed(drain(core, 3.0)) == []
+    core.set_model_totals(totals.current(pools(big=2, small=1), ceiling=core.total))  # a worker is back
+    assert allowed(drain(core, 4.0)) == [orphan.id]
+
+
+def test_a_request_larger_than_its_models_bound_goes_when_the_model_holds_nothing():
+    core = make_core(total=1_000)
+    core.set_model_totals({"small": 100})
+    large = of("small", 150)
+    assert submit(core, large).decision == ALLOW  # the bound moves with measurement: never a starvation
+    assert submit(core, of("small", 150)).decision == QUEUE
+
+
+def test_the_configured_model_limit_still_caps_and_no_map_means_no_bound():
+    core = make_core(total=1_000, quotas={"models": {"small": 50}})
+    core.set_model_totals({"small": 500})
+    assert submit(core, of("small", 40)).decision == ALLOW
+    assert submit(core, of("small", 40)).decision == QUEUE  # 80 > the configured 50
+    free = make_core(total=1_000)
+    free.set_model_totals(None)  # no worker heard yet: the cluster total alone
+    assert [submit(free, of("small", 400)).decision for _ in range(2)] == [ALLOW, ALLOW]
