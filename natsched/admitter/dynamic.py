@@ -126,7 +126,7 @@ class DynamicTotal:
 
 
 @dataclass
-class WorkerLoad:
+class ModelLoad:
     """What one live worker's heartbeat says, for the per-model totals: the models it serves, the
     runtime tokens it can hold and those it holds now."""
 
@@ -135,7 +135,7 @@ class WorkerLoad:
     used: int
 
 
-def _by_model(workers: Iterable[WorkerLoad]) -> tuple[dict[str, int], dict[str, int]]:
+def _by_model(workers: Iterable[ModelLoad]) -> tuple[dict[str, int], dict[str, int]]:
     """(capacity, used) summed per model over the workers serving it (bad negatives count 0)."""
     capacity: dict[str, int] = {}
     used: dict[str, int] = {}
@@ -170,7 +170,7 @@ class ModelTotals:
     settings: DynamicTotalSettings
     factors: dict[str, DynamicTotal] = field(default_factory=dict)
 
-    def next_totals(self, workers: Iterable[WorkerLoad], reserved: Mapping[str, int], ceiling: int,
+    def next_totals(self, workers: Iterable[ModelLoad], reserved: Mapping[str, int], ceiling: int,
                     cache_share: float | None = None) -> dict[str, int | None]:
         """Per model served by a live worker: its bound in runtime tokens (None: no bound of its
         own), never above ``ceiling`` (the cluster total in force)."""
@@ -187,7 +187,7 @@ class ModelTotals:
             out[m] = dyn.next_total(ceiling, None, cap, used[m], reserved=reserved.get(m, 0), cache_share=cache_share)
         return out
 
-    def current(self, workers: Iterable[WorkerLoad], ceiling: int) -> dict[str, int | None]:
+    def current(self, workers: Iterable[ModelLoad], ceiling: int) -> dict[str, int | None]:
         """The bounds at the factors in force, without a step (a worker joined or left between
         intervals: the bound follows the capacity at once)."""
         capacity, _ = _by_model(workers)

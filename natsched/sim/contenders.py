@@ -36,7 +36,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from natsched.admitter.dynamic import CacheShare, DynamicTotal, DynamicTotalSettings, ModelTotals, WorkerLoad
+from natsched.admitter.dynamic import CacheShare, DynamicTotal, DynamicTotalSettings, ModelTotals, ModelLoad
 from natsched.admitter.offline import IdleGate, OfflineSettings
 from natsched.admitter.policy import ALLOW as A_ALLOW, DEGRADE, QUEUE as A_QUEUE, AdmissionSettings, AdmitterCore
 from natsched.admitter.quotas import Quotas, TenantQuota
@@ -89,9 +89,9 @@ class NatschedGate:
     def _capacity(self) -> int:
         return sum(w.core.kv_blocks * w.core.block_size for w in self.sim.live_workers())
 
-    def _loads(self) -> list[WorkerLoad]:
+    def _loads(self) -> list[ModelLoad]:
         """Each live worker's model, capacity and use, as its heartbeat names them."""
-        return [WorkerLoad(frozenset({w.model}), w.core.kv_blocks * w.core.block_size, w.engine.stats().runtime_tokens)
+        return [ModelLoad(frozenset({w.model}), w.core.kv_blocks * w.core.block_size, w.engine.stats().runtime_tokens)
                 for w in self.sim.live_workers()]
 
     def on_cluster_change(self, now: float) -> None:

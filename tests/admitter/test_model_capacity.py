@@ -4,7 +4,7 @@ and a full model's queue never blocks another model's requests."""
 
 import pytest
 
-from natsched.admitter.dynamic import DynamicTotalSettings, ModelTotals, WorkerLoad
+from natsched.admitter.dynamic import DynamicTotalSettings, ModelTotals, ModelLoad
 from natsched.admitter.policy import ALLOW, QUEUE
 from tests.admitter.test_dequeue import allowed, drain, finish, make_core, sized, submit
 
@@ -13,10 +13,10 @@ def of(model: str, cost: int, **fields):
     return sized(cost, model=model, **fields)
 
 
-def pools(big: int = 4, small: int = 1, per_worker: int = 100) -> list[WorkerLoad]:
+def pools(big: int = 4, small: int = 1, per_worker: int = 100) -> list[ModelLoad]:
     """``big`` workers of model "big" and ``small`` of model "small", idle."""
-    return ([WorkerLoad(frozenset({"big"}), per_worker, 0) for _ in range(big)]
-            + [WorkerLoad(frozenset({"small"}), per_worker, 0) for _ in range(small)])
+    return ([ModelLoad(frozenset({"big"}), per_worker, 0) for _ in range(big)]
+            + [ModelLoad(frozenset({"small"}), per_worker, 0) for _ in range(small)])
 
 
 def test_totals_follow_each_models_own_workers():
@@ -24,7 +24,7 @@ def test_totals_follow_each_models_own_workers():
     assert totals.current(pools(), ceiling=10_000) == {"big": 400, "small": 100}  # factor 1 at first
     assert totals.current(pools(), ceiling=250) == {"big": 250, "small": 100}  # never above the cluster total
     # a model's reservations over what its workers hold measure its factor, not the other model's
-    loads = [WorkerLoad(frozenset({"big"}), 100, 50) for _ in range(4)] + [WorkerLoad(frozenset({"small"}), 100, 50)]
+    loads = [ModelLoad(frozenset({"big"}), 100, 50) for _ in range(4)] + [ModelLoad(frozenset({"small"}), 100, 50)]
     for _ in range(40):
         out = totals.next_totals(loads, {"big": 400, "small": 50}, ceiling=10_000)
     assert out["small"] == 100 and out["big"] == pytest.approx(800, abs=2)  # big books 2 per held token, small 1
@@ -32,7 +32,7 @@ def test_totals_follow_each_models_own_workers():
 
 def test_a_worker_without_capacity_gives_its_model_no_bound_and_a_gone_model_is_absent():
     totals = ModelTotals(DynamicTotalSettings())
-    loads = [WorkerLoad(frozenset({"a"}), 0, 0), WorkerLoad(frozenset({"b", "b-lora"}), 100, 0)]
+    loads = [ModelLoad(frozenset({"a"}), 0, 0), ModelLoad(frozenset({"b", "b-lora"}), 100, 0)]
     out = totals.next_totals(loads, {}, ceiling=1_000)  # (idle: b's factor loosens a step, to 1.1)
     assert out == {"a": None, "b": 110, "b-lora": 110}  # an adapter shares its server's KV
     assert totals.next_totals(loads[1:], {}, ceiling=1_000).keys() == {"b", "b-lora"}  # a's worker left
