@@ -939,11 +939,11 @@ class AdmitterService(Repairs, PartitionMember):
     def update_model_totals(self, now: float, step: bool = True) -> dict[str, int | None] | None:
         """Each model's bound from the live workers that name it in their heartbeats (their model
         and what a fronted server serves), stepped like the total (``ModelTotals``; ``step``
-        False: at the factors in force, for a model that just appeared); None before any worker is
-        heard or with the capacity-following total off."""
+        False: at the factors in force, for a model that just appeared); None before any worker
+        naming its models is heard, or with the capacity-following total off."""
         self.model_totals.settings = s = self.dynamic.settings
-        loads = [ModelLoad(self.worker_models.get(w, (frozenset(), 0.0))[0], cap, used)
-                 for w, (cap, used, seen) in self.worker_load.items() if now - seen < 10.0]
+        loads = [ModelLoad(self.worker_models[w][0], cap, used) for w, (cap, used, seen) in self.worker_load.items()
+                 if now - seen < 10.0 and self.worker_models.get(w, ((),))[0]]  # (one that names no model: none)
         totals = None
         if loads and s.enabled and not self.partitioned:
             totals = (self.model_totals.next_totals(loads, self.shared.usage.models, self.total,
