@@ -40,6 +40,9 @@ changes the copy, never the core, so planning has no side effects. The order is:
    queue, so a full model's backlog never fills the ``scan_limit`` window of another's. A model
    holding nothing may pass a bound smaller than the request (the bound is measured and moves;
    it must not starve the model); a model absent from the map has no live worker and waits.
+   While a model's capacity is *contended* (held + queued past its bound) its queued requests
+   go by age (aged, class, arrival) across tenants, and an arrival of it waits behind them
+   (:meth:`Planner.contended`).
 """
 
 from __future__ import annotations
@@ -141,6 +144,7 @@ class Planner:
         self.remaining = {t: queue.tenant_count(t) for t in queue.tenants()}
         self.longs = queue.longs
         self.taken: set[RequestId] = set()
+        self.model_taken: dict[str, int] = {}  # queued tokens per model this plan took out
         self._cursors: dict[tuple[str, Lane], _Cursor] = {}
         self.book = book  # class limits and loans (None: no class has a limit)
         self.pressure = pressure  # class before tenant (module docstring, 5.)
@@ -229,13 +233,48 @@ class Planner:
     def top(self, excluded: set[str] = frozenset()) -> tuple[Entry, Rank] | None:
         """The best eligible queued request and its tenant's rank, or None."""
         order = sorted((self.rank(t), t) for t, left in self.remaining.items() if left and t not in excluded)
-        if self.pressure:
-            return self._top_by_class(order)
+        found = self._top_by_class(order) if self.pressure else self._top_by_tenant(order)
+        if found is not None and self.contended(found[0].model):
+            return self._oldest_of(found[0].model, order) or found
+        return found
+
+    def _top_by_tenant(self, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
         for rank, tenant in order:
             best = self._best(tenant)
             if best is not None:
                 return best, rank
         return None
+
+    def contended(self, model: str) -> bool:
+        """The model's own capacity binds (module docstring, 7.): what it holds and what is queued
+        for it pass its bound. Its requests then go by age across tenants: the tenant order ranks
+        by what a tenant holds of the whole cluster, which says nothing of its share of this
+        model's workers (a tenant heavy on another model would wait here until it timed out)."""
+        if self.model_totals is None:
+            return False
+        bound = self.model_totals.get(model, 0)
+        queued = self.queue.model_tokens(model) - self.model_taken.get(model, 0)
+        return bound is not None and queued > 0 and self.model_used.get(model, 0) + queued > bound
+
+    def _oldest_of(self, model: str, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
+        """The eligible queued request of ``model`` first by (aged, class, arrival), of any tenant."""
+        found, found_key = None, None
+        for rank, tenant in order:
+            quota = self.quotas.tenant_quota(tenant)
+            for lane, entries in self.queue.lanes(tenant).items():
+                if lane[2] != model:
+                    continue
+                e = self._cursor(tenant, lane, entries).first(lambda x: self._eligible(x, quota), self.taken,
+                                                              self.scan_limit)
+                if e is not None and (found_key is None or self.entry_key(e) < found_key):
+                    found, found_key = (e, rank), self.entry_key(e)
+        return found
+
+    def _cursor(self, tenant: str, lane: Lane, entries) -> _Cursor:
+        cursor = self._cursors.get((tenant, lane))
+        if cursor is None:
+            cursor = self._cursors[(tenant, lane)] = _Cursor(entries.values())
+        return cursor
 
     def _top_by_class(self, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
         """Under pressure: each tenant's best, by :meth:`pressure_key`. ``order`` is by rank, so
@@ -261,10 +300,7 @@ class Planner:
         quota = self.quotas.tenant_quota(tenant)
         best, best_key = None, None
         for lane, entries in self.queue.lanes(tenant).items():
-            cursor = self._cursors.get((tenant, lane))
-            if cursor is None:
-                cursor = self._cursors[(tenant, lane)] = _Cursor(entries.values())
-            e = cursor.first(lambda x: self._eligible(x, quota), self.taken, self.scan_limit)
+            e = self._cursor(tenant, lane, entries).first(lambda x: self._eligible(x, quota), self.taken, self.scan_limit)
             if e is not None:
                 key = key_of(e)
                 if best_key is None or key < best_key:
@@ -274,6 +310,7 @@ class Planner:
     def take(self, e: Entry, admit: bool, loan: Loan | None = None) -> None:
         """Account for ``e`` leaving the queue (admitted, with ``loan`` borrowed, or rejected) in this plan."""
         self.taken.add(e.id)
+        self.model_taken[e.model] = self.model_taken.get(e.model, 0) + e.cost
         self.remaining[e.tenant] -= 1
         self.longs -= e.long
         if admit:

@@ -347,6 +347,8 @@ class AdmitterCore:
             return None
         if not plan.arrival_outranks(request, plan.top()):
             return None
+        if plan.contended(request.model):  # its model's queue goes first, by age (planner.py 7.)
+            return None
         return plan.loan(request.cls, cost)
 
     def _queue_or_reject(self, request: Request, cost: int, now: float) -> AdmissionDecision:

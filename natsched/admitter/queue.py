@@ -60,6 +60,7 @@ class AdmissionQueue:
         self._tenant_count: Counter[str] = Counter()
         self._depth: Counter[str] = Counter()
         self._class_tokens: Counter[str] = Counter()
+        self._model_tokens: Counter[str] = Counter()
         self.tokens = 0  # runtime tokens of every queued request
         self._deadlines: list[tuple[float, int, RequestId]] = []
         self._seq = itertools.count()
@@ -79,6 +80,7 @@ class AdmissionQueue:
         self._tenant_count[request.tenant] += 1
         self._depth[request.cls] += 1
         self._class_tokens[request.cls] += cost
+        self._model_tokens[request.model] += cost
         self.tokens += cost
         self.longs += long
         if request.deadline is not None:
@@ -106,6 +108,9 @@ class AdmissionQueue:
         self._class_tokens[entry.cls] -= entry.cost
         if not self._class_tokens[entry.cls]:
             del self._class_tokens[entry.cls]
+        self._model_tokens[entry.model] -= entry.cost
+        if not self._model_tokens[entry.model]:
+            del self._model_tokens[entry.model]
         self.tokens -= entry.cost
         self.longs -= entry.long
         if entry.request.deadline is not None:
@@ -133,6 +138,10 @@ class AdmissionQueue:
     def class_tokens(self) -> dict[str, int]:
         """Runtime tokens queued per class (a lender's own demand: natsched.admitter.classes)."""
         return dict(self._class_tokens)
+
+    def model_tokens(self, model: str) -> int:
+        """Runtime tokens queued for ``model`` (is its own capacity contended: the planner)."""
+        return self._model_tokens.get(model, 0)
 
     def tenants(self) -> list[str]:
         """Backlogged tenants: those with at least one queued request."""
