@@ -105,3 +105,21 @@ def test_the_configured_model_limit_still_caps_and_no_map_means_no_bound():
     free = make_core(total=1_000)
     free.set_model_totals(None)  # no worker heard yet: the cluster total alone
     assert [submit(free, of("small", 400)).decision for _ in range(2)] == [ALLOW, ALLOW]
+
+
+def test_a_contended_models_queue_goes_by_age_not_by_what_tenants_hold_elsewhere():
+    """Tenant a holds most of the big model; its request for the small model was queued first.
+    The tenant order (by cluster-wide holdings) would put b's later one first at every freed slot."""
+    core = make_core(total=10_000)
+    core.set_model_totals({"big": 10_000, "small": 150})
+    assert submit(core, of("big", 5_000, tenant="a")).decision == ALLOW
+    running = of("small", 100, tenant="b")
+    assert submit(core, running).decision == ALLOW
+    older = of("small", 100, tenant="a")
+    assert submit(core, older, 1.0).decision == QUEUE
+    newer = of("small", 100, tenant="b")
+    assert submit(core, newer, 2.0).decision == QUEUE
+    finish(core, running, 3.0)
+    assert allowed(drain(core, 3.0)) == [older.id]
+    late = of("small", 50, tenant="c")  # it would fit (150 of 150), but b's older request waits for the room
+    assert submit(core, late, 3.5).decision == QUEUE
