@@ -40,7 +40,8 @@ changes the copy, never the core, so planning has no side effects. The order is:
    queue, so a full model's backlog never fills the ``scan_limit`` window of another's. A model
    holding nothing may pass a bound smaller than the request (the bound is measured and moves;
    it must not starve the model); a model absent from the map has no live worker and waits.
-   While a model's capacity is *contended* (held + queued past its bound) its queued requests
+   While a model's capacity is *contended* (held + queued past its bound, its room below the
+   cluster's) its queued requests
    go by age (aged, class, arrival) across tenants, and an arrival of it waits behind them
    (:meth:`Planner.contended`).
 """
@@ -247,14 +248,19 @@ class Planner:
 
     def contended(self, model: str) -> bool:
         """The model's own capacity binds (module docstring, 7.): what it holds and what is queued
-        for it pass its bound. Its requests then go by age across tenants: the tenant order ranks
+        for it pass its bound, and its room is less than the cluster's. Its requests then go by age across tenants: the tenant order ranks
         by what a tenant holds of the whole cluster, which says nothing of its share of this
         model's workers (a tenant heavy on another model would wait here until it timed out)."""
         if self.model_totals is None:
             return False
         bound = self.model_totals.get(model, 0)
+        if bound is None:
+            return False
+        held = self.model_used.get(model, 0)
         queued = self.queue.model_tokens(model) - self.model_taken.get(model, 0)
-        return bound is not None and queued > 0 and self.model_used.get(model, 0) + queued > bound
+        # only where the model's own room is the tighter one: with one model (or a pool as large as
+        # the cluster) the cluster total binds and the tenant order (floors, weights) stays as it is
+        return queued > 0 and held + queued > bound and bound - held < self.total - self.used
 
     def _oldest_of(self, model: str, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
         """The eligible queued request of ``model`` first by (aged, class, arrival), of any tenant."""

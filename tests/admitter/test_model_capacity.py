@@ -123,3 +123,17 @@ def test_a_contended_models_queue_goes_by_age_not_by_what_tenants_hold_elsewhere
     assert allowed(drain(core, 3.0)) == [older.id]
     late = of("small", 50, tenant="c")  # it would fit (150 of 150), but b's older request waits for the room
     assert submit(core, late, 3.5).decision == QUEUE
+
+
+def test_with_one_model_the_tenant_order_stays():
+    """The model's bound as large as the cluster total: the cluster binds, and the tenant order
+    (by holdings: b, holding nothing, before a) decides as it did before per-model capacity."""
+    core = make_core(total=250)
+    core.set_model_totals({"only": 250})
+    assert submit(core, heavy := of("only", 150, tenant="a")).decision == ALLOW
+    assert submit(core, of("only", 50, tenant="a")).decision == ALLOW  # a still holds this after
+    older = of("only", 100, tenant="a")
+    newer = of("only", 100, tenant="b")
+    assert [submit(core, older, 1.0).decision, submit(core, newer, 2.0).decision] == [QUEUE, QUEUE]
+    finish(core, heavy, 3.0)
+    assert allowed(drain(core, 3.0))[0] == newer.id
