@@ -132,7 +132,7 @@ def test_with_one_model_the_tenant_order_stays():
     core.set_model_totals({"only": 250})
     assert submit(core, heavy := of("only", 150, tenant="a")).decision == ALLOW
     assert submit(core, of("only", 50, tenant="a")).decision == ALLOW  # a still holds this after
-    older = of("only", 100, tenant="a")
+    older = of("only", 150, tenant="a")
     newer = of("only", 100, tenant="b")
     assert [submit(core, older, 1.0).decision, submit(core, newer, 2.0).decision] == [QUEUE, QUEUE]
     finish(core, heavy, 3.0)
