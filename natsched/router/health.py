@@ -71,7 +71,7 @@ class HealthSettings:
     max_half_open_s: float = 60.0  # then the worker's new speed is learned (it changed for good)
     # heartbeats of decode progress (natsched.router.progress) whose median over slow_factor
     # makes a worker half-open, and under recover_factor ends it; 0: completions only
-    progress_samples: int = 3
+    progress_samples: int = 5
 
     def __post_init__(self) -> None:
         if not 1.0 < self.recover_factor <= self.slow_factor:

@@ -28,6 +28,10 @@ from natsched.router.costmodel import CostModel
 
 #: fewer decode tokens than this in one interval is no evidence (a gap or two is mostly noise)
 MIN_DECODE_TOKENS = 8
+#: an interval whose prefill allowance is more than this share of its predicted time is no
+#: evidence: the prefill model (linear in the queue, a prediction per request) is far less exact
+#: than the step model, and a slowed engine shows its slowdown in its decode-bound intervals too
+MAX_PREFILL_SHARE = 0.5
 
 
 def progress_ratio(cost: CostModel, decode_tokens: int, decode_s: float, running: int,
@@ -41,7 +45,11 @@ def progress_ratio(cost: CostModel, decode_tokens: int, decode_s: float, running
         return None
     gap = decode_s / decode_tokens
     steps = decode_tokens / running
-    predicted = cost.step_s(batch_kv_tokens, running) + max(prefill_s, 0.0) / steps
+    step = cost.step_s(batch_kv_tokens, running)
+    prefill = max(prefill_s, 0.0) / steps
+    if prefill > MAX_PREFILL_SHARE * (step + prefill):
+        return None
+    predicted = step + prefill
     ratio = gap / predicted if predicted > 0.0 else math.inf
     return ratio if math.isfinite(ratio) else None
 

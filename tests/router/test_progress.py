@@ -8,7 +8,7 @@ import pytest
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.costmodel import CostModel
 from natsched.router.health import HALF_OPEN, HEALTHY, HealthSettings, LatencyHealth
-from natsched.router.progress import MIN_DECODE_TOKENS, ProgressWatch, progress_ratio
+from natsched.router.progress import MAX_PREFILL_SHARE, MIN_DECODE_TOKENS, ProgressWatch, progress_ratio
 from natsched.router.registry import WorkerState
 from natsched.wire.schema import Completion
 from tests.factories.router import make_hb, make_req
@@ -24,10 +24,17 @@ def test_the_ratio_is_the_mean_gap_over_the_predicted_step():
 
 def test_prefill_run_inside_the_steps_is_allowed_for():
     step = COST.step_s(20_000, 10)
-    # 100 tokens of 10 sequences: 10 steps; 0.5 s of prefill among them: 50 ms more per step
-    gap = step + 0.05
-    assert progress_ratio(COST, 100, 100 * gap, 10, 20_000, 0.5) == pytest.approx(1.0)
-    assert progress_ratio(COST, 100, 100 * gap, 10, 20_000, 0.0) > 4.0  # without it: "slow"
+    # 100 tokens of 10 sequences: 10 steps; 0.1 s of prefill among them: 10 ms more per step
+    gap = step + 0.01
+    assert progress_ratio(COST, 100, 100 * gap, 10, 20_000, 0.1) == pytest.approx(1.0)
+    assert progress_ratio(COST, 100, 100 * gap, 10, 20_000, 0.0) > 1.8  # without it: "slow"
+
+
+def test_an_interval_mostly_of_prefill_is_no_evidence():
+    step = COST.step_s(20_000, 10)
+    prefill = 10 * step * MAX_PREFILL_SHARE / (1 - MAX_PREFILL_SHARE)  # exactly the share allowed
+    assert progress_ratio(COST, 100, 100 * 5 * step, 10, 20_000, prefill) is not None
+    assert progress_ratio(COST, 100, 100 * 5 * step, 10, 20_000, prefill * 1.1) is None
 
 
 @pytest.mark.parametrize("tokens,seconds,running", [(MIN_DECODE_TOKENS - 1, 1.0, 4), (100, 0.0, 4), (100, 1.0, 0)])
@@ -38,8 +45,9 @@ def test_too_little_progress_is_no_evidence(tokens, seconds, running):
 def test_the_watch_counts_the_interval_prefill_from_what_was_routed_and_the_queue():
     watch, step = ProgressWatch(), COST.step_s(0, 4)
     assert watch.on_heartbeat(COST, "w", 1.0, 40, 40 * step, 4, 0, 5_000, 0.0) is None  # no interval yet
-    # routed 0.2 s of prefill; the queue fell from 5k to 1k tokens (0.4 s): 0.6 s over 10 steps
-    r = watch.on_heartbeat(COST, "w", 2.0, 40, 40 * (step + 0.06), 4, 0, 1_000, 0.2)
+    # routed 0.02 s of prefill; the queue fell from 1k to 0.8k tokens (0.02 s): 0.04 s over 10 steps
+    watch.on_heartbeat(COST, "w", 1.5, 40, 40 * step, 4, 0, 1_000, 0.0)
+    r = watch.on_heartbeat(COST, "w", 2.0, 40, 40 * (step + 0.004), 4, 0, 800, 0.02)
     assert r == pytest.approx(1.0)
     assert watch.on_heartbeat(COST, "w", 1.5, 40, 40 * step, 4, 0, 0, 0.2) is None  # older: ignored
     watch.forget("w")
