@@ -27,7 +27,11 @@ Besides completions, the router counts requests still outstanding past ``slow_fa
 predicted end (:meth:`natsched.router.core.RouterCore.tick`): a slowed worker's completions come
 late by the very slowdown, its overdue requests do not. An overdue request alone is weaker
 evidence (it may sit in a queue nobody predicted), so going half-open also needs one *completed*
-request over the factor in the window. Hysteresis (``recover_factor`` < ``slow_factor``) keeps a borderline worker from
+request over the factor in the window. The earliest evidence is the decode progress a worker
+reports in every heartbeat (:mod:`natsched.router.progress`, :meth:`LatencyHealth.observe_progress`):
+its median over ``progress_samples`` heartbeats opens the circuit seconds after a slowdown
+begins; being the worker's own word, it can only add a half-open state, never end one that
+completions caused. Hysteresis (``recover_factor`` < ``slow_factor``) keeps a borderline worker from
 flapping.
 
 HALF_OPEN (the circuit breaker's middle state) takes only what is cheap to run slowly and cheap
