@@ -48,6 +48,17 @@ async def cancel_and_wait(task: asyncio.Future, every_s: float = RECANCEL_S) -> 
         await asyncio.wait({task}, timeout=every_s)
 
 
+def raise_if_cancelled() -> None:
+    """Raise :class:`asyncio.CancelledError` when the current task was cancelled and carried on.
+
+    For a loop whose awaits go through ``wait_for`` below us (nats-py's KV reads): a cancel they
+    swallowed still counts in ``Task.cancelling()``, so checking once per turn ends the loop
+    (``natsched status --watch`` once redrew on after Ctrl-C)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class Mailbox:
     """The messages of one core subscription, read one at a time (a producer's replies).
 

@@ -10,6 +10,7 @@ import orjson
 
 from natsched.admitter.inflight import PartitionUsage
 from natsched.gateway.status import StatusCollector, StatusSettings, StatusView
+from natsched.bus.aio import raise_if_cancelled
 from natsched.bus.connection import Bus
 from natsched.wire import subjects as S
 from natsched.wire.errors import MessageError
@@ -116,6 +117,7 @@ async def run_status(bus: Bus, settings: StatusSettings, watch_s: float | None =
                 return 0
             sys.stdout.write("\x1b[H\x1b[2J" + render_text(view, scale))
             sys.stdout.flush()
+            raise_if_cancelled()  # a Ctrl-C that a KV read below swallowed
             await asyncio.sleep(watch_s)
     finally:
         await bus.close()

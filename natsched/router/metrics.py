@@ -50,6 +50,10 @@ class RouterMetrics:
         self.finished_copies = Counter("natsched_routing_finished_copies",
                                        "Hand-offs not routed because their attempt's completion was seen already "
                                        "(a copy whose ack was lost, e.g. to a server restart)", registry=r)
+        self.repeated_copies = Counter("natsched_routing_repeated_copies",
+                                       "Hand-offs of an attempt this router had assigned already, sent again to "
+                                       "the same worker unchanged (whose memory runs it once) instead of re-routed",
+                                       registry=r)
         self.index_entries = Gauge("natsched_routing_index_entries", "Block hashes in the prefix index", registry=r)
         self.bad_reports = Counter("natsched_routing_bad_reports",
                                    "Heartbeats, cache events and shared cost statistics refused", ["kind"], registry=r)

@@ -41,7 +41,7 @@ from natsched.router.learned import calibrated_prior
 from natsched.router.metrics import RouterMetrics
 from natsched.router.policy import RouteDecision, RouteRequest
 from natsched import tracing
-from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
+from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds, RecentMap
 
 #: completions remembered (request id and attempt): a copy of a hand-off whose ack was lost comes
 #: back after the consumer's ack wait (30 s), after a server restart counted from its return; at
@@ -93,6 +93,8 @@ class RouterService:
         self._last_worker: OrderedDict[int, str] = OrderedDict()
         self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
         self.finished = RecentIds(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)  # _attempt_key of fenced completions
+        #: _attempt_key -> what the stored WORK message said beside the request (see _repeat_copy)
+        self.routed = RecentMap(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)
         attempts = int(self.settings.no_worker_wait_s / self.settings.retry_delay_s) + 1
         # the key part of this replica's cost statistics: unique per process, so replicas that share
         # a name do not overwrite each other's
@@ -348,6 +350,8 @@ class RouterService:
             if self._finished_copy(adm):
                 await d.ack()
                 continue
+            if await self._repeat_copy(adm, d):
+                continue
             if self.is_cancelled(adm):  # admitted, then its producer gave up: never routed
                 await self._fail(adm, RouteDecision(None, self.core.policy.name, reason="cancelled"), "cancelled",
                                  "its producer cancelled it before it was routed")
@@ -380,6 +384,33 @@ class RouterService:
         self.metrics.finished_copies.inc()
         log.warning("request %s (attempt %d) handed off again after its completion: acked, not routed",
                     adm.request.id, adm.attempt)
+        return True
+
+    async def _repeat_copy(self, adm: Admitted, d: Delivery) -> bool:
+        """A hand-off of an attempt this router assigned already: sent again, unchanged, to the
+        worker it went to, and acked.
+
+        The copy of a hand-off whose ack a server restart lost can come back before that
+        attempt's completion does (the worker's publish is retried after the same restart), so
+        :meth:`_finished_copy` cannot see it finished yet; routed anew, it ran a finished request
+        a second time on another worker (``natsched chaos --scenario recovery``: 1–2 of 300, 3–4 s
+        after their completions). The same assignment (same worker, fence and ``routed_at``) under
+        the same message id is deduplicated by WORK while the server remembers the first, and
+        otherwise reaches the worker that ran it, whose own memory of finished requests acks it
+        without running it (or that has not got it yet, and runs it once). A router that
+        restarted has no memory and routes it as new, as before."""
+        previous = self.routed.get(_attempt_key(adm.request.id, adm.attempt))
+        if not isinstance(previous, _Sent):
+            return False
+        again = Assignment(request=adm.request, worker=previous.worker, runtime_tokens=adm.runtime_tokens,
+                           admitted_at=adm.admitted_at, routed_at=previous.routed_at, policy=previous.policy,
+                           expected_cached_tokens=previous.expected_cached_tokens, attempt=adm.attempt,
+                           avoid=adm.avoid, fence=previous.fence, reply_fence=previous.reply_fence)
+        await self.bus.jpublish(S.work(previous.worker), again, msg_id=M.work(adm.request.id, adm.attempt))
+        await d.ack()
+        self.metrics.repeated_copies.inc()
+        log.warning("request %s (attempt %d) handed off again: sent to %s as before, not re-routed",
+                    adm.request.id, adm.attempt, previous.worker)
         return True
 
     async def _on_cancel(self, subject: str, data: bytes, headers: dict) -> None:
@@ -444,6 +475,7 @@ class RouterService:
         """A WORK message is stored: record the decision, tell the producer, ack the hand-off."""
         adm, decision, assignment = r.adm, r.decision, r.assignment
         req = adm.request
+        self.routed.put(_attempt_key(req.id, adm.attempt), _Sent.of(assignment))
         await self._record(adm, decision, "assign", r.latency_ms, admission=r.admission)
         if req.reply:
             await self.bus.publish(req.reply, Reply(request_id=req.id, kind=ReplyKind.STATUS,
@@ -502,6 +534,23 @@ class RouterService:
                           latency_ms=latency_ms, runtime_tokens=adm.runtime_tokens,
                           admission=admission.to_wire() if admission is not None else None)
         await self.bus.jpublish_nowait(S.decision("routing", req.tenant), record, msg_id=M.routing(req.id))
+
+
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """What a stored WORK message said beside its request (the request itself is in every copy:
+    keeping it would hold every prompt for minutes)."""
+
+    worker: str
+    routed_at: float
+    policy: str
+    expected_cached_tokens: int
+    fence: str
+    reply_fence: str
+
+    @classmethod
+    def of(cls, a: Assignment) -> "_Sent":
+        return cls(a.worker, a.routed_at, a.policy, a.expected_cached_tokens, a.fence, a.reply_fence)
 
 
 def _attempt_key(request_id: str, attempt: int) -> str:

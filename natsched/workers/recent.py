@@ -40,4 +40,25 @@ class RecentIds:
     def _prune(self, now: float) -> None:
         while self._seen and (len(self._seen) > self.max_size
                               or now - next(iter(self._seen.values())) > self.max_age_s):
-            self._seen.popitem(last=False)
+            self._forget(self._seen.popitem(last=False)[0])
+
+    def _forget(self, rid: str) -> None:
+        """An id aged out (a subclass drops what it kept beside it)."""
+
+
+class RecentMap(RecentIds):
+    """:class:`RecentIds` that keeps a value per id (what was decided for it), bounded the same way."""
+
+    def __init__(self, max_age_s: float, max_size: int) -> None:
+        super().__init__(max_age_s, max_size)
+        self._values: dict[str, object] = {}
+
+    def put(self, rid: str, value: object, now: float | None = None) -> None:
+        self._values[rid] = value
+        self.add(rid, now)
+
+    def get(self, rid: str) -> object | None:
+        return self._values.get(rid) if rid in self else None
+
+    def _forget(self, rid: str) -> None:
+        self._values.pop(rid, None)

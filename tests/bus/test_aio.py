@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from natsched.bus.aio import Mailbox, cancel_and_wait, wait_event
+from natsched.bus.aio import Mailbox, cancel_and_wait, raise_if_cancelled, wait_event
 
 
 async def test_wait_event_says_whether_the_event_came():
@@ -87,3 +87,29 @@ async def test_cancel_and_wait_cancels_again_until_the_task_ends():
     await asyncio.sleep(0)
     await asyncio.wait_for(cancel_and_wait(task, every_s=0.01), 10)
     assert swallowed.is_set() and task.cancelled()
+
+
+async def test_a_loop_that_checks_each_turn_ends_after_a_swallowed_cancel():
+    """``natsched status --watch`` once redrew on after Ctrl-C: its one cancel was swallowed by a
+    KV read below it. A swallowed cancel still counts in ``Task.cancelling()``."""
+    turns = 0
+    swallowed = asyncio.Event()
+
+    async def watch() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            try:
+                await asyncio.sleep(3600)  # a read that swallows the cancel it meets, once
+            except asyncio.CancelledError:
+                if swallowed.is_set():
+                    raise
+                swallowed.set()
+            raise_if_cancelled()
+
+    task = asyncio.ensure_future(watch())
+    await asyncio.sleep(0)
+    task.cancel()  # once, as asyncio.run does on the first Ctrl-C
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    assert swallowed.is_set() and turns == 1

@@ -222,3 +222,42 @@ async def _finished_copy_is_not_routed(router, bus, routed, admitted_empty):
     await bus.jpublish(S.admitted(S.DEFAULT_POOL, req.cls, req.tenant), rescued, msg_id=f"{req.id}:adm:1")
     assert await until(lambda: routed == [(req.id, 0), (req.id, 1)])  # a later attempt is routed
     assert router.metrics.finished_copies._value.get() == 1
+
+
+async def test_a_hand_off_copy_before_its_completion_goes_to_the_same_worker_unchanged(router, bus):
+    """The copy of a hand-off whose ack a server restart lost can come back before its attempt's
+    completion (the worker's publish is retried after the same restart): routed anew, it went to
+    another worker and ran a finished request twice (``natsched chaos --scenario recovery``, 1–2
+    of 300). Now it is sent again, unchanged (worker, routed_at, fence), under the same message
+    id: WORK deduplicates it while the first is known, and otherwise the worker that ran it acks
+    it from its own memory. A later attempt (a rescue) is routed anew."""
+    sent: list[Assignment] = []
+
+    async def on_work(subject, data, headers):
+        sent.append(Assignment.decode(data))
+
+    await bus.subscribe(S.WORK_ALL, on_work)
+    for seq, worker in enumerate(("wa", "wb"), 1):
+        await beat(bus, worker, seq)
+    assert await until(lambda: {"wa", "wb"} <= set(router.core.workers))
+    req = make_request(max_tokens=4)
+    adm = Admitted(request=req, runtime_tokens=10, admitted_at=time.time())
+    await bus.jpublish(S.admitted(S.DEFAULT_POOL, req.cls, req.tenant), adm, msg_id=f"{req.id}:adm")
+    assert await until(lambda: len(sent) == 1)
+    first = sent[0].worker
+    other = "wb" if first == "wa" else "wa"
+    await beat(bus, first, 10, running=50, waiting=50)  # fresh routing would now pick the other one
+    await beat(bus, other, 11)
+    assert await until(lambda: router.core.workers[first].running == 50)
+    await bus.jpublish(S.admitted(S.DEFAULT_POOL, req.cls, req.tenant), adm, msg_id=f"{req.id}:adm-copy")
+    assert await until(lambda: len(sent) == 2)
+    again = sent[1]
+    assert (again.worker, again.routed_at, again.fence, again.reply_fence, again.attempt) == \
+        (first, sent[0].routed_at, sent[0].fence, sent[0].reply_fence, 0)
+    assert router.metrics.repeated_copies._value.get() == 1
+    assert len(await bus.stream_messages(S.STREAM_WORK)) == 1  # the server deduplicated the copy
+    rescued = Admitted(request=req, runtime_tokens=10, admitted_at=adm.admitted_at, attempt=1, avoid=[first])
+    await bus.jpublish(S.admitted(S.DEFAULT_POOL, req.cls, req.tenant), rescued, msg_id=f"{req.id}:adm:1")
+    assert await until(lambda: len(sent) == 3)
+    assert (sent[2].worker, sent[2].attempt) == (other, 1) and sent[2].routed_at > sent[0].routed_at
+    assert router.metrics.repeated_copies._value.get() == 1

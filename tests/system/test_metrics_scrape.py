@@ -52,6 +52,7 @@ EXPECTED = {
         "natsched_routing_config_errors": "counter",
         "natsched_routing_claim_failures": "counter",
         "natsched_routing_finished_copies": "counter",
+        "natsched_routing_repeated_copies": "counter",
         "natsched_routing_prefix_routes": "counter",
         "natsched_routing_prefix_migrations": "counter",
     },
