@@ -300,10 +300,10 @@ class WorkerAgent:
             held = 2 * (out.prompt_tokens or engine_req.prompt_tokens) + max(out.output_tokens, out.index + 1)
             if held > a.runtime_tokens:
                 self._over[req.id] = held
+            n = (len(out.token_ids) if out.token_ids else int(bool(out.text))) if not out.error else 0
+            self._decode.output(req.id, n, time.monotonic())
             if not out.finished:  # what a cancel reports as really produced (the final output has the totals)
-                n = len(out.token_ids) if out.token_ids else int(bool(out.text))
                 produced += n
-                self._decode.output(req.id, n, time.monotonic())
                 self._produced[req.id] = (engine_req.prompt_tokens, produced)
             trace = self._traces.get(req.id)
             if trace is not None and _is_token(out):
