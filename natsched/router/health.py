@@ -225,14 +225,19 @@ class LatencyHealth:
             return self._set(w, st, HEALTHY, now, med)
         return None
 
-    def _set(self, w: str, st: _State, state: str, now: float, med: float) -> str:
+    def _set(self, w: str, st: _State, state: str, now: float, med: float) -> str | None:
+        """The completions' verdict; a transition only if the worker's state changed with it (its
+        heartbeats' progress may hold it half-open already, or still)."""
+        was = self.is_half_open(w)
+        st.state, st.since = state, now
+        st.window.clear()  # the next verdict is on fresh completions only
+        st.changes += 1
+        if self.is_half_open(w) == was:
+            return None
         log.warning("worker %s %s: completions at %.2fx its predicted latency (median of %d over %.0fs)",
                     w, "half-open" if state == HALF_OPEN else "healthy again", med, len(st.window),
                     self.settings.window_s)
-        st.state, st.since = state, now
         self.transitions.append((now, w, state))
-        st.window.clear()  # the next verdict is on fresh completions only
-        st.changes += 1
         return state
 
     def forget(self, w: str) -> None:

@@ -165,3 +165,16 @@ def test_a_healthy_worker_claiming_fast_steps_changes_no_decision():
             t += 0.1
         decisions[claims] = picks
     assert "w1" in decisions[False] and decisions[True] == decisions[False]
+
+
+def test_a_state_both_signals_agree_on_is_one_transition_and_lasts_while_either_holds_it():
+    h = LatencyHealth(HealthSettings(window_s=10.0, min_samples=2, progress_samples=3))
+    for t in (1.0, 2.0, 3.0):
+        h.observe_progress("w", 3.0, t)
+    h.observe("w", 3.0, 4.0), h.observe("w", 3.0, 5.0)  # completions agree: no second transition
+    assert [st for _, _, st in h.transitions] == [HALF_OPEN]
+    h.observe("w", 1.0, 16.0), h.observe("w", 1.0, 17.0)  # completions recover; the progress still slow
+    assert h.is_half_open("w") and [st for _, _, st in h.transitions] == [HALF_OPEN]
+    for t in (18.0, 19.0, 20.0):
+        h.observe_progress("w", 1.0, t)
+    assert h.state("w") == HEALTHY and [st for _, _, st in h.transitions] == [HALF_OPEN, HEALTHY]
