@@ -31,11 +31,11 @@ from natsched.router.deps import PolicyDeps, build_params, cached_tokens
 from natsched.router.errors import ConfigError
 from natsched.router.feedback import ClaimTracker, FeedbackSettings
 from natsched.router.health import HealthSettings, LatencyHealth, completion_ratio
-from natsched.router.progress import ProgressWatch
 from natsched.router.index import IndexSettings, PrefixIndex
 from natsched.router.learned import CostBook, LearnSettings, Sample
 from natsched.router.policies import make_policy
 from natsched.router.policy import RouteDecision, RouteRequest, RoutingPolicy, WorkerView
+from natsched.router.progress import ProgressWatch
 from natsched.router.registry import Assignment, RegistrySettings, WorkerRegistry, WorkerState
 
 log = logging.getLogger(__name__)

@@ -562,6 +562,7 @@ class Simulator:
         # they join its *next* step. Cleared first, each of them started a second step beside the
         # one below, and an engine behind a queueing admission ran two steps at a time (TPOTs
         # under one step's time for half the requests of burst under natsched and llm-d)
+
         # the tokens after each sequence's first, each one step after its previous: what the
         # agent's DecodeProgress adds up from the engine's output stream
         later = sum(1 for _, index in res.tokens if index > 0)
