@@ -18,6 +18,7 @@ from natsched.bus.server import DEFAULT_URL
 
 ENV_URL = "NATSCHED_NATS_URL"
 ENV_CREDENTIALS = "NATSCHED_CREDENTIALS"
+ENV_SERVER_API_KEY = "NATSCHED_SERVER_API_KEY"  # the API key of the vllm serve processes an agent fronts
 CLIENT_CONNECT_BUDGET_S = 5.0  # a command a person waits on: long enough for a server that is starting
 
 Handler = Callable[[argparse.Namespace], int]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from natsched.bus.server import DEFAULT_PORT, DEFAULT_SYNC, SYNC_CHOICES
 from natsched.cli.argtypes import positive_float
-from natsched.cli.options import ENV_URL, connect, fail, run, url_flag
+from natsched.cli.options import ENV_SERVER_API_KEY, ENV_URL, connect, fail, run, url_flag
 
 #: worker engines: a calibrated model, vLLM in the worker's process, a running vllm serve (or SGLang)
 #: the worker fronts over HTTP, and none (answers at once)
@@ -72,6 +72,12 @@ def _up_parser(sub) -> None:
     up.add_argument("--kv-replay", action="append", default=[], metavar="ENDPOINT",
                     help="with --engine vllm-server: each server's KV-event replay socket (its replay_endpoint, "
                          "tcp://HOST:PORT), in --vllm-url order")
+    up.add_argument("--vllm-metrics-url", action="append", default=[], metavar="URL",
+                    help="with --engine vllm-server: each server's Prometheus page, in --vllm-url order "
+                         "(default URL/metrics)")
+    up.add_argument("--flavor", choices=["vllm", "sglang"], default=None,
+                    help="with --engine vllm-server: the servers' kind (default vllm); their API key is read "
+                         f"from ${ENV_SERVER_API_KEY}, which every agent inherits")
     add_leave_flag(up)
     up.add_argument("--nats-url", default=os.environ.get(ENV_URL),
                     help=f"use this NATS server instead of the embedded one (default: ${ENV_URL})")
@@ -229,7 +235,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                         "missed before connecting or in a gap are fetched again")
     p.add_argument("--metrics-url", default=None, help="vllm-server: its Prometheus page (default URL/metrics)")
     p.add_argument("--flavor", choices=["vllm", "sglang"], default="vllm", help="vllm-server: the server's kind")
-    p.add_argument("--api-key", default=None, help="vllm-server: the server's --api-key")
+    p.add_argument("--api-key", default=os.environ.get(ENV_SERVER_API_KEY),
+                   help=f"vllm-server: the server's --api-key (default ${ENV_SERVER_API_KEY}: not in argv, "
+                        "which every local user can read)")
     p.add_argument("--server-block-size", type=int, default=None,
                    help="vllm-server: its KV block size (default: read from its /metrics, else 32)")
     add_leave_flag(p)
@@ -284,7 +292,8 @@ def up_settings(args):
                       gateway_keys=args.gateway_keys, auth_dir=args.auth_dir,
                       extra_worker_args=_worker_passthrough(args), metrics_port=args.metrics_port,
                       server_urls=list(args.vllm_url or []), server_kv_events=list(args.kv_events or []),
-                      server_kv_replay=list(args.kv_replay or []), server_leave_s=args.unreachable_leave)
+                      server_kv_replay=list(args.kv_replay or []), server_leave_s=args.unreachable_leave,
+                      server_metrics_urls=list(args.vllm_metrics_url or []), server_flavor=args.flavor)
 
 
 def _worker_passthrough(args) -> list[str]:

@@ -104,6 +104,8 @@ class UpSettings:
     server_kv_events: list[str] = field(default_factory=list)
     server_kv_replay: list[str] = field(default_factory=list)
     server_leave_s: float | None = None  # a silent server's agent leaves after this (None: the worker's default)
+    server_metrics_urls: list[str] = field(default_factory=list)  # their /metrics pages, same order (fewer: URL/metrics)
+    server_flavor: str | None = None  # "vllm" / "sglang" (None: the worker's default)
 
     def __post_init__(self) -> None:
         self.pools = PoolMap.parse(self.router_pools)  # PoolError (a ValueError) names what is wrong
@@ -118,10 +120,14 @@ class UpSettings:
                 raise ValueError("more --kv-events than --vllm-url: give them in the servers' order")
             if len(self.server_kv_replay) > len(self.server_urls):
                 raise ValueError("more --kv-replay than --vllm-url: give them in the servers' order")
+            if len(self.server_metrics_urls) > len(self.server_urls):
+                raise ValueError("more --vllm-metrics-url than --vllm-url: give them in the servers' order")
             self.workers = len(self.server_urls)
         else:  # flags only an agent in front of a server reads: silently ignored they would mislead
             given = [flag for flag, value in (("--vllm-url", self.server_urls), ("--kv-events", self.server_kv_events),
-                                              ("--kv-replay", self.server_kv_replay)) if value]
+                                              ("--kv-replay", self.server_kv_replay),
+                                              ("--vllm-metrics-url", self.server_metrics_urls),
+                                              ("--flavor", self.server_flavor)) if value]
             if given:
                 raise ValueError(f"{given[0]} needs --engine vllm-server")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - self.metered() + 1:
@@ -234,6 +240,10 @@ class Supervisor:
             out += ["--kv-events", self.s.server_kv_events[i]]
         if i < len(self.s.server_kv_replay):
             out += ["--kv-replay", self.s.server_kv_replay[i]]
+        if i < len(self.s.server_metrics_urls):
+            out += ["--metrics-url", self.s.server_metrics_urls[i]]
+        if self.s.server_flavor is not None:
+            out += ["--flavor", self.s.server_flavor]
         if self.s.server_leave_s is not None:
             out += ["--unreachable-leave", repr(self.s.server_leave_s)]
         return out

@@ -35,6 +35,7 @@ from natsched.router.index import IndexSettings, PrefixIndex
 from natsched.router.learned import CostBook, LearnSettings, Sample
 from natsched.router.policies import make_policy
 from natsched.router.policy import RouteDecision, RouteRequest, RoutingPolicy, WorkerView
+from natsched.router.progress import ProgressWatch
 from natsched.router.registry import Assignment, RegistrySettings, WorkerRegistry, WorkerState
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class RouterCore:
         self.index = PrefixIndex(s.index)
         self.costs = CostBook(s.cost, s.learn)
         self.health = LatencyHealth(s.health)
+        self.progress = ProgressWatch()
         self.registry = WorkerRegistry(s.registry_settings(), s.cost, self.costs, self.health)
         self.claims = ClaimTracker(s.feedback)
         self.deps = PolicyDeps(self.index, s.cost, s.block_size, self.costs)
@@ -126,6 +128,20 @@ class RouterCore:
             # a gap still distrusts and asks at once, and whichever snapshot comes settles it
             self._snapshot_requests[w] = None
         self._check_fresh(w)
+        self._judge_progress(hb, now)
+
+    def _judge_progress(self, hb: Heartbeat, now: float) -> None:
+        """The heartbeat's decode progress against the worker's learned model
+        (:mod:`natsched.router.progress`): evidence of a slowdown seconds after it begins."""
+        w = hb.worker
+        ratio = self.progress.on_heartbeat(self.costs.of(w), w, hb.ts, hb.decode_tokens, hb.decode_s, hb.running,
+                                           hb.kv_used_blocks * hb.block_size, hb.queued_prefill_tokens,
+                                           self.registry.prefill_routed(w))
+        if ratio is None or not self.costs.settings.enabled or \
+                self.costs.samples(w) < self.health.settings.min_learned:
+            return  # a prior that has not met the worker is no yardstick (as for completions)
+        self.health.observe_progress(w, ratio, now)
+        self.costs.freeze(w, self.health.learning_frozen(w, now))
 
     def on_cache_event(self, ev: CacheEvent, now: float) -> bool:
         """Apply a cache delta; False when a sequence gap means a snapshot is needed."""
@@ -348,6 +364,7 @@ class RouterCore:
             self._snapshot_requests.pop(w, None)
             self.costs.forget(w)
             self.health.forget(w)
+            self.progress.forget(w)
             self._completed.pop(w, None)
             self.predictions.pop(w, None)
         self.index.expire(now)

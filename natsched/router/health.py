@@ -27,7 +27,11 @@ Besides completions, the router counts requests still outstanding past ``slow_fa
 predicted end (:meth:`natsched.router.core.RouterCore.tick`): a slowed worker's completions come
 late by the very slowdown, its overdue requests do not. An overdue request alone is weaker
 evidence (it may sit in a queue nobody predicted), so going half-open also needs one *completed*
-request over the factor in the window. Hysteresis (``recover_factor`` < ``slow_factor``) keeps a borderline worker from
+request over the factor in the window. The earliest evidence is the decode progress a worker
+reports in every heartbeat (:mod:`natsched.router.progress`, :meth:`LatencyHealth.observe_progress`):
+its median over ``progress_samples`` heartbeats opens the circuit seconds after a slowdown
+begins; being the worker's own word, it can only add a half-open state, never end one that
+completions caused. Hysteresis (``recover_factor`` < ``slow_factor``) keeps a borderline worker from
 flapping.
 
 HALF_OPEN (the circuit breaker's middle state) takes only what is cheap to run slowly and cheap
@@ -69,12 +73,15 @@ class HealthSettings:
     probe_share: float = 0.1  # share of other requests a half-open worker may still take
     short_prompt_tokens: int = 1024  # prompts up to this are "short" (as for BACKOFF)
     max_half_open_s: float = 60.0  # then the worker's new speed is learned (it changed for good)
+    # heartbeats of decode progress (natsched.router.progress) whose median over slow_factor
+    # makes a worker half-open, and under recover_factor ends it; 0: completions only
+    progress_samples: int = 5
 
     def __post_init__(self) -> None:
         if not 1.0 < self.recover_factor <= self.slow_factor:
             raise ConfigError("health: 1 < recover_factor <= slow_factor")
-        if self.window_s <= 0 or self.min_samples < 1 or self.max_half_open_s <= 0:
-            raise ConfigError("health: window_s > 0, min_samples >= 1, max_half_open_s > 0")
+        if self.window_s <= 0 or self.min_samples < 1 or self.max_half_open_s <= 0 or self.progress_samples < 0:
+            raise ConfigError("health: window_s > 0, min_samples >= 1, max_half_open_s > 0, progress_samples >= 0")
         if not 0.0 <= self.probe_share <= 1.0 or self.short_prompt_tokens < 0:
             raise ConfigError("health: probe_share within [0, 1], short_prompt_tokens >= 0")
 
@@ -129,18 +136,21 @@ class LatencyHealth:
         self._w: dict[str, _State] = {}
         self._confirmed: dict[str, float] = {}  # worker -> time of the last completion over slow_factor
         self.transitions: deque[tuple[float, str, str]] = deque(maxlen=1000)  # (t, worker, new state)
+        self._progress: dict[str, deque[float]] = {}  # worker -> the last heartbeats' progress ratios
+        self._slow_since: dict[str, float] = {}  # worker -> when its progress reports made it half-open
 
     def state(self, w: str) -> str:
-        st = self._w.get(w)
-        return st.state if st is not None else HEALTHY
+        return HALF_OPEN if self.is_half_open(w) else HEALTHY
 
     def is_half_open(self, w: str) -> bool:
         st = self._w.get(w)
-        return st is not None and st.state == HALF_OPEN
+        return (st is not None and st.state == HALF_OPEN) or w in self._slow_since
 
     def since(self, w: str) -> float | None:
         st = self._w.get(w)
-        return st.since if st is not None and st.state == HALF_OPEN else None
+        times = [t for t in (st.since if st is not None and st.state == HALF_OPEN else None,
+                             self._slow_since.get(w)) if t is not None]
+        return min(times) if times else None
 
     def median(self, w: str) -> float | None:
         st = self._w.get(w)
@@ -152,8 +162,43 @@ class LatencyHealth:
 
     def learning_frozen(self, w: str, now: float) -> bool:
         """Half-open for less than ``max_half_open_s``: its samples must not be learned."""
-        st = self._w.get(w)
-        return st is not None and st.state == HALF_OPEN and now - st.since < self.settings.max_half_open_s
+        since = self.since(w)
+        return since is not None and now - since < self.settings.max_half_open_s
+
+    def observe_progress(self, w: str, ratio: float, now: float) -> str | None:
+        """Add one heartbeat's progress ratio (:mod:`natsched.router.progress`); returns the new
+        state when it changed, else None.
+
+        The median of the last ``progress_samples`` over ``slow_factor`` makes ``w`` half-open; under
+        ``recover_factor`` it ends *that* half-open state only. The report is the worker's own
+        word: it can add a half-open state, never end one its completions caused, so a worker
+        cannot claim its way to more work than a silent one gets."""
+        s = self.settings
+        if not s.enabled or not s.progress_samples or not math.isfinite(ratio) or ratio <= 0:
+            return None
+        win = self._progress.get(w)
+        if win is None:
+            win = self._progress[w] = deque(maxlen=s.progress_samples)
+        win.append(ratio)
+        if len(win) < s.progress_samples:
+            return None
+        med = sorted(win)[len(win) // 2] if len(win) % 2 else sorted(win)[len(win) // 2 - 1]
+        was = self.is_half_open(w)
+        if w not in self._slow_since and med > s.slow_factor:
+            self._slow_since[w] = now
+            win.clear()
+        elif w in self._slow_since and med < s.recover_factor:
+            del self._slow_since[w]
+            win.clear()
+        else:
+            return None
+        state = self.state(w)
+        if state == (HALF_OPEN if was else HEALTHY):
+            return None
+        log.warning("worker %s %s: decode steps at %.2fx its predicted step time (median of %d heartbeats)",
+                    w, "half-open" if state == HALF_OPEN else "healthy again", med, s.progress_samples)
+        self.transitions.append((now, w, state))
+        return state
 
     def observe(self, w: str, ratio: float, now: float, completed: bool = True) -> str | None:
         """Add one ratio (a completion's, or an overdue request's with ``completed`` False);
@@ -180,19 +225,26 @@ class LatencyHealth:
             return self._set(w, st, HEALTHY, now, med)
         return None
 
-    def _set(self, w: str, st: _State, state: str, now: float, med: float) -> str:
+    def _set(self, w: str, st: _State, state: str, now: float, med: float) -> str | None:
+        """The completions' verdict; a transition only if the worker's state changed with it (its
+        heartbeats' progress may hold it half-open already, or still)."""
+        was = self.is_half_open(w)
+        st.state, st.since = state, now
+        st.window.clear()  # the next verdict is on fresh completions only
+        st.changes += 1
+        if self.is_half_open(w) == was:
+            return None
         log.warning("worker %s %s: completions at %.2fx its predicted latency (median of %d over %.0fs)",
                     w, "half-open" if state == HALF_OPEN else "healthy again", med, len(st.window),
                     self.settings.window_s)
-        st.state, st.since = state, now
         self.transitions.append((now, w, state))
-        st.window.clear()  # the next verdict is on fresh completions only
-        st.changes += 1
         return state
 
     def forget(self, w: str) -> None:
         self._w.pop(w, None)
         self._confirmed.pop(w, None)
+        self._progress.pop(w, None)
+        self._slow_since.pop(w, None)
 
     def changes(self) -> int:
         return sum(st.changes for st in self._w.values())

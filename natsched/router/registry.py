@@ -237,6 +237,10 @@ class WorkerRegistry:
         view.busy_until = advance(view.busy_until or 0.0, a.routed_at, a.prefill_s)
         a.prefill_mark = self._prefill_s[a.worker] = self._prefill_s.get(a.worker, 0.0) + a.prefill_s
 
+    def prefill_routed(self, w: WorkerId) -> float:
+        """Seconds of prefill routed to ``w`` so far (the counter ``prefill_since`` reads)."""
+        return self._prefill_s.get(w, 0.0)
+
     def prefill_since(self, w: WorkerId, mark: float) -> float:
         """Seconds of prefill routed to ``w`` since its counter read ``mark`` (an assignment's
         ``prefill_mark``): the work queued behind that request."""

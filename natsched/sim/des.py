@@ -214,7 +214,7 @@ def make_router(settings: SimSettings, block_size: int) -> RouterCore:
 
 class _Worker:
     __slots__ = ("id", "engine", "core", "backoff", "state", "stepping", "hb_seq", "kv_seq", "busy_window",
-                 "model", "alive", "joined", "deployment")
+                 "model", "alive", "joined", "deployment", "decode_tokens", "decode_s")
 
     def __init__(self, wid: WorkerId, engine: SimEngine, backoff, model: str = "default", joined: float = 0.0,
                  deployment: str | None = None) -> None:
@@ -231,6 +231,8 @@ class _Worker:
         self.hb_seq = 0
         self.kv_seq = 0
         self.busy_window = 0.0  # busy seconds inside the arrival window
+        self.decode_tokens = 0  # decode progress since the last heartbeat (WorkerAgent's DecodeProgress)
+        self.decode_s = 0.0
 
 
 @dataclass
@@ -560,6 +562,12 @@ class Simulator:
         # they join its *next* step. Cleared first, each of them started a second step beside the
         # one below, and an engine behind a queueing admission ran two steps at a time (TPOTs
         # under one step's time for half the requests of burst under natsched and llm-d)
+
+        # the tokens after each sequence's first, each one step after its previous: what the
+        # agent's DecodeProgress adds up from the engine's output stream
+        later = sum(1 for _, index in res.tokens if index > 0)
+        w.decode_tokens += later
+        w.decode_s += later * res.duration
         if res.removed:
             self._publish_cache(w, "removed", res.removed, now)
         if res.stored:
@@ -716,7 +724,9 @@ class Simulator:
             capacity_tokens=st.capacity_tokens, queued_prefill_tokens=st.queued_prefill_tokens,
             block_size=self.block_size, started_at=w.joined, interval=self.settings.hb_interval, kv_seq=w.kv_seq,
             inflight=list(w.core.seqs), deployment=w.deployment,
+            decode_tokens=w.decode_tokens, decode_s=w.decode_s,
         )
+        w.decode_tokens, w.decode_s = 0, 0.0
         self._send(now, self.router.on_heartbeat, hb)
 
 

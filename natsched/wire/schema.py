@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,10 +336,15 @@ class Heartbeat(Schema):
     #: request id -> runtime tokens it holds now (2 x prompt + generated), for the requests that
     #: ran past what their assignment reserved: the admitters grow those reservations
     over: dict[str, int] = field(default_factory=dict)
+    #: decode progress since the previous heartbeat: the tokens its requests produced after their
+    #: first, and the sum of the gaps before each (seconds); 0 / 0: not reported (an older worker).
+    #: The router judges the mean gap against its model of the worker (natsched.router.progress)
+    decode_tokens: int = 0
+    decode_s: float = 0.0
     v: int = SCHEMA_VERSION
 
     _COUNTS = ("seq", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "runtime_tokens",
-               "capacity_tokens", "queued_prefill_tokens", "kv_seq", "predecessor_seq")
+               "capacity_tokens", "queued_prefill_tokens", "kv_seq", "predecessor_seq", "decode_tokens")
 
     def __post_init_check__(self) -> None:
         _check_id(self.worker, "worker")
@@ -349,6 +355,9 @@ class Heartbeat(Schema):
                 raise SchemaError(f"field 'over' must map request ids to counts >= 0, got {tokens!r}", "over")
         if self.block_size <= 0 or self.interval <= 0:
             raise SchemaError("fields 'block_size' and 'interval' must be > 0", "block_size")
+        d = self.decode_s
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d < 0:
+            raise SchemaError(f"field 'decode_s' must be a finite number >= 0, got {d!r}", "decode_s")
 
 
 @dataclass

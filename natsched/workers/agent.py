@@ -45,6 +45,7 @@ from natsched.workers.errors import RunTimeout
 from natsched.workers.limits import DEADLINE_EXCEEDED, limited
 from natsched import tracing
 from natsched.workers.metrics import WorkerMetrics
+from natsched.workers.progress import DecodeProgress
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class WorkerAgent:
         self._reported: set[str] = set()  # running, and its completion is stored already
         self.completion_retries = 0  # completions that outlived a publish budget, waiting for the bus
         self._over: dict[str, int] = {}  # running past its reservation: runtime tokens held now (heartbeats)
+        self._decode = DecodeProgress()  # token gaps since the last heartbeat (the router's early slowness signal)
         self._away = False  # quiescing because the engine server does not answer (not a drain: it comes back)
         self._epoch = 0.0  # the engine's cache epoch last announced (engines that have one)
         self._tenant_of: dict[str, str] = {}  # running: whose request it is (a cancel must name that tenant)
@@ -258,6 +260,7 @@ class WorkerAgent:
         finally:
             self._progress.pop(req.id, None)
             self._over.pop(req.id, None)
+            self._decode.close(req.id)
             self._end_trace(req.id, None)  # still open: it ended without _finish (the agent stopping)
             self._produced.pop(req.id, None)
             self._stopped_runs.discard(req.id)
@@ -297,8 +300,10 @@ class WorkerAgent:
             held = 2 * (out.prompt_tokens or engine_req.prompt_tokens) + max(out.output_tokens, out.index + 1)
             if held > a.runtime_tokens:
                 self._over[req.id] = held
+            n = (len(out.token_ids) if out.token_ids else int(bool(out.text))) if not out.error else 0
+            self._decode.output(req.id, n, time.monotonic())
             if not out.finished:  # what a cancel reports as really produced (the final output has the totals)
-                produced += len(out.token_ids) if out.token_ids else int(bool(out.text))
+                produced += n
                 self._produced[req.id] = (engine_req.prompt_tokens, produced)
             trace = self._traces.get(req.id)
             if trace is not None and _is_token(out):
@@ -476,6 +481,7 @@ class WorkerAgent:
         self._epoch = started_at
         served = getattr(self.engine, "served_models", None)
         self._hb_seq += 1
+        decode_tokens, decode_s = self._decode.take()
         hb = Heartbeat(
             worker=self.id, seq=self._hb_seq, ts=time.time(), state=self.state, model=self.settings.model,
             running=st.running, waiting=st.waiting, kv_used_blocks=st.kv_used_blocks,
@@ -486,6 +492,7 @@ class WorkerAgent:
             inflight=list(self.inflight), served=served() if served is not None else self._own_card(),
             deployment=self.deployment,
             predecessor_seq=self.predecessor_seq, over=dict(self._over),
+            decode_tokens=decode_tokens, decode_s=decode_s,
         )
         await self.bus.publish(S.heartbeat(self.id), hb)
         if new_epoch:  # after the heartbeat that resets the router's view: what the engine holds now

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from natsched.cli.app import build_parser
-from natsched.cli.up import up_settings, worker_settings
+from natsched.cli.up import server_settings, up_settings, worker_settings
 from natsched.hosting.supervisor import Supervisor
 
 
@@ -37,6 +37,23 @@ def test_replay_sockets_and_the_leave_time_reach_every_agent():
         assert settings.unreachable_leave_s == 2.5 and settings.id == kid.name.split()[1]
 
 
+def test_metrics_pages_the_flavor_and_the_api_key_reach_every_agent(monkeypatch):
+    """The key comes from the environment every agent inherits, never from ``up``'s argv (which
+    ``ps`` shows every local user), and ``up`` does not copy it into its children's argv."""
+    monkeypatch.setenv("NATSCHED_SERVER_API_KEY", "sk-local-123")
+    kids = plan("--engine", "vllm-server", "--vllm-url", "http://a:8000", "--vllm-url", "http://b:8000",
+                "--vllm-metrics-url", "http://a:9000/metrics", "--flavor", "sglang")
+    for kid, metrics in zip(kids, ["http://a:9000/metrics", None]):
+        assert "sk-local-123" not in " ".join(kid.args)
+        parsed = build_parser().parse_args(kid.args[kid.args.index("--log-level") + 2:])
+        got = server_settings(parsed)
+        assert (got.metrics_url, got.flavor, got.api_key) == (metrics, "sglang", "sk-local-123")
+    monkeypatch.delenv("NATSCHED_SERVER_API_KEY")
+    (kid, _) = plan("--engine", "vllm-server", "--vllm-url", "http://a:8000", "--vllm-url", "http://b:8000")
+    got = server_settings(build_parser().parse_args(kid.args[kid.args.index("--log-level") + 2:]))
+    assert (got.metrics_url, got.flavor, got.api_key) == (None, "vllm", None)
+
+
 def test_the_worker_command_gives_its_agent_the_leave_time():
     args = build_parser().parse_args(["worker", "--id", "g1", "--engine", "vllm-server", "--url", "http://a:1",
                                       "--unreachable-leave", "0.75"])
@@ -65,6 +82,9 @@ def test_a_server_without_kv_events_runs_without_cache_summaries():
     (["--engine", "vllm-server", "--vllm-url", "http://a:1", "--kv-replay", "tcp://a:2", "--kv-replay", "tcp://b:2"],
      "more --kv-replay"),
     (["--kv-replay", "tcp://a:2"], "--kv-replay needs --engine vllm-server"),
+    (["--engine", "vllm-server", "--vllm-url", "http://a:1", "--vllm-metrics-url", "http://a:2/metrics",
+      "--vllm-metrics-url", "http://b:2/metrics"], "more --vllm-metrics-url"),
+    (["--flavor", "sglang"], "--flavor needs --engine vllm-server"),
     (["--engine", "sim", "--kv-events", "tcp://a:1"], "--kv-events needs --engine vllm-server"),
 ])
 def test_bad_combinations_are_refused(flags, match):

@@ -191,3 +191,16 @@ def test_a_fence_that_is_not_hex_is_refused_not_a_crash(token):
 
     assert fence.verify(None, token, "r1", "w1", 0) is False
     assert fence.verify(None, fence.sign(None, "r1", "w1", 0), "r1", "w1", 0) is True
+
+
+def test_heartbeat_decode_progress_is_optional_and_checked():
+    """An older worker's heartbeat (no progress) stays valid; a hostile one's bad progress is refused, named."""
+    old = {"worker": "w", "seq": 1, "ts": 1.0}
+    hb = Heartbeat.decode(msgpack.packb(old))
+    assert (hb.decode_tokens, hb.decode_s) == (0, 0.0)
+    new = Heartbeat(worker="w", seq=1, ts=1.0, decode_tokens=40, decode_s=0.5)
+    assert Heartbeat.decode(new.encode()) == new
+    for bad, field in (({"decode_tokens": -1}, "decode_tokens"), ({"decode_s": -0.5}, "decode_s"),
+                       ({"decode_s": float("inf")}, "decode_s"), ({"decode_s": "fast"}, "decode_s")):
+        with pytest.raises(SchemaError, match=field):
+            Heartbeat.decode(msgpack.packb(old | bad))

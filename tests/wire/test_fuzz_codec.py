@@ -7,6 +7,7 @@ re-encode unchanged.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import msgpack
@@ -53,12 +54,15 @@ def mutated(draw, base: dict) -> dict:
         if not isinstance(holder, dict):
             continue
         action = draw(st.sampled_from(["set", "set", "drop", "add"]))
+        # (copies: a drawn value may be one of wrong_values' own objects, such as {"v": 1}, which a
+        # later mutation one level down would change for every example after — hypothesis then
+        # stops with FlakyStrategyDefinition, as it did on a busy machine)
         if action == "set":
-            holder[target[-1]] = draw(wrong_values)
+            holder[target[-1]] = copy.deepcopy(draw(wrong_values))
         elif action == "drop":
             holder.pop(target[-1], None)
         else:
-            holder[draw(st.text(min_size=1, max_size=6))] = draw(wrong_values)
+            holder[draw(st.text(min_size=1, max_size=6))] = copy.deepcopy(draw(wrong_values))
     return wire
 
 

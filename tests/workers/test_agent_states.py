@@ -399,3 +399,21 @@ async def test_an_attempt_handed_over_to_the_admitters_never_runs_here_a_later_o
         assert await wait_for(lambda: "x" in engine.seen, timeout=10)
     finally:
         await agent.stop()
+
+
+async def test_heartbeats_carry_the_decode_progress_of_the_running_requests(bus):
+    """Every token after a request's first is counted once, with the gap before it, in the next
+    heartbeat (the router's early slowness signal, natsched.router.progress)."""
+    engine = ScriptedEngine(steps=12, step_s=0.02)
+    agent = WorkerAgent(bus, engine, settings("wprog"))
+    hbs = await collect(bus, S.heartbeat(WorkerId("wprog")), Heartbeat)
+    await agent.start()
+    try:
+        await assign(bus, "wprog", id="prog-1")
+        assert await wait_for(lambda: engine.seen and not agent.inflight)
+        seq = hbs[-1].seq
+        assert await wait_for(lambda: hbs[-1].seq > seq + 1)  # a heartbeat after the last token
+        assert sum(hb.decode_tokens for hb in hbs) == 11  # 12 tokens, the first one not a decode step
+        assert sum(hb.decode_s for hb in hbs) >= 11 * 0.02  # each gap at least one engine step
+    finally:
+        await agent.stop()
