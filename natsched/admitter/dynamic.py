@@ -37,7 +37,8 @@ lucky or forged completions, not a tuning knob), and the total never exceeds the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
 
 
 @dataclass
@@ -122,3 +123,77 @@ class DynamicTotal:
         else:
             self.factor = min(top, self.factor)  # the sharing fell: the ceiling with it
         return max(0, min(ceiling, int(capacity * self.factor)))
+
+
+@dataclass
+class ModelLoad:
+    """What one live worker's heartbeat says, for the per-model totals: the models it serves, the
+    runtime tokens it can hold and those it holds now."""
+
+    models: frozenset[str]
+    capacity: int
+    used: int
+
+
+def _by_model(workers: Iterable[ModelLoad]) -> tuple[dict[str, int], dict[str, int]]:
+    """(capacity, used) summed per model over the workers serving it (bad negatives count 0)."""
+    capacity: dict[str, int] = {}
+    used: dict[str, int] = {}
+    for w in workers:
+        for m in w.models:
+            capacity[m] = capacity.get(m, 0) + max(0, w.capacity)
+            used[m] = used.get(m, 0) + max(0, w.used)
+    return capacity, used
+
+
+@dataclass
+class ModelTotals:
+    """**Per-model capacity**: the same capacity-following total, once per model, over the workers
+    that serve that model only.
+
+    One total for all models lets a model whose pool is full keep taking requests as long as the
+    other models' pools have room: they are booked against the cluster's KV, but only the small
+    pool's workers can run them, so they queue in those engines (and preempt each other) while
+    the door sees room. Each model's admitted runtime tokens are bounded here by what its own
+    workers can hold × its own measured factor (:class:`DynamicTotal`: ``reserved_m / used_m``,
+    the ceiling ``max_factor / (1 − h)``); the cluster total and a configured ``model.<m>`` limit
+    stay caps over it (:meth:`natsched.admitter.policy.AdmitterCore.set_model_totals`).
+
+    A worker counts for every model it serves (a fronted server's LoRA adapters share its KV), so
+    models sharing workers may together book past those workers; the cluster total still holds.
+    A model whose workers report no capacity (0: unknown) gets no bound of its own (None). A
+    model no live worker serves is absent from the result: the core holds its requests at the
+    door (bound 0) until a worker of it comes back or they time out, instead of sending them to
+    a pool that has no one. Factors are kept per model across intervals, like the total's. Pure:
+    the caller passes what the heartbeats and the shared usage say."""
+
+    settings: DynamicTotalSettings
+    factors: dict[str, DynamicTotal] = field(default_factory=dict)
+
+    def next_totals(self, workers: Iterable[ModelLoad], reserved: Mapping[str, int], ceiling: int,
+                    cache_share: float | None = None) -> dict[str, int | None]:
+        """Per model served by a live worker: its bound in runtime tokens (None: no bound of its
+        own), never above ``ceiling`` (the cluster total in force)."""
+        capacity, used = _by_model(workers)
+        out: dict[str, int | None] = {}
+        for m, cap in capacity.items():
+            if cap <= 0 or not self.settings.enabled:
+                out[m] = None
+                continue
+            dyn = self.factors.get(m)
+            if dyn is None:
+                dyn = self.factors[m] = DynamicTotal(self.settings)
+            dyn.settings = self.settings  # live knobs
+            out[m] = dyn.next_total(ceiling, None, cap, used[m], reserved=reserved.get(m, 0), cache_share=cache_share)
+        return out
+
+    def current(self, workers: Iterable[ModelLoad], ceiling: int) -> dict[str, int | None]:
+        """The bounds at the factors in force, without a step (a worker joined or left between
+        intervals: the bound follows the capacity at once)."""
+        capacity, _ = _by_model(workers)
+        out: dict[str, int | None] = {}
+        for m, cap in capacity.items():
+            dyn = self.factors.get(m)
+            factor = dyn.factor if dyn is not None else 1.0
+            out[m] = None if cap <= 0 or not self.settings.enabled else max(0, min(ceiling, int(cap * factor)))
+        return out

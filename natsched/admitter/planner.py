@@ -19,7 +19,7 @@ changes the copy, never the core, so planning has no side effects. The order is:
    and a long request never finds room; beyond the reserve, long and short compete in order.
    (Any queued long request switches the reserve on, even one held back by its own cap.)
 4. **No backfill past the top**: when the best request does not fit the free budget, planning
-   stops and the budget accumulates for it (only its own cap, its model's limit or the reserve let
+   stops and the budget accumulates for it (only its own cap, its model's limit or capacity, or the reserve let
    lower-ranked requests pass it). That is what makes the dequeue token-weighted rather than
    first-fit, and what keeps big requests from starving.
 5. **Under pressure** — used plus queued runtime tokens at or past the degrade watermark of the
@@ -34,6 +34,16 @@ changes the copy, never the core, so planning has no side effects. The order is:
    one class the order is exactly the tenant-first one above, as it is without pressure.
 6. **Class limits** (:mod:`natsched.admitter.classes`): a request whose class is at its limit, and
    cannot borrow the rest, waits (``class_limit``) while other classes' work passes it.
+7. **Per-model capacity** (``model_totals``, :class:`natsched.admitter.dynamic.ModelTotals`): a
+   request whose model's admitted tokens would pass what that model's workers can take waits
+   (``model_capacity``) while other models' work passes it — each model has its own lanes in the
+   queue, so a full model's backlog never fills the ``scan_limit`` window of another's. A model
+   holding nothing may pass a bound smaller than the request (the bound is measured and moves;
+   it must not starve the model); a model absent from the map has no live worker and waits.
+   While a model's capacity is *contended* (held + queued past its bound, its room below the
+   cluster's) its queued requests
+   go by age (aged, class, arrival) across tenants, and an arrival of it waits behind them
+   (:meth:`Planner.contended`).
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ from natsched.admitter.queue import AdmissionQueue, Entry, Lane
 from natsched.admitter.quotas import Quotas, TenantQuota
 from natsched.admitter.usage import Usage
 from natsched.wire.schema import Request, RequestId
+
+MODEL_CAPACITY = "model_capacity"  # a wait: the model's own workers are full (7.)
 
 Rank = tuple[int, float]
 NEVER_RANK: Rank = (-1, 0.0)  # a tenant that may no longer be admitted at all: purge its queue first
@@ -116,7 +128,8 @@ class _Cursor:
 class Planner:
     def __init__(self, queue: AdmissionQueue, quotas: Quotas, total: int, usage: Usage, now: float, *,
                  aging_s: float, reserve_long_share: float, class_rank: dict[str, int], scan_limit: int,
-                 book: ClassBook | None = None, pressure: bool = False) -> None:
+                 book: ClassBook | None = None, pressure: bool = False,
+                 model_totals: dict[str, int | None] | None = None) -> None:
         self.queue = queue
         self.quotas = quotas
         self.total = total
@@ -132,9 +145,11 @@ class Planner:
         self.remaining = {t: queue.tenant_count(t) for t in queue.tenants()}
         self.longs = queue.longs
         self.taken: set[RequestId] = set()
+        self.model_taken: dict[str, int] = {}  # queued tokens per model this plan took out
         self._cursors: dict[tuple[str, Lane], _Cursor] = {}
         self.book = book  # class limits and loans (None: no class has a limit)
         self.pressure = pressure  # class before tenant (module docstring, 5.)
+        self.model_totals = model_totals  # per-model capacity (module docstring, 7.); None: no bound
 
     # ------------------------------------------------------------------ ranks
     def rank(self, tenant: str) -> Rank:
@@ -170,12 +185,24 @@ class Planner:
         limit = self.quotas.model_limit(model)
         if limit is not None and self.model_used.get(model, 0) + cost > limit:
             return "model_limit"
+        if self.over_model_capacity(model, cost):
+            return MODEL_CAPACITY
         if not long and self.longs > 0:
             if self.used + cost > self.total - max(0.0, self.long_reserve - self.long_used):
                 return "long_reserve"
         if cls is not None and self.loan(cls, cost) is None:
             return CLASS_LIMIT
         return None
+
+    def over_model_capacity(self, model: str, cost: int) -> bool:
+        """``cost`` more would pass what the model's own workers can take (module docstring, 7.)."""
+        if self.model_totals is None:
+            return False
+        if model not in self.model_totals:
+            return True  # no live worker serves it: wait for one
+        bound = self.model_totals[model]
+        held = self.model_used.get(model, 0)
+        return bound is not None and held + cost > bound and (held > 0 or bound <= 0)
 
     def loan(self, cls: str, cost: int) -> Loan | None:
         """What an admission of ``cost`` in ``cls`` borrows now ({}: nothing), None: it cannot."""
@@ -207,13 +234,53 @@ class Planner:
     def top(self, excluded: set[str] = frozenset()) -> tuple[Entry, Rank] | None:
         """The best eligible queued request and its tenant's rank, or None."""
         order = sorted((self.rank(t), t) for t, left in self.remaining.items() if left and t not in excluded)
-        if self.pressure:
-            return self._top_by_class(order)
+        found = self._top_by_class(order) if self.pressure else self._top_by_tenant(order)
+        if found is not None and self.contended(found[0].model):
+            return self._oldest_of(found[0].model, order) or found
+        return found
+
+    def _top_by_tenant(self, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
         for rank, tenant in order:
             best = self._best(tenant)
             if best is not None:
                 return best, rank
         return None
+
+    def contended(self, model: str) -> bool:
+        """The model's own capacity binds (module docstring, 7.): what it holds and what is queued
+        for it pass its bound, and its room is less than the cluster's. Its requests then go by age across tenants: the tenant order ranks
+        by what a tenant holds of the whole cluster, which says nothing of its share of this
+        model's workers (a tenant heavy on another model would wait here until it timed out)."""
+        if self.model_totals is None:
+            return False
+        bound = self.model_totals.get(model, 0)
+        if bound is None:
+            return False
+        held = self.model_used.get(model, 0)
+        queued = self.queue.model_tokens(model) - self.model_taken.get(model, 0)
+        # only where the model's own room is the tighter one: with one model (or a pool as large as
+        # the cluster) the cluster total binds and the tenant order (floors, weights) stays as it is
+        return queued > 0 and held + queued > bound and bound - held < self.total - self.used
+
+    def _oldest_of(self, model: str, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
+        """The eligible queued request of ``model`` first by (aged, class, arrival), of any tenant."""
+        found, found_key = None, None
+        for rank, tenant in order:
+            quota = self.quotas.tenant_quota(tenant)
+            for lane, entries in self.queue.lanes(tenant).items():
+                if lane[2] != model:
+                    continue
+                e = self._cursor(tenant, lane, entries).first(lambda x: self._eligible(x, quota), self.taken,
+                                                              self.scan_limit)
+                if e is not None and (found_key is None or self.entry_key(e) < found_key):
+                    found, found_key = (e, rank), self.entry_key(e)
+        return found
+
+    def _cursor(self, tenant: str, lane: Lane, entries) -> _Cursor:
+        cursor = self._cursors.get((tenant, lane))
+        if cursor is None:
+            cursor = self._cursors[(tenant, lane)] = _Cursor(entries.values())
+        return cursor
 
     def _top_by_class(self, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
         """Under pressure: each tenant's best, by :meth:`pressure_key`. ``order`` is by rank, so
@@ -239,10 +306,7 @@ class Planner:
         quota = self.quotas.tenant_quota(tenant)
         best, best_key = None, None
         for lane, entries in self.queue.lanes(tenant).items():
-            cursor = self._cursors.get((tenant, lane))
-            if cursor is None:
-                cursor = self._cursors[(tenant, lane)] = _Cursor(entries.values())
-            e = cursor.first(lambda x: self._eligible(x, quota), self.taken, self.scan_limit)
+            e = self._cursor(tenant, lane, entries).first(lambda x: self._eligible(x, quota), self.taken, self.scan_limit)
             if e is not None:
                 key = key_of(e)
                 if best_key is None or key < best_key:
@@ -252,6 +316,7 @@ class Planner:
     def take(self, e: Entry, admit: bool, loan: Loan | None = None) -> None:
         """Account for ``e`` leaving the queue (admitted, with ``loan`` borrowed, or rejected) in this plan."""
         self.taken.add(e.id)
+        self.model_taken[e.model] = self.model_taken.get(e.model, 0) + e.cost
         self.remaining[e.tenant] -= 1
         self.longs -= e.long
         if admit:

@@ -32,7 +32,8 @@ batch or degradable, usage+cost over the    degrade    watermark
 degrade watermark
 tenant's usage + cost over its cap          reject     tenant_cap (with retry_after)
 fits now and nothing queued outranks it     allow      - (with the loan its class borrows,
-(its class limit too, borrowing included)              if any: natsched.admitter.classes)
+(its class limit too, borrowing included,              if any: natsched.admitter.classes)
+and its model's capacity: set_model_totals)
 class has no queue (limit 0)                reject     quota_exhausted (with retry_after)
 class queue full (for this tenant: see      reject     queue_full (with retry_after)
 _queue_full)
@@ -60,6 +61,14 @@ impossible (``unknown_tenant`` / ``too_large`` / ``tenant_cap`` / ``model_limit`
 queued requests in order until the best one left does not fit. The order among queued requests
 (and between them and an arrival) is :mod:`natsched.admitter.planner`'s: tenant first, but class
 first once used + queued passes the degrade watermark (online of any tenant before batch).
+
+**Per-model capacity** (:meth:`AdmitterCore.set_model_totals`, fed by
+:class:`natsched.admitter.dynamic.ModelTotals`): a model's admitted runtime tokens stay within
+what the workers serving *that* model can hold (times its measured factor), besides the cluster
+total and any configured ``model.<m>`` limit. It is a wait, never a rejection (a measured bound
+moves): a request past it queues, and while its model holds nothing it may pass a bound smaller
+than itself (the engines queue it; the bound must not starve a model). The queue keeps a lane
+per model, so queued requests of a full model do not hide other models' requests behind them.
 
 **Class limits and loans** (:mod:`natsched.admitter.classes`): ``class.<c>.limit`` caps what a
 class holds cluster-wide; a class in ``lend_to`` borrows the lower classes' room (idle room any
@@ -207,6 +216,7 @@ class AdmitterCore:
         self._clock = 0.0  # latest time seen: est_wait() has no `now` of its own
         self.served_models: frozenset[str] | None = None  # None: not known yet (no worker heard)
         self.pools = PoolMap()  # router pools (natsched.wire.pools); empty: one pool routes every model
+        self.model_totals: dict[str, int | None] | None = None  # per-model capacity (set_model_totals)
 
     # ------------------------------------------------------------------ configuration
     def set_quotas(self, quotas: Quotas) -> None:
@@ -227,6 +237,13 @@ class AdmitterCore:
         total = max(0, int(total))
         cap = self.quotas.hard_cap
         self.total = total if cap is None else min(total, cap)
+
+    def set_model_totals(self, totals: dict[str, int | None] | None) -> None:
+        """Per-model capacity (:class:`natsched.admitter.dynamic.ModelTotals`): model -> the runtime
+        tokens its own workers can take (None: no bound of its own). A model absent from a set map
+        has no live worker: its requests wait at the door (``model_capacity``). None: no per-model
+        bound at all (no worker heard yet, or the capacity-following total is off)."""
+        self.model_totals = None if totals is None else dict(totals)
 
     def set_served_models(self, models: frozenset[str] | None) -> None:
         """The models live workers serve (from their heartbeats); None while none reported, so a
@@ -329,6 +346,8 @@ class AdmitterCore:
         if not plan.headroom_ok(request.tenant, quota, cost):
             return None
         if not plan.arrival_outranks(request, plan.top()):
+            return None
+        if plan.contended(request.model):  # its model's queue goes first, by age (planner.py 7.)
             return None
         return plan.loan(request.cls, cost)
 
@@ -556,7 +575,8 @@ class AdmitterCore:
         pressure = self.pressure(usage)
         return Planner(self.queue, self.quotas, self.total, usage, now,
                        aging_s=s.aging_s, reserve_long_share=s.reserve_long_share, class_rank=s.class_rank,
-                       scan_limit=s.scan_limit, book=self._class_book(usage, pressure), pressure=pressure)
+                       scan_limit=s.scan_limit, book=self._class_book(usage, pressure), pressure=pressure,
+                       model_totals=self.model_totals)
 
     def _decision(self, kind: str, cost: int, request: Request, reason: str | None = None,
                   est_wait: float | None = None, loan: Loan | None = None) -> AdmissionDecision:

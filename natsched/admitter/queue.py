@@ -1,9 +1,12 @@
 """The admission queue: queued requests in lanes, with O(1) add / remove / redelivery lookup.
 
-Requests are kept per tenant in four FIFO *lanes* — (class, long/short) — because the dequeue
+Requests are kept per tenant in FIFO *lanes* — (class, long/short, model) — because the dequeue
 order is decided in that shape: tenants first (floors, then weighted shares), then inside a tenant
 aged requests, then class, then arrival order; and short requests are held back, lane by lane,
-while the budget reserved for long ones is in use (:mod:`natsched.admitter.planner`). A global FIFO finds
+while the budget reserved for long ones is in use (:mod:`natsched.admitter.planner`). The model is
+in the lane because a model can be full while others are not (per-model capacity): the planner
+looks at most ``scan_limit`` entries into a lane, so one lane of mixed models would let a full
+model's backlog hide the others' requests behind it (head-of-line blocking across models). A global FIFO finds
 timed-out requests from its head and a sorted deadline list finds expired ones, so a dequeue plan
 never scans the whole queue. The planner only reads this structure; ``add`` and ``remove`` are
 called by :class:`~natsched.admitter.policy.AdmitterCore` when a decision is applied.
@@ -21,7 +24,7 @@ from typing import Iterator
 
 from natsched.wire.schema import Request, RequestId
 
-Lane = tuple[str, bool]  # (class, long)
+Lane = tuple[str, bool, str]  # (class, long, model)
 
 
 @dataclass(slots=True, eq=False)
@@ -57,6 +60,7 @@ class AdmissionQueue:
         self._tenant_count: Counter[str] = Counter()
         self._depth: Counter[str] = Counter()
         self._class_tokens: Counter[str] = Counter()
+        self._model_tokens: Counter[str] = Counter()
         self.tokens = 0  # runtime tokens of every queued request
         self._deadlines: list[tuple[float, int, RequestId]] = []
         self._seq = itertools.count()
@@ -71,11 +75,12 @@ class AdmissionQueue:
         entry = Entry(request, cost, long, now, next(self._seq))
         self._by_id[request.id] = entry
         lanes = self._lanes.setdefault(request.tenant, {})
-        lanes.setdefault((request.cls, long), OrderedDict())[request.id] = entry
+        lanes.setdefault((request.cls, long, request.model), OrderedDict())[request.id] = entry
         self._tenant_tokens[request.tenant] += cost
         self._tenant_count[request.tenant] += 1
         self._depth[request.cls] += 1
         self._class_tokens[request.cls] += cost
+        self._model_tokens[request.model] += cost
         self.tokens += cost
         self.longs += long
         if request.deadline is not None:
@@ -88,10 +93,11 @@ class AdmissionQueue:
             return None
         t = entry.tenant
         lanes = self._lanes[t]
-        lane = lanes[(entry.cls, entry.long)]
+        key = (entry.cls, entry.long, entry.model)
+        lane = lanes[key]
         del lane[request_id]
         if not lane:
-            del lanes[(entry.cls, entry.long)]
+            del lanes[key]
         self._tenant_tokens[t] -= entry.cost
         self._tenant_count[t] -= 1
         if not self._tenant_count[t]:
@@ -102,6 +108,9 @@ class AdmissionQueue:
         self._class_tokens[entry.cls] -= entry.cost
         if not self._class_tokens[entry.cls]:
             del self._class_tokens[entry.cls]
+        self._model_tokens[entry.model] -= entry.cost
+        if not self._model_tokens[entry.model]:
+            del self._model_tokens[entry.model]
         self.tokens -= entry.cost
         self.longs -= entry.long
         if entry.request.deadline is not None:
@@ -130,6 +139,10 @@ class AdmissionQueue:
         """Runtime tokens queued per class (a lender's own demand: natsched.admitter.classes)."""
         return dict(self._class_tokens)
 
+    def model_tokens(self, model: str) -> int:
+        """Runtime tokens queued for ``model`` (is its own capacity contended: the planner)."""
+        return self._model_tokens.get(model, 0)
+
     def tenants(self) -> list[str]:
         """Backlogged tenants: those with at least one queued request."""
         return list(self._tenant_count)
@@ -138,7 +151,7 @@ class AdmissionQueue:
         return self._tenant_count.get(tenant, 0)
 
     def tenant_class_count(self, tenant: str, cls: str) -> int:
-        return sum(len(lane) for (c, _), lane in self._lanes.get(tenant, {}).items() if c == cls)
+        return sum(len(lane) for (c, _, _), lane in self._lanes.get(tenant, {}).items() if c == cls)
 
     def tenant_tokens(self, tenant: str) -> int:
         return self._tenant_tokens.get(tenant, 0)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, TypeVar
 
 from natsched.admitter.credit import Credit, CreditSettings, KeeperPlan
-from natsched.admitter.dynamic import CacheShare, DynamicTotal, DynamicTotalSettings
+from natsched.admitter.dynamic import CacheShare, DynamicTotal, DynamicTotalSettings, ModelLoad, ModelTotals
 from natsched.admitter.errors import AdmitterError, QuotaError
 from natsched.admitter import knobs as K
 from natsched.admitter.leases import LeaseTracker
@@ -144,6 +144,7 @@ class AdmitterService(Repairs, PartitionMember):
         self.refused_duplicates = 0  # copies of a reserved (or just released) request id refused
         self.dynamic = DynamicTotal(s.dynamic)
         self.cache_share = CacheShare(s.dynamic.share_half_life_s)  # from completions: the factor's ceiling
+        self.model_totals = ModelTotals(s.dynamic)  # per-model capacity: each model's own workers
         self.scale = ScaleAdvisor(s.scale)
         self.knobs = self.base_knobs()  # plus the quotas bucket's setting.* entries (apply_knobs)
         self.metrics = metrics or AdmitterMetrics()
@@ -931,8 +932,28 @@ class AdmitterService(Repairs, PartitionMember):
                      self.dynamic.factor, "-" if (h := self.cache_share.share()) is None else f"{h:.2f}")
         self.total = total
         self.core.set_total(total)
+        self.update_model_totals(now)
         self._wake.set()
         return total
+
+    def update_model_totals(self, now: float, step: bool = True) -> dict[str, int | None] | None:
+        """Each model's bound from the live workers that name it in their heartbeats (their model
+        and what a fronted server serves), stepped like the total (``ModelTotals``; ``step``
+        False: at the factors in force, for a model that just appeared); None before any worker
+        naming its models is heard, or with the capacity-following total off."""
+        self.model_totals.settings = s = self.dynamic.settings
+        loads = [ModelLoad(self.worker_models[w][0], cap, used) for w, (cap, used, seen) in self.worker_load.items()
+                 if now - seen < 10.0 and self.worker_models.get(w, ((),))[0]]  # (one that names no model: none)
+        totals = None
+        if loads and s.enabled and not self.partitioned:
+            totals = (self.model_totals.next_totals(loads, self.shared.usage.models, self.total,
+                                                    self.cache_share.share())
+                      if step else self.model_totals.current(loads, self.total))
+        if totals != self.core.model_totals:
+            log.info("per-model totals %s runtime tokens", "-" if totals is None else
+                     ", ".join(f"{m} {'-' if t is None else t}" for m, t in sorted(totals.items())))
+        self.core.set_model_totals(totals)
+        return totals
 
     async def _scale_loop(self) -> None:
         while True:
@@ -975,6 +996,9 @@ class AdmitterService(Repairs, PartitionMember):
         served = self.core.served_models
         if served is None or not models <= served:
             self.refresh_served_models(now)
+        bounds = self.core.model_totals
+        if bounds is not None and not models <= bounds.keys():  # a model (back) on a worker: its bound now
+            self.update_model_totals(time.time(), step=False)
 
     def refresh_served_models(self, now: float) -> None:
         """Forget workers silent for ``model_memory_s``; called with the gauges (every 0.1 s)."""

@@ -36,7 +36,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from natsched.admitter.dynamic import CacheShare, DynamicTotal, DynamicTotalSettings
+from natsched.admitter.dynamic import CacheShare, DynamicTotal, DynamicTotalSettings, ModelTotals, ModelLoad
 from natsched.admitter.offline import IdleGate, OfflineSettings
 from natsched.admitter.policy import ALLOW as A_ALLOW, DEGRADE, QUEUE as A_QUEUE, AdmissionSettings, AdmitterCore
 from natsched.admitter.quotas import Quotas, TenantQuota
@@ -48,10 +48,11 @@ from natsched.wire.schema import Completion, Request, RequestId, TenantId
 RESCUE_S = 3.0  # natsched: a dead worker's lease expires after ~3 missed 1 s heartbeats
 
 
-def _request(req: TraceRequest) -> Request:
-    """The wire request a producer would send (4 characters per token, the admitter's estimate)."""
+def _request(req: TraceRequest, model: str = "default") -> Request:
+    """The wire request a producer would send (4 characters per token, the admitter's estimate);
+    ``model`` when the trace names none (the simulator's, so workers and requests agree)."""
     return Request(id=RequestId(req.id), tenant=TenantId(req.tenant or "trace"), cls=req.cls or "online",
-                   model=req.model or "default", prompt="x" * (4 * max(1, req.input_length)),
+                   model=req.model or model, prompt="x" * (4 * max(1, req.input_length)),
                    max_tokens=max(1, req.output_length))
 
 
@@ -66,6 +67,7 @@ class NatschedGate:
         self.core: AdmitterCore | None = None
         self.dynamic = DynamicTotal(DynamicTotalSettings())
         self.share = CacheShare(self.dynamic.settings.share_half_life_s)  # from completions, as the service
+        self.models = ModelTotals(self.dynamic.settings)  # per-model capacity, as the service
         self.degraded: set[int] = set()
         self._held: dict[str, tuple[TraceRequest, Request, int]] = {}  # allowed: id -> (req, wire, cost)
         self._queued: dict[str, tuple[TraceRequest, Request]] = {}
@@ -81,27 +83,36 @@ class NatschedGate:
                                      slo_ttft_s=self.slo_ttft_s)
         quotas = Quotas(total=cap, tenants={n: TenantQuota(f, w) for n, (f, w) in self.tenants.items()})
         self.core = AdmitterCore(settings, quotas)
+        self.core.set_model_totals(self.models.current(self._loads(), self.core.total))
         self.offline = IdleGate(OfflineSettings(admission=settings))
 
     def _capacity(self) -> int:
         return sum(w.core.kv_blocks * w.core.block_size for w in self.sim.live_workers())
 
+    def _loads(self) -> list[ModelLoad]:
+        """Each live worker's model, capacity and use, as its heartbeat names them."""
+        return [ModelLoad(frozenset({w.model}), w.core.kv_blocks * w.core.block_size, w.engine.stats().runtime_tokens)
+                for w in self.sim.live_workers()]
+
     def on_cluster_change(self, now: float) -> None:
         cap = self._capacity()
         self.core.quotas.total = cap
         self.core.set_total(int(cap * self.dynamic.factor))
+        self.core.set_model_totals(self.models.current(self._loads(), self.core.total))
 
     def _dynamic_total(self, now: float) -> None:
         if now < self._next_dynamic:
             return
         self._next_dynamic = now + self.dynamic.settings.interval_s
-        used = sum(w.engine.stats().runtime_tokens for w in self.sim.live_workers())  # what heartbeats say
-        cap = self._capacity()
+        loads = self._loads()  # what heartbeats say
+        cap, used = sum(w.capacity for w in loads), sum(w.used for w in loads)
         self.core.set_total(self.dynamic.next_total(cap * 4, None, cap, used, reserved=self.core.used,
                                                   cache_share=self.share.share()))
+        self.core.set_model_totals(self.models.next_totals(loads, self.core.usage.models, self.core.total,
+                                                           self.share.share()))
 
     def admit(self, req: TraceRequest, now: float):
-        wire = _request(req)
+        wire = _request(req, self.sim.settings.model)
         d = self.core.evaluate(wire, now)
         self.core.apply(wire, d, now)
         if d.decision == A_ALLOW:
