@@ -46,9 +46,10 @@ equivalent in its routing policy (read each policy's docstring: SGLang's cache_a
 KV cost, llm-d's filters and scorers, vllm-project/router's smetric, AIBrix's prefix-cache and
 production-stack's round robin route on load and cache only; their slow-worker answers are in
 admission, kept as documented: Dynamo's busy threshold, llm-d's saturation detector), so every
-peer runs with it off (``HealthSettings(enabled=False)``): giving it to them made them better
-than their projects are (sglang's elastic mean 12.7 -> 5.4 s) or worse (production-stack's elastic
-at load 1.1 6.76 -> 14.96 s), and either way not the peer.
+peer runs with it off (``HealthSettings(enabled=False)``): with it, a peer was partly natsched —
+better than its project at some loads, worse at others (elastic worst-phase p99 at loads 0.9 /
+1 / 1.1: sglang 2.20 / 2.53 / 13.7 s with it, 8.83 / 6.47 / 4.65 s as documented; production-stack
+2.46 / 2.18 / 15.0 s with it, 2.46 / 2.94 / 6.76 s as documented; docs/scenarios.md).
 """
 
 from __future__ import annotations
