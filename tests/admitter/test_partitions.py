@@ -124,8 +124,10 @@ async def test_a_request_larger_than_its_budget_waits_for_it_instead_of_being_re
         big = request(P0, tokens=800)  # 2400 runtime tokens: more than the budget, less than the total
         await publish(bus, big)
         assert await until(lambda: a0.shared.usage.used == 2400)
-        d = [d for d in await decisions(bus) if d.request_id == big.id]
-        assert [x.decision for x in d] == ["allow"]  # never refused as too_large on the way
+        async def its_decisions():  # (the record is stored after the usage: publishes are not ordered)
+            return [x.decision for x in await decisions(bus) if x.request_id == big.id]
+        assert await until(its_decisions)
+        assert await its_decisions() == ["allow"]  # never refused as too_large on the way
         assert a0.budget + a1.budget <= 3000
     finally:
         await stop(a0, a1, coord)

@@ -52,15 +52,19 @@ async def test_status_json_is_machine_readable(stack, nats_url):
 
 
 async def test_status_watch_redraws_until_interrupted(stack, nats_url):
+    """Both pipes are read to the end: a child blocked writing to a full pipe nobody reads (its
+    stderr, on a loaded machine that makes it log) cannot take its Ctrl-C, and hung the test."""
     proc = await natsched("status", "--nats-url", nats_url, "--watch", "0.5")
+    err = asyncio.ensure_future(proc.stderr.read())
     out = b""
     while out.count(b"\x1b[H\x1b[2J") < 2:  # two full screens
         chunk = await asyncio.wait_for(proc.stdout.read(4096), 60)
-        assert chunk, (await proc.stderr.read()).decode()
+        assert chunk, (await err).decode()
         out += chunk
     proc.send_signal(signal.SIGINT)
-    await asyncio.wait_for(proc.wait(), 30)
-    assert proc.returncode == 130
+    rest, _ = await asyncio.wait_for(asyncio.gather(proc.stdout.read(), proc.wait()), 30)
+    out += rest
+    assert proc.returncode == 130, (await err).decode()
     assert out.count(b"WORKERS (2)") >= 2
 
 

@@ -317,21 +317,32 @@ async def test_a_killed_server_sends_its_agent_away_and_a_restart_is_relearned(s
     w = "s2"
     srv, agent = system.servers[w], system.agents[w]
     started_before = watch.hb[w].started_at
-    # killed at its first token, mid-generation (it had 1020 to go). The CI failure: it was killed
-    # only after the drained s1 was healthy again, which on a loaded machine took long enough for
-    # the tiny model to generate all 900 tokens: the request completed, nothing failed
-    long = make_request("t5", prompt_token_ids=[1, 9, 8, 7], model=MODEL, max_tokens=1020)
-    got = 0
-    async with only(system, w):
-        # what a producer gets when the server under a live agent dies: the agent says so at once,
-        # ``server_unavailable``; it is not re-run behind the producer's back (the agent is alive,
-        # so no lease expires; tokens were streamed) — Retry() would try it again, elsewhere
-        with pytest.raises(RequestFailed) as failed:
-            async for chunk in client.stream(long):
-                got += len(chunk.token_ids or [])
-                if got and srv.proc.poll() is None:
-                    await asyncio.to_thread(srv.kill)  # (off the loop: reaping vLLM's processes takes a while)
-    assert failed.value.reason == "server_unavailable", failed.value  # a clear reason, nothing hangs
+    # killed at its first token, mid-generation (it had 1020 to go). A test process stalled for
+    # a second or two by a loaded machine sees that token only after the tiny model made all
+    # 1020, and the buffered stream then completes whatever happens to the server: such a run
+    # proves nothing, so the server is started again and the experiment repeated (at most 3)
+    failed = None
+    for attempt in range(3):
+        long = make_request("t5", prompt_token_ids=[1, 9, 8, 7 + attempt], model=MODEL, max_tokens=1020)
+        got = 0
+        async with only(system, w):
+            # what a producer gets when the server under a live agent dies: the agent says so at
+            # once, ``server_unavailable``; it is not re-run behind the producer's back (the agent
+            # is alive, so no lease expires; tokens were streamed) — Retry() would try it elsewhere
+            try:
+                async for chunk in client.stream(long):
+                    got += len(chunk.token_ids or [])
+                    if got and srv.proc.poll() is None:
+                        await asyncio.to_thread(srv.kill)  # (off the loop: reaping vLLM's processes takes a while)
+            except RequestFailed as exc:
+                failed = exc
+        if failed is not None:
+            break
+        srv.start()
+        await asyncio.to_thread(srv.wait_ready, 400)
+        assert await wait_for(lambda: router.core.workers[w].state == "healthy", timeout=60)
+    assert failed is not None, "every run's stream completed before its server was killed"
+    assert failed.reason == "server_unavailable", failed  # a clear reason, nothing hangs
     assert 0 < got < 1020
     assert await wait_for(lambda: "quiescing" in watch.states[w][-1:], timeout=30)
     assert "backoff" in watch.states[w]  # backed off first, then left
