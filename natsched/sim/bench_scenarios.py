@@ -74,9 +74,12 @@ def worker_events(sc: Scenario) -> tuple[WorkerEvent, ...]:
     return tuple(out)
 
 
-def sim_settings(sc: Scenario, policy: str, rescue: bool, events: bool = True) -> SimSettings:
+def sim_settings(sc: Scenario, policy: str, rescue: bool, events: bool = True,
+                 router: dict | None = None) -> SimSettings:
+    """``router``: RouterSettings fields of the contender (:meth:`natsched.sim.contenders.Contender.router_settings`)."""
     return SimSettings(policy=policy, worker_specs=worker_specs(sc), events=worker_events(sc) if events else (),
-                       client_retry=ClientRetry(), rescue_s=RESCUE_S if rescue else None, seed=sc.seed)
+                       client_retry=ClientRetry(), rescue_s=RESCUE_S if rescue else None, seed=sc.seed,
+                       router=dict(router or {}))
 
 
 def _busy(trace: Trace, sc: Scenario) -> float:
@@ -331,8 +334,8 @@ def _run_job(si: int, li: int, contender: str, label: str) -> dict[str, Any]:
     q = _STATE.get("queue")
     progress = (lambda d, n: q.put((label, d, n))) if q is not None else _STATE.get("callback") and (
         lambda d, n: _STATE["callback"](label, d, n))
-    result = simulate(load.trace, sim_settings(sc, c.policy, c.rescue), admission=make_gate(c, tenants, sc.slo_ttft_s),
-                      progress=progress or None)
+    settings = sim_settings(sc, c.policy, c.rescue, router=c.router_settings())
+    result = simulate(load.trace, settings, admission=make_gate(c, tenants, sc.slo_ttft_s), progress=progress or None)
     m = run_metrics(sc, result, load.trace)
     m["wall_s"] = round(result.wall_s, 3)
     ttft = sorted(r.first_token - r.arrival for r in result.records if r.status == "ok")

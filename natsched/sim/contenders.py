@@ -27,6 +27,29 @@ door (admission) and where it sends what it lets in (routing). The admission beh
   arrival, each tenant's floor reserved as a share of the slots, queue 100 / 60 s then 429.
 - everyone else (SGLang router, vllm-project/router, production-stack, AIBrix, natsched without
   admission): no admission.
+
+Every routing policy runs inside natsched's :class:`natsched.router.core.RouterCore` (the
+simulator runs the service's objects). What every contender shares there is the cluster and what
+any router can know of it, not a rule of natsched's: the engines and their heartbeats (load,
+queue, KV, the worker's own reported state: ``backoff``, ``quiescing``, ``reregister``); the
+registry's exclusion of a worker whose heartbeats stopped (silent for 2 of its periods: it is
+gone, for every router); the load accounting of requests routed since the last heartbeat; the
+shared prefix index (cache events + routing decisions, distrusted when its claims fail) that
+the index-reading peers read; the LoRA adapter filter (:func:`natsched.router.core.prefer_loaded`);
+each worker's learned cost model (which ``preble_e2`` reads as Preble's own estimate does).
+
+What is natsched's own, and so only natsched's contenders (``latency_health``) get it: the
+latency-tied health rule (:mod:`natsched.router.health`, :mod:`natsched.router.progress`) — a
+worker slower than its own learned prediction (completions, overdue requests, heartbeat decode
+progress) goes half-open and takes only batch, short and probe requests. No peer documents an
+equivalent in its routing policy (read each policy's docstring: SGLang's cache_aware, Dynamo's
+KV cost, llm-d's filters and scorers, vllm-project/router's smetric, AIBrix's prefix-cache and
+production-stack's round robin route on load and cache only; their slow-worker answers are in
+admission, kept as documented: Dynamo's busy threshold, llm-d's saturation detector), so every
+peer runs with it off (``HealthSettings(enabled=False)``): with it, a peer was partly natsched —
+better than its project at some loads, worse at others (elastic worst-phase p99 at loads 0.9 /
+1 / 1.1: sglang 2.20 / 2.53 / 13.7 s with it, 8.83 / 6.47 / 4.65 s as documented; production-stack
+2.46 / 2.18 / 15.0 s with it, 2.46 / 2.94 / 6.76 s as documented; docs/scenarios.md).
 """
 
 from __future__ import annotations
@@ -40,6 +63,7 @@ from natsched.admitter.dynamic import CacheShare, DynamicTotal, DynamicTotalSett
 from natsched.admitter.offline import IdleGate, OfflineSettings
 from natsched.admitter.policy import ALLOW as A_ALLOW, DEGRADE, QUEUE as A_QUEUE, AdmissionSettings, AdmitterCore
 from natsched.admitter.quotas import Quotas, TenantQuota
+from natsched.router.health import HealthSettings
 from natsched.sim.admission import ALLOW, QUEUE, REJECT, AllowAll
 from natsched.sim.trace import TraceRequest
 from natsched.wire import subjects as S
@@ -372,11 +396,18 @@ class Contender:
     gate: Callable[[dict, dict], object] | None  # (tenants, SLOs) -> admission hook; None: no admission
     rescue: bool = False  # re-routes a dead worker's requests itself
     doc: str = ""
+    latency_health: bool = False  # natsched's half-open rule (natsched.router.health): natsched's own
+
+    def router_settings(self) -> dict:
+        """The :class:`natsched.router.core.RouterSettings` fields this contender sets: without
+        ``latency_health``, a health rule that never opens (see the module docstring)."""
+        return {} if self.latency_health else {"health": HealthSettings(enabled=False)}
 
 
 CONTENDERS: dict[str, Contender] = {c.name: c for c in (
-    Contender("natsched", "natsched", lambda t, slo: NatschedGate(t, slo), True, "AdmitterCore + natsched routing"),
-    Contender("natsched-noadmit", "natsched", None, False, "natsched routing, no admission"),
+    Contender("natsched", "natsched", lambda t, slo: NatschedGate(t, slo), True, "AdmitterCore + natsched routing",
+              latency_health=True),
+    Contender("natsched-noadmit", "natsched", None, False, "natsched routing, no admission", latency_health=True),
     Contender("sglang", "sglang_cache_aware", None, False, "SGLang router cache_aware, no admission (default)"),
     Contender("smg-priority", "sglang_cache_aware", lambda t, slo: SmgGate(t), False,
               "SGLang model gateway priority scheduler with tenant reservations"),
