@@ -26,9 +26,17 @@ async def stack(bus, nats_url):
         await s.close()
 
 
+def _default_sigint() -> None:
+    """In the child: Ctrl-C as a terminal gives it. A suite started in the background by a
+    non-interactive shell runs with SIGINT ignored (POSIX), which children inherit — and
+    a command honours an ignored SIGINT, as it should under ``nohup`` or ``cmd &``."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 async def natsched(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(sys.executable, "-m", "natsched", *args, cwd=ROOT,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                preexec_fn=_default_sigint)
 
 
 async def test_status_prints_workers_tenants_queues_and_rejections(stack, nats_url):

@@ -167,6 +167,21 @@ async def test_too_long_prompt_is_answered_with_an_error(worker):
     assert err.kind == "error" and err.reason == "prompt_too_long" and "4096" in err.message
 
 
+# (before the drain test: the module's worker leaves there)
+async def test_heartbeats_carry_the_decode_progress_of_a_real_engine(worker):
+    """The early slowness signal (natsched.router.progress) from real vLLM: every token after the
+    first counted once, with a gap before it, in the heartbeats after the request ran."""
+    bus, listener, _ = worker
+    start = len(listener.hbs)
+    req = await assign(bus, prompt_token_ids=[3 + i % 700 for i in range(80)], max_tokens=40)
+    c = await finished(listener, req)
+    n = len(listener.hbs)
+    assert await wait_for(lambda: len(listener.hbs) > n + 1)  # the interval holding its last tokens was reported
+    hbs = listener.hbs[start:]
+    assert sum(hb.decode_tokens for hb in hbs) == c.output_tokens - 1
+    assert sum(hb.decode_s for hb in hbs) > 0.0
+
+
 async def test_drain_finishes_inflight_work_then_the_process_leaves(worker):
     """Last in the module: the worker leaves."""
     bus, listener, proc = worker
@@ -197,17 +212,3 @@ def _drain_story(listener: "Listener", rid: str, drained_at: float) -> str:
     return (f"drain sent at {drained_at % 1000:.2f}; last heartbeats {beats}; "
             f"{sum(r.kind == 'token' for r in replies)} token replies, "
             f"final: {[(r.kind, r.reason) for r in replies if r.final]}")
-
-
-async def test_heartbeats_carry_the_decode_progress_of_a_real_engine(worker):
-    """The early slowness signal (natsched.router.progress) from real vLLM: every token after the
-    first counted once, with a gap before it, in the heartbeats after the request ran."""
-    bus, listener, _ = worker
-    start = len(listener.hbs)
-    req = await assign(bus, prompt_token_ids=[3 + i % 700 for i in range(80)], max_tokens=40)
-    c = await finished(listener, req)
-    n = len(listener.hbs)
-    assert await wait_for(lambda: len(listener.hbs) > n + 1)  # the interval holding its last tokens was reported
-    hbs = listener.hbs[start:]
-    assert sum(hb.decode_tokens for hb in hbs) == c.output_tokens - 1
-    assert sum(hb.decode_s for hb in hbs) > 0.0
