@@ -402,11 +402,8 @@ class RouterService:
         previous = self.routed.get(_attempt_key(adm.request.id, adm.attempt))
         if not isinstance(previous, _Sent):
             return False
-        again = Assignment(request=adm.request, worker=previous.worker, runtime_tokens=adm.runtime_tokens,
-                           admitted_at=adm.admitted_at, routed_at=previous.routed_at, policy=previous.policy,
-                           expected_cached_tokens=previous.expected_cached_tokens, attempt=adm.attempt,
-                           avoid=adm.avoid, fence=previous.fence, reply_fence=previous.reply_fence)
-        await self.bus.jpublish(S.work(previous.worker), again, msg_id=M.work(adm.request.id, adm.attempt))
+        await self.bus.jpublish(S.work(previous.worker), previous.assignment(adm),
+                                msg_id=M.work(adm.request.id, adm.attempt))
         await d.ack()
         self.metrics.repeated_copies.inc()
         log.warning("request %s (attempt %d) handed off again: sent to %s as before, not re-routed",
@@ -443,13 +440,11 @@ class RouterService:
         r = Routed(d, adm, decision, elapsed * 1000, rr.hashes[0] if rr.hashes else None)
         if decision.worker is not None:
             req = adm.request
-            r.assignment = Assignment(request=req, worker=decision.worker, runtime_tokens=adm.runtime_tokens,
-                                      admitted_at=adm.admitted_at, routed_at=time.time(), policy=decision.policy,
-                                      expected_cached_tokens=decision.expected_cached_tokens, attempt=adm.attempt,
-                                      avoid=adm.avoid,
-                                      fence=fence.sign(self.bus.fence_key, req.id, decision.worker, adm.attempt),
-                                      reply_fence=fence.reply_sign(fence.reply_key(self.bus.fence_key, req.tenant),
-                                                                   req.id, decision.worker, adm.attempt))
+            r.assignment = _Sent(
+                decision.worker, time.time(), decision.policy, decision.expected_cached_tokens,
+                fence.sign(self.bus.fence_key, req.id, decision.worker, adm.attempt),
+                fence.reply_sign(fence.reply_key(self.bus.fence_key, req.tenant), req.id, decision.worker,
+                                 adm.attempt)).assignment(adm)
             # one id per request and attempt: a router that crashes after this publish and re-routes
             # on redelivery is deduplicated by the server instead of running the request twice; a
             # rescue (its worker died) is a new attempt, which must not be deduplicated away
@@ -551,6 +546,13 @@ class _Sent:
     @classmethod
     def of(cls, a: Assignment) -> "_Sent":
         return cls(a.worker, a.routed_at, a.policy, a.expected_cached_tokens, a.fence, a.reply_fence)
+
+    def assignment(self, adm: Admitted) -> Assignment:
+        """The WORK message for ``adm`` (the first one, or a copy of it: the same fields)."""
+        return Assignment(request=adm.request, worker=self.worker, runtime_tokens=adm.runtime_tokens,
+                          admitted_at=adm.admitted_at, routed_at=self.routed_at, policy=self.policy,
+                          expected_cached_tokens=self.expected_cached_tokens, attempt=adm.attempt,
+                          avoid=adm.avoid, fence=self.fence, reply_fence=self.reply_fence)
 
 
 def _attempt_key(request_id: str, attempt: int) -> str:
