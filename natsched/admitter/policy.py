@@ -35,6 +35,9 @@ fits now and nothing queued outranks it     allow      - (with the loan its clas
 (its class limit too, borrowing included,              if any: natsched.admitter.classes)
 and its model's capacity: set_model_totals)
 class has no queue (limit 0)                reject     quota_exhausted (with retry_after)
+its (model, class) queue stands and the     reject     overloaded (with retry_after)
+model's own estimated wait is past the
+target (natsched.admitter.standing)
 class queue full (for this tenant: see      reject     queue_full (with retry_after)
 _queue_full)
 estimated wait beyond queue_timeout_s or    reject     quota_exhausted (with retry_after)
@@ -56,7 +59,8 @@ admitted late but degraded: it goes to the offline path, which runs it when the 
 their SLO. In the queue this is checked before anything is admitted, oldest first.
 
 :meth:`AdmitterCore.plan_dequeue` first rejects queued requests older than ``queue_timeout_s``
-(``queue_timeout``), past their deadline (``deadline_exceeded``) or that a quota change made
+(``queue_timeout``), older than the target while their lane's queue stands (``overloaded``:
+:mod:`natsched.admitter.standing`), past their deadline (``deadline_exceeded``) or that a quota change made
 impossible (``unknown_tenant`` / ``too_large`` / ``tenant_cap`` / ``model_limit``), then allows
 queued requests in order until the best one left does not fit. The order among queued requests
 (and between them and an arrival) is :mod:`natsched.admitter.planner`'s: tenant first, but class
@@ -89,6 +93,7 @@ from natsched.admitter.estimator import OutputEstimator, ReleaseRate
 from natsched.admitter.planner import Planner, never_fits
 from natsched.admitter.queue import AdmissionQueue
 from natsched.admitter.quotas import Quotas
+from natsched.admitter.standing import StandingQueues
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
 from natsched.wire.blocks import estimate_prompt_tokens
@@ -130,6 +135,9 @@ class AdmissionSettings:
     class_rank: dict[str, int] = field(default_factory=_default_class_rank)  # lower is served first
     lend_to: tuple[str, ...] = (S.ONLINE,)  # classes that may borrow lower classes' limit room (classes.py)
     lend_share: float = 0.5  # in a surge, at most this share of a lender's limit on loan while it has demand
+    standing_shed: bool = True  # shed a (model, class) queue that stands (natsched.admitter.standing)
+    standing_target_s: float = 1.0  # ... a queue whose oldest waited longer than this ...
+    standing_interval_s: float = 5.0  # ... for this long stands
 
     def __post_init__(self) -> None:
         for cls, slo in self.slo_ttft_s.items():
@@ -141,10 +149,11 @@ class AdmissionSettings:
                 raise SettingsError(f"{name} must be between 0 and 1, got {value}")
         if self.reserve_long_share >= 1.0:
             raise SettingsError("reserve_long_share must be below 1 (short requests need some budget)")
-        for name in ("aging_s", "queue_timeout_s", "calibrated_margin", "retry_after_s"):
+        for name in ("aging_s", "queue_timeout_s", "calibrated_margin", "retry_after_s", "standing_target_s"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("long_threshold_tokens", "rate_window_s", "fallback_hold_s", "scan_limit", "max_prompt_tokens",
+                     "standing_interval_s",
                      "max_output_tokens", "default_total", "ewma_min_samples"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -213,6 +222,8 @@ class AdmitterCore:
         self.queue = AdmissionQueue()
         self.outputs = OutputEstimator(s.ewma_alpha, s.ewma_min_samples)
         self.releases = ReleaseRate(s.rate_window_s)
+        self.model_releases: dict[str, ReleaseRate] = {}  # per model: its own wait (standing queues)
+        self.standing = StandingQueues(s.standing_target_s, s.standing_interval_s)
         self._clock = 0.0  # latest time seen: est_wait() has no `now` of its own
         self.served_models: frozenset[str] | None = None  # None: not known yet (no worker heard)
         self.pools = PoolMap()  # router pools (natsched.wire.pools); empty: one pool routes every model
@@ -231,6 +242,9 @@ class AdmitterCore:
         self.settings = settings
         self.outputs.alpha, self.outputs.min_samples = settings.ewma_alpha, settings.ewma_min_samples
         self.releases.window_s = settings.rate_window_s
+        for rate in self.model_releases.values():
+            rate.window_s = settings.rate_window_s
+        self.standing.target_s, self.standing.interval_s = settings.standing_target_s, settings.standing_interval_s
 
     def set_total(self, total: int) -> None:
         """The dynamic total, never above the hard cap nor below zero."""
@@ -356,6 +370,10 @@ class AdmitterCore:
         if limit <= 0:
             return self._reject(cost, "quota_exhausted", f"no runtime tokens free for class {request.cls!r} and it "
                                 f"does not queue", retry=True, request=request)
+        if self._overloaded(request, cost, now):
+            return self._reject(cost, "overloaded", f"model {request.model!r} is overloaded: its {request.cls} queue has "
+                                f"stood past {self.standing.target_s:g}s for {self.standing.interval_s:g}s and this "
+                                f"request would wait longer", retry=True, request=request)
         wait = self.est_wait(request)
         retry = max(self.settings.retry_after_s, wait - self.settings.queue_timeout_s)
         if self._queue_full(request, limit):
@@ -372,6 +390,37 @@ class AdmitterCore:
             if wait > self._slo_wait(request.cls):
                 return self._decision(DEGRADE, cost, request, reason="slo")
         return self._decision(QUEUE, cost, request, est_wait=wait)
+
+    def _sheds(self, cls: str) -> bool:
+        """Whether ``cls``'s queue is shed when it stands: classes waiting for an answer with no TTFT
+        SLO of their own (an SLO class degrades late work instead; batch and degradable work, and
+        the offline path, are meant to wait)."""
+        s = self.settings
+        return (s.standing_shed and cls != S.OFFLINE and cls not in s.degrade_classes
+                and cls not in s.slo_ttft_s)
+
+    def _overloaded(self, request: Request, cost: int, now: float) -> bool:
+        """An arrival that its lane's standing queue refuses: it would wait past the target."""
+        if request.degradable or not self._sheds(request.cls):
+            return False
+        if not self.standing.standing((request.model, request.cls), now):
+            return False
+        return self.model_wait(request.model, cost, now) > self.standing.target_s
+
+    def model_wait(self, model: str, cost: int, now: float) -> float:
+        """Seconds until ``cost`` more tokens of ``model`` could start: what is queued for the model,
+        beyond its free room (its own bound, within the total), over its own release rate (0 until
+        one is measured)."""
+        rate = self.model_releases.get(model)
+        r = rate.rate(now) if rate is not None else None
+        if not r:
+            return 0.0
+        free = self.total - self.usage.used
+        bound = (self.model_totals or {}).get(model)
+        if bound is not None:
+            free = min(free, bound - self.usage.model(model))
+        need = self.queue.model_tokens(model) + cost - max(0, free)
+        return need / r if need > 0 else 0.0
 
     def _slo_wait(self, cls: str) -> float:
         """Seconds a request of ``cls`` may wait here before its SLO is out of reach (inf: no SLO)."""
@@ -398,6 +447,21 @@ class AdmitterCore:
                                          self.is_long(decision.runtime_tokens), request.cls, decision.loan)
         elif decision.decision == QUEUE:
             self.queue.add(request, decision.runtime_tokens, self.is_long(decision.runtime_tokens), now)
+        elif decision.reason == "overloaded":
+            self.standing.shed((request.model, request.cls), now)
+        self._observe_standing(now)
+
+    def _observe_standing(self, now: float) -> None:
+        """Tell the standing-queue state each shed lane's oldest age (natsched.admitter.standing)."""
+        if self.settings.standing_shed:
+            self.standing.observe({lane: now - e.enqueued_at for lane, e in self.queue.oldest_per_lane().items()
+                                   if self._sheds(lane[1]) and self._serving(lane[0], now)}, now)
+
+    def _serving(self, model: str, now: float) -> bool:
+        """The model's release rate is measured: it serves, so a queue that still stands is arrivals
+        beyond what it serves (nothing completing is no measure: the queue timeout still holds)."""
+        rate = self.model_releases.get(model)
+        return rate is not None and bool(rate.rate(now))
 
     # ------------------------------------------------------------------ the queue
     def plan_dequeue(self, now: float) -> list[tuple[Request, AdmissionDecision]]:
@@ -429,7 +493,7 @@ class AdmitterCore:
         return out
 
     def _expired(self, plan: Planner, now: float) -> list[tuple[Request, AdmissionDecision]]:
-        out = self._past_slo(plan, now)
+        out = self._past_slo(plan, now) + self._standing_sheds(plan, now)
         timeout = self.settings.queue_timeout_s
         for entry in self.queue.oldest():
             if now - entry.enqueued_at <= timeout:
@@ -445,6 +509,22 @@ class AdmitterCore:
                 plan.take(entry, admit=False)
                 out.append((entry.request, self._reject(entry.cost, "deadline_exceeded",
                                                         "deadline passed while queued")))
+        return out
+
+    def _standing_sheds(self, plan: Planner, now: float) -> list[tuple[Request, AdmissionDecision]]:
+        """Queued requests of a standing lane that waited past the target: REJECT ``overloaded``."""
+        out = []
+        target = self.standing.target_s
+        for model, cls in self.standing.lanes(now):
+            for entry in self.queue.oldest_of(model, cls):
+                if now - entry.enqueued_at <= target:
+                    break
+                if entry.id in plan.taken or entry.request.degradable:
+                    continue
+                plan.take(entry, admit=False)
+                out.append((entry.request, self._reject(
+                    entry.cost, "overloaded", f"queued {now - entry.enqueued_at:.1f}s while model {model!r}'s {cls} "
+                    f"queue stands (past {target:g}s for {self.standing.interval_s:g}s)", retry=True)))
         return out
 
     def _past_slo(self, plan: Planner, now: float) -> list[tuple[Request, AdmissionDecision]]:
@@ -471,10 +551,15 @@ class AdmitterCore:
             if decision.decision == ALLOW:
                 self.usage = self.usage.plus(request.tenant, request.model, decision.runtime_tokens,
                                              self.is_long(decision.runtime_tokens), request.cls, decision.loan)
+            elif decision.reason == "overloaded":
+                self.standing.shed((request.model, request.cls), now)
+        self._observe_standing(now)
 
     def forget(self, request_id: RequestId) -> bool:
         """Drop a queued request (the service lost its message); True when it was queued."""
-        return self.queue.remove(request_id) is not None
+        gone = self.queue.remove(request_id) is not None
+        self._observe_standing(self._clock)
+        return gone
 
     # ------------------------------------------------------------------ completions
     def release(self, completion: Completion, now: float) -> int:
@@ -485,6 +570,10 @@ class AdmitterCore:
         self.usage = self.usage.minus(completion.tenant, completion.model, tokens, self.is_long(tokens),
                                       completion.cls or None)
         self.releases.add(now, tokens)
+        rate = self.model_releases.get(completion.model)
+        if rate is None:
+            rate = self.model_releases[completion.model] = ReleaseRate(self.settings.rate_window_s)
+        rate.add(now, tokens)
         if completion.status == CompletionStatus.OK:
             self.outputs.observe(completion.tenant, completion.model, completion.output_tokens)
         return tokens

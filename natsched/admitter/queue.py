@@ -61,6 +61,7 @@ class AdmissionQueue:
         self._depth: Counter[str] = Counter()
         self._class_tokens: Counter[str] = Counter()
         self._model_tokens: Counter[str] = Counter()
+        self._by_model_class: dict[tuple[str, str], OrderedDict[RequestId, Entry]] = {}  # FIFO per (model, class)
         self.tokens = 0  # runtime tokens of every queued request
         self._deadlines: list[tuple[float, int, RequestId]] = []
         self._seq = itertools.count()
@@ -78,6 +79,7 @@ class AdmissionQueue:
         lanes.setdefault((request.cls, long, request.model), OrderedDict())[request.id] = entry
         self._tenant_tokens[request.tenant] += cost
         self._tenant_count[request.tenant] += 1
+        self._by_model_class.setdefault((request.model, request.cls), OrderedDict())[request.id] = entry
         self._depth[request.cls] += 1
         self._class_tokens[request.cls] += cost
         self._model_tokens[request.model] += cost
@@ -108,6 +110,10 @@ class AdmissionQueue:
         self._class_tokens[entry.cls] -= entry.cost
         if not self._class_tokens[entry.cls]:
             del self._class_tokens[entry.cls]
+        fifo = self._by_model_class[entry.model, entry.cls]
+        del fifo[request_id]
+        if not fifo:
+            del self._by_model_class[entry.model, entry.cls]
         self._model_tokens[entry.model] -= entry.cost
         if not self._model_tokens[entry.model]:
             del self._model_tokens[entry.model]
@@ -142,6 +148,14 @@ class AdmissionQueue:
     def model_tokens(self, model: str) -> int:
         """Runtime tokens queued for ``model`` (is its own capacity contended: the planner)."""
         return self._model_tokens.get(model, 0)
+
+    def oldest_per_lane(self) -> dict[tuple[str, str], Entry]:
+        """The oldest queued entry of each (model, class) with any (the standing-queue check)."""
+        return {key: next(iter(fifo.values())) for key, fifo in self._by_model_class.items()}
+
+    def oldest_of(self, model: str, cls: str) -> Iterator[Entry]:
+        """The entries of (model, class), the oldest first."""
+        return iter(self._by_model_class.get((model, cls), {}).values())
 
     def tenants(self) -> list[str]:
         """Backlogged tenants: those with at least one queued request."""

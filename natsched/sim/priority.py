@@ -96,8 +96,10 @@ def _arrivals(s: PrioritySettings) -> list[tuple[float, Request]]:
 
 def _core(contender: str, s: PrioritySettings) -> AdmitterCore:
     limits = {} if contender == "no_limits" else {S.ONLINE: s.online_limit, S.BATCH: s.batch_limit}
+    # standing-queue shedding off: this measures what lending does to waits, and counts a refusal
+    # as the whole queue timeout, so a rule that refuses early would blur the comparison
     settings = AdmissionSettings(default_total=s.total, degrade_classes=(), lend_share=s.lend_share,
-                                 lend_to=() if contender == "no_lend" else (S.ONLINE,))
+                                 lend_to=() if contender == "no_lend" else (S.ONLINE,), standing_shed=False)
     return AdmitterCore(settings, Quotas(total=s.total, class_limits=limits))
 
 
