@@ -43,7 +43,9 @@ changes the copy, never the core, so planning has no side effects. The order is:
    While a model's capacity is *contended* (held + queued past its bound, its room below the
    cluster's) its queued requests
    go by age (aged, class, arrival) across tenants, and an arrival of it waits behind them
-   (:meth:`Planner.contended`).
+   (:meth:`Planner.contended`). A *saturated* model — every engine of it has requests waiting
+   (:mod:`natsched.admitter.engines`) — is held at what it holds, and is contended while any of
+   its requests is queued.
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ class Planner:
     def __init__(self, queue: AdmissionQueue, quotas: Quotas, total: int, usage: Usage, now: float, *,
                  aging_s: float, reserve_long_share: float, class_rank: dict[str, int], scan_limit: int,
                  book: ClassBook | None = None, pressure: bool = False,
-                 model_totals: dict[str, int | None] | None = None) -> None:
+                 model_totals: dict[str, int | None] | None = None,
+                 saturated: frozenset[str] = frozenset()) -> None:
         self.queue = queue
         self.quotas = quotas
         self.total = total
@@ -150,6 +153,7 @@ class Planner:
         self.book = book  # class limits and loans (None: no class has a limit)
         self.pressure = pressure  # class before tenant (module docstring, 5.)
         self.model_totals = model_totals  # per-model capacity (module docstring, 7.); None: no bound
+        self.saturated = saturated  # models held at what they hold now (module docstring, 7.)
 
     # ------------------------------------------------------------------ ranks
     def rank(self, tenant: str) -> Rank:
@@ -196,6 +200,8 @@ class Planner:
 
     def over_model_capacity(self, model: str, cost: int) -> bool:
         """``cost`` more would pass what the model's own workers can take (module docstring, 7.)."""
+        if model in self.saturated:
+            return True  # every engine of it has requests waiting: it takes none (admitter/engines.py)
         if self.model_totals is None:
             return False
         if model not in self.model_totals:
@@ -251,13 +257,15 @@ class Planner:
         for it pass its bound, and its room is less than the cluster's. Its requests then go by age across tenants: the tenant order ranks
         by what a tenant holds of the whole cluster, which says nothing of its share of this
         model's workers (a tenant heavy on another model would wait here until it timed out)."""
+        held = self.model_used.get(model, 0)
+        queued = self.queue.model_tokens(model) - self.model_taken.get(model, 0)
+        if model in self.saturated:
+            return queued > 0
         if self.model_totals is None:
             return False
         bound = self.model_totals.get(model, 0)
         if bound is None:
             return False
-        held = self.model_used.get(model, 0)
-        queued = self.queue.model_tokens(model) - self.model_taken.get(model, 0)
         # only where the model's own room is the tighter one: with one model (or a pool as large as
         # the cluster) the cluster total binds and the tenant order (floors, weights) stays as it is
         return queued > 0 and held + queued > bound and bound - held < self.total - self.used

@@ -138,6 +138,7 @@ class AdmissionSettings:
     standing_shed: bool = True  # shed a (model, class) queue that stands (natsched.admitter.standing)
     standing_target_s: float = 1.0  # ... a queue whose oldest waited longer than this ...
     standing_interval_s: float = 5.0  # ... for this long stands
+    hold_saturated: bool = True  # hold a model's requests while all its engines have some waiting (engines.py)
 
     def __post_init__(self) -> None:
         for cls, slo in self.slo_ttft_s.items():
@@ -228,6 +229,7 @@ class AdmitterCore:
         self.served_models: frozenset[str] | None = None  # None: not known yet (no worker heard)
         self.pools = PoolMap()  # router pools (natsched.wire.pools); empty: one pool routes every model
         self.model_totals: dict[str, int | None] | None = None  # per-model capacity (set_model_totals)
+        self.saturated: frozenset[str] = frozenset()  # models whose every engine has requests waiting
 
     # ------------------------------------------------------------------ configuration
     def set_quotas(self, quotas: Quotas) -> None:
@@ -258,6 +260,12 @@ class AdmitterCore:
         has no live worker: its requests wait at the door (``model_capacity``). None: no per-model
         bound at all (no worker heard yet, or the capacity-following total is off)."""
         self.model_totals = None if totals is None else dict(totals)
+
+    def set_saturated(self, models: frozenset[str]) -> None:
+        """The models every live worker of which has requests waiting in its engine
+        (:class:`natsched.admitter.engines.EngineQueues`): their requests wait at the door, as at a
+        full bound, until one of their engines may take one (``hold_saturated``)."""
+        self.saturated = frozenset(models)
 
     def set_served_models(self, models: frozenset[str] | None) -> None:
         """The models live workers serve (from their heartbeats); None while none reported, so a
@@ -419,6 +427,8 @@ class AdmitterCore:
         bound = (self.model_totals or {}).get(model)
         if bound is not None:
             free = min(free, bound - self.usage.model(model))
+        if model in self._held_models():
+            free = 0
         need = self.queue.model_tokens(model) + cost - max(0, free)
         return need / r if need > 0 else 0.0
 
@@ -665,7 +675,10 @@ class AdmitterCore:
         return Planner(self.queue, self.quotas, self.total, usage, now,
                        aging_s=s.aging_s, reserve_long_share=s.reserve_long_share, class_rank=s.class_rank,
                        scan_limit=s.scan_limit, book=self._class_book(usage, pressure), pressure=pressure,
-                       model_totals=self.model_totals)
+                       model_totals=self.model_totals, saturated=self._held_models())
+
+    def _held_models(self) -> frozenset[str]:
+        return self.saturated if self.settings.hold_saturated else frozenset()
 
     def _decision(self, kind: str, cost: int, request: Request, reason: str | None = None,
                   est_wait: float | None = None, loan: Loan | None = None) -> AdmissionDecision:

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+from natsched.admitter.engines import EngineQueues
 from natsched.admitter.errors import AdmitterError
 from natsched.admitter.leases import LeaseTracker, reconcile
 from natsched.admitter.rescue import RescueReport, Rescuer
@@ -60,6 +61,8 @@ class Repairs:
     _takeovers: dict[str, int]  # restarted worker -> its predecessor_seq, waiting for the lease loop
     _taken_over: dict[str, int]  # worker -> the predecessor_seq last taken over (once per bound)
     _takeover_wake: asyncio.Event
+    _wake: asyncio.Event
+    engines: EngineQueues
     _started: float
     _lock: asyncio.Lock
     _suspect: object
@@ -82,6 +85,11 @@ class Repairs:
         self._dead.pop(hb.worker, None)
         self.worker_load[hb.worker] = (hb.capacity_tokens, hb.runtime_tokens, now)
         self.note_model(hb.worker, frozenset({hb.model, *(m.id for m in hb.served)}), now)
+        saturated = self.core.saturated
+        self.engines.heartbeat(hb.worker, frozenset({hb.model, *(m.id for m in hb.served)}), hb.waiting)
+        self.core.set_saturated(self.engines.saturated())
+        if saturated - self.core.saturated:
+            self._wake.set()  # a model's engines may take work again: the queue goes now
         for rid, held in hb.over.items():  # ran past its reservation: grow it (service.grow)
             if self.leases.holder.get(rid) == hb.worker:  # only the worker running it may say so
                 self._grow_wanted[rid] = max(held, self._grow_wanted.get(rid, 0))
@@ -170,6 +178,7 @@ class Repairs:
             log.warning("worker %s missed %d heartbeats: its lease expired (%d requests held); rescuing its "
                         "unfinished work", worker, self.knobs.lease.missed, len(held))
             self.worker_load.pop(worker, None)
+            self.engines.gone(worker)
             self._dead[worker] = time.monotonic()
             self.metrics.lease_expiries.inc()
         report = await self.rescuer.sweep(self.is_live)

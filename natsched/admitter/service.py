@@ -29,6 +29,7 @@ from natsched.admitter.partition import PartitionMember
 from natsched.admitter.policy import (ALLOW, DEGRADE, QUEUE, REJECT, AdmissionDecision, AdmissionSettings,
                                       AdmitterCore, runtime_tokens)
 from natsched.admitter.quotas import Quotas
+from natsched.admitter.engines import EngineQueues
 from natsched.admitter.repair import Repairs
 from natsched.admitter.rescue import Rescuer
 from natsched.admitter.scaling import ScaleAdvisor, ScaleSettings, WorkerLoad
@@ -151,6 +152,7 @@ class AdmitterService(Repairs, PartitionMember):
         self.held: dict[str, Held] = {}
         self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
         self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)
+        self.engines = EngineQueues()  # saturated models (natsched.admitter.engines), from heartbeats
         self.quota_entries: dict[str, bytes] = {}
         self.worker_models: dict[str, tuple[frozenset[str], float]] = {}  # worker -> (models and adapters, last heard)
         self._quota_errors: set[str] = set()
@@ -855,8 +857,10 @@ class AdmitterService(Repairs, PartitionMember):
         for c, res in pairs:
             if c is not None:
                 self.core.release(c, now)  # learning (output EWMA, release rate)
+                self.engines.completed(c.worker)
             log.info("request %s released %d runtime tokens (%s)", res.request_id, res.tokens,
                      "completion" if c is not None else "reclaimed")
+        self.core.set_saturated(self.engines.saturated())
         self._wake.set()
 
     async def release(self, request_id: str, completion: Completion | None = None, why: str = "completion") -> int:

@@ -60,6 +60,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from natsched.admitter.dynamic import CacheShare, DynamicTotal, DynamicTotalSettings, ModelTotals, ModelLoad
+from natsched.admitter.engines import EngineQueues
 from natsched.admitter.offline import IdleGate, OfflineSettings
 from natsched.admitter.policy import ALLOW as A_ALLOW, DEGRADE, QUEUE as A_QUEUE, AdmissionSettings, AdmitterCore
 from natsched.admitter.quotas import Quotas, TenantQuota
@@ -92,6 +93,7 @@ class NatschedGate:
         self.dynamic = DynamicTotal(DynamicTotalSettings())
         self.share = CacheShare(self.dynamic.settings.share_half_life_s)  # from completions, as the service
         self.models = ModelTotals(self.dynamic.settings)  # per-model capacity, as the service
+        self.engines = EngineQueues()  # saturated models, from heartbeats and completions, as the service
         self.degraded: set[int] = set()
         self._held: dict[str, tuple[TraceRequest, Request, int]] = {}  # allowed: id -> (req, wire, cost)
         self._queued: dict[str, tuple[TraceRequest, Request]] = {}
@@ -118,7 +120,17 @@ class NatschedGate:
         return [ModelLoad(frozenset({w.model}), w.core.kv_blocks * w.core.block_size, w.engine.stats().runtime_tokens)
                 for w in self.sim.live_workers()]
 
+    def on_heartbeat(self, hb, now: float) -> None:
+        """A worker's heartbeat, as the admitter service reads it (its engine's waiting requests)."""
+        self.engines.heartbeat(hb.worker, frozenset({hb.model}), hb.waiting)
+        if self.core is not None:
+            self.core.set_saturated(self.engines.saturated())
+
     def on_cluster_change(self, now: float) -> None:
+        live = {w.id for w in self.sim.live_workers()}
+        for wid in [w for w in self.engines.engines if w not in live]:
+            self.engines.gone(wid)  # as the service on a lease expiry
+        self.core.set_saturated(self.engines.saturated())
         cap = self._capacity()
         self.core.quotas.total = cap
         self.core.set_total(int(cap * self.dynamic.factor))
@@ -197,6 +209,8 @@ class NatschedGate:
         if held is None:
             return
         _, wire, cost = held
+        self.engines.completed(self.sim.records[req.index].worker)
+        self.core.set_saturated(self.engines.saturated())
         if ok:  # what the completion reports (the simulator set it just before)
             self.share.observe(req.input_length, self.sim.records[req.index].cached_tokens, now)
         self.core.release(Completion(request_id=wire.id, tenant=wire.tenant, cls=wire.cls, model=wire.model,

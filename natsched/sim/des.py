@@ -728,6 +728,9 @@ class Simulator:
         )
         w.decode_tokens, w.decode_s = 0, 0.0
         self._send(now, self.router.on_heartbeat, hb)
+        hook = getattr(self.admission, "on_heartbeat", None)  # the admitter reads heartbeats too
+        if hook is not None:
+            self._send(now, hook, hb)
 
 
 def simulate(trace: Trace, settings: SimSettings | None = None, admission: AdmissionHook | None = None,

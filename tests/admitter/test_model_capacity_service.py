@@ -58,3 +58,26 @@ async def test_each_models_admissions_follow_its_own_workers(bus, nats_url):
         assert await until(lambda: adm.shared.usage.model("small") == 0, timeout=5)
     finally:
         await stop(adm)
+
+
+async def test_a_model_whose_engines_all_have_requests_waiting_is_held_at_the_door(bus, nats_url):
+    """natsched/admitter/engines.py in the service: the heartbeats' ``waiting`` saturate a model,
+    its next heartbeat with room lets the held request go; another model passes meanwhile."""
+    await set_quotas(bus, cluster__total=100_000)
+    adm = await start_admitter(nats_url, dynamic=DynamicTotalSettings(interval_s=3600))
+    try:
+        full = Heartbeat(worker=WorkerId("wq"), seq=1, ts=time.time(), model="small", interval=60.0,
+                         capacity_tokens=10_000, runtime_tokens=9_000, running=8, waiting=3)
+        await bus.publish(S.heartbeat(WorkerId("wq")), full)
+        await heartbeat(bus, "wother", "big", 10_000)
+        assert await until(lambda: adm.core.saturated == {"small"} and "wother" in adm.worker_load, timeout=5)
+        held, other = request(tokens=100, model="small"), request(tokens=100, model="big")
+        await publish(bus, held)
+        await publish(bus, other)
+        assert await until(lambda: other.id in adm.shared.reservations and held.id in adm.core.queue, timeout=5)
+        assert held.id not in adm.shared.reservations
+        await heartbeat(bus, "wq", "small", 10_000, seq=2)  # nothing waits in its engine now
+        assert await until(lambda: held.id in adm.shared.reservations, timeout=5)
+        assert adm.core.saturated == frozenset()
+    finally:
+        await stop(adm)
