@@ -36,6 +36,10 @@ class _Engine:
     waiting: int  # requests waiting in its engine at its last heartbeat
     done: int = 0  # completions from it since that heartbeat
 
+    @property
+    def backed_up(self) -> bool:
+        return self.waiting > self.done
+
 
 @dataclass
 class EngineQueues:
@@ -59,7 +63,7 @@ class EngineQueues:
 
     def backed_up(self, worker: str) -> bool:
         e = self.engines.get(worker)
-        return e is not None and e.waiting > e.done
+        return e is not None and e.backed_up
 
     def saturated(self) -> frozenset[str]:
         """The models every live worker of which is backed up."""
@@ -67,6 +71,6 @@ class EngineQueues:
         seen: set[str] = set()
         for e in self.engines.values():
             seen |= e.models
-            if e.waiting <= e.done:
+            if not e.backed_up:
                 free |= e.models
         return frozenset(seen - free)
