@@ -54,6 +54,11 @@ class SuiteSettings:
     only: list[str] | None = None
     progress: bool = True
     contenders: list[str] | None = None
+    #: traffic draws per load of a generated scenario (seed, seed + 1, ...): the verdict is paired
+    #: over loads x seeds. A tail percentile of a few hundred requests is set by two or three of
+    #: them, so one draw per load can rank two policies by which of them met an unlucky session;
+    #: a trace's arrivals are the data and are not redrawn (one replicate)
+    seeds: int = 1
 
 
 # ------------------------------------------------------------------ building a scenario's runs
@@ -129,6 +134,7 @@ class Load:
     label: str
     trace: Trace
     speed: float  # speed-up (trace) or start rate (generator)
+    seed: int | None = None  # the draw's seed when it is not the scenario's (--seeds)
 
 
 def time_scaled(sc: Scenario, f: float) -> Scenario:
@@ -170,7 +176,12 @@ def build_loads(sc: Scenario, s: SuiteSettings) -> list[Load]:
                       for f in spread]
         return loads
     rate = t.rate_rps if t.rate_rps is not None else capacity_rate(sc, t.load)
-    return [Load(f"load{f:.3g}", generate(sc, f, rate), rate * f) for f in spread]
+    # the rate is calibrated once (on the file's seed): every draw offers the same load
+    draws = [sc.seed + k for k in range(max(1, s.seeds))]
+    return [Load(f"load{f:.3g}" + (f"-s{seed}" if len(draws) > 1 else ""),
+                 generate(sc if seed == sc.seed else dataclasses.replace(sc, seed=seed), f, rate), rate * f,
+                 None if seed == sc.seed else seed)
+            for f in spread for seed in draws]
 
 
 PROBE_S = 120.0  # the capacity probe's arrival window (at most)
@@ -334,7 +345,8 @@ def _run_job(si: int, li: int, contender: str, label: str) -> dict[str, Any]:
     q = _STATE.get("queue")
     progress = (lambda d, n: q.put((label, d, n))) if q is not None else _STATE.get("callback") and (
         lambda d, n: _STATE["callback"](label, d, n))
-    settings = sim_settings(sc, c.policy, c.rescue, router=c.router_settings())
+    run_sc = sc if load.seed is None else dataclasses.replace(sc, seed=load.seed)  # the clients' jitter too
+    settings = sim_settings(run_sc, c.policy, c.rescue, router=c.router_settings())
     result = simulate(load.trace, settings, admission=make_gate(c, tenants, sc.slo_ttft_s), progress=progress or None)
     m = run_metrics(sc, result, load.trace)
     m["wall_s"] = round(result.wall_s, 3)
