@@ -46,6 +46,11 @@ QUICK_POINTS = 2
 QUICK_SKIP = ("natsched-noadmit",)
 
 
+#: the router of the load yardstick and the capacity probe (least_loaded): a rule natsched's router
+#: adds later must not move the loads every contender is measured at (natsched's panic threshold)
+YARDSTICK_ROUTER = {"panic_threshold": 0.0}
+
+
 @dataclass
 class SuiteSettings:
     jobs: int = 2
@@ -90,7 +95,7 @@ def sim_settings(sc: Scenario, policy: str, rescue: bool, events: bool = True,
 def _busy(trace: Trace, sc: Scenario) -> float:
     """A trace's load yardstick: the mean busy share of the workers under least_loaded, no admission,
     no events (the routing benchmark's)."""
-    return simulate(trace, sim_settings(sc, "least_loaded", False, events=False)).metrics()["busy"]
+    return simulate(trace, sim_settings(sc, "least_loaded", False, events=False, router=YARDSTICK_ROUTER)).metrics()["busy"]
 
 
 def _secant(target: float, measure, x0: float, known: dict[float, float] | None = None) -> float:
@@ -202,7 +207,7 @@ def capacity_rate(sc: Scenario, load: float) -> float:
     for _ in range(4):
         trace = generate(calm, 1.0, rate)
         offered = len(trace) / calm.traffic.duration_s
-        res = simulate(trace, sim_settings(calm, "least_loaded", False, events=False))
+        res = simulate(trace, sim_settings(calm, "least_loaded", False, events=False, router=YARDSTICK_ROUTER))
         t0 = res.records[0].arrival - trace.requests[0].arrival if res.records else 0.0
         end = t0 + calm.traffic.duration_s
         served = sum(1 for r in res.records if r.status == "ok" and r.finish <= end) / calm.traffic.duration_s

@@ -246,3 +246,15 @@ def test_seeds_do_not_redraw_a_trace():
     sc = parse_scenario(raw, "tr.yaml")
     loads = build_loads(sc, SuiteSettings(progress=False, seeds=3))
     assert len(loads) == 1 and loads[0].seed is None
+
+
+def test_peers_and_the_load_yardstick_keep_the_router_rule_they_were_measured_with():
+    """natsched's panic threshold is natsched's: every peer (and the least_loaded yardstick that sets
+    every scenario's loads) opens half-open and backoff workers only when no other may take it."""
+    from natsched.router.core import RouterSettings
+    from natsched.sim.bench_scenarios import YARDSTICK_ROUTER
+
+    assert RouterSettings().panic_threshold == 0.5 and YARDSTICK_ROUTER["panic_threshold"] == 0.0
+    for name, c in CONTENDERS.items():
+        got = RouterSettings(**c.router_settings()).panic_threshold
+        assert got == (0.5 if name.startswith("natsched") else 0.0), name
