@@ -15,7 +15,7 @@ from natsched.sim.bench_scenarios import (
 
 
 def add_scenarios_parser(bsub) -> None:
-    """``natsched bench scenarios [FILE|DIR ...] [--only NAME] [--quick] [--sweep N] [--json OUT] [--plot DIR]``."""
+    """``natsched bench scenarios [FILE|DIR ...] [--only NAME] [--quick] [--sweep N] [--seeds N] [--json OUT] [--plot DIR]``."""
     sp = bsub.add_parser(
         "scenarios", help="every contender (admission + routing) through the scenario suite",
         description="Run the scenario files (default: the built-in suite) with every contender on identical "
@@ -29,6 +29,9 @@ def add_scenarios_parser(bsub) -> None:
                          f"{QUICK_TRACE_LIMIT} requests)")
     sp.add_argument("--sweep", type=positive_int, default=None, metavar="N",
                     help="loads per scenario (default: each file's sweep.points)")
+    sp.add_argument("--seeds", type=positive_int, default=1, metavar="N",
+                    help="traffic draws per load of a generated scenario (seeds seed .. seed+N-1); the verdict "
+                         "is paired over loads x draws (default 1; a trace is not redrawn)")
     sp.add_argument("--contenders", default=None,
                     help=f"comma-separated contenders (default: the file's, else all: {', '.join(CONTENDERS)})")
     sp.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes (default 2)")
@@ -57,7 +60,7 @@ def cmd_scenarios(args) -> int:
                                     if bad else "must include natsched")
         scenarios = [load_scenario(p) for p in find_scenarios(args.paths)]
         settings = SuiteSettings(jobs=args.jobs, quick=args.quick, sweep=args.sweep, only=args.only,
-                                 progress=not args.no_progress, contenders=who)
+                                 progress=not args.no_progress, contenders=who, seeds=args.seeds)
         report = run_suite(scenarios, settings)
     except SimError as exc:
         print(f"natsched: error: {exc}", file=sys.stderr)

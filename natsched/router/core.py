@@ -47,6 +47,10 @@ class RouterSettings:
     block_size: int = 32  # tokens per block of RouteRequest.hashes (the "block_tokens")
     heartbeat_timeout_s: float = 15.0  # a worker silent for longer is excluded
     backoff_max_prompt_tokens: int = 1024  # a BACKOFF worker takes only prompts up to this
+    # when fewer than this share of the workers that could take a request may (the others
+    # half-open or in backoff), all of them may: Envoy's panic threshold and its default (50 %);
+    # 0: only when none may (what the simulated peers keep: natsched.sim.contenders)
+    panic_threshold: float = 0.5
     pending_grace_s: float = 2.0  # see natsched.router.registry
     forget_after_s: float = 600.0
     ledger_ttl_s: float = 3600.0
@@ -231,18 +235,24 @@ class RouterCore:
 
     def candidates(self, req: RouteRequest, now: float) -> list[WorkerView]:
         """Workers that may take ``req`` now (state, heartbeat age, model, size for BACKOFF), and of
-        them, for a LoRA adapter's request, those with the adapter loaded (:func:`prefer_loaded`)."""
+        them, for a LoRA adapter's request, those with the adapter loaded (:func:`prefer_loaded`).
+
+        Panic (Envoy's panic threshold, "used to avoid a situation in which host failures cascade
+        throughout the cluster as load increases", default 50 %): a half-open worker is slow and a
+        backoff worker full, not gone. When none, or fewer than ``panic_threshold``, of the workers
+        that could take the request (its model, heartbeat fresh, not avoided) may, all of them may
+        and the policy's costs choose. Excluding them concentrated the load on the few left until
+        those were full too: elastic (draw s12) after its kill, four of seven L4s in backoff (KV >= 95 %)
+        and one half-open, every long prompt went to the other two, which queued 10-14 s (phase TTFT
+        p99 12.4 s). Holding a request back when none may take it only moves the queue from the
+        engine (first come, first served, started the moment KV frees) to the router's retry loop:
+        hetero's second model on 2 L4s, both in backoff, waited 10 s, was refused and retried."""
         eligible = self.registry.eligible
-        out = prefer_loaded([w for w in self.workers.values() if eligible(w, req, now)], req.model)
-        if not out:
-            # panic (Envoy's panic threshold, reduced to its rule): a half-open worker is slow and a
-            # backoff worker full, not gone; when no worker of the model would take the request
-            # otherwise, they may. Holding it back instead only moves the queue from the engine
-            # (first come, first served, started the moment KV frees) to the router's retry loop
-            # (every retry_delay_s, in no order, refused after no_worker_wait_s): hetero's second
-            # model on 2 L4s, both in backoff, waited 10 s, was refused and retried (TTFT p99 33 s)
-            out = prefer_loaded([w for w in self.workers.values() if eligible(w, req, now, panic=True)], req.model)
-        return out
+        could = [w for w in self.workers.values() if eligible(w, req, now, panic=True)]
+        may = [w for w in could if eligible(w, req, now)]
+        if not may or len(may) < self.settings.panic_threshold * len(could):
+            may = could
+        return prefer_loaded(may, req.model)
 
     def route(self, req: RouteRequest, now: float) -> RouteDecision:
         """Ask the live (or canary) policy, then book the assignment: pending load, ledger entry

@@ -69,7 +69,8 @@ Choices, and why (numbers: `natsched bench routing` on the Mooncake synthetic tr
   between replicas on small load wiggles.
 - Warm-up: a new (or re-registered) worker has a cold cache and would lose every cache-weighted
   comparison; it is treated as if ``warmup_boost`` of the prompt were cached, decaying linearly
-  to nothing over ``warmup_s``.
+  to nothing over ``warmup_s`` — *instead of* what it really holds of the prompt, not on top of it:
+  a joiner that already holds the prefix is no longer cold for it.
 """
 
 from __future__ import annotations
@@ -229,6 +230,7 @@ class NatschedPolicy:
         locality = p.locality_boost * (1.0 - u) ** p.locality_exponent
         churn = {w.id: self.churn.at(w.id, now) for w in workers} if p.churn_weight else {}
         mean_churn = (sum(churn.values()) / len(churn) if churn else 0.0) or 1.0
+        eldest = max(now - w.joined_at for w in workers)  # how long the pool has been warming up
         scores: dict[str, float] = {}
         for w in pool:
             wc = costs.of(w.id)  # this worker's own (learned) seconds
@@ -244,8 +246,7 @@ class NatschedPolicy:
             cache = locality * wc.prefill_ctx_s(c)
             pressure = p.churn_weight * compute * churn[w.id] / mean_churn if churn else 0.0
             sticky_bonus = max(p.stickiness_s, p.stickiness * est) if w.id == sticky else 0.0
-            age = now - w.joined_at
-            warm = self._warmup(wc, prompt, age, locality)
+            warm = self._warmup(wc, prompt, now - w.joined_at, eldest, locality, c)
             home_bonus = p.home_bonus * est if w.id == home else 0.0
             s = est - cache + pressure - sticky_bonus - warm - home_bonus
             scores[w.id] = s
@@ -255,17 +256,30 @@ class NatschedPolicy:
                                "home": home_bonus, "score": s, "host_tokens": ht, **costs.describe(w.id)}
         return scores
 
-    def _warmup(self, wc, prompt: int, age: float, locality: float) -> float:
+    def _warmup(self, wc, prompt: int, age: float, eldest: float, locality: float, cached: int) -> float:
         """The warm-up bonus: a worker ``age`` seconds old is scored as if ``warmup_boost`` of the
         prompt were cached on it (decaying to nothing over ``warmup_s``) — *as* cached tokens count:
         their prefill saved (physics) plus ``locality`` x it (their future value). Counting only
         the first part made the boost worth a sixth of a real match at low load: two cold L4s
-        joining six warm ones got no request for 40-60 s (elastic), while the warm ones queued."""
+        joining six warm ones got no request for 40-60 s (elastic), while the warm ones queued.
+
+        The virtual prefix stands in for a real one, so only what it adds beyond the ``cached``
+        tokens the worker really holds counts. Added on top, a joiner that had warmed up on a
+        tenant's prefix was paid for it twice (its cache bonus and the boost, ~3 s of score on an
+        L4 for a 7k-token prompt 20 s after it joined), took that tenant's every request until its
+        KV was full and queued the next ones 3-7 s (elastic, three draws: worst-phase p99 3.9 s).
+
+        New is relative: a worker is cold only beside workers that have had longer to warm up, so
+        the boost runs over ``min(eldest, warmup_s) - age`` (``eldest``: the age of the pool's oldest
+        worker). Workers that started together are equally cold and get none: a boost to each of
+        them cost the holders of a prefix their lead over the others, and more replicas of every
+        prefix filled a small pool's KV (hetero's two L4s of its second model: p99 3.53 -> 3.89 s)."""
         p = self.p
-        if age >= p.warmup_s:
+        young = min(eldest, p.warmup_s) - age
+        if young <= 0.0:
             return 0.0
-        tokens = p.warmup_boost * (1.0 - age / p.warmup_s) * prompt
-        return (1.0 + locality) * wc.prefill_ctx_s(tokens)
+        tokens = p.warmup_boost * (young / p.warmup_s) * prompt - cached
+        return (1.0 + locality) * wc.prefill_ctx_s(tokens) if tokens > 0 else 0.0
 
     # ------------------------------------------------------------------ stickiness
 

@@ -46,6 +46,11 @@ QUICK_POINTS = 2
 QUICK_SKIP = ("natsched-noadmit",)
 
 
+#: the router of the load yardstick and the capacity probe (least_loaded): a rule natsched's router
+#: adds later must not move the loads every contender is measured at (natsched's panic threshold)
+YARDSTICK_ROUTER = {"panic_threshold": 0.0}
+
+
 @dataclass
 class SuiteSettings:
     jobs: int = 2
@@ -54,6 +59,11 @@ class SuiteSettings:
     only: list[str] | None = None
     progress: bool = True
     contenders: list[str] | None = None
+    #: traffic draws per load of a generated scenario (seed, seed + 1, ...): the verdict is paired
+    #: over loads x seeds. A tail percentile of a few hundred requests is set by two or three of
+    #: them, so one draw per load can rank two policies by which of them met an unlucky session;
+    #: a trace's arrivals are the data and are not redrawn (one replicate)
+    seeds: int = 1
 
 
 # ------------------------------------------------------------------ building a scenario's runs
@@ -85,7 +95,7 @@ def sim_settings(sc: Scenario, policy: str, rescue: bool, events: bool = True,
 def _busy(trace: Trace, sc: Scenario) -> float:
     """A trace's load yardstick: the mean busy share of the workers under least_loaded, no admission,
     no events (the routing benchmark's)."""
-    return simulate(trace, sim_settings(sc, "least_loaded", False, events=False)).metrics()["busy"]
+    return simulate(trace, sim_settings(sc, "least_loaded", False, events=False, router=YARDSTICK_ROUTER)).metrics()["busy"]
 
 
 def _secant(target: float, measure, x0: float, known: dict[float, float] | None = None) -> float:
@@ -129,6 +139,7 @@ class Load:
     label: str
     trace: Trace
     speed: float  # speed-up (trace) or start rate (generator)
+    seed: int | None = None  # the draw's seed when it is not the scenario's (--seeds)
 
 
 def time_scaled(sc: Scenario, f: float) -> Scenario:
@@ -170,7 +181,12 @@ def build_loads(sc: Scenario, s: SuiteSettings) -> list[Load]:
                       for f in spread]
         return loads
     rate = t.rate_rps if t.rate_rps is not None else capacity_rate(sc, t.load)
-    return [Load(f"load{f:.3g}", generate(sc, f, rate), rate * f) for f in spread]
+    # the rate is calibrated once (on the file's seed): every draw offers the same load
+    draws = [sc.seed + k for k in range(max(1, s.seeds))]
+    return [Load(f"load{f:.3g}" + (f"-s{seed}" if len(draws) > 1 else ""),
+                 generate(sc if seed == sc.seed else dataclasses.replace(sc, seed=seed), f, rate), rate * f,
+                 None if seed == sc.seed else seed)
+            for f in spread for seed in draws]
 
 
 PROBE_S = 120.0  # the capacity probe's arrival window (at most)
@@ -191,7 +207,7 @@ def capacity_rate(sc: Scenario, load: float) -> float:
     for _ in range(4):
         trace = generate(calm, 1.0, rate)
         offered = len(trace) / calm.traffic.duration_s
-        res = simulate(trace, sim_settings(calm, "least_loaded", False, events=False))
+        res = simulate(trace, sim_settings(calm, "least_loaded", False, events=False, router=YARDSTICK_ROUTER))
         t0 = res.records[0].arrival - trace.requests[0].arrival if res.records else 0.0
         end = t0 + calm.traffic.duration_s
         served = sum(1 for r in res.records if r.status == "ok" and r.finish <= end) / calm.traffic.duration_s
@@ -334,7 +350,8 @@ def _run_job(si: int, li: int, contender: str, label: str) -> dict[str, Any]:
     q = _STATE.get("queue")
     progress = (lambda d, n: q.put((label, d, n))) if q is not None else _STATE.get("callback") and (
         lambda d, n: _STATE["callback"](label, d, n))
-    settings = sim_settings(sc, c.policy, c.rescue, router=c.router_settings())
+    run_sc = sc if load.seed is None else dataclasses.replace(sc, seed=load.seed)  # the clients' jitter too
+    settings = sim_settings(run_sc, c.policy, c.rescue, router=c.router_settings())
     result = simulate(load.trace, settings, admission=make_gate(c, tenants, sc.slo_ttft_s), progress=progress or None)
     m = run_metrics(sc, result, load.trace)
     m["wall_s"] = round(result.wall_s, 3)

@@ -50,6 +50,11 @@ peer runs with it off (``HealthSettings(enabled=False)``): with it, a peer was p
 better than its project at some loads, worse at others (elastic worst-phase p99 at loads 0.9 /
 1 / 1.1: sglang 2.20 / 2.53 / 13.7 s with it, 8.83 / 6.47 / 4.65 s as documented; production-stack
 2.46 / 2.18 / 15.0 s with it, 2.46 / 2.94 / 6.76 s as documented; docs/scenarios.md).
+The same holds for natsched's panic threshold (:meth:`natsched.router.core.RouterCore.candidates`:
+when fewer than half of a model's workers may take a request, all may): the peers keep the rule
+they ran with, half-open and backoff workers only when none other may (``panic_threshold`` 0).
+With it, Dynamo's hetero p99 went from 3.1 to 11.8 s (two draws per load): a peer is not given a
+rule of natsched's that makes it worse.
 """
 
 from __future__ import annotations
@@ -414,8 +419,9 @@ class Contender:
 
     def router_settings(self) -> dict:
         """The :class:`natsched.router.core.RouterSettings` fields this contender sets: without
-        ``latency_health``, a health rule that never opens (see the module docstring)."""
-        return {} if self.latency_health else {"health": HealthSettings(enabled=False)}
+        ``latency_health``, a health rule that never opens and no panic threshold (see the module
+        docstring)."""
+        return {} if self.latency_health else {"health": HealthSettings(enabled=False), "panic_threshold": 0.0}
 
 
 CONTENDERS: dict[str, Contender] = {c.name: c for c in (

@@ -73,6 +73,27 @@ def test_when_every_worker_is_in_backoff_a_long_prompt_still_has_somewhere_to_go
     assert {w.id for w in core.candidates(make_req(prompt_tokens=5000), NOW)} == {"w0"}  # not while one is healthy
 
 
+def test_panic_threshold_opens_every_worker_when_fewer_than_half_may_take_the_request():
+    """Envoy's panic threshold (50 %): with three of four workers in backoff, the one left would get
+    every long prompt (the cascade elastic showed after its kill), so all four are candidates;
+    with two of four, half may, and the backoff workers stay out. Threshold 0 (the simulated peers):
+    only when none may."""
+    long_ = make_req(prompt_tokens=5000)
+    for threshold, backoff, want in ((0.5, ("w1", "w2", "w3"), {"w0", "w1", "w2", "w3"}),
+                                     (0.5, ("w2", "w3"), {"w0", "w1"}),
+                                     (0.0, ("w1", "w2", "w3"), {"w0"})):
+        core = make_core(4, panic_threshold=threshold)
+        for w in backoff:
+            core.on_heartbeat(make_hb(w, seq=3, state="backoff"), NOW)
+        assert {w.id for w in core.candidates(long_, NOW)} == want, (threshold, backoff)
+    core = make_core(4)
+    for w in ("w1", "w2", "w3"):
+        core.on_heartbeat(make_hb(w, seq=3, state="backoff"), NOW)
+    assert {w.id for w in core.candidates(make_req(prompt_tokens=100), NOW)} == {"w0", "w1", "w2", "w3"}
+    core.on_heartbeat(make_hb("w0", seq=3, state="quiescing"), NOW)  # draining: never a candidate
+    assert {w.id for w in core.candidates(long_, NOW)} == {"w1", "w2", "w3"}
+
+
 # ---------------------------------------------------------------- cache events
 
 

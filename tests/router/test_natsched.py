@@ -251,3 +251,22 @@ def test_warmup_boost_is_worth_what_as_many_cached_tokens_are(held_blocks, winne
     s = Setup(warmup_boost=0.5, warmup_s=60.0, churn_weight=0.0)  # 50 of the 100 blocks, as if cached
     s.hold("w0", REQ.hashes[:held_blocks])
     assert s.route(REQ, make_view("w0"), make_view("w1", joined_at=NOW - 1e-6)).worker == winner
+
+
+def test_warmup_boost_stands_in_for_a_cached_prefix_and_is_not_added_to_one():
+    """A joiner that already holds the prefix is scored on what it holds: the boost counts only the
+    virtual tokens beyond it, so an equally loaded old holder of the same prefix ties with it and
+    a joiner holding more of the prompt than the boost gets no boost at all."""
+    s = Setup(warmup_boost=0.5, warmup_s=60.0, churn_weight=0.0)
+    s.hold("w0", REQ.hashes[:60])  # the old worker: 60 of the 100 blocks
+    s.hold("w1", REQ.hashes[:60])  # the joiner holds the same 60, more than the boost's 50
+    d = s.route(REQ, make_view("w0"), make_view("w1", joined_at=NOW - 1e-6))
+    assert d.scores["w1"] == pytest.approx(d.scores["w0"])
+    s2 = Setup(warmup_boost=0.5, warmup_s=60.0, churn_weight=0.0)
+    s2.hold("w0", REQ.hashes[:45])
+    s2.hold("w1", REQ.hashes[:35])  # 35 real blocks + 15 virtual ones = the boost's 50: beats 45
+    assert s2.route(REQ, make_view("w0"), make_view("w1", joined_at=NOW - 1e-6)).worker == "w1"
+    s3 = Setup(warmup_boost=0.5, warmup_s=60.0, churn_weight=0.0)
+    s3.hold("w0", REQ.hashes[:55])
+    s3.hold("w1", REQ.hashes[:35])  # 50 in all against 55: the real match wins
+    assert s3.route(REQ, make_view("w0"), make_view("w1", joined_at=NOW - 1e-6)).worker == "w0"

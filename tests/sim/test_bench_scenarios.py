@@ -216,3 +216,45 @@ def test_quick_runs_two_loads_and_no_unjudged_variant():
     named = run_suite([parse_scenario(raw, "tiny.yaml")], SuiteSettings(jobs=1, quick=True, progress=False,
                                                                           contenders=["natsched", "natsched-noadmit"]))
     assert set(named["scenarios"]["tiny"]["runs"]) == {"natsched", "natsched-noadmit"}
+
+
+def test_seeds_redraw_the_traffic_of_every_load_and_pair_the_verdict_over_the_draws():
+    from natsched.sim.bench_scenarios import build_loads
+
+    sc = parse_scenario({**copy.deepcopy(TINY), "sweep": {"points": 2, "span": 0.2}}, "tiny.yaml")
+    one = build_loads(sc, SuiteSettings(progress=False))
+    three = build_loads(sc, SuiteSettings(progress=False, seeds=3))
+    assert [ld.label for ld in one] == ["load0.8", "load1.2"]
+    assert [ld.label for ld in three] == [f"load{f}-s{s}" for f in ("0.8", "1.2") for s in (2, 3, 4)]
+    assert [ld.seed for ld in three[:3]] == [None, 3, 4]  # the file's seed draws what one draw would
+    assert [r.arrival for r in three[0].trace.requests] == [r.arrival for r in one[0].trace.requests]
+    first = [(r.arrival, r.input_length) for r in three[0].trace.requests]
+    assert first != [(r.arrival, r.input_length) for r in three[1].trace.requests]
+    assert {ld.speed for ld in three[:3]} == {one[0].speed}  # the same load, another draw
+    rep = run_suite([sc], SuiteSettings(jobs=1, progress=False, seeds=2, contenders=["natsched", "sglang"]))
+    j = rep["scenarios"]["tiny"]
+    assert len(j["loads"]) == 4 and j["paired"]["online_goodput"]["loads"] == 4
+    assert all(set(j["runs"][c]) == set(j["loads"]) for c in ("natsched", "sglang"))
+
+
+def test_seeds_do_not_redraw_a_trace():
+    from natsched.sim.bench_scenarios import build_loads
+
+    raw = {"name": "tr", "cluster": {"workers": [{"count": 2, "profile": "h100-llama8b"}]},
+           "traffic": {"trace": "mooncake", "limit": 60, "target_busy": [0.5]},
+           "headline": {"metric": "ttft_p50_s"}, "sweep": {"points": 1}}
+    sc = parse_scenario(raw, "tr.yaml")
+    loads = build_loads(sc, SuiteSettings(progress=False, seeds=3))
+    assert len(loads) == 1 and loads[0].seed is None
+
+
+def test_peers_and_the_load_yardstick_keep_the_router_rule_they_were_measured_with():
+    """natsched's panic threshold is natsched's: every peer (and the least_loaded yardstick that sets
+    every scenario's loads) opens half-open and backoff workers only when no other may take it."""
+    from natsched.router.core import RouterSettings
+    from natsched.sim.bench_scenarios import YARDSTICK_ROUTER
+
+    assert RouterSettings().panic_threshold == 0.5 and YARDSTICK_ROUTER["panic_threshold"] == 0.0
+    for name, c in CONTENDERS.items():
+        got = RouterSettings(**c.router_settings()).panic_threshold
+        assert got == (0.5 if name.startswith("natsched") else 0.0), name
