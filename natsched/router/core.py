@@ -64,6 +64,11 @@ class RouterSettings:
     health: HealthSettings = field(default_factory=HealthSettings)  # latency-tied half-open state
     keep_predictions: int = 0  # per worker, (observed, predicted, fixed-model) TTFTs kept (benchmarks)
 
+    def __post_init__(self) -> None:
+        t = self.panic_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
+            raise ConfigError(f"router: panic_threshold must be a share in [0, 1], got {t!r}")
+
     def registry_settings(self) -> RegistrySettings:
         return RegistrySettings(
             heartbeat_timeout_s=self.heartbeat_timeout_s,

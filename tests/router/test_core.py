@@ -94,6 +94,15 @@ def test_panic_threshold_opens_every_worker_when_fewer_than_half_may_take_the_re
     assert {w.id for w in core.candidates(long_, NOW)} == {"w1", "w2", "w3"}
 
 
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "half", True])
+def test_a_panic_threshold_outside_zero_to_one_is_refused_by_name(bad):
+    from natsched.router.core import RouterSettings
+    from natsched.router.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="panic_threshold"):
+        RouterSettings(panic_threshold=bad)
+
+
 # ---------------------------------------------------------------- cache events
 
 
