@@ -15,7 +15,8 @@ from natsched.sim.bench_scenarios import (
 
 
 def add_scenarios_parser(bsub) -> None:
-    """``natsched bench scenarios [FILE|DIR ...] [--only NAME] [--quick] [--sweep N] [--seeds N] [--json OUT] [--plot DIR]``."""
+    """``natsched bench scenarios [FILE|DIR ...] [--only NAME] [--quick] [--sweep N] [--seeds N] [--json OUT]
+    [--plot DIR]``."""
     sp = bsub.add_parser(
         "scenarios", help="every contender (admission + routing) through the scenario suite",
         description="Run the scenario files (default: the built-in suite) with every contender on identical "

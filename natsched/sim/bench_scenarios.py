@@ -92,10 +92,20 @@ def sim_settings(sc: Scenario, policy: str, rescue: bool, events: bool = True,
                        router=dict(router or {}))
 
 
+def yardstick_settings(sc: Scenario) -> SimSettings:
+    """The load yardstick's and the capacity probe's run: least_loaded, no rescue, no events."""
+    return sim_settings(sc, "least_loaded", False, events=False, router=YARDSTICK_ROUTER)
+
+
+def drawn(sc: Scenario, seed: int | None) -> Scenario:
+    """``sc`` as the draw ``seed`` (--seeds; None: the file's own)."""
+    return sc if seed is None or seed == sc.seed else dataclasses.replace(sc, seed=seed)
+
+
 def _busy(trace: Trace, sc: Scenario) -> float:
     """A trace's load yardstick: the mean busy share of the workers under least_loaded, no admission,
     no events (the routing benchmark's)."""
-    return simulate(trace, sim_settings(sc, "least_loaded", False, events=False, router=YARDSTICK_ROUTER)).metrics()["busy"]
+    return simulate(trace, yardstick_settings(sc)).metrics()["busy"]
 
 
 def _secant(target: float, measure, x0: float, known: dict[float, float] | None = None) -> float:
@@ -183,9 +193,8 @@ def build_loads(sc: Scenario, s: SuiteSettings) -> list[Load]:
     rate = t.rate_rps if t.rate_rps is not None else capacity_rate(sc, t.load)
     # the rate is calibrated once (on the file's seed): every draw offers the same load
     draws = [sc.seed + k for k in range(max(1, s.seeds))]
-    return [Load(f"load{f:.3g}" + (f"-s{seed}" if len(draws) > 1 else ""),
-                 generate(sc if seed == sc.seed else dataclasses.replace(sc, seed=seed), f, rate), rate * f,
-                 None if seed == sc.seed else seed)
+    return [Load(f"load{f:.3g}" + (f"-s{seed}" if len(draws) > 1 else ""), generate(drawn(sc, seed), f, rate),
+                 rate * f, None if seed == sc.seed else seed)
             for f in spread for seed in draws]
 
 
@@ -207,7 +216,7 @@ def capacity_rate(sc: Scenario, load: float) -> float:
     for _ in range(4):
         trace = generate(calm, 1.0, rate)
         offered = len(trace) / calm.traffic.duration_s
-        res = simulate(trace, sim_settings(calm, "least_loaded", False, events=False, router=YARDSTICK_ROUTER))
+        res = simulate(trace, yardstick_settings(calm))
         t0 = res.records[0].arrival - trace.requests[0].arrival if res.records else 0.0
         end = t0 + calm.traffic.duration_s
         served = sum(1 for r in res.records if r.status == "ok" and r.finish <= end) / calm.traffic.duration_s
@@ -350,8 +359,7 @@ def _run_job(si: int, li: int, contender: str, label: str) -> dict[str, Any]:
     q = _STATE.get("queue")
     progress = (lambda d, n: q.put((label, d, n))) if q is not None else _STATE.get("callback") and (
         lambda d, n: _STATE["callback"](label, d, n))
-    run_sc = sc if load.seed is None else dataclasses.replace(sc, seed=load.seed)  # the clients' jitter too
-    settings = sim_settings(run_sc, c.policy, c.rescue, router=c.router_settings())
+    settings = sim_settings(drawn(sc, load.seed), c.policy, c.rescue, router=c.router_settings())  # jitter too
     result = simulate(load.trace, settings, admission=make_gate(c, tenants, sc.slo_ttft_s), progress=progress or None)
     m = run_metrics(sc, result, load.trace)
     m["wall_s"] = round(result.wall_s, 3)
