@@ -19,7 +19,6 @@ process that runs it, so every policy meets a fresh hook (see :mod:`natsched.sim
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import sys
@@ -33,6 +32,7 @@ from natsched.sim.calibrate import Calibration, find_speedup
 from natsched.sim.des import SimSettings, simulate
 from natsched.sim.errors import SimConfigError
 from natsched.sim.metrics import ceiling_hit_ratio, pooled_hit_ratio
+from natsched.sim.pool import context, make_pool
 from natsched.sim.progress import Progress
 from natsched.sim.sweep import format_summary, format_targets, summarize, sweep_speedups, targets
 from natsched.sim.trace import Trace, check_speedup, load_mooncake
@@ -198,6 +198,7 @@ class RoutingReport:
 # ------------------------------------------------------------------ jobs (run in pool processes)
 
 _STATE: dict[str, Any] = {}
+QUIET = ("natsched.router", "natsched.workers")  # the services whose warnings a run counts
 
 
 class _CountingHandler(logging.Handler):
@@ -220,7 +221,7 @@ def _captured_logs(quiet: bool) -> Iterator[_CountingHandler]:
     """Count router/worker warnings of one run; when ``quiet``, keep their lines off the console."""
     handler = _CountingHandler()
     saved = []
-    for name in ("router", "workers"):
+    for name in QUIET:
         lg = logging.getLogger(name)
         saved.append((lg, lg.propagate))
         lg.addHandler(handler)
@@ -278,10 +279,10 @@ class _Runner:
         self.pool = None
         self.queue = None
         if settings.jobs > 1:
-            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            ctx = mp.get_context(method)
+            ctx = context()
             self.queue = ctx.Queue()
-            self.pool = ctx.Pool(settings.jobs, initializer=_init_worker, initargs=(trace, self.queue, settings))
+            self.pool = make_pool(settings.jobs, _init_worker, (trace, self.queue, settings), ctx=ctx,
+                                  loggers=QUIET)
         else:
             _init_worker(trace, True, settings)
 

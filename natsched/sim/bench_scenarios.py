@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing as mp
 import queue as queue_mod
 import statistics
 import sys
@@ -29,6 +28,7 @@ from natsched.sim.contenders import CONTENDERS, RESCUE_S, make_gate
 from natsched.sim.des import ClientRetry, SimSettings, WorkerEvent, WorkerSpec, simulate
 from natsched.sim.errors import ScenarioError
 from natsched.sim.metrics import percentile, summarize
+from natsched.sim.pool import context, make_pool
 from natsched.sim.progress import Progress
 from natsched.sim.scenario import Scenario
 from natsched.sim.sweep import verdict
@@ -406,8 +406,7 @@ def _run_suite(scenarios: list[Scenario], s: SuiteSettings, stream: TextIO) -> d
         for li, load in enumerate(loads[si]):
             for c in who:
                 jobs.append((si, li, c, f"{sc.name}/{load.label}/{c}"))
-    _STATE.update(scenarios=scenarios, loads=loads, quick=s.quick)
-    results = _run_jobs(jobs, s, stream)
+    results = _run_jobs(jobs, {"scenarios": scenarios, "loads": loads}, s, stream)
     report = {"scenarios": {}, "quick": s.quick, "wall_s": 0.0}
     for si, sc in enumerate(scenarios):
         mine = [r for r in results if r["scenario"] == sc.name]
@@ -420,20 +419,19 @@ def _prep_job(si: int) -> list[Load]:
     return build_loads(_STATE["prep"][si], _STATE["settings"])
 
 
+def _init_child(state: dict[str, Any]) -> None:
+    _STATE.update(state)
+
+
 def _prepare(scenarios: list[Scenario], s: SuiteSettings) -> list[list[Load]]:
     """Every scenario's loads (calibration runs included), the scenarios side by side in the pool."""
     if s.jobs <= 1 or len(scenarios) <= 1:
         return [build_loads(sc, s) for sc in scenarios]
-    _STATE.update(prep=scenarios, settings=s)
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    try:
-        with ctx.Pool(min(s.jobs, len(scenarios))) as pool:
-            # the slowest (a trace's calibration) first, so it does not finish last alone
-            order = sorted(range(len(scenarios)), key=lambda i: scenarios[i].traffic.trace is None)
-            done = dict(zip(order, pool.map(_prep_job, order, chunksize=1)))
-    finally:
-        _STATE.pop("prep", None)
-        _STATE.pop("settings", None)
+    state = {"prep": scenarios, "settings": s}
+    with make_pool(min(s.jobs, len(scenarios)), _init_child, (state,), loggers=QUIET) as pool:
+        # the slowest (a trace's calibration) first, so it does not finish last alone
+        order = sorted(range(len(scenarios)), key=lambda i: scenarios[i].traffic.trace is None)
+        done = dict(zip(order, pool.map(_prep_job, order, chunksize=1)))
     out = [done[i] for i in range(len(scenarios))]
     for sc, ld in zip(scenarios, out):  # the block size a trace brought with it (set in the child)
         if ld and sc.traffic.trace is not None:
@@ -441,28 +439,25 @@ def _prepare(scenarios: list[Scenario], s: SuiteSettings) -> list[list[Load]]:
     return out
 
 
-def _run_jobs(jobs, s: SuiteSettings, stream: TextIO) -> list[dict[str, Any]]:
+def _run_jobs(jobs, state: dict[str, Any], s: SuiteSettings, stream: TextIO) -> list[dict[str, Any]]:
+    """Every job with ``state`` (the scenarios and their loads) at hand: here, or in the pool."""
     progress = Progress(f"scenarios: {len(jobs)} runs", [j[3] for j in jobs], stream, enabled=s.progress)
     if s.jobs <= 1:
-        _STATE["callback"] = progress.update
+        _STATE.update(state, callback=progress.update)
         try:
             return [_run_job(*j) for j in jobs]
         finally:
-            _STATE.pop("callback", None)
+            for k in (*state, "callback"):
+                _STATE.pop(k, None)
             progress.close()
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    _STATE["queue"] = q = ctx.Queue()
-    pool = ctx.Pool(s.jobs)
+    ctx = context()
+    q = ctx.Queue()
+    pool = make_pool(s.jobs, _init_child, ({**state, "queue": q},), ctx=ctx, loggers=QUIET)
     try:
         pending = [pool.apply_async(_run_job, j) for j in jobs]
         while not all(p.ready() for p in pending):
-            try:
-                item = q.get(timeout=0.2)
-                while True:
-                    progress.update(*item)
-                    item = q.get_nowait()
-            except queue_mod.Empty:
-                pass
+            _drain(q, progress, timeout=0.2)
+        _drain(q, progress, timeout=0.0)
         out = [p.get() for p in pending]
         pool.close()
         pool.join()
@@ -472,8 +467,18 @@ def _run_jobs(jobs, s: SuiteSettings, stream: TextIO) -> list[dict[str, Any]]:
         pool.join()
         raise
     finally:
-        _STATE.pop("queue", None)
         progress.close()
+
+
+def _drain(q, progress: Progress, timeout: float) -> None:
+    """Every progress report waiting on ``q`` onto the line (waiting up to ``timeout`` for the first)."""
+    try:
+        item = q.get(timeout=timeout) if timeout else q.get_nowait()
+        while True:
+            progress.update(*item)
+            item = q.get_nowait()
+    except queue_mod.Empty:
+        pass
 
 
 # ------------------------------------------------------------------ verdicts

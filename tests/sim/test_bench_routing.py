@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import logging
 
 import pytest
 
@@ -13,6 +14,7 @@ from natsched.cli.bench import _cmd_routing, add_parsers as add_bench_parser
 from natsched.cli.app import main
 from natsched.router.policies import POLICIES
 from natsched.sim.bench_routing import METRIC_KEYS, RoutingBenchSettings, resolve_policies, run_routing_benchmark
+from natsched.sim.bench_routing import _captured_logs  # one run's warning counter
 from natsched.sim.errors import SimConfigError
 from tests.factories.sim import trace_row, write_trace
 
@@ -195,3 +197,17 @@ def test_a_longer_trace_is_calibrated_again_on_all_of_it(trace_file):
         assert abs(busy - 0.6) <= 0.02
     j = report.to_json()["calibration"]
     assert j["requests"] == 400 and j["coarse"]["requests"] == 100 and "coarse" not in j["coarse"]
+
+
+def test_a_run_counts_the_services_warnings_and_keeps_them_off_the_console(caplog):
+    """The services log under natsched.router / natsched.workers (one import root)."""
+    caplog.set_level(logging.INFO)
+    with _captured_logs(quiet=True) as logs:
+        logging.getLogger("natsched.router.core").warning("no worker may take %s", "r1")
+        logging.getLogger("natsched.workers.simengine").warning("preempted")
+        logging.getLogger("natsched.router.core").info("routed r2")  # below a warning: not counted
+    assert logs.count == 2
+    assert logs.examples == ["natsched.router.core: no worker may take r1", "natsched.workers.simengine: preempted"]
+    assert caplog.records == []  # quiet: nothing reached the console's handlers
+    logging.getLogger("natsched.router.core").warning("after the run")
+    assert logs.count == 2 and len(caplog.records) == 1
