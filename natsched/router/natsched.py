@@ -7,7 +7,7 @@ For each candidate worker ``w`` (lower score wins)::
     est(w)   = ttft(w) + decode_weight x its decode time on w (steps slowed by w's batch KV)
                (+ waiting for KV room, rare)
     score(w) = est(w)
-             - locality(u) x prefill time of the tokens w has cached
+             - locality(u) x worth(w) x prefill time of the tokens w has cached
              + churn_weight x own(w) x churn(w) / mean churn        (cache pressure)
              - stickiness  (w got this prefix within sticky_window_s)
              - warm-up     (w joined less than warmup_s ago)
@@ -59,11 +59,18 @@ Choices, and why (numbers: `natsched bench routing` on the Mooncake synthetic tr
   ratio by ~1.5 points and cut the load CV from ~0.16 to ~0.02; a variant centred on the mean
   (no extra cost at balance) gave 0.2-1 point less hit ratio and a worse p99 at two of three
   loads near 80 % busy.
+- **A cached prefix is worth waiting for only up to what it saves**: the future value above is
+  scaled by :func:`worth_waiting` = ``max(0, 1 - wait / saved)``, so a holder queued longer than
+  its prefix saves gets none of it. Why: ``u`` misses prefill-bound clusters (vLLM counts queued
+  chunked prefills as running), where a holder was chosen with a 3.8 s queue for a 0.9 s saving
+  (``elastic`` on 12 workers). Three draws per load: elastic worst-phase p99 2.37 -> 1.93 s,
+  elastic-12 2.82 -> 1.95 s, chat-rag p99 2.07 -> 1.81 s, hit ratios within 0.5 point.
 - Minimum gain: a match under ``min_gain`` (30 %) of the prompt is ignored — it saves too little
   to justify pulling the request away from a less loaded worker, and it is mostly noise.
 - Replica cap: when ``replica_cap`` workers already hold a useful match, new copies are not made
-  (the others are not candidates) — unless every holder is past ``replica_raise_util``: then the
-  prefix's load exceeds what its replicas serve and one more replica is allowed.
+  (the others are not candidates) — unless every holder is past ``replica_raise_util``, or queued
+  longer than the prefix saves it: then the prefix's load exceeds what its replicas serve and
+  one more replica is allowed.
 - Stickiness: the worker that most recently got the matched prefix wins ties by a hysteresis of
   ``max(stickiness_s, stickiness x est)``, for ``sticky_window_s`` — a prefix does not bounce
   between replicas on small load wiggles.
@@ -132,6 +139,25 @@ def queue_pressure(cost, w: WorkerView) -> float:
     return 1.0 if u > 1.0 else u
 
 
+def worth_waiting(wait: float, saved: float) -> float:
+    """The share of a cached prefix's future value left on a holder queued ``wait`` seconds, when
+    the prefix saves ``saved`` seconds of prefill there: ``1 - wait / saved``, never below 0.
+
+    Why: the locality boost pays for keeping a prefix where it is, because its next requests hit
+    there. That is worth something only while a request gains by going there: a holder queued
+    longer than the prefix saves serves its next requests later than a cold worker would, so the
+    copy it holds is worth nothing to them. :func:`queue_pressure` does not see this on a
+    prefill-bound cluster (vLLM counts queued chunked prefills as running, not waiting): in
+    ``elastic`` on 12 workers a holder was chosen with a 3.8 s queue for a prefix that saved 0.9 s,
+    over a cold worker queued 1.3 s. Linear, so a queue difference between two holders still
+    counts ``1 + locality`` times instead of flipping at a step (a step form was worse on every
+    scenario measured)."""
+    if saved <= 0.0:
+        return 0.0
+    w = 1.0 - wait / saved
+    return w if w > 0.0 else 0.0
+
+
 class Churn:
     """Per-worker count of uncached tokens routed to it, decaying exponentially over ``window_s``."""
 
@@ -171,7 +197,7 @@ class NatschedPolicy:
         prompt = req.prompt_tokens
         raw = d.index.match(req.hashes, now, [w.id for w in workers])
         useful = self._useful(raw, prompt)
-        pool, capped = self._apply_replica_cap(workers, useful)
+        pool, capped = self._apply_replica_cap(workers, useful, now)
         depth = max(raw.values()) if raw else 0
         sticky = self._sticky_worker(req.hashes, depth, now) if useful else None
         home = self._home(req, workers) if p.consistent_hash and not useful else None
@@ -209,15 +235,23 @@ class NatschedPolicy:
                 out[w] = t
         return out
 
-    def _apply_replica_cap(self, workers: Sequence[WorkerView], useful: dict[WorkerId, int]):
-        """Only holders stay candidates once ``replica_cap`` hold it, unless all of them are busy."""
+    def _apply_replica_cap(self, workers: Sequence[WorkerView], useful: dict[WorkerId, int], now: float):
+        """Only holders stay candidates once ``replica_cap`` hold it, unless all of them are busy —
+        past ``replica_raise_util``, or each queued longer than the prefix saves it
+        (:func:`worth_waiting`): then the prefix's load exceeds what its replicas serve."""
         if len(useful) < self.p.replica_cap:
             return workers, False
         holders = [w for w in workers if w.id in useful]
         util = self.deps.cost.utilisation
         if all(util(w) >= self.p.replica_raise_util for w in holders):
             return workers, False  # the prefix needs more replicas than it has
+        if all(self._worth(w, useful[w.id], now) <= 0.0 for w in holders):
+            return workers, False  # every replica is queued past what it saves
         return holders, True
+
+    def _worth(self, w: WorkerView, cached: int, now: float) -> float:
+        wc = self.deps.costs.of(w.id)
+        return worth_waiting(wc.wait_s(w, now), wc.prefill_ctx_s(cached))
 
     def _score(self, req, pool, workers, useful, sticky, home, now, terms=None, host=None) -> dict[str, float]:
         """Lower is better: estimated seconds to first token, minus the bonuses below.
@@ -243,7 +277,8 @@ class NatschedPolicy:
             est = wait + own + decode
             if w.capacity_tokens <= 0 or w.load_tokens + need > w.capacity_tokens:  # rare: maybe no KV room
                 est += wc.kv_wait_s(w, need)
-            cache = locality * wc.prefill_ctx_s(c)
+            saved = wc.prefill_ctx_s(c)
+            cache = locality * worth_waiting(wait, saved) * saved
             pressure = p.churn_weight * compute * churn[w.id] / mean_churn if churn else 0.0
             sticky_bonus = max(p.stickiness_s, p.stickiness * est) if w.id == sticky else 0.0
             warm = self._warmup(wc, prompt, now - w.joined_at, eldest, locality, c)

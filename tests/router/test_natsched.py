@@ -13,7 +13,7 @@ from natsched.router.deps import PolicyDeps
 from natsched.router.errors import ConfigError
 from natsched.router.hashring import HashRing
 from natsched.router.index import IndexSettings, PrefixIndex
-from natsched.router.natsched import NatschedParams, NatschedPolicy
+from natsched.router.natsched import NatschedParams, NatschedPolicy, worth_waiting
 from tests.factories.router import chain, make_event, make_req, make_view
 
 NOW = 1000.0
@@ -65,13 +65,35 @@ def test_match_under_min_gain_is_ignored(held_blocks, winner):
 
 @pytest.mark.parametrize("running, winner", [(0, "w0"), (250, "w1")])
 def test_locality_favoured_at_low_load_balance_at_high_load(running, winner):
-    # w0 caches 1600 tokens (45.7 ms) but has 2400 tokens (68.6 ms) of prefill queued:
-    # worth it only while the locality boost (x (1 - u)^2) adds weight to the cache.
+    # w0 caches 1600 tokens (45.7 ms) with 800 tokens (22.9 ms) of prefill queued, but decodes a
+    # heavier batch: worth it only while the locality boost (x (1 - u)) adds weight to the cache.
     s = Setup()
     s.hold("w0", REQ.hashes[:50])
-    d = s.route(REQ, make_view("w0", queued_prefill_tokens=2400, running=running),
+    d = s.route(REQ, make_view("w0", queued_prefill_tokens=800, running=running, kv_used_blocks=2000),
                 make_view("w1", running=running))
     assert d.worker == winner
+
+
+def test_a_holder_queued_longer_than_its_prefix_saves_gets_no_future_value():
+    # w0 caches 1600 tokens (45.7 ms) behind 2400 queued (68.6 ms): its next requests would wait
+    # longer there than the prefix saves them, so keeping it there is worth nothing
+    s = Setup()
+    s.hold("w0", REQ.hashes[:50])
+    d = s.route(REQ, make_view("w0", queued_prefill_tokens=2400), make_view("w1"))
+    assert d.worker == "w1" and d.terms["w0"]["cache_bonus"] == 0.0
+    # queued about half of what it saves: about half of the future value is left
+    holder = make_view("w0", queued_prefill_tokens=800)
+    d = s.route(REQ, holder, make_view("w1"))
+    cost = CostModel()
+    saved, wait = cost.prefill_ctx_s(1600), cost.wait_s(holder, NOW)
+    assert 0.4 < wait / saved < 0.6
+    assert d.worker == "w0" and d.terms["w0"]["cache_bonus"] == pytest.approx(6.0 * (1 - wait / saved) * saved)
+
+
+def test_worth_waiting_bounds():
+    assert worth_waiting(0.0, 1.0) == 1.0 and worth_waiting(0.25, 1.0) == 0.75
+    assert worth_waiting(1.0, 1.0) == 0.0 and worth_waiting(3.0, 1.0) == 0.0
+    assert worth_waiting(0.0, 0.0) == 0.0  # nothing cached, nothing to wait for
 
 
 def test_sticky_worker_keeps_prefix_despite_small_load_difference():
@@ -79,7 +101,7 @@ def test_sticky_worker_keeps_prefix_despite_small_load_difference():
     s.hold("w0", REQ.hashes[:50])
     s.hold("w1", REQ.hashes[:50])
     assert s.route(REQ, make_view("w0"), make_view("w1")).worker == "w0"  # tie -> smaller id
-    views = (make_view("w0", queued_prefill_tokens=300), make_view("w1"))  # w0 now 9 ms worse
+    views = (make_view("w0", kv_used_blocks=100), make_view("w1"))  # w0 now ~5 ms worse (a heavier batch)
     d = s.route(REQ, *views, now=NOW + 5)
     assert d.worker == "w0" and d.reason == "sticky"
     assert s.route(REQ, *views, now=NOW + 40).worker == "w1"  # window (30 s) is over
@@ -93,17 +115,25 @@ def test_without_stickiness_small_difference_moves_the_prefix():
     assert s.route(REQ, make_view("w0", queued_prefill_tokens=700), make_view("w1"), now=NOW + 5).worker == "w1"
 
 
-def busy_holders(running: int = 0):  # 20k tokens queued: 0.57 s, more than the cache saves
-    return [make_view(w, queued_prefill_tokens=20_000, running=running) for w in ("w0", "w1", "w2")]
+def busy_holders(running: int = 0, queued: int = 20_000):  # 20k tokens: 0.57 s, more than the cache saves
+    return [make_view(w, queued_prefill_tokens=queued, running=running) for w in ("w0", "w1", "w2")]
 
 
 def test_replica_cap_keeps_hot_prefix_on_its_replicas():
     s = Setup()
     for w in ("w0", "w1", "w2"):
         s.hold(w, REQ.hashes[:50])
-    d = s.route(REQ, *busy_holders(), make_view("w3"))
+    d = s.route(REQ, *busy_holders(queued=800), make_view("w3"))  # 22.9 ms queued for 45.7 ms saved
     assert d.worker in {"w0", "w1", "w2"} and d.reason.endswith("+capped")
     assert "w3" not in d.scores
+
+
+def test_replica_cap_is_lifted_when_every_holder_is_queued_longer_than_its_prefix_saves():
+    s = Setup()
+    for w in ("w0", "w1", "w2"):
+        s.hold(w, REQ.hashes[:50])
+    d = s.route(REQ, *busy_holders(), make_view("w3"))  # batch slots free, but 0.57 s queued for 45.7 ms
+    assert d.worker == "w3" and not d.reason.endswith("+capped")
 
 
 def test_replica_cap_is_raised_when_replicas_are_saturated():
