@@ -64,7 +64,9 @@ Choices, and why (numbers: `natsched bench routing` on the Mooncake synthetic tr
   its prefix saves gets none of it. Why: ``u`` misses prefill-bound clusters (vLLM counts queued
   chunked prefills as running), where a holder was chosen with a 3.8 s queue for a 0.9 s saving
   (``elastic`` on 12 workers). Three draws per load: elastic worst-phase p99 2.37 -> 1.93 s,
-  elastic-12 2.82 -> 1.95 s, chat-rag p99 2.07 -> 1.81 s, hit ratios within 0.5 point.
+  elastic-12 2.82 -> 1.95 s, chat-rag p99 2.07 -> 1.81 s. It costs hit ratio where queues are
+  short and frequent (the Mooncake trace: 34.4 -> 33.6 %, behind the best peer's 34.0 %); the
+  gentler forms that kept it gave the tail back (docs/scenarios.md).
 - Minimum gain: a match under ``min_gain`` (30 %) of the prompt is ignored — it saves too little
   to justify pulling the request away from a less loaded worker, and it is mostly noise.
 - Replica cap: when ``replica_cap`` workers already hold a useful match, new copies are not made
