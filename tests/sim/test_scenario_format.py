@@ -154,7 +154,7 @@ def test_the_generalisation_files_load_and_name_workers_that_exist():
     from natsched.sim.scenario import BUILTIN_DIR, find_scenarios, load_scenario
 
     paths = find_scenarios([BUILTIN_DIR / "variants"])
-    assert len(paths) >= 4
+    assert len(paths) >= 6
     for p in paths:
         sc = load_scenario(p)
         n = sc.n_workers + sum(e.count for e in sc.events if e.kind == "add")
