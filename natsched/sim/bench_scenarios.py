@@ -258,6 +258,7 @@ def run_metrics(sc: Scenario, result, trace: Trace) -> dict[str, Any]:
         out["online_goodput_all"] = len(good) / window
         out["online_slo_share"] = len(good) / max(1, sum(1 for r in recs if r.cls == "online"))
         out.update(_burst_goodput(sc, good, t0))
+        out.update(_goodput_ceiling(sc, recs, t0, slo, window))
         out["online_goodput"] = out.get("goodput_bursts_and_after", out["online_goodput_all"])
         out["goodput_series"] = _series(good, t0, window)
         out["floor_ratios"] = _floor_ratios(sc, good, recs)
@@ -285,6 +286,36 @@ def _burst_goodput(sc: Scenario, good, t0: float) -> dict[str, float]:
         after += b.duration_s
     return {"goodput_during_bursts": n_during / during, "goodput_after_bursts": n_after / after,
             "goodput_bursts_and_after": (n_during + n_after) / (during + after)}
+
+
+def _goodput_ceiling(sc: Scenario, recs, t0: float, slo: float, window: float) -> dict[str, float]:
+    """What became of the online requests offered in the goodput windows, per second of window.
+
+    ``online_offered`` is the goodput's ceiling — every offered online request served within the SLO
+    — and it is the same for every contender of a cell (same arrivals), so ``ceiling / best peer``
+    is the most any ``natsched ÷ best peer`` can be: a 2x target is out of reach wherever the best
+    peer already serves over half of what is offered. The rest splits the shortfall: ``late``
+    (served on the online path past the SLO), ``degraded`` (moved to the offline path by the
+    admission) and ``unserved`` (refused for good, or lost)."""
+    spans = []  # as _burst_goodput counts: each burst and as long again after it, else every arrival
+    for b in sc.traffic.bursts:
+        a, e = t0 + b.at_s, t0 + b.at_s + b.duration_s
+        spans += [(a, e), (e, e + b.duration_s)]
+    length = sum(e - a for a, e in spans) if spans else window
+    n = {"offered": 0, "good": 0, "late": 0, "degraded": 0, "unserved": 0}
+    for r in recs:
+        if r.cls != "online" or spans and not any(a <= r.arrival < e for a, e in spans):
+            continue
+        n["offered"] += 1
+        if r.status != "ok":
+            n["unserved"] += 1
+        elif r.first_token - r.arrival <= slo:
+            n["good"] += 1  # as online_goodput counts it, degraded or not
+        elif r.degraded:
+            n["degraded"] += 1
+        else:
+            n["late"] += 1
+    return {f"online_{k}": v / length for k, v in n.items()}
 
 
 def _series(good, t0: float, window: float, step: float = 10.0) -> list[float]:
@@ -507,7 +538,23 @@ def judge(sc: Scenario, loads: list[Load], results: list[dict[str, Any]]) -> dic
     return {"headline": key, "higher_is_better": higher, "loads": labels, "mean": mean, "runs": by,
             "best_peer": head.get("peer"), "ratio": head.get("ratio"), "verdict": head.get("verdict"),
             "paired": verdicts, "ttfts": ttfts, "description": sc.description,
-            "workers": sc.n_workers}
+            "workers": sc.n_workers, "ceiling": goodput_ceiling(key, by, labels, head.get("peer"))}
+
+
+CEILING_PARTS = ("offered", "good", "late", "degraded", "unserved")
+
+
+def goodput_ceiling(key: str, by, labels, peer: str | None) -> dict[str, Any] | None:
+    """For an ``online_goodput`` headline: the offered online rate of its windows (the ceiling),
+    what each contender made of it (means over the cells, req/s) and ``max_ratio`` = ceiling ÷ the
+    best peer's goodput, the most ``natsched ÷ best peer`` can be on these arrivals."""
+    if key != "online_goodput" or peer is None:
+        return None
+    parts = {c: {k: _mean(by[c][lb].get(f"online_{k}") for lb in labels) for k in CEILING_PARTS} for c in by}
+    offered, theirs = parts[peer]["offered"], _mean(by[peer][lb].get(key) for lb in labels)
+    if not offered:
+        return None
+    return {"offered": offered, "max_ratio": offered / theirs if theirs else None, "by_contender": parts}
 
 
 def _higher(metric: str) -> bool:
@@ -596,7 +643,20 @@ def summary_table(report: dict[str, Any]) -> str:
                      _fmt(p.get("ours")), p.get("peer") or "-", _fmt(p.get("theirs")),
                      "-" if p.get("ratio") is None else f"{p['ratio']:.2f}", p.get("verdict") or "-",
                      str(p.get("loads", 0))))
-    return "\n".join(_grid(rows))
+    return "\n".join(_grid(rows) + [ceiling_line(n, j) for n, j in report["scenarios"].items() if j.get("ceiling")])
+
+
+def ceiling_line(name: str, j: dict[str, Any]) -> str:
+    """One sentence on how far an online-goodput headline could go on its arrivals."""
+    c, peer = j["ceiling"], j["best_peer"]
+    ours, theirs = c["by_contender"].get(OURS, {}), c["by_contender"][peer]
+
+    def share(part: dict[str, Any]) -> str:
+        return f"{(part.get('good') or 0.0) / c['offered']:.0%}"
+
+    bound = "-" if c["max_ratio"] is None else f"{c['max_ratio']:.2f}"
+    return (f"{name}: {c['offered']:.3g} online req/s offered in the goodput windows (the ceiling); served within "
+            f"the SLO: {OURS} {share(ours)}, {peer} {share(theirs)} -> {OURS}/peer can be at most {bound}")
 
 
 def to_json(report: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Sequence
 
 import orjson
 
+from natsched.sim.metrics import RequestRecord
 from natsched.sim.trace import MOONCAKE_BLOCK_TOKENS, Trace, parse_mooncake
 
 
@@ -45,3 +46,13 @@ def write_trace(path: str | Path, rows: Iterable[dict[str, Any] | str]) -> Path:
     path = Path(path)
     path.write_text("".join((r if isinstance(r, str) else orjson.dumps(r).decode()) + "\n" for r in rows))
     return path
+
+
+def make_record(index: int = 0, *, arrival: float = 0.0, cls: str = "online", status: str = "ok",
+                ttft: float | None = 0.1, degraded: bool = False, tenant: str = "a", prompt_tokens: int = 100,
+                output_tokens: int = 4) -> RequestRecord:
+    """One simulated request's outcome; ``ttft`` sets its first token after ``arrival`` (None: none)."""
+    first = None if ttft is None or status != "ok" else arrival + ttft
+    return RequestRecord(index, arrival, prompt_tokens, output_tokens, None, worker="w0", routed=arrival,
+                         first_token=first, finish=first, status=status, tenant=tenant, cls=cls,
+                         degraded=degraded)

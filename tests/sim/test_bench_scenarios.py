@@ -16,6 +16,7 @@ from natsched.sim.scenario import parse_scenario
 from natsched.sim.trace import Trace, TraceRequest
 from natsched.sim.traffic import block_hashes, generate
 from tests.factories.router import make_hb
+from tests.factories.sim import make_record
 
 TINY = {
     "name": "tiny",
@@ -160,6 +161,39 @@ def test_every_contender_finishes_every_request_one_way_or_another(tiny_report):
     table = scenario_table("tiny", j)
     assert "natsched" in table and "online_goodput" in table
     assert "tiny" in summary_table(tiny_report)
+
+
+def test_goodput_ceiling_splits_what_was_offered_in_the_burst_windows():
+    from natsched.sim.bench_scenarios import _burst_goodput, _goodput_ceiling
+
+    sc = parse_scenario({**copy.deepcopy(TINY), "traffic": {**TINY["traffic"], "bursts": [
+        {"at_s": 4, "duration_s": 2, "factor": 2}]}}, "t")  # windows: [4, 6) and [6, 8)
+    recs = [make_record(0, arrival=1.0),  # before the windows: not counted
+            make_record(1, arrival=4.0, ttft=0.5),  # good
+            make_record(2, arrival=5.0, ttft=3.0),  # late
+            make_record(3, arrival=6.5, ttft=30.0, degraded=True),  # degraded
+            make_record(4, arrival=7.0, status="rejected"),  # unserved
+            make_record(5, arrival=7.5, cls="batch"),  # not online
+            make_record(6, arrival=8.0)]  # after the windows
+    c = _goodput_ceiling(sc, recs, 0.0, 1.0, 20.0)
+    assert c == {"online_offered": 4 / 4, "online_good": 1 / 4, "online_late": 1 / 4, "online_degraded": 1 / 4,
+                 "online_unserved": 1 / 4}
+    good = [r for r in recs if r.cls == "online" and r.first_token is not None and r.first_token - r.arrival <= 1.0]
+    assert c["online_good"] == _burst_goodput(sc, good, 0.0)["goodput_bursts_and_after"]
+
+
+def test_no_contender_beats_the_goodput_ceiling(tiny_report):
+    j = tiny_report["scenarios"]["tiny"]
+    c = j["ceiling"]
+    for runs in j["runs"].values():
+        for m in runs.values():
+            parts = sum(m[f"online_{k}"] for k in ("good", "late", "degraded", "unserved"))
+            assert parts == pytest.approx(m["online_offered"])
+            assert m["online_good"] == pytest.approx(m["online_goodput"])  # no bursts: the whole window
+    offered = {lb: {runs[lb]["online_offered"] for runs in j["runs"].values()} for lb in j["loads"]}
+    assert all(len(v) == 1 for v in offered.values())  # every contender saw the same arrivals
+    assert c["offered"] > 0 and j["ratio"] <= c["max_ratio"]
+    assert "can be at most" in summary_table(tiny_report)
 
 
 def test_paired_verdict_over_loads():
