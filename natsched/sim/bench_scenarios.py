@@ -266,9 +266,16 @@ def run_metrics(sc: Scenario, result, trace: Trace) -> dict[str, Any]:
         out["phases"] = _phases(sc, ok, t0)
         vals = [p["ttft_p99_s"] for p in out["phases"] if p["ttft_p99_s"] is not None]
         out["phase_ttft_p99_s"] = max(vals) if vals else None
+        for i, ph in enumerate(out["phases"]):
+            out[phase_key(i)] = ph["ttft_p99_s"]  # judged one by one: "ahead in every phase"
     if any(e.kind == "add" for e in sc.events):
         out["fair_share_s"] = _fair_share_time(sc, recs, t0, sc.n_workers)
     return out
+
+
+def phase_key(i: int) -> str:
+    """The metric name of phase ``i``'s TTFT p99 (0-based; phases by arrival time)."""
+    return f"phase{i + 1}_ttft_p99_s"
 
 
 def _burst_goodput(sc: Scenario, good, t0: float) -> dict[str, float]:
@@ -525,20 +532,23 @@ def judge(sc: Scenario, loads: list[Load], results: list[dict[str, Any]]) -> dic
         if r["load"] == loads[len(loads) // 2].label:
             ttfts[r["contender"]] = r["ttft"]
     labels = [ld.label for ld in loads]
-    metrics = [key, *sc.also, "ttft_p50_s", "ttft_p99_s", "hit_ratio"]
+    phases = [phase_key(i) for i in range(len(sc.phases) + 1)] if sc.phases else []
+    metrics = [key, *sc.also, *phases, "ttft_p50_s", "ttft_p99_s", "hit_ratio"]
     mean = {c: {m: _mean(by[c][lb].get(m) for lb in labels) for m in dict.fromkeys(metrics)} for c in by}
     for c in by:
         for m in ("completed", "rejected", "lost", "refusals", "refusals_retry_after", "retries", "degraded_completed",
                   "rescued", "requests"):
             mean[c][m] = sum(by[c][lb].get(m, 0) for lb in labels)
     verdicts = {}
-    for m in dict.fromkeys([key, *sc.also]):
+    for m in dict.fromkeys([key, *sc.also, *phases]):
         verdicts[m] = paired_verdict(by, labels, m, _higher(m))
     head = verdicts[key]
     return {"headline": key, "higher_is_better": higher, "loads": labels, "mean": mean, "runs": by,
             "best_peer": head.get("peer"), "ratio": head.get("ratio"), "verdict": head.get("verdict"),
             "paired": verdicts, "ttfts": ttfts, "description": sc.description,
-            "workers": sc.n_workers, "ceiling": goodput_ceiling(key, by, labels, head.get("peer"))}
+            "workers": sc.n_workers, "ceiling": goodput_ceiling(key, by, labels, head.get("peer")),
+            "phases": [{"from_s": a, "to_s": b, "metric": k} for a, b, k in
+                       zip([0.0, *sc.phases], [*sc.phases, None], phases)]}
 
 
 CEILING_PARTS = ("offered", "good", "late", "degraded", "unserved")
@@ -643,7 +653,20 @@ def summary_table(report: dict[str, Any]) -> str:
                      _fmt(p.get("ours")), p.get("peer") or "-", _fmt(p.get("theirs")),
                      "-" if p.get("ratio") is None else f"{p['ratio']:.2f}", p.get("verdict") or "-",
                      str(p.get("loads", 0))))
-    return "\n".join(_grid(rows) + [ceiling_line(n, j) for n, j in report["scenarios"].items() if j.get("ceiling")])
+    notes = [ceiling_line(n, j) for n, j in report["scenarios"].items() if j.get("ceiling")]
+    notes += [phase_line(n, j) for n, j in report["scenarios"].items() if j.get("phases")]
+    return "\n".join(_grid(rows) + notes)
+
+
+def phase_line(name: str, j: dict[str, Any]) -> str:
+    """Each phase's TTFT p99 against that phase's best peer, with its own paired verdict."""
+    parts = []
+    for ph in j["phases"]:
+        p = j["paired"].get(ph["metric"]) or {}
+        span = f"{ph['from_s']:g}-{'end' if ph['to_s'] is None else format(ph['to_s'], 'g')} s"
+        parts.append(f"{span} {_fmt(p.get('ours'))} / {p.get('peer') or '-'} {_fmt(p.get('theirs'))} "
+                     f"{p.get('verdict') or '-'}")  # a phase nobody arrived in: "-"
+    return f"{name} per phase (TTFT p99 s, {OURS} / best peer of the phase): " + "; ".join(parts)
 
 
 def ceiling_line(name: str, j: dict[str, Any]) -> str:

@@ -196,6 +196,35 @@ def test_no_contender_beats_the_goodput_ceiling(tiny_report):
     assert "can be at most" in summary_table(tiny_report)
 
 
+def test_every_phase_gets_its_own_paired_verdict_against_its_own_best_peer():
+    sc = parse_scenario({**copy.deepcopy(TINY), "headline": {"metric": "phase_ttft_p99_s", "phases_s": [8]}}, "t")
+    loads = [Load("l1", None, 1), Load("l2", None, 2), Load("l3", None, 3)]
+    res = []  # phase 1: natsched beats both; phase 2: dynamo is the best peer there and beats natsched
+    for lb, k in zip(["l1", "l2", "l3"], [0.0, 0.01, 0.02]):
+        for c, (p1, p2) in (("natsched", (1.0 + k, 3.0 + k)), ("dynamo", (2.0 + k, 2.0 - k)),
+                            ("sglang", (1.5 + k, 4.0))):
+            res.append({"contender": c, "load": lb, "ttft": [], "metrics": {
+                "phase_ttft_p99_s": max(p1, p2), "phase1_ttft_p99_s": p1, "phase2_ttft_p99_s": p2,
+                "ttft_p99_s": 1.0, "ttft_p50_s": 0.1, "hit_ratio": 0.5}})
+    j = judge(sc, loads, res)
+    one, two = j["paired"]["phase1_ttft_p99_s"], j["paired"]["phase2_ttft_p99_s"]
+    assert (one["peer"], one["verdict"]) == ("sglang", "ahead")
+    assert (two["peer"], two["verdict"]) == ("dynamo", "behind")
+    assert [(p["from_s"], p["to_s"]) for p in j["phases"]] == [(0.0, 8.0), (8.0, None)]
+    line = summary_table({"scenarios": {"t": j}}).splitlines()[-1]
+    assert line.startswith("t per phase") and "0-8 s 1.010 / sglang 1.510 ahead" in line
+    assert "8-end s 3.010 / dynamo 1.990 behind" in line
+
+
+def test_a_run_reports_each_phase_as_its_own_metric():
+    sc = parse_scenario({**copy.deepcopy(TINY), "headline": {"metric": "phase_ttft_p99_s", "phases_s": [8]},
+                         "contenders": ["natsched"], "sweep": {"points": 1}}, "t")
+    j = run_suite([sc], SuiteSettings(jobs=1, progress=False))["scenarios"]["tiny"]
+    m = next(iter(j["runs"]["natsched"].values()))
+    assert [m["phase1_ttft_p99_s"], m["phase2_ttft_p99_s"]] == [p["ttft_p99_s"] for p in m["phases"]]
+    assert m["phase_ttft_p99_s"] == max(m["phase1_ttft_p99_s"], m["phase2_ttft_p99_s"])
+
+
 def test_paired_verdict_over_loads():
     loads = [Load("l1", None, 1), Load("l2", None, 2), Load("l3", None, 3)]
     sc = parse_scenario(copy.deepcopy(TINY), "t")
