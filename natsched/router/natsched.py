@@ -79,7 +79,8 @@ Choices, and why (numbers: `natsched bench routing` on the Mooncake synthetic tr
 - Warm-up: a new (or re-registered) worker has a cold cache and would lose every cache-weighted
   comparison; it is treated as if ``warmup_boost`` of the prompt were cached, decaying linearly
   to nothing over ``warmup_s`` — *instead of* what it really holds of the prompt, not on top of it:
-  a joiner that already holds the prefix is no longer cold for it.
+  a joiner that already holds the prefix is no longer cold for it. Like a real prefix, its future
+  value is scaled by :func:`worth_waiting` of the joiner's queue.
 """
 
 from __future__ import annotations
@@ -283,7 +284,7 @@ class NatschedPolicy:
             cache = locality * worth_waiting(wait, saved) * saved
             pressure = p.churn_weight * compute * churn[w.id] / mean_churn if churn else 0.0
             sticky_bonus = max(p.stickiness_s, p.stickiness * est) if w.id == sticky else 0.0
-            warm = self._warmup(wc, prompt, now - w.joined_at, eldest, locality, c)
+            warm = self._warmup(wc, prompt, now - w.joined_at, eldest, locality, c, wait)
             home_bonus = p.home_bonus * est if w.id == home else 0.0
             s = est - cache + pressure - sticky_bonus - warm - home_bonus
             scores[w.id] = s
@@ -293,7 +294,8 @@ class NatschedPolicy:
                                "home": home_bonus, "score": s, "host_tokens": ht, **costs.describe(w.id)}
         return scores
 
-    def _warmup(self, wc, prompt: int, age: float, eldest: float, locality: float, cached: int) -> float:
+    def _warmup(self, wc, prompt: int, age: float, eldest: float, locality: float, cached: int,
+                wait: float) -> float:
         """The warm-up bonus: a worker ``age`` seconds old is scored as if ``warmup_boost`` of the
         prompt were cached on it (decaying to nothing over ``warmup_s``) — *as* cached tokens count:
         their prefill saved (physics) plus ``locality`` x it (their future value). Counting only
@@ -310,13 +312,21 @@ class NatschedPolicy:
         the boost runs over ``min(eldest, warmup_s) - age`` (``eldest``: the age of the pool's oldest
         worker). Workers that started together are equally cold and get none: a boost to each of
         them cost the holders of a prefix their lead over the others, and more replicas of every
-        prefix filled a small pool's KV (hetero's two L4s of its second model: p99 3.53 -> 3.89 s)."""
+        prefix filled a small pool's KV (hetero's two L4s of its second model: p99 3.53 -> 3.89 s).
+
+        Its future value (the ``locality`` part) is worth waiting for as a real prefix's is
+        (:func:`worth_waiting` of the joiner's queue against the virtual prefill): at full strength
+        a joiner took every cold prompt until its queue reached ``1 + locality`` times that
+        prefill (elastic, load 1.1: a 9k-token prompt queued 2.3 s on an L4 six seconds old)."""
         p = self.p
         young = min(eldest, p.warmup_s) - age
         if young <= 0.0:
             return 0.0
         tokens = p.warmup_boost * (young / p.warmup_s) * prompt - cached
-        return (1.0 + locality) * wc.prefill_ctx_s(tokens) if tokens > 0 else 0.0
+        if tokens <= 0:
+            return 0.0
+        saved = wc.prefill_ctx_s(tokens)
+        return (1.0 + locality * worth_waiting(wait, saved)) * saved
 
     # ------------------------------------------------------------------ stickiness
 

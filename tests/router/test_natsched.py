@@ -300,3 +300,22 @@ def test_warmup_boost_stands_in_for_a_cached_prefix_and_is_not_added_to_one():
     s3.hold("w0", REQ.hashes[:55])
     s3.hold("w1", REQ.hashes[:35])  # 50 in all against 55: the real match wins
     assert s3.route(REQ, make_view("w0"), make_view("w1", joined_at=NOW - 1e-6)).worker == "w0"
+
+
+def test_a_joiner_queued_past_what_its_boost_stands_for_keeps_only_the_prefill_part():
+    """The warm-up boost stands in for a cached prefix, so it is worth waiting for as one is
+    (:func:`worth_waiting`): its future value fades with the joiner's queue. Without that, a joiner
+    kept winning every cold prompt until its queue was as long as ``1 + locality`` times the virtual
+    prefill (elastic: a 9k-token prompt queued 2.3 s on a six-second-old L4)."""
+    s = Setup(warmup_boost=0.5, warmup_s=60.0, churn_weight=0.0)
+    cost = CostModel()
+    saved = cost.prefill_ctx_s(1600)  # the boost at join time: 50 of the 100 blocks
+    idle = s.route(REQ, make_view("w0"), make_view("w1", joined_at=NOW - 1e-6))
+    assert idle.terms["w1"]["warmup"] == pytest.approx(7.0 * saved)  # 1 + locality 6, nothing queued
+    half = make_view("w1", joined_at=NOW - 1e-6, queued_prefill_tokens=800)
+    d = s.route(REQ, make_view("w0"), half)
+    wait = cost.wait_s(half, NOW)
+    assert d.terms["w1"]["warmup"] == pytest.approx((1.0 + 6.0 * (1 - wait / saved)) * saved)
+    long = make_view("w1", joined_at=NOW - 1e-6, queued_prefill_tokens=2400)  # queued past the saving
+    d = s.route(REQ, make_view("w0"), long)
+    assert d.terms["w1"]["warmup"] == pytest.approx(saved) and d.worker == "w0"
