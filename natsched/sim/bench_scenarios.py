@@ -586,8 +586,8 @@ def paired_verdict(by, labels, metric: str, higher: bool) -> dict[str, Any]:
     # peers are the other projects: natsched's own variants (no admission) are shown, not judged against
     peers = {c: _mean(by[c][lb].get(metric) for lb in labels) for c in by if not c.startswith(OURS)}
     peers = {c: v for c, v in peers.items() if v is not None}
-    if not peers:
-        return {}
+    if not peers:  # natsched alone (--contenders natsched): its value, nothing to judge it against
+        return {"ours": _mean(by[OURS][lb].get(metric) for lb in labels)}
     peer = (max if higher else min)(peers, key=lambda c: peers[c])
     diffs = [by[OURS][lb][metric] - by[peer][lb][metric] for lb in labels
              if by[OURS][lb].get(metric) is not None and by[peer][lb].get(metric) is not None]

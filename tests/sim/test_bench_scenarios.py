@@ -225,6 +225,18 @@ def test_a_run_reports_each_phase_as_its_own_metric():
     assert m["phase_ttft_p99_s"] == max(m["phase1_ttft_p99_s"], m["phase2_ttft_p99_s"])
 
 
+def test_natsched_alone_is_shown_and_not_judged():
+    sc = parse_scenario(copy.deepcopy(TINY), "t")
+    loads = [Load("l1", None, 1), Load("l2", None, 2)]
+    res = [{"contender": "natsched", "load": lb, "ttft": [], "metrics": {
+        "online_goodput": v, "ttft_p99_s": 1.0, "ttft_p50_s": 0.1, "hit_ratio": 0.5}}
+        for lb, v in (("l1", 2.0), ("l2", 4.0))]
+    j = judge(sc, loads, res)
+    assert j["paired"]["online_goodput"] == {"ours": 3.0} and j["verdict"] is None and j["ceiling"] is None
+    row = summary_table({"scenarios": {"t": j}}).splitlines()[-1].split()
+    assert row[0] == "t" and "3.000" in row and row[-2:] == ["-", "0"]
+
+
 def test_paired_verdict_over_loads():
     loads = [Load("l1", None, 1), Load("l2", None, 2), Load("l3", None, 3)]
     sc = parse_scenario(copy.deepcopy(TINY), "t")
