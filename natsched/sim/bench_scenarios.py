@@ -278,19 +278,24 @@ def phase_key(i: int) -> str:
     return f"phase{i + 1}_ttft_p99_s"
 
 
+def _burst_windows(sc: Scenario, t0: float) -> list[tuple[float, float, float]]:
+    """``(start, end, duration)`` of each burst in simulator time; the window "after" it is
+    ``[end, end + duration)``."""
+    return [(t0 + b.at_s, t0 + b.at_s + b.duration_s, b.duration_s) for b in sc.traffic.bursts]
+
+
 def _burst_goodput(sc: Scenario, good, t0: float) -> dict[str, float]:
     """Online goodput over the burst windows, and over as long again right after each."""
-    bursts = sc.traffic.bursts
-    if not bursts:
+    windows = _burst_windows(sc, t0)
+    if not windows:
         return {}
     during = after = 0.0
     n_during = n_after = 0
-    for b in bursts:
-        a, e = t0 + b.at_s, t0 + b.at_s + b.duration_s
+    for a, e, d in windows:
         n_during += sum(1 for r in good if a <= r.arrival < e)
-        n_after += sum(1 for r in good if e <= r.arrival < e + b.duration_s)
-        during += b.duration_s
-        after += b.duration_s
+        n_after += sum(1 for r in good if e <= r.arrival < e + d)
+        during += d
+        after += d
     return {"goodput_during_bursts": n_during / during, "goodput_after_bursts": n_after / after,
             "goodput_bursts_and_after": (n_during + n_after) / (during + after)}
 
@@ -304,11 +309,10 @@ def _goodput_ceiling(sc: Scenario, recs, t0: float, slo: float, window: float) -
     peer already serves over half of what is offered. The rest splits the shortfall: ``late``
     (served on the online path past the SLO), ``degraded`` (moved to the offline path by the
     admission) and ``unserved`` (refused for good, or lost)."""
-    spans = []  # as _burst_goodput counts: each burst and as long again after it, else every arrival
-    for b in sc.traffic.bursts:
-        a, e = t0 + b.at_s, t0 + b.at_s + b.duration_s
-        spans += [(a, e), (e, e + b.duration_s)]
-    length = sum(e - a for a, e in spans) if spans else window
+    # as _burst_goodput counts: each burst and as long again after it, else every arrival
+    windows = _burst_windows(sc, t0)
+    spans = [span for a, e, d in windows for span in ((a, e), (e, e + d))]
+    length = 2 * sum(d for _, _, d in windows) if windows else window
     n = {"offered": 0, "good": 0, "late": 0, "degraded": 0, "unserved": 0}
     for r in recs:
         if r.cls != "online" or spans and not any(a <= r.arrival < e for a, e in spans):
