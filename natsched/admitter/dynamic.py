@@ -10,13 +10,23 @@ When the caller also passes what the admitters have **reserved**, the factor is 
 than stepped: a reservation books the whole prompt twice (prefill owed + KV held) and the expected
 output for the request's whole life, while a worker holds only the KV it has (and the prefill it
 still owes), so ``reserved / workers_used`` runtime tokens are booked per token really held —
-about 2 for prompt-heavy chat. The factor that fills the workers when the total is used up is
-``reserved / workers_used``; it moves halfway there per interval (bounded as before). Full, not
-the high watermark: the engines queue what does not fit themselves, and holding requests at the
-door below their capacity only adds waiting (on chat traffic at 80 % of capacity, TTFT p99 5.3 s
-at the watermark against 2 s without admission); overload is what the watermark steps and the
-TTFT SLOs are for. A ±10 % step every 25 s needs minutes to undo a 2x over-booking, during
-which requests queue at the door while the engines have room.
+about 2 for prompt-heavy chat. The factor at which the workers hold the **high watermark** of
+their capacity when the total is used up is ``high x reserved / workers_used``; it moves halfway
+there per interval (bounded as before). A ±10 % step every 25 s needs minutes to undo a 2x
+over-booking, during which requests queue at the door while the engines have room.
+
+Why the watermark and not full: the workers' KV fills *after* the door lets a request in (its
+prefill comes first), so a total aimed at full KV lets a surge through until the engines are
+past full, and the excess then waits inside them, where the door's SLO rule can no longer move
+it to the offline path. A fixed ceiling (4x the KV, standing in for an operator's
+``cluster.total`` in the simulator) hid that by holding the door before the fact, and held it
+too at 60 % KV when the prompts shared more: the booking ratio there was 6.6, the ceiling 4
+(``elastic`` after a kill: 1-2.6 s at the door while the engines had room). Aimed at the
+watermark, with no fixed ceiling below the factor bound, the door holds where the engines' KV
+really is 80 % full: ``natsched bench scenarios --seeds 3`` (docs/scenarios.md, "The door aimed
+at the high watermark"). An older measurement against the watermark (chat at 80 % of capacity:
+TTFT p99 5.3 s, 2 s without admission) was made while the factor's ceiling was a fixed 2, before
+it followed the measured sharing; it no longer applies.
 
 **The factor's ceiling follows the measured prefix sharing.** "A prompt is booked at most twice"
 holds only when every request's prompt is its own. A prefix shared by many requests (a tenant's
@@ -114,7 +124,7 @@ class DynamicTotal:
         s = self.settings
         top = factor_ceiling(s, cache_share)
         if reserved is not None and reserved > 0 and workers_used > 0:
-            target = reserved / workers_used
+            target = s.high * reserved / workers_used  # the factor that fills them to the watermark
             self.factor = max(s.min_factor, min(top, self.factor + 0.5 * (target - self.factor)))
         elif util > s.high:
             self.factor = max(s.min_factor, self.factor * s.tighten)

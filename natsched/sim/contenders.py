@@ -147,7 +147,9 @@ class NatschedGate:
         self._next_dynamic = now + self.dynamic.settings.interval_s
         loads = self._loads()  # what heartbeats say
         cap, used = sum(w.capacity for w in loads), sum(w.used for w in loads)
-        self.core.set_total(self.dynamic.next_total(cap * 4, None, cap, used, reserved=self.core.used,
+        # no operator total of its own: the factor bound is the only ceiling (admitter/dynamic.py)
+        ceiling = int(cap * self.dynamic.settings.factor_bound)
+        self.core.set_total(self.dynamic.next_total(ceiling, None, cap, used, reserved=self.core.used,
                                                   cache_share=self.share.share()))
         self.core.set_model_totals(self.models.next_totals(loads, self.core.usage.models, self.core.total,
                                                            self.share.share()))

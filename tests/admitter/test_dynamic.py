@@ -42,9 +42,9 @@ def test_factor_is_bounded():
 
 
 def test_with_reservations_the_factor_is_measured_not_stepped():
-    d = make_dynamic()
+    d = make_dynamic(high=1.0)
     # the admitters book 2 runtime tokens per token the workers hold: the total may be twice the
-    # capacity; the factor goes halfway there per interval
+    # capacity (aimed at full here); the factor goes halfway there per interval
     assert d.next_total(10**9, None, capacity=100_000, workers_used=30_000, reserved=60_000) == 150_000
     for _ in range(10):
         total = d.next_total(10**9, None, capacity=100_000, workers_used=30_000, reserved=60_000)
@@ -72,12 +72,24 @@ def test_without_prefix_sharing_the_ceiling_stays_two():
     assert _settle(make_dynamic(), None, reserved=100_000) == 200_000
 
 
+def test_the_factor_aims_at_the_high_watermark_of_the_workers_not_at_full():
+    """Their KV fills after the door lets a request in: a total aimed at full lets a surge through
+    until the engines are past full. Used up at the settled factor, the total makes the workers hold
+    ``high`` of their capacity (booked 3 per token held: the total is 0.8 x 3 x capacity)."""
+    d = make_dynamic()
+    total = _settle(d, 0.9, reserved=90_000, used=30_000)
+    assert d.factor == pytest.approx(0.8 * 3.0, rel=0.01) and total == pytest.approx(240_000, rel=0.01)
+    held_when_used_up = total / (90_000 / 30_000)  # runtime tokens booked per token held
+    assert held_when_used_up == pytest.approx(0.8 * 100_000, rel=0.01)
+    assert _settle(make_dynamic(high=0.9), 0.9, reserved=90_000, used=30_000) == pytest.approx(270_000, rel=0.01)
+
+
 def test_with_80_percent_sharing_the_ceiling_rises_to_what_is_booked():
     """A prefix shared by many is held once but booked by every reservation: at h = 0.8 a
     booking ratio up to 2 / (1 - 0.8) = 10 is real, and the measured 8 is followed, not clamped."""
     assert factor_ceiling(DynamicTotalSettings(), 0.8) == pytest.approx(10.0)
     d = make_dynamic()
-    assert _settle(d, 0.8, reserved=80_000) == pytest.approx(800_000, rel=0.01)
+    assert _settle(d, 0.8, reserved=80_000) == pytest.approx(0.8 * 800_000, rel=0.01)  # x the watermark
     assert _settle(d, 0.8, reserved=200_000) == pytest.approx(1_000_000, rel=0.01)  # ratio 20: the ceiling 10
     # the sharing falls away: the factor comes down with the ceiling at once
     assert d.next_total(10**9, None, capacity=100_000, workers_used=10_000, reserved=200_000,
