@@ -56,7 +56,7 @@ class DynamicTotalSettings:
     enabled: bool = True
     interval_s: float = 5.0  # cheap arithmetic on the heartbeats already read; 25 s left requests queued
     # at the door for the first half minute of every change (a burst, a new worker)
-    high: float = 0.8
+    high: float = 0.8  # the share of the workers' KV the measured factor fills them to (above it: tighten)
     low: float = 0.5
     tighten: float = 0.9
     loosen: float = 1.1
