@@ -26,6 +26,9 @@ Two things the agent learns from it, for its state (:mod:`natsched.workers.agent
 
 - ``unreachable_s`` in :meth:`stats`: how long the server has not answered (scrapes, requests).
   The agent backs off, then leaves (takes nothing), and comes back when the server answers again.
+  A connection that drops before any answer (a pooled keep-alive connection the server closed
+  as we reused it) is no such sign: scrapes and requests go once more on a fresh connection,
+  and idle connections are let go before the server's own keep-alive (``keepalive_expiry_s``).
 - ``epoch``: when the server's cache we know of began. It moves when the server restarted (its
   ``process_start_time_seconds`` changed, its event sequence started again, it came back after
   being unreachable), when it cleared its cache (``AllBlocksCleared``) and when events were
@@ -85,6 +88,10 @@ class ServerSettings:
     read_timeout_s: float = 300.0  # between two chunks of a stream (a queued prefill may be slow)
     start_timeout_s: float = 30.0  # how long start() waits for the server to answer
     max_connections: int = 256
+    # an idle pooled connection is dropped after this, below the server's own idle keep-alive
+    # (vLLM's uvicorn closes one after VLLM_HTTP_TIMEOUT_KEEP_ALIVE = 5 s, httpx's default is also
+    # 5 s): at equal times the server may close a connection just as we reuse it
+    keepalive_expiry_s: float = 2.0
     ignore_eos: bool = False  # always generate max_tokens (benchmarks, tests; vLLM and SGLang take it)
     temperature: float | None = None
     api_key: str | None = None  # sent as a bearer token (vllm serve --api-key)
@@ -155,7 +162,8 @@ class ServerEngine:
         self._client = httpx.AsyncClient(
             base_url=s.url, headers=headers,
             timeout=httpx.Timeout(connect=s.connect_timeout_s, read=s.read_timeout_s, write=30.0, pool=None),
-            limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections),
+            limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections,
+                                keepalive_expiry=s.keepalive_expiry_s),
         )
         deadline = time.monotonic() + s.start_timeout_s
         while True:
@@ -197,8 +205,26 @@ class ServerEngine:
             self._client = None
 
     # ------------------------------------------------------------------ models
+    async def _get(self, url: str) -> Any:
+        """GET, once more at once when the connection dropped before any answer.
+
+        A pooled keep-alive connection the server (or a proxy) closed just as we reused it ends a
+        request with "disconnected without sending a response": that is no sign of a server
+        down, and one such scrape must not fail every request routed here until the next one.
+        The second try runs on a fresh connection; a server that is really gone fails it too.
+        """
+        import httpx
+
+        try:
+            return await self._client.get(url)
+        except httpx.TransportError as exc:
+            if not _dropped(exc):
+                raise
+            log.debug("server %s dropped a connection under GET %s (%s): once more", self.settings.url, url, exc)
+            return await self._client.get(url)
+
     async def _refresh_models(self) -> None:
-        resp = await self._client.get("/v1/models")
+        resp = await self._get("/v1/models")
         resp.raise_for_status()
         self.served = parse_models(resp.content)
         bases = [m for m in self.served if not m.parent]
@@ -247,7 +273,7 @@ class ServerEngine:
     # ------------------------------------------------------------------ load
     async def _scrape(self) -> ServerLoad:
         url = self.settings.metrics_url or "/metrics"
-        resp = await self._client.get(url)
+        resp = await self._get(url)
         resp.raise_for_status()
         # vLLM's page is hundreds of lines of histograms: parsed off the event loop, which relays tokens
         return await asyncio.to_thread(parse_metrics, resp.text, self.settings.flavor)
@@ -357,9 +383,9 @@ class ServerEngine:
         self._live[rid] = request.prompt_tokens
         state = _StreamState(request)
         try:
-            async with self._client.stream("POST", "/v1/completions", json=self.request_body(request),
-                                           headers={"x-request-id": rid}) as resp:
-                self._streams[rid] = resp
+            resp = await self._open(request)
+            self._streams[rid] = resp
+            try:
                 if resp.status_code != 200:
                     body = await resp.aread()
                     yield _http_error(resp.status_code, body, request.prompt_tokens)
@@ -368,6 +394,8 @@ class ServerEngine:
                     yield out
                     if out.finished:
                         return
+            finally:
+                await resp.aclose()
         except (httpx.HTTPError, httpx.StreamError) as exc:
             if rid in self._aborting:  # abort() closed the stream
                 yield EngineOutput(state.index, finished=True, finish_reason="abort",
@@ -381,6 +409,23 @@ class ServerEngine:
             self._live.pop(rid, None)
             self._streams.pop(rid, None)
             self._aborting.discard(rid)
+
+    async def _open(self, request: EngineRequest) -> Any:
+        """POST the request, streaming; once more on a fresh connection when the first one dropped
+        before the server answered (as :meth:`_get`). Nothing of the first try runs on: a server
+        that read it sees its client gone, and vLLM aborts such a request."""
+        import httpx
+
+        req = self._client.build_request("POST", "/v1/completions", json=self.request_body(request),
+                                         headers={"x-request-id": request.id})
+        try:
+            return await self._client.send(req, stream=True)
+        except httpx.TransportError as exc:
+            if not _dropped(exc):
+                raise
+            log.info("request %s: server %s dropped the connection before answering (%s): sent again",
+                     request.id, self.settings.url, exc)
+            return await self._client.send(req, stream=True)
 
     async def _read_stream(self, resp: Any, state: "_StreamState") -> AsyncIterator[EngineOutput]:
         """SSE ``data:`` lines -> outputs; the last one carries the server's usage, checked."""
@@ -543,6 +588,14 @@ def parse_models(raw: bytes) -> list[ServedModel]:
             max_model_len=mml if _count(mml) else None,
         ))
     return out
+
+
+def _dropped(exc: BaseException) -> bool:
+    """The connection closed before the server answered: a stale keep-alive connection, worth
+    one more try on a fresh one (a server that is gone refuses that one: ConnectError)."""
+    import httpx
+
+    return isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
 
 
 def _error(message: str, prompt_tokens: int = 0, output_tokens: int = 0) -> EngineOutput:

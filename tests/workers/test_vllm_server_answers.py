@@ -291,6 +291,83 @@ async def test_a_silent_server_is_unreachable_then_back_in_a_new_epoch():
         await eng.stop()
 
 
+class DroppingProxy:
+    """A real TCP proxy in front of the fake that closes a connection on cue, at the start of a
+    request, without an answer: what a server's idle keep-alive timeout does to a pooled
+    connection reused as it expires (vLLM's uvicorn and httpx both default to 5 s).
+    ``drop`` holds request-line prefixes (``b"GET /metrics"``); each is dropped once."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.drop: list[bytes] = []
+        self.dropped: list[bytes] = []
+
+    async def _pump(self, reader, writer) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _serve(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
+        back = asyncio.create_task(self._pump(up_reader, writer))
+        try:
+            while data := await reader.read(65536):
+                hit = next((d for d in self.drop if data.startswith(d)), None)
+                if hit is not None:
+                    self.drop.remove(hit)
+                    self.dropped.append(hit)
+                    break  # closed without forwarding: the client sees no answer
+                up_writer.write(data)
+                await up_writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+            up_writer.close()
+            back.cancel()
+
+    @contextlib.asynccontextmanager
+    async def running(self):
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        try:
+            yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        finally:
+            server.close()
+
+
+async def test_a_connection_dropped_under_a_scrape_is_tried_again_not_a_server_down():
+    """One scrape on a connection the server closed must not mark the server down: that failed
+    every request routed to a healthy ``vllm serve`` until the next scrape (a CI run saw it)."""
+    async with fake_server(Fake()) as (_, port):
+        proxy = DroppingProxy(port)
+        async with proxy.running() as url, engine_for(url) as eng:
+            proxy.drop = [b"GET /metrics", b"GET /v1/models"]
+            assert await wait_for(lambda: not proxy.drop)
+            scrapes = eng.scrapes
+            assert await wait_for(lambda: eng.scrapes >= scrapes + 2)
+            assert eng.scrape_failures == 0 and eng.stats().unreachable_s == 0
+            assert (await run(eng, req(ids=[1, 2])))[-1].error is None
+
+
+async def test_a_request_whose_connection_drops_before_an_answer_is_sent_again_once():
+    fake = Fake()
+    async with fake_server(fake) as (_, port):
+        proxy = DroppingProxy(port)
+        async with proxy.running() as url, engine_for(url) as eng:
+            proxy.drop = [b"POST /v1/completions"]
+            final = (await run(eng, req(ids=list(range(1, 41)))))[-1]
+            assert final.error is None and final.output_tokens == 2
+            assert proxy.dropped == [b"POST /v1/completions"] and len(fake.bodies) == 1  # ran once
+            # dropped twice: a clear error for the producer's retry policy, and no server down
+            # (only a refused connection says the server is gone)
+            proxy.drop = [b"POST /v1/completions", b"POST /v1/completions"]
+            final = (await run(eng, req(ids=[1, 2], rid="r2")))[-1]
+            assert final.error.startswith("server_unavailable: RemoteProtocolError"), final.error
+            assert len(fake.bodies) == 1 and eng.stats().unreachable_s == 0
+
+
 async def test_a_server_that_never_answers_fails_the_start_clearly():
     eng = ServerEngine(ServerSettings(url=f"http://127.0.0.1:{free_port()}", start_timeout_s=1))
     with pytest.raises(EngineStartError, match="did not answer"):
