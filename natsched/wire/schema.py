@@ -321,7 +321,7 @@ class Heartbeat(Schema):
     kv_total_blocks: int = 0
     runtime_tokens: int = 0  # in use now
     capacity_tokens: int = 0  # what this worker can hold at its latency knee
-    queued_prefill_tokens: int = 0
+    queued_prefill_tokens: int = 0  # uncached prompt tokens of requests with no first token yet
     block_size: int = 32
     started_at: float = 0.0
     interval: float = 1.0

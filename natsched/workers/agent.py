@@ -287,6 +287,7 @@ class WorkerAgent:
             prompt_token_ids=req.prompt_token_ids,
             output_tokens_hint=req.expected_output_tokens,
             model=req.model,
+            expected_cached_tokens=a.expected_cached_tokens,
         )
         first_at = None
         texts: list[str] = []

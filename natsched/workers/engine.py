@@ -30,6 +30,13 @@ class EngineRequest:
     prompt_token_ids: list[int] | None = None
     output_tokens_hint: int | None = None  # a simulated engine generates this many
     model: str | None = None  # the request's model (a LoRA adapter's name, for a server that has several)
+    # of the prompt, what the router expected this engine to hold cached (the assignment's): its
+    # queued prefill is the rest (EngineStats.queued_prefill_tokens)
+    expected_cached_tokens: int = 0
+
+    @property
+    def uncached_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.expected_cached_tokens)
 
 
 @dataclass
@@ -59,6 +66,8 @@ class EngineStats:
     kv_used_blocks: int = 0
     kv_total_blocks: int = 0
     runtime_tokens: int = 0
+    # prefill still owed: the uncached prompt tokens of requests whose first token has not come
+    # (the router's backlog estimate, natsched.router.backlog, takes each request's uncached part)
     queued_prefill_tokens: int = 0
     capacity_tokens: int = 0
     preemptions: int = 0  # cumulative since the engine started (the backoff monitor takes its rate)

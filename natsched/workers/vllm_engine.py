@@ -73,6 +73,7 @@ class VllmEngineSettings:
 @dataclass
 class _Live:
     prompt_tokens: int
+    uncached_tokens: int = 0
     started: bool = False
     output_tokens: int = 0
 
@@ -252,14 +253,14 @@ class VllmEngine:
         s = self.window.smoothed()
         live = list(self._live.values())
         busy = bool(live)
+        queued = sum(r.uncached_tokens for r in live if not r.started)
         return EngineStats(
             running=round(s.running) if busy else 0,
             waiting=round(s.waiting) if busy else 0,
             kv_used_blocks=round(s.kv_usage * self.kv_total_blocks) if busy else 0,
             kv_total_blocks=self.kv_total_blocks,
-            runtime_tokens=(round(s.kv_usage * self.kv_total_blocks) * self.block_size if busy else 0)
-            + sum(r.prompt_tokens for r in live if not r.started),
-            queued_prefill_tokens=sum(r.prompt_tokens for r in live if not r.started),
+            runtime_tokens=(round(s.kv_usage * self.kv_total_blocks) * self.block_size if busy else 0) + queued,
+            queued_prefill_tokens=queued,
             capacity_tokens=self.kv_total_blocks * self.block_size,
             preemptions=self.window.preemptions, prefix_cache_queries=self.window.prefix_queries,
             prefix_cache_hits=self.window.prefix_hits,
@@ -282,7 +283,7 @@ class VllmEngine:
         if self._failure is not None or self._llm is None:
             yield _error(f"engine_dead: {self._failure or 'engine not started'}")
             return
-        live = self._live[rid] = _Live(prompt_tokens=request.prompt_tokens)
+        live = self._live[rid] = _Live(prompt_tokens=request.prompt_tokens, uncached_tokens=request.uncached_tokens)
         try:
             ids, aliases = await self._prepare(request)
         except _Refused as exc:

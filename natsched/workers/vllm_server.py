@@ -131,7 +131,7 @@ class ServerEngine:
         self._down_since: float | None = None  # monotonic time of the first failure in a row
         self._down_reason = ""
         self._process_start: float | None = None
-        self._live: dict[str, int] = {}  # request id -> prompt tokens, while its first token is awaited
+        self._live: dict[str, int] = {}  # request id -> uncached prompt tokens, while its first token is awaited
         self._streams: dict[str, Any] = {}  # request id -> open HTTP response (abort closes it)
         self._aborting: set[str] = set()
         self._warned_cached = False
@@ -380,7 +380,7 @@ class ServerEngine:
             yield _error(f"server_unavailable: {self.settings.url} does not answer ({self._down_reason})",
                          prompt_tokens=request.prompt_tokens)
             return
-        self._live[rid] = request.prompt_tokens
+        self._live[rid] = request.uncached_tokens
         state = _StreamState(request)
         try:
             resp = await self._open(request)

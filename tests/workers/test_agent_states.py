@@ -32,6 +32,7 @@ class ScriptedEngine:
         self.listener = None
         self.stopped = False
         self.seen: list[str] = []  # ids of the requests it was asked to generate
+        self.requests: list = []  # the EngineRequests themselves
         self.pause_after: int | None = None  # clear the gate once this step's output is out
 
     async def start(self) -> None: ...
@@ -52,6 +53,7 @@ class ScriptedEngine:
 
     async def generate(self, request):
         self.seen.append(request.id)
+        self.requests.append(request)
         for i in range(self.steps):
             await self.gate.wait()
             if self.failure:
@@ -77,10 +79,10 @@ async def collect(bus, subject: str, cls):
     return out
 
 
-async def assign(bus, worker: str, **req_fields):
+async def assign(bus, worker: str, expected_cached_tokens: int = 0, **req_fields):
     req = make_request(**req_fields)
     a = Assignment(request=req, worker=WorkerId(worker), runtime_tokens=100, admitted_at=time.time(),
-                   routed_at=time.time())
+                   routed_at=time.time(), expected_cached_tokens=expected_cached_tokens)
     await bus.jpublish(S.work(WorkerId(worker)), a, msg_id=req.id)
     return req
 
@@ -253,6 +255,22 @@ async def test_a_restarted_worker_rerunning_a_request_its_predecessor_answered_d
         assert [r.kind for r in replies if r.final] == ["result"]  # the predecessor's only
     finally:
         await new.stop()
+
+
+async def test_the_engine_is_told_what_the_router_expected_cached_of_the_prompt(bus):
+    """The engine reports only the uncached prompt as queued prefill: the router's backlog
+    estimate takes at most each request's uncached part, and read a whole prompt's worth more
+    as another prompt queued behind it (a cache holder looked seconds busier than it was)."""
+    engine = ScriptedEngine()
+    agent = WorkerAgent(bus, engine, settings("wcached"))
+    await agent.start()
+    try:
+        req = await assign(bus, "wcached", expected_cached_tokens=96, prompt_token_ids=list(range(1, 129)))
+        assert await wait_for(lambda: engine.requests)
+        er = engine.requests[0]
+        assert er.id == req.id and (er.prompt_tokens, er.expected_cached_tokens, er.uncached_tokens) == (128, 96, 32)
+    finally:
+        await agent.stop()
 
 
 async def test_a_request_running_longer_than_the_ack_wait_is_kept_alive_and_runs_once(bus):

@@ -109,6 +109,7 @@ class Fake:
         self.with_ids = True
         self.closed = asyncio.Event()
         self.auth: list[str | None] = []  # the authorization header of every /metrics scrape
+        self.hold = asyncio.Event()  # a "held" prompt sends nothing until this is set (a queued prefill)
 
     def app(self) -> Starlette:
         async def models(_: Request):
@@ -142,6 +143,8 @@ class Fake:
 
     async def stream(self, mode: str, pids: list[int]):
         w = self.with_ids
+        if mode == "held":
+            await self.hold.wait()
         yield _sse(_chunk(" a", [10], prompt_ids=pids, with_ids=w))
         if mode == "nonjson":
             yield b"data: {this is not json\n\n"
@@ -191,9 +194,9 @@ async def engine_for(url: str, **kw):
         await eng.stop()
 
 
-def req(prompt=None, ids=None, max_tokens=2, rid="r1"):
-    return EngineRequest(id=rid, prompt_tokens=4, hashes=[], max_tokens=max_tokens, prompt=prompt,
-                         prompt_token_ids=ids)
+def req(prompt=None, ids=None, max_tokens=2, rid="r1", prompt_tokens=4, expected_cached_tokens=0):
+    return EngineRequest(id=rid, prompt_tokens=prompt_tokens, hashes=[], max_tokens=max_tokens, prompt=prompt,
+                         prompt_token_ids=ids, expected_cached_tokens=expected_cached_tokens)
 
 
 async def run(eng, r):
@@ -253,6 +256,20 @@ async def test_abort_closes_the_stream_and_the_server_sees_it():
                 await eng.abort("r1")
         assert outs[-1].finish_reason == "abort" and outs[-1].error is None
         await asyncio.wait_for(fake.closed.wait(), 10)  # the server's generator was closed
+
+
+async def test_queued_prefill_is_the_uncached_prompt_until_its_first_token():
+    """What the router's backlog estimate reads: the prompt less what it expected cached, for as
+    long as the server has sent nothing of the request; then nothing."""
+    fake = Fake()
+    async with fake_server(fake) as (url, _), engine_for(url) as eng:
+        task = asyncio.create_task(run(eng, req(prompt="held", prompt_tokens=4000, expected_cached_tokens=3000)))
+        assert await wait_for(lambda: fake.bodies)
+        st = eng.stats()
+        assert st.queued_prefill_tokens == 1000 and st.runtime_tokens >= 1000
+        fake.hold.set()
+        assert (await task)[-1].error is None
+        assert eng.stats().queued_prefill_tokens == 0
 
 
 async def test_a_consumer_that_stops_reading_closes_the_stream():
