@@ -214,7 +214,7 @@ def make_router(settings: SimSettings, block_size: int) -> RouterCore:
 
 class _Worker:
     __slots__ = ("id", "engine", "core", "backoff", "state", "stepping", "hb_seq", "kv_seq", "busy_window",
-                 "model", "alive", "joined", "deployment", "decode_tokens", "decode_s")
+                 "model", "alive", "joined", "deployment", "decode_tokens", "decode_s", "in_step")
 
     def __init__(self, wid: WorkerId, engine: SimEngine, backoff, model: str = "default", joined: float = 0.0,
                  deployment: str | None = None) -> None:
@@ -233,6 +233,9 @@ class _Worker:
         self.busy_window = 0.0  # busy seconds inside the arrival window
         self.decode_tokens = 0  # decode progress since the last heartbeat (WorkerAgent's DecodeProgress)
         self.decode_s = 0.0
+        # the sequences the step in flight finishes: the engine core has already let them go, and
+        # a kill before the step ends must still find the first tokens they streamed
+        self.in_step: dict[str, object] = {}
 
 
 @dataclass
@@ -549,6 +552,7 @@ class Simulator:
             w.stepping = False
             return
         w.stepping = True
+        w.in_step = {seq.id: seq for seq in res.finished}
         if now < self._window_end and now + d > self._window_start:
             w.busy_window += min(now + d, self._window_end) - max(now, self._window_start)
         self._push(now + d, _STEP_END, w, res)
@@ -643,7 +647,7 @@ class Simulator:
         mine = [sid for sid, req in self._by_seq_id.items() if self.records[req.index].worker == w.id]
         lost = [self._by_seq_id.pop(sid) for sid in mine]
         for sid, req in zip(mine, lost):  # first tokens it streamed before it died were seen
-            seq = w.core.seqs.get(sid)
+            seq = w.core.seqs.get(sid) or w.in_step.get(sid)
             first = seq.first_token_at if seq is not None else None
             rec = self.records[req.index]
             if first is not None and first <= now and rec.first_token is None:

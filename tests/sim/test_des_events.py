@@ -106,6 +106,19 @@ def test_a_rescued_request_keeps_the_first_token_its_client_saw():
     assert late.first_token - late.arrival > 3.0  # after the rescue
 
 
+def test_a_request_finishing_in_the_step_a_kill_cuts_keeps_its_first_token():
+    """Its last step is in flight when w0 dies: the engine core has already let the sequence go,
+    but the client saw its first token long before, and the rescue must not replace that time
+    with the re-run's (an elastic cell once read 52 s for a request served since 0.2 s)."""
+    rows = [trace_row(0, ids=[100], n_out=400)]
+    alone = sim(rows).run().records[0]
+    kill = WorkerEvent(alone.finish - 1.0 - 0.0005, "kill", "w0")  # 1 s warm-up; inside the last step
+    r = sim(rows, events=(kill,), rescue_s=3.0).run().records[0]
+    assert r.rescued == 1 and r.status == "ok" and r.worker == "w1"
+    assert r.first_token == pytest.approx(alone.first_token)  # the first token of the attempt that died
+    assert r.finish > alone.finish + 3.0  # the re-run
+
+
 def test_kill_without_rescue_fails_to_the_client_who_retries():
     kill = WorkerEvent(0.5, "kill", "w0")
     # the router keeps choosing w0 until it misses two heartbeats (~2 s); the SDK's two retries
