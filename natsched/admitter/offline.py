@@ -10,7 +10,8 @@ published to ADMITTED like any admitted request (the router and the workers run 
 a reservation record ``res.<attempt id>``, which the worker's completion releases through the
 admitters exactly as for online work.
 
-Every job has a record in bucket ``jobs`` (:mod:`natsched.client.batch`); the job's replies go to
+Every job has a record in bucket ``jobs`` (:mod:`natsched.client.batch`: the batch producer's, or
+the admitter's :func:`on_degrade` for a request it degraded); the job's replies go to
 ``outcome.<tenant>.<batch>.<job id>``, which the OUTCOMES stream keeps until this service folds
 them into the record (``completed`` with the output, or a failure). A failure is an outcome with
 a reason: transient ones (``no_worker``, ``engine_error``, a timeout, a quota rejection) are retried
@@ -192,6 +193,18 @@ def _offline_room(usage: Usage, quotas: Quotas, cost: int) -> bool:
 
 
 # ------------------------------------------------------------------ pure: what happens to a job record
+
+def on_degrade(request: Request, now: float, by: str) -> tuple[str, JobRecord]:
+    """(key, record) the admitter creates as it degrades ``request``, before its producer hears
+    the job id: a gateway client told "GET /v1/natsched/jobs/<id>" reads ``waiting`` (on the
+    OFFLINE queue, once) at once, not "no such job" until a runner takes it, which may wait long
+    for idle capacity. A batch producer's own record is there already; the create leaves it alone
+    (the degraded reply on its outcome subject moves it on, :func:`on_reply`)."""
+    key, batch = job_of(request)
+    record = JobRecord(id=request.id, tenant=request.tenant, status=WAITING, batch=batch, created=now, enqueued=1)
+    note(record, "degraded", now, by=by)
+    return key, record
+
 
 def on_take(record: JobRecord | None, request: Request, batch: str, now: float, by: str) -> JobRecord:
     """A new attempt starts (offline path): the record says which id it runs under."""

@@ -25,6 +25,7 @@ from natsched.admitter.errors import AdmitterError, QuotaError
 from natsched.admitter import knobs as K
 from natsched.admitter.leases import LeaseTracker
 from natsched.admitter.metrics import AdmitterMetrics
+from natsched.admitter.offline import on_degrade
 from natsched.admitter.partition import PartitionMember
 from natsched.admitter.policy import (ALLOW, DEGRADE, QUEUE, REJECT, AdmissionDecision, AdmissionSettings,
                                       AdmitterCore, runtime_tokens)
@@ -39,14 +40,14 @@ from natsched.wire import fence
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.bus.aio import wait_event
-from natsched.bus.connection import Bus, ConsumerSpec, Delivery
+from natsched.bus.connection import CREATE_ONLY, Bus, ConsumerSpec, Delivery
 from natsched.bus.pools import PoolWatch
 from natsched.errors import NatschedError
 from natsched import tracing
 from natsched.wire.errors import MessageError, SchemaError
 from natsched.wire.ids import in_scope, scope_of
-from natsched.wire.schema import (Admitted, Completion, CompletionStatus, Decision, Reply, ReplyKind, ReplyStatus,
-                                  Request, ScaleEvent)
+from natsched.wire.schema import (Admitted, Completion, CompletionStatus, Decision, JobRecord, Reply, ReplyKind,
+                                  ReplyStatus, Request, ScaleEvent)
 from natsched.workers.recent import CANCEL_MEMORY_MAX, CANCEL_MEMORY_S, RecentIds
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class AdmitterService(Repairs, PartitionMember):
         self._keeper_wake = asyncio.Event()
         self.leases = LeaseTracker(s.lease_missed)
         self.rescuer = Rescuer(bus, self.shared, s.name)
+        self._jobs_bucket = False  # bucket jobs seen (the batch producer's and the offline runner's)
         self.rescuer.owns = self.owns
         # router pools (natsched.wire.pools): where each model's admitted requests go
         self.pools = PoolWatch(bus, on_change=self.core.set_pools)
@@ -482,7 +484,7 @@ class AdmitterService(Repairs, PartitionMember):
         # a service or two further away), and each is a create: a request id reserved already
         # (published again under another msg id) is refused here, never reserved or run twice
         refused = await self._reserve(reservations)
-        handoffs, routed = [], {}
+        handoffs, routed, jobs = [], {}, []
         for request, dec, d, queue_wait, latency_ms in entries:
             rid = request.id
             record = self._decision_record(request, dec, queue_wait, latency_ms) if rid not in refused else None
@@ -502,12 +504,13 @@ class AdmitterService(Repairs, PartitionMember):
                     handoffs.append((subject, admitted, M.admitted(rid),
                                      tracing.carry(trace)))
             elif dec.decision == DEGRADE:
+                jobs.append(on_degrade(request, now, self.settings.name))
                 handoffs.append((S.offline(request.tenant), request, M.offline(rid), tracing.carry(trace)))
             elif dec.decision == QUEUE:
                 self.held[rid] = Held(d, request, now)
             if record is not None:
                 await self._publish_record(record, dec)
-        await self.bus.jpublish_batch(handoffs)
+        await asyncio.gather(self.bus.jpublish_batch(handoffs), self._create_job_records(jobs))
         if reservations or handoffs:
             self.metrics.handoff.observe(time.perf_counter() - sent)
         for request, dec, d, queue_wait, _ in entries:
@@ -525,6 +528,34 @@ class AdmitterService(Repairs, PartitionMember):
             log.info("request %s %s tenant=%s class=%s tokens=%d%s%s", request.id, dec.decision, request.tenant,
                      request.cls, dec.runtime_tokens, f" reason={dec.reason}" if dec.reason else "",
                      f" waited={queue_wait:.3f}s" if queue_wait else "")
+
+    async def _create_job_records(self, jobs: list[tuple[str, JobRecord]]) -> None:
+        """Degraded requests' job records (:func:`natsched.admitter.offline.on_degrade`), stored
+        before their producers hear the job ids. Best effort: one that cannot be stored within the
+        publish budget (bucket ``jobs`` full, say: the server answers 503 and the write is retried)
+        fails no hand-off; it is logged, and the offline runner writes the record when it takes the
+        job, as it always could."""
+        if not jobs or not await self._jobs_bucket_exists():
+            return
+        try:
+            await self.bus.jpublish_batch([(S.kv_subject(S.BUCKET_JOBS, key), record.encode(), None, CREATE_ONLY)
+                                           for key, record in jobs])
+        except NatschedError as exc:
+            self._jobs_bucket = False  # (deleted meanwhile?) looked up again next time
+            log.warning("%d degraded request(s)' job records not stored (the runner writes them on take): %s",
+                        len(jobs), exc)
+
+    async def _jobs_bucket_exists(self) -> bool:
+        """Bucket ``jobs`` is created by the batch producer and the offline runner (and the
+        operator's provisioning under auth), not by an admitter, whose role may not: before one of
+        them ran there is no record to write, and no runner to take the job either."""
+        if not self._jobs_bucket:
+            try:
+                await self.bus.stream(S.kv_stream(S.BUCKET_JOBS)).info()
+                self._jobs_bucket = True
+            except NatschedError:  # not there (StreamNotFound), or the server did not answer: no record
+                pass
+        return self._jobs_bucket
 
     async def _reserve(self, reservations: list[Reservation]) -> set[str]:
         """Store the records (creates); the ids refused because their key exists are returned, and

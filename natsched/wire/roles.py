@@ -275,7 +275,7 @@ def admin_role() -> Role:
 
 def _admitter_common() -> list[str]:
     """What every admitter publishes, partitioned or not: hand-offs, decisions, the rescue, the
-    workers' reports and the pool map, the scaling signal."""
+    workers' reports and the pool map, the scaling signal, degraded requests' job records."""
     return _service_base() + [
         S.ADMITTED_ALL, S.OFFLINE_ALL, subject("decision", stage="admission"), S.deadletter("admitter"),
         # rescue (admitter/rescue.py): read and remove what a dead worker left on WORK, read the
@@ -287,6 +287,8 @@ def _admitter_common() -> list[str]:
         # scaling signals (admitter/scaling.py): the event, and the latest kept for natsched status
         S.SCALE_ALL, _js("STREAM", "INFO", _kv_stream(S.BUCKET_CONFIG)),
         *kv_write_permissions(S.BUCKET_CONFIG, S.KEY_SCALE), *kv_read_permissions(S.BUCKET_CONFIG, S.KEY_POOLS),
+        # a degraded request's job record, created before its producer hears the job id (no read)
+        *kv_write_permissions(S.BUCKET_JOBS, render(S.PATTERNS["job_key"])),
     ]
 
 

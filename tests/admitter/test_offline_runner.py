@@ -85,7 +85,8 @@ async def test_work_waits_while_usage_is_above_the_low_watermark(stack, bus):
                                            id="held1"))
     assert await wait_for(lambda: len(stack.runner.held) == 1)
     assert await stack.runner.take_once() == 0
-    assert (await job(bus, "held1")) is None  # nothing started: not even a record
+    held = await job(bus, "held1")  # nothing started: the admitter's record, waiting
+    assert (held.status, held.attempts, held.started) == ("waiting", 0, None)
     await other.change_usage(lambda u: (Usage(), None))
     assert await wait_for(lambda: _status(bus, "held1", "completed"))
     allow = [d for d in await records(bus, S.STREAM_DECISIONS, Decision, S.decision("offline", "t1"))]

@@ -4,13 +4,17 @@ import asyncio
 import time
 
 import orjson
+import pytest
 
 from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
 from natsched.admitter.usage import Usage
 from natsched.wire import subjects as S
 from natsched.client.producer import make_request
 from natsched.bus.connection import Bus
-from natsched.wire.schema import Admitted, Decision, Heartbeat, Reply, Request
+from natsched.bus.errors import StreamNotFound
+from natsched.bus.provision import StreamLimits
+from natsched.client.batch import SUBMITTED, WAITING, JobStore
+from natsched.wire.schema import Admitted, Decision, Heartbeat, JobRecord, Reply, Request
 from tests.factories.core import make_completion
 from tests.factories.core import wait_for as until
 
@@ -172,6 +176,59 @@ async def test_offline_class_is_degraded_to_the_offline_stream(bus, nats_url):
         offline = [Request.decode(d) for _, d in await bus.stream_messages(S.STREAM_OFFLINE)]
         assert [o.id for o in offline] == [r.id]
         assert adm.shared.usage.used == 0
+        with pytest.raises(StreamNotFound):  # no bucket jobs yet (no producer or runner ran): none made
+            await bus.stream(S.kv_stream(S.BUCKET_JOBS)).info()
+    finally:
+        await stop(adm)
+
+
+async def test_a_degraded_requests_job_record_exists_when_its_producer_hears_the_job_id(bus, nats_url):
+    """No offline runner runs: the record is the admitter's, stored before the reply is sent, so a
+    client told the job id (the gateway's 422) finds it at once. A batch producer's own record of
+    its request stays as it wrote it."""
+    await bus.provision(jobs=True)  # the bucket is the batch producer's and the runner's to create
+    adm = await start_admitter(nats_url)
+    store = JobStore(bus)
+    try:
+        r = request(cls="offline")
+        sub = await bus.inbox(S.reply(r.id))
+        await publish(bus, r)
+        assert Reply.decode((await sub.next_msg(timeout=5)).data).status == "degraded"
+        record, _ = await store.get(S.job_key(r.tenant, S.NO_BATCH, r.id))
+        assert (record.id, record.tenant, record.status, record.batch) == (r.id, r.tenant, WAITING, S.NO_BATCH)
+        assert record.enqueued == 1 and record.history[-1]["event"] == "degraded"
+        assert record.history[-1]["by"] == "admitter"
+        assert await store.find(r.id, r.tenant) is not None and await store.find(r.id, "t2") is None
+
+        b = request(cls="offline")
+        b.reply = S.outcome(b.tenant, "b1", b.id)  # a batch producer's request: its record first
+        key = S.job_key(b.tenant, "b1", b.id)
+        assert await store.create(key, JobRecord(id=b.id, tenant=b.tenant, status=SUBMITTED, batch="b1", line=7))
+        _, before = await store.get(key)
+        outcomes = await bus.inbox(b.reply)
+        await publish(bus, b)
+        assert Reply.decode((await outcomes.next_msg(timeout=5)).data).status == "degraded"
+        record, rev = await store.get(key)
+        assert (rev, record.line) == (before, 7)
+    finally:
+        await stop(adm)
+
+
+async def test_a_degrade_goes_on_when_its_job_record_cannot_be_stored(bus, nats_url, caplog):
+    """Bucket ``jobs`` full (its limits are the operator's): the request is degraded all the same,
+    the missing record is logged, and the offline runner writes it when it takes the job."""
+    await bus.provision(jobs=True)
+    await bus.set_retention({S.BUCKET_JOBS: StreamLimits(max_age_s=3600, max_bytes=1024)})
+    await bus.kv(S.BUCKET_JOBS).put("filler", b"x" * 700)
+    adm = await start_admitter(nats_url)
+    try:
+        r = request(cls="offline")
+        sub = await bus.inbox(S.reply(r.id))
+        await publish(bus, r)
+        assert Reply.decode((await sub.next_msg(timeout=30)).data).status == "degraded"
+        assert [Request.decode(d).id for _, d in await bus.stream_messages(S.STREAM_OFFLINE)] == [r.id]
+        assert await JobStore(bus).find(r.id) is None
+        assert "job records not stored" in caplog.text
     finally:
         await stop(adm)
 

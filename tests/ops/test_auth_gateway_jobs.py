@@ -82,7 +82,7 @@ async def test_a_degraded_requests_job_is_read_through_the_gateway_with_its_own_
 
         async def done(job_id: str, key: str):
             r = await get(job_id, key)
-            assert r.status_code == 200, r.text  # readable at once (submitted), then until completed
+            assert r.status_code == 200, r.text  # readable at once (the admitter's record), then until completed
             return r.json() if r.json()["done"] else None
 
         for job_id, key in ((job_a, KEY_A), (job_b, KEY_B)):

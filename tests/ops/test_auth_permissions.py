@@ -239,6 +239,11 @@ async def test_services_are_confined_to_their_stage(probe):
         assert not await admitter.publish(f"$JS.API.STREAM.{api}.WORK", b"{}")
         assert await admitter.publish(f"$JS.API.STREAM.{api}.REQUESTS", b"{}")
         assert await router.publish(f"$JS.API.STREAM.{api}.WORK", b"{}")
+    job = S.kv_subject(S.BUCKET_JOBS, S.job_key("A", S.NO_BATCH, "j1"))
+    assert not await admitter.publish(job)  # a degraded request's job record, created as it degrades
+    assert await admitter.publish(S.kv_subject(S.BUCKET_JOBS, S.batch_key("b1")))  # never a batch manifest
+    assert await admitter.publish(f"$JS.API.DIRECT.GET.{S.kv_stream(S.BUCKET_JOBS)}.{job}")  # nor a read
+    assert await router.publish(job)
     assert not await router.publish(S.work("w1"))
     assert await router.publish(S.admitted(S.DEFAULT_POOL, S.ONLINE, "A")) and await router.publish(S.decision("admission", "A"))
     assert await router.publish("$KV.config." + S.KEY_ROUTER_CONFIG)  # reads its config, never writes it
