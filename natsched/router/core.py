@@ -139,6 +139,12 @@ class RouterCore:
         self._check_fresh(w)
         self._judge_progress(hb, now)
 
+    def _learned_samples(self, w: WorkerId) -> float:
+        """Samples behind the estimate ``w`` is judged by: its group's pooled fit once it has shown
+        it runs like the group (:meth:`natsched.router.learned.CostBook.yardstick_samples`)."""
+        hs = self.health.settings
+        return self.costs.yardstick_samples(w, hs.min_own, hs.min_group)
+
     def _judge_progress(self, hb: Heartbeat, now: float) -> None:
         """The heartbeat's decode progress against the worker's learned model
         (:mod:`natsched.router.progress`): evidence of a slowdown seconds after it begins."""
@@ -147,8 +153,9 @@ class RouterCore:
                                            hb.kv_used_blocks * hb.block_size, hb.queued_prefill_tokens,
                                            self.registry.prefill_routed(w))
         if ratio is None or not self.costs.settings.enabled or \
-                self.costs.samples(w) < self.health.settings.min_learned:
+                self._learned_samples(w) < self.health.settings.min_learned:
             return  # a prior that has not met the worker is no yardstick (as for completions)
+        ratio = self.progress.relative(w, ratio, now, self.costs.group_members(w))
         self.health.observe_progress(w, ratio, now)
         self.costs.freeze(w, self.health.learning_frozen(w, now))
 
@@ -208,7 +215,7 @@ class RouterCore:
         # routing time: a long request routed on the prior and completed after the model learned
         # was judged against the prior (an L4 decoding at 14x the H100 constants' step: half-open)
         if ratio is not None and a.pred_learned and self.costs.settings.enabled and \
-                self.costs.samples(w) >= self.health.settings.min_learned:
+                self._learned_samples(w) >= self.health.settings.min_learned:
             self.health.observe(w, ratio, now)
             self.costs.freeze(w, self.health.learning_frozen(w, now))
 
@@ -317,7 +324,7 @@ class RouterCore:
         a.fixed_ttft_s = base.backlog_s(view) + base.prefill_ctx_s(uncached, cached)
         cap = view.capacity_tokens
         a.kv_queued = view.waiting > 0 or (cap > 0 and view.load_tokens + a.kv_tokens > cap)
-        a.pred_learned = self.costs.samples(a.worker) >= self.health.settings.min_learned
+        a.pred_learned = self._learned_samples(a.worker) >= self.health.settings.min_learned
 
     def _audit(self, decision: RouteDecision, w: WorkerId, now: float) -> None:
         """Every policy's audit terms name the cost estimate behind the pick, and a half-open pick."""
@@ -407,7 +414,7 @@ class RouterCore:
             if age <= factor * a.pred_e2e_s:
                 continue
             view = views.get(a.worker)
-            if view is None or not a.pred_learned or self.costs.samples(a.worker) < hs.min_learned:
+            if view is None or not a.pred_learned or self._learned_samples(a.worker) < hs.min_learned:
                 continue
             # and the prefill routed behind it, which its decode steps share (see completion_ratio)
             allowance = self.costs.of(a.worker).wait_s(view, now) + self.registry.prefill_since(a.worker, a.prefill_mark)

@@ -70,6 +70,10 @@ class HealthSettings:
     window_s: float = 10.0  # the sustained window (long enough for a few completions per worker)
     min_samples: int = 2  # never judge on fewer samples than this (with one completion over the factor)
     min_learned: float = 50.0  # ... nor a worker whose model has learned from fewer (a prior is no yardstick)
+    # a member routed on its group's pooled fit is judged by the group's samples once it has
+    # this many of its own (it has shown it runs like the group; CostBook.yardstick_samples) ...
+    min_own: float = 10.0
+    min_group: int = 3  # ... in a group of at least this many (its heartbeats judged against its peers')
     probe_share: float = 0.1  # share of other requests a half-open worker may still take
     short_prompt_tokens: int = 1024  # prompts up to this are "short" (as for BACKOFF)
     max_half_open_s: float = 60.0  # then the worker's new speed is learned (it changed for good)
@@ -80,6 +84,8 @@ class HealthSettings:
     def __post_init__(self) -> None:
         if not 1.0 < self.recover_factor <= self.slow_factor:
             raise ConfigError("health: 1 < recover_factor <= slow_factor")
+        if self.min_learned < 0 or self.min_own < 0 or self.min_group < 2:
+            raise ConfigError("health: min_learned >= 0, min_own >= 0, min_group >= 2")
         if self.window_s <= 0 or self.min_samples < 1 or self.max_half_open_s <= 0 or self.progress_samples < 0:
             raise ConfigError("health: window_s > 0, min_samples >= 1, max_half_open_s > 0, progress_samples >= 0")
         if not 0.0 <= self.probe_share <= 1.0 or self.short_prompt_tokens < 0:

@@ -282,7 +282,7 @@ class Sample:
 
 
 class _Worker:
-    __slots__ = ("fits", "prior", "source", "cost", "others", "frozen", "group")
+    __slots__ = ("fits", "prior", "source", "cost", "others", "frozen", "group", "pooled")
 
     def __init__(self, prior: CostModel, source: str) -> None:
         self.fits = {PREFILL: Fit(4), DECODE: Fit(3)}
@@ -292,6 +292,7 @@ class _Worker:
         self.others: dict[str, dict[str, Fit]] = {}  # replica -> its published fits
         self.frozen = False  # half-open (natsched.router.health): its samples are not learned
         self.group: str | None = None  # (model, deployment) key: pooled with the other members
+        self.pooled = False  # ``cost`` is the group's pooled fit (the member does not deviate from it)
 
 
 class _Group:
@@ -336,6 +337,37 @@ class CostBook:
             return 0.0
         own = st.fits[PREFILL].n
         return own + sum(f[PREFILL].n for f in st.others.values())
+
+    def group_members(self, w: str) -> frozenset[str]:
+        """The members of ``w``'s (model, deployment) group, ``w`` included; empty: no group."""
+        st = self._w.get(w)
+        g = self._groups.get(st.group) if st is not None and st.group is not None else None
+        return frozenset(g.members) if g is not None else frozenset()
+
+    def yardstick_samples(self, w: str, min_own: float, min_members: int) -> float:
+        """Decayed samples behind the estimate ``w`` is judged by: its group's, all members
+        together, while it is routed on the group's pooled fit, has shown it runs like the group
+        (at least ``min_own`` samples of its own) and the group has ``min_members`` members or
+        more; else its own (:meth:`samples`).
+
+        Why: health judges a worker only against a learned estimate (a prior is no yardstick).
+        In a large pool each member completes few requests (12 L4s: ~40 samples each after two
+        minutes), so its own count stayed under the threshold and a slowed member went unjudged
+        for a minute, while the pooled estimate it was routed on had learned from hundreds. A
+        member with fewer than ``min_own`` samples of its own (a new one, or another GPU under the
+        same deployment name, which its first samples have not yet moved off the group's) is not
+        judged by the group: it has not yet shown that it should run like it. A smaller group
+        is not either: its pooled fit is hardly more than the member's own, and there are not
+        enough peers to judge the member's heartbeats against (:meth:`ProgressWatch.relative`)."""
+        st = self._w.get(w)
+        if st is None or not self.settings.enabled:
+            return 0.0
+        own = self.samples(w)
+        # as of the last solve: solving here would re-fit the group at other moments than routing does
+        g = self._groups.get(st.group) if st.group is not None else None
+        if not st.pooled or own < min_own or g is None or len(g.members) < min_members:
+            return own
+        return sum(self.samples(m) for m in g.members)
 
     def describe(self, w: str) -> dict[str, float]:
         """Audit terms: which estimate routing used (learned or fixed, its samples and rates)."""
@@ -577,12 +609,14 @@ class CostBook:
             else:
                 theta[which] = st.fits[which].solve(prior[which], cfg.prior_weight, floors[which], extra)
         own = to_cost(st.prior, theta)
+        st.pooled = False
         if pooled is None:
             return own
         group = to_cost(st.prior, pooled)
         off = max(abs(own.first_token_s(t) / group.first_token_s(t) - 1.0) for t in REFERENCE_PROMPTS)
         off = max(off, abs(own.step_s(*REFERENCE_BATCH) / group.step_s(*REFERENCE_BATCH) - 1.0))
-        return own if off > cfg.group_deviation else group
+        st.pooled = off <= cfg.group_deviation
+        return group if st.pooled else own
 
 
 def calibrated_prior(base: CostModel, ttft_s: float, tpot_s: float, prompt_tokens: int) -> CostModel:

@@ -26,6 +26,11 @@ from dataclasses import dataclass
 
 from natsched.router.costmodel import CostModel
 
+#: a member's ratio counts as its group's current level for this long (router seconds)
+PEER_WINDOW_S = 10.0
+#: fewer recent peers than this make no level: the ratio is judged as it is
+MIN_PEERS = 2
+
 #: fewer decode tokens than this in one interval is no evidence (a gap or two is mostly noise)
 MIN_DECODE_TOKENS = 8
 #: an interval whose prefill allowance is more than this share of its predicted time is no
@@ -66,6 +71,7 @@ class ProgressWatch:
 
     def __init__(self) -> None:
         self._marks: dict[str, _Mark] = {}
+        self._last: dict[str, tuple[float, float]] = {}  # worker -> (its latest ratio, router time)
 
     def on_heartbeat(self, cost: CostModel, worker: str, ts: float, decode_tokens: int, decode_s: float,
                      running: int, batch_kv_tokens: float, queued_tokens: int, routed_s: float) -> float | None:
@@ -81,5 +87,27 @@ class ProgressWatch:
         prefill = (routed_s - prev.routed_s) + cost.prefill_s(prev.queued_tokens) - cost.prefill_s(queued_tokens)
         return progress_ratio(cost, decode_tokens, decode_s, running, batch_kv_tokens, prefill)
 
+    def relative(self, worker: str, ratio: float, now: float, group: frozenset[str]) -> float:
+        """``ratio`` over its group's current level: the median of the latest ratios (from the last
+        ``PEER_WINDOW_S``) of the group's other members, never taken below 1; ``ratio`` itself
+        with fewer than ``MIN_PEERS`` of them. The raw ratio is kept as this worker's latest.
+
+        Why: the predicted step is the group's pooled fit, and it misses what the members share.
+        In the simulator a heartbeat leaves out the prefill chunk in flight, so a healthy L40S
+        read 1.4-1.6 with spikes to 10 in prefill-heavy intervals, and a median of five crossed
+        ``slow_factor``. A slowed member stands out from its peers; a bias they all share does
+        not. A cluster slowed as a whole is not the members' fault, and half-opening all of it
+        helps nobody. Trust: the floor of 1 means a member claiming fast steps cannot make its
+        peers look slower than the model alone would."""
+        peers = sorted(r for m, (r, t) in self._last.items()
+                       if m != worker and m in group and now - t <= PEER_WINDOW_S)
+        self._last[worker] = (ratio, now)
+        if len(peers) < MIN_PEERS:
+            return ratio
+        n = len(peers)
+        level = peers[n // 2] if n % 2 else 0.5 * (peers[n // 2 - 1] + peers[n // 2])
+        return ratio / level if level > 1.0 else ratio
+
     def forget(self, worker: str) -> None:
         self._marks.pop(worker, None)
+        self._last.pop(worker, None)

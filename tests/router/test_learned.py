@@ -161,3 +161,38 @@ def test_disabled_learning_is_the_fixed_model():
     book = CostBook(settings=LearnSettings(enabled=False))
     feed(book, "w", samples(100, random.Random(9)))
     assert book.of("w") == book.base
+
+
+def pooled_book(members: int, each: int, slow: dict[str, float] | None = None) -> CostBook:
+    """``members`` workers of one (model, deployment) group, ``each`` samples of TRUE apiece
+    (``slow``: a worker's samples ``factor`` x slower)."""
+    book, rng = CostBook(), random.Random(7)
+    ws = [f"w{i}" for i in range(members)]
+    for w in ws:
+        book.set_group(w, "m/l4")
+    for w in ws:
+        f = (slow or {}).get(w, 1.0)
+        feed(book, w, (Sample(s.uncached, s.cached, s.ttft * f, s.tpot * f, batch=s.batch, batch_kv=s.batch_kv)
+                       for s in samples(each, rng)))
+    for w in ws:
+        book.of(w)  # routing solves; the yardstick reads what that solve used
+    return book
+
+
+def test_a_member_routed_on_its_groups_fit_is_judged_by_the_groups_samples():
+    book = pooled_book(4, 15)
+    assert 10 <= book.samples("w0") < 50
+    assert book.yardstick_samples("w0", min_own=10, min_members=3) == pytest.approx(
+        sum(book.samples(w) for w in ("w0", "w1", "w2", "w3")))
+    assert book.group_members("w0") == frozenset({"w0", "w1", "w2", "w3"})
+
+
+def test_a_new_member_a_small_group_and_a_deviating_member_are_judged_by_their_own_samples():
+    few = pooled_book(4, 5)  # not yet shown it runs like the group
+    assert few.yardstick_samples("w0", min_own=10, min_members=3) == few.samples("w0")
+    pair = pooled_book(2, 15)  # no peers to compare with
+    assert pair.yardstick_samples("w0", min_own=10, min_members=3) == pair.samples("w0")
+    odd = pooled_book(4, 40, slow={"w3": 3.0})  # another GPU under the same name
+    assert odd.yardstick_samples("w3", min_own=10, min_members=3) == odd.samples("w3")
+    assert odd.yardstick_samples("w0", min_own=10, min_members=3) > odd.samples("w0")
+    assert CostBook().yardstick_samples("nobody", min_own=10, min_members=3) == 0.0

@@ -8,7 +8,7 @@ import pytest
 from natsched.router.core import RouterCore, RouterSettings
 from natsched.router.costmodel import CostModel
 from natsched.router.health import HALF_OPEN, HEALTHY, HealthSettings, LatencyHealth
-from natsched.router.progress import MAX_PREFILL_SHARE, MIN_DECODE_TOKENS, ProgressWatch, progress_ratio
+from natsched.router.progress import MAX_PREFILL_SHARE, MIN_DECODE_TOKENS, PEER_WINDOW_S, ProgressWatch, progress_ratio
 from natsched.router.registry import WorkerState
 from natsched.wire.schema import Completion
 from tests.factories.router import make_hb, make_req
@@ -178,3 +178,72 @@ def test_a_state_both_signals_agree_on_is_one_transition_and_lasts_while_either_
     for t in (18.0, 19.0, 20.0):
         h.observe_progress("w", 1.0, t)
     assert h.state("w") == HEALTHY and [st for _, _, st in h.transitions] == [HALF_OPEN, HEALTHY]
+
+
+# --- judged against the group's current level -------------------------------------------------------
+
+GROUP = frozenset({"w0", "w1", "w2", "w3"})
+
+
+def test_a_ratio_is_judged_against_its_peers_current_level():
+    watch = ProgressWatch()
+    for w in ("w1", "w2", "w3"):
+        watch.relative(w, 1.5, 10.0, GROUP)  # a bias every member shares
+    assert watch.relative("w0", 1.5, 11.0, GROUP) == pytest.approx(1.0)
+    assert watch.relative("w0", 6.0, 11.0, GROUP) == pytest.approx(4.0)  # slowed: stands out
+
+
+def test_too_few_recent_peers_leave_the_ratio_as_it_is():
+    watch = ProgressWatch()
+    watch.relative("w1", 1.5, 0.0, GROUP)
+    watch.relative("w2", 1.5, 0.0, GROUP)
+    watch.relative("other", 3.0, 20.0, frozenset({"other"}))  # not of the group
+    assert watch.relative("w0", 3.0, 1.0, GROUP) == pytest.approx(2.0)
+    assert watch.relative("w0", 3.0, 1.0 + PEER_WINDOW_S + 1.0, GROUP) == 3.0  # the peers' ratios are stale
+    assert watch.relative("w9", 3.0, 1.0, frozenset()) == 3.0  # no group
+
+
+def test_peers_claiming_fast_steps_cannot_make_a_member_look_slower():
+    watch = ProgressWatch()
+    for w in ("w1", "w2", "w3"):
+        watch.relative(w, 0.2, 10.0, GROUP)  # hostile: far faster than the model
+    assert watch.relative("w0", 2.5, 11.0, GROUP) == 2.5  # judged against the model alone
+
+
+def pooled_core() -> RouterCore:
+    """Four workers of one deployment, the default min_learned (50)."""
+    core = RouterCore(RouterSettings(policy="natsched", heartbeat_timeout_s=600.0,
+                                     health=HealthSettings(window_s=10.0, min_samples=2, progress_samples=3)))
+    for w in sorted(GROUP):
+        core.on_heartbeat(make_hb(w, seq=1, ts=0.0, interval=600.0, deployment="l4"), 0.0)
+    return core
+
+
+def pooled_hb(core: RouterCore, w: str, seq: int, ts: float, factor: float):
+    step = core.costs.of(w).step_s(0, 8)
+    return make_hb(w, seq=seq, ts=ts, interval=600.0, running=8, decode_tokens=80, decode_s=80 * step * factor,
+                   deployment="l4")
+
+
+def test_a_lightly_used_member_of_a_pool_is_judged_by_the_pools_estimate():
+    core = pooled_core()
+    t = warm(core, 1.0, n=120)
+    own = {w: core.costs.samples(w) for w in GROUP}
+    slow = max(GROUP, key=lambda w: own[w])
+    assert 10 <= own[slow] < core.health.settings.min_learned  # under the bar on its own samples
+    for seq in range(2, 7):
+        for w in sorted(GROUP):
+            core.on_heartbeat(pooled_hb(core, w, seq, t, 4.0 if w == slow else 1.5), t)
+        t += 1.0
+    assert core.health.state(slow) == HALF_OPEN
+    assert all(core.health.state(w) == HEALTHY for w in GROUP - {slow})  # 1.5x, shared by all: no fault
+
+
+def test_a_pool_slowed_as_a_whole_is_not_half_opened():
+    core = pooled_core()
+    t = warm(core, 1.0, n=120)
+    for seq in range(2, 7):
+        for w in sorted(GROUP):
+            core.on_heartbeat(pooled_hb(core, w, seq, t, 3.0), t)
+        t += 1.0
+    assert all(core.health.state(w) == HEALTHY for w in GROUP)
