@@ -139,11 +139,15 @@ class RouterCore:
         self._check_fresh(w)
         self._judge_progress(hb, now)
 
-    def _learned_samples(self, w: WorkerId) -> float:
-        """Samples behind the estimate ``w`` is judged by: its group's pooled fit once it has shown
-        it runs like the group (:meth:`natsched.router.learned.CostBook.yardstick_samples`)."""
+    def _learned(self, w: WorkerId) -> bool:
+        """Whether ``w``'s estimate has learned from ``min_learned`` samples: its own, or its group's
+        pooled fit once it has shown it runs like the group
+        (:meth:`natsched.router.learned.CostBook.yardstick_samples`). Its own count is checked
+        first: it is one sum, and the group's a sum over every member, on the routing path."""
         hs = self.health.settings
-        return self.costs.yardstick_samples(w, hs.min_own, hs.min_group)
+        if self.costs.samples(w) >= hs.min_learned:
+            return True
+        return self.costs.yardstick_samples(w, hs.min_own, hs.min_group) >= hs.min_learned
 
     def _judge_progress(self, hb: Heartbeat, now: float) -> None:
         """The heartbeat's decode progress against the worker's learned model
@@ -152,8 +156,7 @@ class RouterCore:
         ratio = self.progress.on_heartbeat(self.costs.of(w), w, hb.ts, hb.decode_tokens, hb.decode_s, hb.running,
                                            hb.kv_used_blocks * hb.block_size, hb.queued_prefill_tokens,
                                            self.registry.prefill_routed(w))
-        if ratio is None or not self.costs.settings.enabled or \
-                self._learned_samples(w) < self.health.settings.min_learned:
+        if ratio is None or not self.costs.settings.enabled or not self._learned(w):
             return  # a prior that has not met the worker is no yardstick (as for completions)
         ratio = self.progress.relative(w, ratio, now, self.costs.group_members(w))
         self.health.observe_progress(w, ratio, now)
@@ -214,8 +217,7 @@ class RouterCore:
         # of another GPU or model, nor is a prior that has not met the worker yet — and that at
         # routing time: a long request routed on the prior and completed after the model learned
         # was judged against the prior (an L4 decoding at 14x the H100 constants' step: half-open)
-        if ratio is not None and a.pred_learned and self.costs.settings.enabled and \
-                self._learned_samples(w) >= self.health.settings.min_learned:
+        if ratio is not None and a.pred_learned and self.costs.settings.enabled and self._learned(w):
             self.health.observe(w, ratio, now)
             self.costs.freeze(w, self.health.learning_frozen(w, now))
 
@@ -324,7 +326,7 @@ class RouterCore:
         a.fixed_ttft_s = base.backlog_s(view) + base.prefill_ctx_s(uncached, cached)
         cap = view.capacity_tokens
         a.kv_queued = view.waiting > 0 or (cap > 0 and view.load_tokens + a.kv_tokens > cap)
-        a.pred_learned = self._learned_samples(a.worker) >= self.health.settings.min_learned
+        a.pred_learned = self._learned(a.worker)
 
     def _audit(self, decision: RouteDecision, w: WorkerId, now: float) -> None:
         """Every policy's audit terms name the cost estimate behind the pick, and a half-open pick."""
@@ -414,7 +416,7 @@ class RouterCore:
             if age <= factor * a.pred_e2e_s:
                 continue
             view = views.get(a.worker)
-            if view is None or not a.pred_learned or self._learned_samples(a.worker) < hs.min_learned:
+            if view is None or not a.pred_learned or not self._learned(a.worker):
                 continue
             # and the prefill routed behind it, which its decode steps share (see completion_ratio)
             allowance = self.costs.of(a.worker).wait_s(view, now) + self.registry.prefill_since(a.worker, a.prefill_mark)

@@ -22,6 +22,7 @@ nothing over one that reports nothing; one that claims to be slow only sheds its
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 from natsched.router.costmodel import CostModel
@@ -99,13 +100,12 @@ class ProgressWatch:
         not. A cluster slowed as a whole is not the members' fault, and half-opening all of it
         helps nobody. Trust: the floor of 1 means a member claiming fast steps cannot make its
         peers look slower than the model alone would."""
-        peers = sorted(r for m, (r, t) in self._last.items()
-                       if m != worker and m in group and now - t <= PEER_WINDOW_S)
-        self._last[worker] = (ratio, now)
+        last = self._last
+        peers = [last[m][0] for m in group if m != worker and m in last and now - last[m][1] <= PEER_WINDOW_S]
+        last[worker] = (ratio, now)
         if len(peers) < MIN_PEERS:
             return ratio
-        n = len(peers)
-        level = peers[n // 2] if n % 2 else 0.5 * (peers[n // 2 - 1] + peers[n // 2])
+        level = statistics.median(peers)
         return ratio / level if level > 1.0 else ratio
 
     def forget(self, worker: str) -> None:
