@@ -66,9 +66,16 @@ async def parties(provisioned):  # noqa: F811
     await admin.flush()  # the server has the subscription before anything is published
 
     async def submit(req) -> asyncio.Task:
-        """The client's call, once its request is out (so its reply subscriptions are made)."""
+        """The client's call, once its request is out (so its reply subscriptions are made); a
+        call that ends first says why (CI once waited 20 s here with no word of the call)."""
         call = asyncio.create_task(client.submit(req))
-        await asyncio.wait_for(published.get(), 20)
+        out = asyncio.ensure_future(published.get())
+        await asyncio.wait({call, out}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        if not out.done():
+            out.cancel()
+            ended = call.done() and (call.exception() or call.result())
+            call.cancel()
+            raise AssertionError(f"request {req.id} was not published within 60 s; the call: {ended or 'running'!r}")
         return call
 
     try:

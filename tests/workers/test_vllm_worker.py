@@ -30,12 +30,15 @@ WID = WorkerId("wv1")
 MODEL = "tiny-w"
 DEPLOYMENT = "test-cpu"
 CALIBRATED = 5000
+MAX_LEN = 8000  # room for the drain test's long request (256 x 32 KV tokens, less what vLLM keeps back)
 _ids = itertools.count()
 
 
 class Listener:
     def __init__(self) -> None:
         self.hbs: list[Heartbeat] = []
+        self.arrived: list[float] = []  # when each heartbeat reached this process (beside hbs)
+        self.on_heartbeat = None  # an async hook, awaited on each heartbeat as it arrives
         self.kvs: list[CacheEvent] = []
         self.done: dict[str, Completion] = {}
         self.replies: dict[str, list[Reply]] = {}
@@ -43,6 +46,9 @@ class Listener:
     async def start(self, bus: Bus) -> None:
         async def hb(s, d, h):
             self.hbs.append(Heartbeat.decode(d))
+            self.arrived.append(time.time())
+            if self.on_heartbeat is not None:
+                await self.on_heartbeat(self.hbs[-1])
 
         async def kv(s, d, h):
             self.kvs.append(CacheEvent.decode(d))
@@ -88,7 +94,7 @@ async def worker(nats_url, tmp_path_factory):
     await listener.start(bus)
     path = write_tiny_model(tmp_path_factory.mktemp("tiny-worker"), tokenizer=True)
     proc = VllmWorkerProcess(nats_url, WID, path, model=MODEL, deployment=DEPLOYMENT, kv_cache_blocks=256,
-                             max_model_len=4096, concurrency=4, heartbeat=0.3).start()
+                             max_model_len=MAX_LEN, concurrency=4, heartbeat=0.3).start()
     try:
         await proc.await_ready(240)
         yield bus, listener, proc
@@ -160,11 +166,11 @@ async def test_cache_events_are_sequenced_without_gaps(worker):
 
 async def test_too_long_prompt_is_answered_with_an_error(worker):
     bus, listener, _ = worker
-    req = await assign(bus, prompt_token_ids=[5] * 4500, max_tokens=4)
+    req = await assign(bus, prompt_token_ids=[5] * (MAX_LEN + 400), max_tokens=4)
     c = await finished(listener, req)
     assert c.status == "error" and c.reason == "prompt_too_long"
     err = [r for r in listener.replies[req.id] if r.final][0]
-    assert err.kind == "error" and err.reason == "prompt_too_long" and "4096" in err.message
+    assert err.kind == "error" and err.reason == "prompt_too_long" and str(MAX_LEN) in err.message
 
 
 # (before the drain test: the module's worker leaves there)
@@ -192,17 +198,24 @@ async def test_drain_finishes_inflight_work_then_the_process_leaves(worker):
     # long enough that a fast CPU cannot finish it between two heartbeats. Not streamed: 4,000
     # token replies to decode here, in a process the engine's threads starve of CPU, delayed the
     # heartbeats behind them by 6 s in CI, and the request had ended before the drain went out
-    req = await assign(bus, prompt_token_ids=[7 + i % 500 for i in range(64)], max_tokens=4000)
-    # drain as soon as the worker says the request runs
-    assert await wait_for(lambda: any(req.id in hb.inflight for hb in listener.hbs))
-    drained_at = time.time()
-    await bus.publish(S.control(WID), Control(kind="drain", by="test"))
+    drained: list[float] = []
+
+    async def drain_once_running(hb: Heartbeat) -> None:
+        # from the subscription itself, as the heartbeat arrives: a test polling for it noticed
+        # one 7 s late in CI (a 4,000-token request), after the request had ended
+        if not drained and req.id in hb.inflight:
+            drained.append(time.time())
+            await bus.publish(S.control(WID), Control(kind="drain", by="test"))
+
+    req = await assign(bus, prompt_token_ids=[7 + i % 500 for i in range(64)], max_tokens=MAX_LEN - 192)
+    listener.on_heartbeat = drain_once_running
+    assert await wait_for(lambda: drained, timeout=120), "the request never showed in flight"
     # it says so while the request still runs ...
     assert await wait_for(lambda: any(hb.state == "quiescing" and req.id in hb.inflight for hb in listener.hbs)), \
-        _drain_story(listener, req.id, drained_at)  # what the heartbeats said, and when the request ended
+        _drain_story(listener, req.id, drained[0])  # what the heartbeats said, and when the request ended
     # ... and finishes it
-    c = await finished(listener, req, timeout=120)
-    assert c.status == "ok" and c.output_tokens == 4000
+    c = await finished(listener, req, timeout=240)
+    assert c.status == "ok" and c.output_tokens == MAX_LEN - 192
     code = await asyncio.to_thread(proc.wait, 60)
     assert code == 0, proc.tail()
     assert await wait_for(lambda: listener.hbs[-1].inflight == [] and listener.kvs[-1].kind == "cleared")
@@ -211,8 +224,9 @@ async def test_drain_finishes_inflight_work_then_the_process_leaves(worker):
 
 def _drain_story(listener: "Listener", rid: str, drained_at: float) -> str:
     """When the drain went out, the heartbeats (time, state, whether ``rid`` was in flight) and the replies."""
-    beats = [(round(hb.ts % 1000, 2), hb.state, rid in hb.inflight) for hb in listener.hbs[-40:]]
+    beats = [(round(hb.ts % 1000, 2), round(at % 1000, 2), hb.state, rid in hb.inflight)
+             for hb, at in zip(listener.hbs[-40:], listener.arrived[-40:])]
     replies = listener.replies.get(rid, [])
-    return (f"drain sent at {drained_at % 1000:.2f}; last heartbeats {beats}; "
+    return (f"drain sent at {drained_at % 1000:.2f}; last heartbeats (sent, arrived, state, running) {beats}; "
             f"{sum(r.kind == 'token' for r in replies)} token replies, "
             f"final: {[(r.kind, r.reason) for r in replies if r.final]}")
