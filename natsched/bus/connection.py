@@ -117,6 +117,12 @@ Outgoing = tuple[str, "Schema | bytes", "str | None", "dict[str, str] | None"]
 BATCH_ACK_WAIT_S = 2.0  # a batch's acks normally take a round trip; then each is retried alone
 #: how long a durable consumer's creation is retried on timeouts (a cluster electing leaders)
 BIND_BUDGET_S = 30.0
+#: a background retry of an audit record (:meth:`Bus.jpublish_nowait`) goes on this long: past a
+#: leader election on a loaded machine, inside the streams' 2-minute duplicate window (a retry
+#: whose first copy was stored after all is then dropped by its msg id, not stored twice)
+RECORD_BUDGET_S = 90.0
+MAX_RECORD_RETRIES = 10_000  # records waiting for the server at once; beyond, each is counted lost
+
 
 def _with_msg_id(headers: dict[str, str] | None, msg_id: str | None) -> dict[str, str] | None:
     """``headers`` plus ``Nats-Msg-Id`` when there is a msg id (None when both are empty)."""
@@ -284,6 +290,9 @@ class Bus:
         self._kv: dict[str, Any] = {}
         self.closing = False  # loops check it: nats-py's fetch can swallow a cancellation
         self.lost_publishes = 0
+        #: how long a record of :meth:`jpublish_nowait` is retried in the background
+        self.record_budget_s = RECORD_BUDGET_S
+        self._record_retries = 0
         self.fence_key: str | None = None  # natsched.wire.fence (None: the public default)
         self.reply_keys: dict[str, str] = {}  # tenant -> its reply key (natsched.wire.fence.reply_key)
         self._acks: AckInbox | None = None
@@ -595,23 +604,38 @@ class Bus:
         """JetStream publish whose ack is checked in the background (audit records).
 
         The caller does not wait a round trip; a publish the server does not acknowledge is
-        retried once through :meth:`jpublish` and otherwise logged and counted in ``lost_publishes``.
+        retried in the background through :meth:`jpublish` for ``record_budget_s``, and otherwise
+        logged and counted in ``lost_publishes``. That budget is longer than the publish budget
+        on purpose: the caller has moved on (its hand-off, stored with the publish budget and
+        redelivered if that ran out, cannot wait for it), so a record sent into a leader election
+        that outlasts the publish budget would otherwise be the one thing of its request lost (CI
+        once lost 14 admission records of 30 that way on a loaded machine).
         """
         data = msg if isinstance(msg, bytes) else msg.encode()
         future = await (await self._ack_inbox()).publish(subject, data, _with_msg_id(None, msg_id))
 
         def done(f: asyncio.Future) -> None:
-            if f.cancelled() or f.exception() is not None:
-                self.spawn(self._retry_publish(subject, data, msg_id, f), f"republish:{subject}")
+            if not (f.cancelled() or f.exception() is not None):
+                return
+            if self._record_retries >= MAX_RECORD_RETRIES:  # a long outage: memory stays bounded
+                self._lose(subject, f, "too many records waiting for the server")
+                return
+            self._record_retries += 1
+            self.spawn(self._retry_publish(subject, data, msg_id, f), f"republish:{subject}")
 
         future.add_done_callback(done)
 
     async def _retry_publish(self, subject: str, data: bytes, msg_id: str | None, f: asyncio.Future) -> None:
         try:
-            await self.jpublish(subject, data, msg_id=msg_id)
+            await self.jpublish(subject, data, msg_id=msg_id, budget_s=self.record_budget_s)
         except Exception as exc:
-            self.lost_publishes += 1
-            log.error("publish to %s lost (%s, then %s)", subject, None if f.cancelled() else f.exception(), exc)
+            self._lose(subject, f, exc)
+        finally:
+            self._record_retries -= 1
+
+    def _lose(self, subject: str, f: asyncio.Future, why: object) -> None:
+        self.lost_publishes += 1
+        log.error("publish to %s lost (%s, then %s)", subject, None if f.cancelled() else f.exception(), why)
 
     async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
         """Core request/reply: the answer's body; :class:`BusTimeout` when none comes in time (or nobody listens)."""

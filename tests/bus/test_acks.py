@@ -10,8 +10,10 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 
 from natsched.bus.acks import AckInbox
+from natsched.bus import connection
 from natsched.bus.connection import Bus, Stored
 from natsched.bus.errors import BusTimeout, PublishRefused
+from tests.factories.core import wait_for
 
 STREAM = "ACKTEST"
 
@@ -57,6 +59,50 @@ async def test_a_publish_nothing_stores_fails_after_the_budget(nats_url):
     try:
         with pytest.raises(BusTimeout, match="nostream.anywhere"):  # retried until the budget is spent
             await bus.jpublish_batch([("nostream.anywhere", b"x", "n-1", None)])
+    finally:
+        await bus.close()
+
+
+async def test_a_record_is_retried_past_the_publish_budget_until_a_stream_can_store_it(nats_url):
+    """An audit record sent while nothing can store it (a leader election, here: no stream yet)
+    is retried in the background beyond the publish budget, and stored once, not lost."""
+    bus = await Bus.connect(nats_url, name="acks-record", publish_budget_s=0.3)
+    bus.record_budget_s = 60
+    try:
+        await bus.jpublish_nowait("acklate.x", b"record", msg_id="late-1")
+        await asyncio.sleep(1.0)  # the outage outlasts the publish budget (the condition, not a check)
+        await bus.js.add_stream(api.StreamConfig(name="ACKLATE", subjects=["acklate.>"],
+                                                 storage=api.StorageType.MEMORY))
+        try:
+            assert await wait_for(lambda: bus._record_retries == 0, timeout=30)
+            assert await bus.stream_messages("ACKLATE") == [("acklate.x", b"record")]
+            assert bus.lost_publishes == 0
+        finally:
+            await bus.js.delete_stream("ACKLATE")
+    finally:
+        await bus.close()
+
+
+async def test_a_record_nothing_stores_within_its_budget_is_counted_lost(nats_url, caplog):
+    bus = await Bus.connect(nats_url, name="acks-record-lost", publish_budget_s=0.3)
+    bus.record_budget_s = 0.5
+    try:
+        await bus.jpublish_nowait("nostream.record", b"record", msg_id="lost-1")
+        assert await wait_for(lambda: bus.lost_publishes == 1, timeout=30)
+        assert "publish to nostream.record lost" in caplog.text
+    finally:
+        await bus.close()
+
+
+async def test_records_beyond_the_retry_cap_are_counted_lost_at_once(nats_url, monkeypatch):
+    monkeypatch.setattr(connection, "MAX_RECORD_RETRIES", 1)
+    bus = await Bus.connect(nats_url, name="acks-record-cap", publish_budget_s=0.3)
+    bus.record_budget_s = 60
+    try:
+        await bus.jpublish_nowait("nostream.capped", b"a", msg_id="cap-1")
+        await bus.jpublish_nowait("nostream.capped", b"b", msg_id="cap-2")
+        assert await wait_for(lambda: bus.lost_publishes == 1, timeout=30)  # the second, at once
+        assert bus._record_retries == 1  # the first is still being retried
     finally:
         await bus.close()
 
