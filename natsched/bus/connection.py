@@ -615,7 +615,7 @@ class Bus:
         future = await (await self._ack_inbox()).publish(subject, data, _with_msg_id(None, msg_id))
 
         def done(f: asyncio.Future) -> None:
-            if not (f.cancelled() or f.exception() is not None):
+            if not f.cancelled() and f.exception() is None:  # stored
                 return
             if self._record_retries >= MAX_RECORD_RETRIES:  # a long outage: memory stays bounded
                 self._lose(subject, f, "too many records waiting for the server")

@@ -22,6 +22,7 @@ from natsched.client.producer import Timeouts, make_request
 from natsched.hosting.cluster import ROUTE_PORT_OFFSET, ClusterSettings, LocalCluster
 from natsched.wire import subjects as S
 from natsched.wire.schema import Completion, Decision
+from tests.factories.core import wait_for
 from tests.factories.stack import start_stack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +78,14 @@ async def test_killing_the_stream_leader_mid_run_loses_and_duplicates_nothing(cl
         # admission records are published without waiting for their acks (Bus.jpublish_nowait):
         # one sent into the failover is stored by its background retry, which may land after the
         # last completion (CI read DECISIONS first once and found 14 of 30)
-        allows = await _admission_allows(admin, want=Counter(ids), timeout=30)
+        allows = Counter()
+
+        async def all_recorded() -> bool:
+            nonlocal allows
+            allows = await _admission_allows(admin)
+            return allows == Counter(ids)
+
+        await wait_for(all_recorded, timeout=30)
         assert allows == Counter(ids)  # admitted once each
         assert [b.lost_publishes for b in stack.buses] == [0] * len(stack.buses)  # no record given up
         assert await wait_until(lambda: stack.admitter.shared.usage.used == 0, 10)  # every reservation released
@@ -87,16 +95,10 @@ async def test_killing_the_stream_leader_mid_run_loses_and_duplicates_nothing(cl
         await admin.close()
 
 
-async def _admission_allows(admin: Bus, want: Counter, timeout: float) -> Counter:
-    """The "allow" admission records in DECISIONS (read through the records they carry), read
-    again until they are ``want`` or ``timeout`` passes: the last read is returned either way."""
-    deadline = time.monotonic() + timeout
-    while True:
-        records = unfold(Decision.decode(d) for _, d in await admin.stream_messages(S.STREAM_DECISIONS))
-        allows = Counter(r.request_id for r in records if r.stage == "admission" and r.decision == "allow")
-        if allows == want or time.monotonic() > deadline:
-            return allows
-        await asyncio.sleep(0.5)
+async def _admission_allows(admin: Bus) -> Counter:
+    """The "allow" admission records in DECISIONS, read through the records they carry."""
+    records = unfold(Decision.decode(d) for _, d in await admin.stream_messages(S.STREAM_DECISIONS))
+    return Counter(r.request_id for r in records if r.stage == "admission" and r.decision == "allow")
 
 
 async def _leader(admin: Bus) -> str:
