@@ -340,7 +340,7 @@ class Client:
         started = time.monotonic()
         statuses: list[str] = []
         texts: list[str] = []
-        wait, stage, reason = timeouts.admission, "an admission decision (is an admitter running?)", "admission"
+        wait, stage, reason = timeouts.admission, "admission decision (is an admitter running?)", "admission"
         while True:
             left, why, what = _binding_wait(request, bool(texts), wait, reason, stage)
             try:
