@@ -67,6 +67,7 @@ from natsched.wire import msgids as M
 from natsched.wire import fence
 from natsched.client.batch import COMPLETED, FAILED, FINAL, RUNNING, SUBMITTED, WAITING, JobStore, attempt_id, note
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
+from natsched.bus.metrics import watch as watch_bus
 from natsched.bus.pools import PoolWatch
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import (Admitted, DeadLetter, Decision, Heartbeat, JobRecord, Reply, ReplyKind, ReplyStatus,
@@ -367,6 +368,7 @@ class OfflineRunner:
         self.held: list[Held] = []
         self.running: dict[str, tuple[str, float]] = {}  # job key -> (attempt id, started)
         self.metrics = OfflineMetrics()
+        watch_bus(self.metrics.registry, self.bus)  # its records lost, reconnects (natsched.bus.metrics)
         self._lock = asyncio.Lock()
         self._offline = ConsumerSpec(S.STREAM_OFFLINE, S.CONSUMER_OFFLINE, S.OFFLINE_ALL, ack_wait_s=s.ack_wait_s,
                                      max_ack_pending=s.max_held, batch=s.fetch_batch)

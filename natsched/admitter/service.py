@@ -41,6 +41,7 @@ from natsched.wire import subjects as S
 from natsched.wire import msgids as M
 from natsched.bus.aio import wait_event
 from natsched.bus.connection import CREATE_ONLY, Bus, ConsumerSpec, Delivery
+from natsched.bus.metrics import watch as watch_bus
 from natsched.bus.pools import PoolWatch
 from natsched.errors import NatschedError
 from natsched import tracing
@@ -151,6 +152,7 @@ class AdmitterService(Repairs, PartitionMember):
         self.scale = ScaleAdvisor(s.scale)
         self.knobs = self.base_knobs()  # plus the quotas bucket's setting.* entries (apply_knobs)
         self.metrics = metrics or AdmitterMetrics()
+        watch_bus(self.metrics.registry, self.bus)  # its records lost, reconnects (natsched.bus.metrics)
         self.held: dict[str, Held] = {}
         self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
         self.worker_load: dict[str, tuple[int, int, float]] = {}  # worker -> (capacity, used, seen)

@@ -633,6 +633,11 @@ class Bus:
         finally:
             self._record_retries -= 1
 
+    @property
+    def records_retrying(self) -> int:
+        """Audit records of :meth:`jpublish_nowait` being published again in the background now."""
+        return self._record_retries
+
     def _lose(self, subject: str, f: asyncio.Future, why: object) -> None:
         self.lost_publishes += 1
         log.error("publish to %s lost (%s, then %s)", subject, None if f.cancelled() else f.exception(), why)

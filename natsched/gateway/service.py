@@ -48,6 +48,7 @@ from typing import Any, AsyncIterator
 
 import orjson
 
+from natsched.bus.metrics import watch as watch_bus
 from natsched.client.batch import JobStore
 from natsched.wire import subjects as S
 from natsched.client.producer import Chunk, Client, Result, ResultStatus, Timeouts
@@ -133,6 +134,7 @@ class Gateway:
         self.keys = keys
         self.settings = settings or GatewaySettings()
         self.metrics = metrics or GatewayMetrics()
+        watch_bus(self.metrics.registry, client.bus)  # its records lost, reconnects (natsched.bus.metrics)
         self.status = status or StatusCollector(client.bus, follow_records=self.settings.status_page)
         self.jobs = JobStore(client.bus)
         self._in_flight: dict[str, int] = {}  # per API key (Principal.key): calls being answered

@@ -30,6 +30,7 @@ from natsched.wire import fence
 from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery
+from natsched.bus.metrics import watch as watch_bus
 from natsched.bus.pools import PoolWatch
 from natsched.wire.pools import check_pool
 from natsched.wire.errors import MessageError
@@ -90,6 +91,7 @@ class RouterService:
         self.settings = settings or RouterServiceSettings()
         self.core = RouterCore(self.settings.core)
         self.metrics = metrics or RouterMetrics()
+        watch_bus(self.metrics.registry, self.bus)  # its records lost, reconnects (natsched.bus.metrics)
         self._last_worker: OrderedDict[int, str] = OrderedDict()
         self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # cancel.<tenant>.<id> heard
         self.finished = RecentIds(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)  # _attempt_key of fenced completions

@@ -35,6 +35,7 @@ from natsched.wire import msgids as M
 from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
 from natsched.bus.aio import RECANCEL_S
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery, transport_failure
+from natsched.bus.metrics import watch as watch_bus
 from natsched.wire.errors import MessageError
 from natsched.wire.schema import (Assignment, CacheEvent, Completion, CompletionStatus, Control, Heartbeat, Reply,
                                   ReplyKind, ReplyStatus, ServedModel, WorkerId)
@@ -94,6 +95,7 @@ class WorkerAgent:
         self.drained_by: str | None = None  # who asked for the drain (a supervisor does not restart it)
         self.backoff = BackoffMonitor(settings.backoff)
         self.metrics = WorkerMetrics(settings.id, settings.model)
+        watch_bus(self.metrics.registry, self.bus)  # its records lost, reconnects (natsched.bus.metrics)
         self.cancelled = RecentIds(CANCEL_MEMORY_S, CANCEL_MEMORY_MAX)  # its producer gave up on it
         self.finished = RecentIds(FINISHED_MEMORY_S, FINISHED_MEMORY_MAX)  # completed here: never run again
         self._redelivered: set[str] = set()  # running from a WORK message delivered before (to us or our predecessor)

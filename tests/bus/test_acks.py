@@ -8,11 +8,13 @@ import pytest
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
+from prometheus_client import CollectorRegistry, generate_latest
 
 from natsched.bus.acks import AckInbox
 from natsched.bus import connection
 from natsched.bus.connection import Bus, Stored
 from natsched.bus.errors import BusTimeout, PublishRefused
+from natsched.bus.metrics import watch
 from tests.factories.core import wait_for
 
 STREAM = "ACKTEST"
@@ -74,7 +76,7 @@ async def test_a_record_is_retried_past_the_publish_budget_until_a_stream_can_st
         await bus.js.add_stream(api.StreamConfig(name="ACKLATE", subjects=["acklate.>"],
                                                  storage=api.StorageType.MEMORY))
         try:
-            assert await wait_for(lambda: bus._record_retries == 0, timeout=30)
+            assert await wait_for(lambda: bus.records_retrying == 0, timeout=30)
             assert await bus.stream_messages("ACKLATE") == [("acklate.x", b"record")]
             assert bus.lost_publishes == 0
         finally:
@@ -90,6 +92,12 @@ async def test_a_record_nothing_stores_within_its_budget_is_counted_lost(nats_ur
         await bus.jpublish_nowait("nostream.record", b"record", msg_id="lost-1")
         assert await wait_for(lambda: bus.lost_publishes == 1, timeout=30)
         assert "publish to nostream.record lost" in caplog.text
+        registry = CollectorRegistry()
+        watch(registry, bus)
+        watch(registry, bus)  # idempotent: an admitter and its inline router share both
+        text = generate_latest(registry).decode()
+        assert 'natsched_bus_records_lost_total{connection="acks-record-lost"} 1.0' in text
+        assert 'natsched_bus_records_retrying{connection="acks-record-lost"} 0.0' in text
     finally:
         await bus.close()
 
@@ -102,7 +110,11 @@ async def test_records_beyond_the_retry_cap_are_counted_lost_at_once(nats_url, m
         await bus.jpublish_nowait("nostream.capped", b"a", msg_id="cap-1")
         await bus.jpublish_nowait("nostream.capped", b"b", msg_id="cap-2")
         assert await wait_for(lambda: bus.lost_publishes == 1, timeout=30)  # the second, at once
-        assert bus._record_retries == 1  # the first is still being retried
+        assert bus.records_retrying == 1  # the first is still being retried
+        registry = CollectorRegistry()
+        watch(registry, bus)
+        assert registry.get_sample_value("natsched_bus_records_retrying", {"connection": "acks-record-cap"}) == 1
+        assert registry.get_sample_value("natsched_bus_records_lost_total", {"connection": "acks-record-cap"}) == 1
     finally:
         await bus.close()
 

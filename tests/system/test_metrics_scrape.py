@@ -88,6 +88,13 @@ EXPECTED = {
 }
 
 
+#: every service's connection counts (natsched.bus.metrics), labelled by connection name
+BUS = {"natsched_bus_records_lost": "counter", "natsched_bus_records_retrying": "gauge",
+       "natsched_bus_server_changes": "counter"}
+for _expected in EXPECTED.values():
+    _expected.update(BUS)
+
+
 def scrape(port: int) -> dict:
     """{family name: family} of one endpoint, parsed by prometheus_client's own parser."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
@@ -173,6 +180,11 @@ async def test_each_service_serves_its_documented_metrics_and_they_count_real_tr
     handoffs = value(adm, "natsched_admission_handoff_seconds", "natsched_admission_handoff_seconds_count")
     assert 1 <= handoffs <= 5
     assert value(adm, "natsched_admission_handoff_seconds", "natsched_admission_handoff_seconds_sum") > 0
+    for service, connection in (("admitter", "admitter"), ("router", "router"), ("worker", "w1")):
+        families = scraped[service]
+        assert value(families, "natsched_bus_records_lost", "natsched_bus_records_lost_total",
+                     connection=connection) == 0  # every decision record was stored
+        assert [s.labels["connection"] for s in families["natsched_bus_records_retrying"].samples] == [connection]
     assert value(rt, "natsched_routing_decision_latency_seconds",
                  "natsched_routing_decision_latency_seconds_count") == 5
     assert value(rt, "natsched_routing_decisions", "natsched_routing_decisions_total", decision="assign") == 5

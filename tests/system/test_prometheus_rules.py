@@ -34,7 +34,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 def test_promtool_accepts_the_rules_and_the_config():
     rules = promtool("check", "rules", str(PROM_DIR / "rules.yml"))
     assert rules.returncode == 0, rules.stdout + rules.stderr
-    assert "SUCCESS: 7 rules found" in rules.stdout
+    assert "SUCCESS: 8 rules found" in rules.stdout
     config = promtool("check", "config", str(PROM_DIR / "prometheus.yml"))
     assert config.returncode == 0, config.stdout + config.stderr
     assert "1 rule files found" in config.stdout
