@@ -197,20 +197,25 @@ async def test_an_adapter_in_the_servers_batch_is_announced_loaded_while_it_runs
     def ada_active() -> bool:
         return any(m.id == ADAPTER and m.active for m in watch.hb["s1"].served)
 
+    def announced() -> bool:
+        return ada_active() and ADAPTER in router.core.workers["s1"].active
+
+    async def seen_while_it_runs(attempt: int) -> bool:
+        # 4 prompt + 1016 output tokens fill the server's 1024-token context: the longest run
+        req = make_request("t7", prompt_token_ids=[1, 5, 6, 7 + attempt], model=ADAPTER, max_tokens=1016)
+        async for _chunk in client.stream(req):  # on s1, the one server that serves it
+            if announced():
+                return True  # leaving the loop cancels it
+        return False
+
     async with only(system, "s1"):
         await client.submit(make_request("t7", prompt_token_ids=[1, 2, 3], model=MODEL, max_tokens=2))
     assert await wait_for(lambda: not ada_active(), timeout=30)
-    # a run of ~1000 tiny-model tokens takes about a second; the agents share this test's event
-    # loop, and a loaded machine has paused it for 4 s, so no scrape saw one run: a few tries, each
-    # a run long enough to span several 0.3 s scrapes, the first one seen ends it
+    # a run takes about a second; the agents share this test's event loop, and a loaded machine
+    # has paused it for 4 s, so no scrape saw one run: a few runs, the first one seen ends it
     seen = False
     for attempt in range(5):
-        req = make_request("t7", prompt_token_ids=[1, 5, 6, 7 + attempt], model=ADAPTER, max_tokens=1016)
-        async for _chunk in client.stream(req):  # on s1, the one server that serves it
-            if ada_active() and ADAPTER in router.core.workers["s1"].active:
-                seen = True
-                break  # leaving the loop cancels it
-        if seen:
+        if seen := await seen_while_it_runs(attempt):
             break
     assert seen
 
