@@ -18,10 +18,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
+from nats.js.api import DeliverPolicy
 from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from natsched.bus.errors import ConflictError, StreamNotFound
-from natsched.bus.snapshot import KV_DELETE, KV_OPERATION, KV_PURGE, read_kv
+from natsched.bus.snapshot import KV_DELETE, KV_OPERATION, KV_PURGE, read_kv, read_records
 from natsched.wire import subjects as S
 
 if TYPE_CHECKING:
@@ -31,6 +32,19 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 #: JetStream's err_codes for "wrong last sequence" on a conditional publish (a purge marker)
 _WRONG_LAST = (10071, 10164)
+
+
+#: while a watch's current values are still coming: this long with nothing arriving, the server
+#: is asked again whether any are left (KV.watch)
+READY_RECHECK_S = 1.0
+
+
+async def _next(queue: asyncio.Queue, timeout: float | None) -> Any:
+    """The next item, or None after ``timeout`` seconds (None: wait for as long as it takes)."""
+    try:
+        return await asyncio.wait_for(queue.get(), timeout)
+    except asyncio.TimeoutError:
+        return None
 
 
 class KV:
@@ -118,26 +132,23 @@ class KV:
     async def history(self, keys: str = ">") -> list[tuple[str, bytes | None, int, str]]:
         """Every stored revision of the keys matching ``keys`` (as many as the bucket's history
         keeps per key), oldest first: (key, value or None when it is a delete, revision,
-        operation ``PUT`` / ``DEL`` / ``PURGE``). Empty when nothing matches. For rollbacks."""
-        from nats.js.errors import NoKeysError
+        operation ``PUT`` / ``DEL`` / ``PURGE``). Empty when nothing matches. For rollbacks.
 
-        kv = await self._handle()
-        try:
-            entries = await self.bus._read(lambda: kv.history(keys))
-        except NoKeysError:
-            return []
-        out = []
-        for e in entries:
-            op = e.operation or "PUT"
-            out.append((e.key, None if op in (KV_DELETE, KV_PURGE) else (e.value or b""), e.revision, op))
-        return sorted(out, key=lambda row: row[2])
+        Read through ``natsched.bus.snapshot``, not nats-py's ``kv.history()``, which can end
+        before the first record on a busy connection (that module's docstring)."""
+        return await self._records(keys, history=True)
 
     async def keys(self) -> list[str]:
-        kv = await self._handle()
+        """Every live key, in the order they were last written (values are not read). An empty
+        bucket gives ``[]``; a failed read raises, never passes for an empty bucket."""
+        return [key for key, value, _, _ in await self._records(">", headers_only=True) if value is not None]
+
+    async def _records(self, keys: str, **how: bool) -> list[tuple[str, bytes | None, int, str]]:
         try:
-            return await kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return []
+            return await self.bus._read(lambda: read_records(self.bus.nc, self.bus.js, self.bucket, keys, **how))
+        except NotFoundError:
+            raise StreamNotFound(f"bucket {self.bucket} does not exist (has natsched ever run on this "
+                                 "server?)") from None
 
     async def snapshot(self, keys: str = ">") -> dict[str, tuple[bytes, int]]:
         """The current value and revision of every live key matching ``keys``, read in windows
@@ -162,19 +173,42 @@ class KV:
                     ) -> AsyncIterator[tuple[str, bytes | None, int]]:
         """Current values, then every change: (key, value or None when deleted, revision).
 
-        ``ready`` is set once the current values have all been yielded.
+        ``ready`` is set once the current values have all been yielded: an admitter that starts
+        admitting at ``ready`` must have its quotas and the shared usage by then. nats-py's
+        ``kv.watch()`` signals the end of the current values too early when the server has sent
+        them but the client has not parsed them yet (nats-io/nats.py#842), so this is an ordered
+        consumer of its own whose end is counted from the server's consumer info: what the
+        consumer had delivered plus what it still held when the info was taken.
         """
-        kv = await self._handle()
-        watcher = await kv.watch(keys)
+        await self._handle()  # a missing bucket: StreamNotFound, before anything is created
+        arrived: asyncio.Queue = asyncio.Queue(maxsize=256)  # a full queue holds back the server
+
+        async def on_msg(msg: Any) -> None:
+            await arrived.put(msg)
+
+        sub = await self.bus.js.subscribe(S.kv_subject(self.bucket, keys), stream=self.stream, cb=on_msg,
+                                          ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                                          inactive_threshold=300.0)
         try:
-            async for entry in watcher:
-                if entry is None:  # end of the initial values
-                    if ready is not None:
-                        ready.set()
-                    continue
-                deleted = entry.operation in (KV_DELETE, KV_PURGE)
-                yield entry.key, (None if deleted else entry.value), entry.revision
-                if ready is not None and not ready.is_set() and entry.delta == 0:
+            info = await self.bus._read(sub.consumer_info)
+            current, seen = info.num_pending + info.delivered.consumer_seq, 0
+            prefix = S.kv_subject(self.bucket, "")
+            while True:
+                if ready is not None and not ready.is_set() and seen >= current:
                     ready.set()
+                waiting = ready is not None and not ready.is_set()
+                msg = await _next(arrived, READY_RECHECK_S if waiting else None)
+                if msg is None:
+                    # a value counted but gone before it was sent (an expired delete marker):
+                    # nothing arrived for a while, so ask the server again whether any are left
+                    info = await self.bus._read(sub.consumer_info)
+                    current = seen if info.num_pending == 0 else current
+                    continue
+                seen += 1
+                deleted = (msg.headers or {}).get(KV_OPERATION) in (KV_DELETE, KV_PURGE)
+                yield msg.subject[len(prefix):], (None if deleted else msg.data), msg.metadata.sequence.stream
         finally:
-            await watcher.stop()
+            try:
+                await sub.unsubscribe()
+            except Exception:  # a closed connection took it already
+                pass
