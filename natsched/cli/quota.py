@@ -61,11 +61,7 @@ async def _read_quotas(bus):
 
     from natsched.admitter.quotas import Quotas
 
-    entries = {}
-    for key in await bus.kv(S.BUCKET_QUOTAS).keys():
-        current = await bus.kv(S.BUCKET_QUOTAS).get(key)
-        if current is not None:
-            entries[key] = current[0]
+    entries = {key: value for key, (value, _rev) in (await bus.kv(S.BUCKET_QUOTAS).snapshot()).items()}
     dynamic = entries.pop(S.KEY_DYNAMIC_TOTAL, None)
     quotas, errors = Quotas.from_kv(entries, default_total=_live_default_total(entries))
     return quotas, errors, (orjson.loads(dynamic) if dynamic else None), entries

@@ -33,12 +33,8 @@ async def persisted_notes(bus) -> list[str]:
     from natsched.admitter.quotas import Quotas
 
     notes = []
-    kv = bus.kv(S.BUCKET_QUOTAS)
-    entries = {}
-    for key in await kv.keys():
-        got = await kv.get(key)
-        if got is not None and key != S.KEY_DYNAMIC_TOTAL:
-            entries[key] = got[0]
+    entries = {key: value for key, (value, _rev) in (await bus.kv(S.BUCKET_QUOTAS).snapshot()).items()
+               if key != S.KEY_DYNAMIC_TOTAL}
     if entries:
         stored, _errors = Quotas.from_kv(entries)
         changed = quota_changes(Quotas(), stored)
