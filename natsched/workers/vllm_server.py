@@ -133,6 +133,7 @@ class ServerEngine:
         self._process_start: float | None = None
         self._live: dict[str, int] = {}  # request id -> uncached prompt tokens, while its first token is awaited
         self._streams: dict[str, Any] = {}  # request id -> open HTTP response (abort closes it)
+        self._models: dict[str, str] = {}  # request id -> the model it names, while the server streams it
         self._aborting: set[str] = set()
         self._warned_cached = False
 
@@ -236,10 +237,14 @@ class ServerEngine:
         self.max_model_len = mine.max_model_len or 0
 
     def served_models(self) -> list[ServedModel]:
-        """What the server serves now, adapters marked ``active`` while in its batch."""
-        active = self.last_load.active_adapters
+        """What the server serves now, adapters marked ``active`` while in its batch: as its last
+        scrape reported the batch, and at once for the adapters of our own open streams. A scrape
+        alone can miss our own runs: a server whose engine steps faster than its API process
+        handles the outputs (a tiny model on a CPU) answers /metrics only after the run, when its
+        report is empty again."""
+        active = self.last_load.active_adapters | set(self._models.values())
         return [ServedModel(id=m.id, object=m.object, created=m.created, owned_by=m.owned_by, root=m.root,
-                            parent=m.parent, max_model_len=m.max_model_len, active=m.id in active)
+                            parent=m.parent, max_model_len=m.max_model_len, active=bool(m.parent) and m.id in active)
                 for m in self.served]
 
     # ------------------------------------------------------------------ cache summaries
@@ -390,6 +395,8 @@ class ServerEngine:
                     body = await resp.aread()
                     yield _http_error(resp.status_code, body, request.prompt_tokens)
                     return
+                if request.model is not None:
+                    self._models[rid] = request.model
                 async for out in self._read_stream(resp, state):
                     yield out
                     if out.finished:
@@ -408,6 +415,7 @@ class ServerEngine:
         finally:
             self._live.pop(rid, None)
             self._streams.pop(rid, None)
+            self._models.pop(rid, None)
             self._aborting.discard(rid)
 
     async def _open(self, request: EngineRequest) -> Any:
