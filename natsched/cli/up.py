@@ -219,6 +219,7 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-port", type=int, default=None, help="port our KV-event socket binds (default: any)")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile (fast start, slower steps)")
     p.add_argument("--load-format", default=None, help="vLLM load format ('dummy' = random weights, no download)")
+    p.add_argument("--dtype", default=None, help="vLLM weight/activation dtype (default: auto)")
     p.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens (benchmarks, tests)")
     p.add_argument("--deployment", default=None, help="calibration key part (default: device + KV size)")
@@ -300,7 +301,7 @@ def _worker_passthrough(args) -> list[str]:
     """``up``'s model and vLLM flags, handed to every worker."""
     out = ["--model", args.model] if args.model else []
     for flag in ("model_path", "max_model_len", "gpu_memory_utilization", "kv_cache_blocks", "load_format",
-                 "deployment"):
+                 "dtype", "deployment"):
         value = getattr(args, flag)
         if value is not None:
             out += ["--" + flag.replace("_", "-"), str(value)]
@@ -325,6 +326,7 @@ def vllm_settings(args):
         max_num_seqs=opt("concurrency", 64), max_model_len=opt("max_model_len"),
         gpu_memory_utilization=opt("gpu_memory_utilization", 0.9), kv_cache_blocks=opt("kv_cache_blocks"),
         enforce_eager=bool(opt("enforce_eager", False)), load_format=opt("load_format", "auto"),
+        dtype=opt("dtype", "auto"),
         skip_tokenizer_init=bool(opt("skip_tokenizer_init", False)), deployment=opt("deployment"),
         kv_events_port=opt("kv_events_port", 0), ignore_eos=bool(opt("ignore_eos", False)),
     )

@@ -24,6 +24,8 @@ from typing import Sequence
 
 import orjson
 
+from natsched.workers.tiny_model import DTYPE as TINY_DTYPE
+
 
 class VllmServe:
     def __init__(
@@ -40,6 +42,7 @@ class VllmServe:
         kv_cache_blocks: int | None = 256,
         max_num_seqs: int = 8,
         load_format: str = "dummy",
+        dtype: str = TINY_DTYPE,
         enforce_eager: bool = True,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
@@ -48,7 +51,7 @@ class VllmServe:
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
                 "--served-model-name", served_name, "--host", host, "--port", str(port),
                 "--block-size", str(block_size), "--max-model-len", str(max_model_len),
-                "--max-num-seqs", str(max_num_seqs), "--load-format", load_format,
+                "--max-num-seqs", str(max_num_seqs), "--load-format", load_format, "--dtype", dtype,
                 "--enable-prefix-caching", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
         if kv_cache_blocks:
             args += ["--num-gpu-blocks-override", str(kv_cache_blocks)]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from natsched.hosting.runtime import READY_PREFIX
+from natsched.workers.tiny_model import DTYPE as TINY_DTYPE
 
 
 class VllmWorkerProcess:
@@ -44,6 +45,7 @@ class VllmWorkerProcess:
         kv_cache_blocks: int | None = 256,
         enforce_eager: bool = True,
         load_format: str | None = "dummy",
+        dtype: str | None = TINY_DTYPE,
         skip_tokenizer_init: bool = False,
         ignore_eos: bool = True,
         heartbeat: float = 0.5,
@@ -62,6 +64,8 @@ class VllmWorkerProcess:
             flags.append("--enforce-eager")
         if load_format:
             flags += ["--load-format", load_format]
+        if dtype:
+            flags += ["--dtype", dtype]
         if skip_tokenizer_init:
             flags.append("--skip-tokenizer-init")
         if ignore_eos:

@@ -1,6 +1,7 @@
 """A tiny model directory that real vLLM can serve on CPU with no download (tests, demos).
 
-``config.json`` describes a 2-layer Llama (hidden 256, 4 heads of 64, 2 KV heads, vocab 1024);
+``config.json`` describes a Llama of 2 layers by default (hidden 256, 4 heads of 64, 2 KV heads,
+vocab 1024);
 vLLM fills it with random weights (``load_format="dummy"``), so its output is noise but every
 engine mechanism — batching, prefix caching, KV events, preemption — is real. With
 ``tokenizer=True`` a small byte-level BPE tokenizer is saved beside it, for text prompts and
@@ -18,6 +19,12 @@ import random
 from pathlib import Path
 
 VOCAB = 1024
+#: the dtype to serve the tiny model in (``--dtype``). vLLM's "auto" turns a float32 model into
+#: bfloat16 on CPU, and on a CPU with AMX its attention then takes the AMX kernel, which never asks
+#: Linux for the AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``): oneDNN asks only when a
+#: matmul takes its AMX path, which a model this small never does, so the first step dies with
+#: SIGILL. float32 takes the AVX-512/AVX2 kernel on every x86 CPU.
+DTYPE = "float32"
 WORDS = ("the quick brown fox jumps over lazy dog system prompt knowledge base user question answer "
          "routing cache prefix token worker model engine request reply tenant quota batch online").split()
 
@@ -40,11 +47,21 @@ CONFIG = {
 }
 
 
-def write_tiny_model(directory: str | Path, tokenizer: bool = False) -> Path:
-    """Write ``config.json`` (and a tokenizer when asked) into ``directory``; returns it."""
+def write_tiny_model(directory: str | Path, tokenizer: bool = False, layers: int = 2) -> Path:
+    """Write ``config.json`` (and a tokenizer when asked) into ``directory``; returns it.
+
+    ``layers`` sets the model's depth, i.e. how long an engine step takes. With 2 layers a step
+    takes ~2.4 ms on CPU, less than vLLM's output handler needs per step: its queue then never
+    empties, its awaits complete without yielding, and the streams, ``/metrics`` and disconnect
+    checks of the process it runs in wait until the run is over. A test that must act *during* a
+    run (cancel it, kill its engine) asks for 16 layers (~11 ms a step in :data:`DTYPE`), which the
+    handler kept up with beside two CPU hogs; half as slow a step did not (3 of 4 cancels landed
+    after the run)."""
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    (path / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": layers}, indent=1))
     if tokenizer:
         _write_tokenizer(path)
     return path
@@ -101,7 +118,8 @@ def _write_tokenizer(path: Path) -> None:
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def write_tiny_lora(directory: str | Path, rank: int = 8, seed: int = 0, scale: float = 0.05) -> Path:
+def write_tiny_lora(directory: str | Path, rank: int = 8, seed: int = 0, scale: float = 0.05,
+                    layers: int = CONFIG["num_hidden_layers"]) -> Path:
     """A LoRA adapter for the tiny model, in PEFT's on-disk format, with small random weights.
 
     ``adapter_config.json`` (rank, alpha, the target modules) and ``adapter_model.safetensors``
@@ -109,7 +127,7 @@ def write_tiny_lora(directory: str | Path, rank: int = 8, seed: int = 0, scale: 
     PEFT's ``base_model.model.`` prefix) are what ``vllm serve --lora-modules NAME=PATH`` loads;
     written here with torch and safetensors, nothing downloaded. ``lora_B`` is not zero (PEFT's
     init), so the adapter does change the model's output: a request that runs with it answers
-    differently from the base model.
+    differently from the base model. ``layers`` matches the depth given to :func:`write_tiny_model`.
     """
     import torch
     from safetensors.torch import save_file
@@ -122,7 +140,7 @@ def write_tiny_lora(directory: str | Path, rank: int = 8, seed: int = 0, scale: 
     shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden)}
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(CONFIG["num_hidden_layers"]):
+    for layer in range(layers):
         for name, (fan_in, fan_out) in shapes.items():
             key = f"base_model.model.model.layers.{layer}.self_attn.{name}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * scale

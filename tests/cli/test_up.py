@@ -133,16 +133,19 @@ def test_every_command_has_help():
 
 def test_up_hands_its_model_and_vllm_flags_to_every_worker():
     from natsched.cli.app import build_parser
-    from natsched.cli.up import up_settings
+    from natsched.cli.up import up_settings, vllm_settings
     from natsched.hosting.supervisor import Supervisor
 
     args = build_parser().parse_args(["up", "--workers", "2", "--engine", "vllm", "--model", "tiny",
-                                      "--model-path", "models/tiny", "--max-model-len", "512", "--enforce-eager"])
+                                      "--model-path", "models/tiny", "--max-model-len", "512", "--enforce-eager",
+                                      "--dtype", "float32"])
     workers = [c.args for c in Supervisor(up_settings(args)).plan("nats://127.0.0.1:4222") if c.name.startswith("worker")]
     assert len(workers) == 2
     for cmd in workers:
         assert cmd[cmd.index("--model-path") + 1] == "models/tiny" and cmd[cmd.index("--max-model-len") + 1] == "512"
         assert cmd[cmd.index("--model") + 1] == "tiny" and "--enforce-eager" in cmd and "vllm" in cmd
+        assert cmd[cmd.index("--dtype") + 1] == "float32"
+        assert vllm_settings(build_parser().parse_args(cmd[cmd.index("worker"):])).dtype == "float32"
     bad = build_parser().parse_args(["up", "--workers", "2", "--kv-events-port", "5557"])
     with pytest.raises(ValueError, match="kv-events-port"):
         up_settings(bad)

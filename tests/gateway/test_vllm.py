@@ -20,15 +20,21 @@ from natsched.hosting.vllm_worker import VllmWorkerProcess
 pytestmark = pytest.mark.vllm
 
 MODEL = "tiny-gw"
-#: the request the client hangs up on: long enough that even a fast CPU is still generating it
-#: well after the gateway noticed (CI once finished 4,000 tokens before the cancel arrived, and
-#: this VM has kept the test process from running for up to 30 s while vLLM ran: 32,000 tokens take ~80 s)
-LONG = 32_000
+#: the request the client hangs up on: long enough that the worker is still generating it well
+#: after the gateway noticed (this VM has kept the test process from running for up to 30 s); on
+#: the 16-layer model 6,000 tokens take ~90 s (2 layers made 4,000 before a cancel arrived)
+LONG = 6_000
+#: deep enough that vLLM's output handler keeps up with the steps, so the worker's heartbeats and
+#: its cancel handling run during the generation (see ``write_tiny_model``): with 2 layers, a
+#: loaded machine saw the worker's heartbeats stop for 101 s and the cancel answered only after
+LAYERS = 16
 
 
 async def test_openai_sdk_through_the_gateway_to_a_vllm_worker(bus, nats_url, tmp_path):
+    # before the stack: training the tokenizer holds this process's loop (the admitter saw a 10.6 s
+    # pause beside two CPU hogs, and the router called the new worker stale)
+    path = write_tiny_model(tmp_path / "tiny", tokenizer=True, layers=LAYERS)  # text prompts: the chat template's output
     stack = await start_stack(nats_url, workers=0)
-    path = write_tiny_model(tmp_path / "tiny", tokenizer=True)  # text prompts: the chat template's output
     proc = VllmWorkerProcess(nats_url, "gv1", path, model=MODEL, max_model_len=LONG + 64, kv_cache_blocks=LONG // 16 + 64,
                              concurrency=4, heartbeat=1.0).start()
     gw = None

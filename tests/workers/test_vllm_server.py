@@ -72,11 +72,18 @@ class Watch:
             states.append(hb.state)
 
 
+#: the served model's depth (see ``write_tiny_model``): beside two CPU hogs, with 2 layers every
+#: cancel came after all 900 tokens; with 16 (float32) four cancels stopped at tokens 3 to 83
+LAYERS = 16
+
+
 @pytest.fixture(scope="module")
 async def system(nats_url, tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("tiny-serve"), tokenizer=True)
+    # 16 layers: steps slow enough (~11 ms) that the server's output handler keeps up, so its
+    # streams, /metrics and disconnect checks answer during a run (see ``write_tiny_model``)
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-serve"), tokenizer=True, layers=LAYERS)
     # weights of about one: the dummy base weights are ~1e-3, so the adapter changes every answer
-    lora = write_tiny_lora(tmp_path_factory.mktemp("tiny-lora"), scale=1.0)
+    lora = write_tiny_lora(tmp_path_factory.mktemp("tiny-lora"), scale=1.0, layers=LAYERS)
     lora_args = {"s1": ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}={lora}"]}
     servers = {w: VllmServe(path, MODEL, port=free_port(), kv_port=free_port(), replay_port=free_port(),
                             max_model_len=1024, kv_cache_blocks=256, max_num_seqs=8,
@@ -333,8 +340,8 @@ async def test_a_text_prefix_is_announced_under_the_routers_text_hashes(system):
 async def test_a_cancel_stops_generation_on_the_server(system):
     """A cancel closes the agent's HTTP stream and vLLM aborts the request whose client went away.
 
-    The tiny model makes 900 tokens in about a second; a test process stalled that long by a loaded
-    machine sees its second token only after the server finished them all, and no cancel can stop
+    The 16-layer model makes 900 tokens in about fifteen seconds beside two CPU hogs; a test process
+    stalled that long by a loaded machine sees its second token only after the server finished them all, and no cancel can stop
     what is done. So the experiment runs up to three times with fresh requests: lost cancels make
     every run generate all 900 tokens, a stall spoils one run."""
     client = system.client

@@ -38,11 +38,11 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 async def engine(tmp_path_factory):
-    from natsched.workers.tiny_model import write_tiny_model
+    from natsched.workers.tiny_model import DTYPE, write_tiny_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path = write_tiny_model(tmp_path_factory.mktemp("tiny-text"), tokenizer=True)
-    eng = VllmEngine(VllmEngineSettings(model_path=str(path), model=MODEL, load_format="dummy", enforce_eager=True,
+    eng = VllmEngine(VllmEngineSettings(model_path=str(path), model=MODEL, load_format="dummy", dtype=DTYPE, enforce_eager=True,
                                         ignore_eos=True,  # random weights: no early EOS, exact token counts
                                         max_model_len=2048, max_num_seqs=8, kv_cache_blocks=256))
     eng.recorder = Recorder()

@@ -31,6 +31,12 @@ MODEL = "tiny-w"
 DEPLOYMENT = "test-cpu"
 CALIBRATED = 5000
 MAX_LEN = 8000  # room for the drain test's long request (256 x 32 KV tokens, less what vLLM keeps back)
+#: the drain test's request: on the 16-layer model ~50 s, so a heartbeat shows it running and quiescing
+DRAIN_TOKENS = 3000
+#: deep enough that vLLM's output handler keeps up with the steps, so heartbeats leave the worker
+#: while it runs (see ``write_tiny_model``): with 2 layers, beside two CPU hogs, 25 heartbeats sent
+#: over 7 s during the drain test's request arrived together, after the drain had gone out
+LAYERS = 16
 _ids = itertools.count()
 
 
@@ -92,7 +98,7 @@ async def worker(nats_url, tmp_path_factory):
         measured_at=time.time()))
     listener = Listener()
     await listener.start(bus)
-    path = write_tiny_model(tmp_path_factory.mktemp("tiny-worker"), tokenizer=True)
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-worker"), tokenizer=True, layers=LAYERS)
     proc = VllmWorkerProcess(nats_url, WID, path, model=MODEL, deployment=DEPLOYMENT, kv_cache_blocks=256,
                              max_model_len=MAX_LEN, concurrency=4, heartbeat=0.3).start()
     try:
@@ -207,7 +213,7 @@ async def test_drain_finishes_inflight_work_then_the_process_leaves(worker):
             drained.append(time.time())
             await bus.publish(S.control(WID), Control(kind="drain", by="test"))
 
-    req = await assign(bus, prompt_token_ids=[7 + i % 500 for i in range(64)], max_tokens=MAX_LEN - 192)
+    req = await assign(bus, prompt_token_ids=[7 + i % 500 for i in range(64)], max_tokens=DRAIN_TOKENS)
     listener.on_heartbeat = drain_once_running
     assert await wait_for(lambda: drained, timeout=120), "the request never showed in flight"
     # it says so while the request still runs ...
@@ -215,7 +221,7 @@ async def test_drain_finishes_inflight_work_then_the_process_leaves(worker):
         _drain_story(listener, req.id, drained[0])  # what the heartbeats said, and when the request ended
     # ... and finishes it
     c = await finished(listener, req, timeout=240)
-    assert c.status == "ok" and c.output_tokens == MAX_LEN - 192
+    assert c.status == "ok" and c.output_tokens == DRAIN_TOKENS
     code = await asyncio.to_thread(proc.wait, 60)
     assert code == 0, proc.tail()
     assert await wait_for(lambda: listener.hbs[-1].inflight == [] and listener.kvs[-1].kind == "cleared")
