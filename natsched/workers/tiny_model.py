@@ -25,6 +25,11 @@ VOCAB = 1024
 #: matmul takes its AMX path, which a model this small never does, so the first step dies with
 #: SIGILL. float32 takes the AVX-512/AVX2 kernel on every x86 CPU.
 DTYPE = "float32"
+#: the depth for a test that must act *during* a run (cancel it, drain or kill its worker): ~16 ms a
+#: step in :data:`DTYPE`, which vLLM's output handler keeps up with (see :func:`write_tiny_model`).
+#: Measured beside two CPU hogs, a cancel after 2 of 900 tokens: with 2 layers every run made all
+#: 900; with 12 (bfloat16) 3 runs of 4 did; with 16 all 4 stopped by token 83.
+LIVE_LAYERS = 16
 WORDS = ("the quick brown fox jumps over lazy dog system prompt knowledge base user question answer "
          "routing cache prefix token worker model engine request reply tenant quota batch online").split()
 
@@ -47,16 +52,15 @@ CONFIG = {
 }
 
 
-def write_tiny_model(directory: str | Path, tokenizer: bool = False, layers: int = 2) -> Path:
+def write_tiny_model(directory: str | Path, tokenizer: bool = False,
+                     layers: int = CONFIG["num_hidden_layers"]) -> Path:
     """Write ``config.json`` (and a tokenizer when asked) into ``directory``; returns it.
 
     ``layers`` sets the model's depth, i.e. how long an engine step takes. With 2 layers a step
-    takes ~2.4 ms on CPU, less than vLLM's output handler needs per step: its queue then never
-    empties, its awaits complete without yielding, and the streams, ``/metrics`` and disconnect
-    checks of the process it runs in wait until the run is over. A test that must act *during* a
-    run (cancel it, kill its engine) asks for 16 layers (~11 ms a step in :data:`DTYPE`), which the
-    handler kept up with beside two CPU hogs; half as slow a step did not (3 of 4 cancels landed
-    after the run)."""
+    takes ~2.3 ms on CPU, less than vLLM's output handler needs per step: its queue then never
+    empties, its awaits complete without yielding, and the streams, ``/metrics``, heartbeats and
+    disconnect checks of the process it runs in wait until the run is over. A test that must act
+    during a run asks for :data:`LIVE_LAYERS`."""
     if layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}")
     path = Path(directory)

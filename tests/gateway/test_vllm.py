@@ -13,7 +13,7 @@ from natsched.wire.schema import Completion
 from tests.factories.gateway import ALPHA, start_gateway
 from tests.gateway.test_cancel import post
 from tests.factories.stack import start_stack
-from natsched.workers.tiny_model import write_tiny_model
+from natsched.workers.tiny_model import LIVE_LAYERS, write_tiny_model
 from natsched.hosting.vllm_worker import VllmWorkerProcess
 
 # no skip when vLLM is missing: CI installs the cpu extra, and a missing engine must fail loudly
@@ -22,18 +22,16 @@ pytestmark = pytest.mark.vllm
 MODEL = "tiny-gw"
 #: the request the client hangs up on: long enough that the worker is still generating it well
 #: after the gateway noticed (this VM has kept the test process from running for up to 30 s); on
-#: the 16-layer model 6,000 tokens take ~90 s (2 layers made 4,000 before a cancel arrived)
+#: the LIVE_LAYERS model 6,000 tokens take ~90 s (2 layers made 4,000 before a cancel arrived)
 LONG = 6_000
-#: deep enough that vLLM's output handler keeps up with the steps, so the worker's heartbeats and
-#: its cancel handling run during the generation (see ``write_tiny_model``): with 2 layers, a
-#: loaded machine saw the worker's heartbeats stop for 101 s and the cancel answered only after
-LAYERS = 16
 
 
 async def test_openai_sdk_through_the_gateway_to_a_vllm_worker(bus, nats_url, tmp_path):
     # before the stack: training the tokenizer holds this process's loop (the admitter saw a 10.6 s
     # pause beside two CPU hogs, and the router called the new worker stale)
-    path = write_tiny_model(tmp_path / "tiny", tokenizer=True, layers=LAYERS)  # text prompts: the chat template's output
+    # a tokenizer for text prompts (the chat template's output); LIVE_LAYERS, as with 2 layers a
+    # loaded machine saw the worker's heartbeats stop for 101 s while it generated
+    path = write_tiny_model(tmp_path / "tiny", tokenizer=True, layers=LIVE_LAYERS)
     stack = await start_stack(nats_url, workers=0)
     proc = VllmWorkerProcess(nats_url, "gv1", path, model=MODEL, max_model_len=LONG + 64, kv_cache_blocks=LONG // 16 + 64,
                              concurrency=4, heartbeat=1.0).start()

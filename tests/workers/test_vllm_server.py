@@ -34,7 +34,7 @@ from natsched.wire.schema import CacheEvent, Control, Heartbeat
 from natsched.workers.agent import WorkerAgent, WorkerSettings
 from natsched.workers.engine import EngineRequest
 from natsched.workers.server_metrics import parse_metrics
-from natsched.workers.tiny_model import write_tiny_lora, write_tiny_model
+from natsched.workers.tiny_model import LIVE_LAYERS, write_tiny_lora, write_tiny_model
 from natsched.hosting.vllm_serve import VllmServe
 from natsched.workers.vllm_server import ServerEngine, ServerSettings
 from tests.conftest import wipe
@@ -72,18 +72,12 @@ class Watch:
             states.append(hb.state)
 
 
-#: the served model's depth (see ``write_tiny_model``): beside two CPU hogs, with 2 layers every
-#: cancel came after all 900 tokens; with 16 (float32) four cancels stopped at tokens 3 to 83
-LAYERS = 16
-
-
 @pytest.fixture(scope="module")
 async def system(nats_url, tmp_path_factory):
-    # 16 layers: steps slow enough (~11 ms) that the server's output handler keeps up, so its
-    # streams, /metrics and disconnect checks answer during a run (see ``write_tiny_model``)
-    path = write_tiny_model(tmp_path_factory.mktemp("tiny-serve"), tokenizer=True, layers=LAYERS)
+    # deep enough that the server's streams, /metrics and disconnect checks answer during a run
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-serve"), tokenizer=True, layers=LIVE_LAYERS)
     # weights of about one: the dummy base weights are ~1e-3, so the adapter changes every answer
-    lora = write_tiny_lora(tmp_path_factory.mktemp("tiny-lora"), scale=1.0, layers=LAYERS)
+    lora = write_tiny_lora(tmp_path_factory.mktemp("tiny-lora"), scale=1.0, layers=LIVE_LAYERS)
     lora_args = {"s1": ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}={lora}"]}
     servers = {w: VllmServe(path, MODEL, port=free_port(), kv_port=free_port(), replay_port=free_port(),
                             max_model_len=1024, kv_cache_blocks=256, max_num_seqs=8,
@@ -340,8 +334,9 @@ async def test_a_text_prefix_is_announced_under_the_routers_text_hashes(system):
 async def test_a_cancel_stops_generation_on_the_server(system):
     """A cancel closes the agent's HTTP stream and vLLM aborts the request whose client went away.
 
-    The 16-layer model makes 900 tokens in about fifteen seconds beside two CPU hogs; a test process
-    stalled that long by a loaded machine sees its second token only after the server finished them all, and no cancel can stop
+    The LIVE_LAYERS model makes 900 tokens in ~15 s beside two CPU hogs; a test process stalled
+    that long by a loaded machine sees its second token only after the server finished them all,
+    and no cancel can stop
     what is done. So the experiment runs up to three times with fresh requests: lost cancels make
     every run generate all 900 tokens, a stall spoils one run."""
     client = system.client

@@ -30,13 +30,9 @@ WID = WorkerId("wv1")
 MODEL = "tiny-w"
 DEPLOYMENT = "test-cpu"
 CALIBRATED = 5000
-MAX_LEN = 8000  # room for the drain test's long request (256 x 32 KV tokens, less what vLLM keeps back)
-#: the drain test's request: on the 16-layer model ~50 s, so a heartbeat shows it running and quiescing
+MAX_LEN = 8000  # the context limit: the too-long test's prompt goes 400 past it
+#: the drain test's request: on the LIVE_LAYERS model ~50 s, so a heartbeat shows it running and quiescing
 DRAIN_TOKENS = 3000
-#: deep enough that vLLM's output handler keeps up with the steps, so heartbeats leave the worker
-#: while it runs (see ``write_tiny_model``): with 2 layers, beside two CPU hogs, 25 heartbeats sent
-#: over 7 s during the drain test's request arrived together, after the drain had gone out
-LAYERS = 16
 _ids = itertools.count()
 
 
@@ -87,7 +83,7 @@ class Listener:
 
 @pytest.fixture(scope="module")
 async def worker(nats_url, tmp_path_factory):
-    from natsched.workers.tiny_model import write_tiny_model
+    from natsched.workers.tiny_model import LIVE_LAYERS, write_tiny_model
 
     bus = await Bus.connect(nats_url, name="test-vllm-worker")
     await wipe(bus)
@@ -98,7 +94,7 @@ async def worker(nats_url, tmp_path_factory):
         measured_at=time.time()))
     listener = Listener()
     await listener.start(bus)
-    path = write_tiny_model(tmp_path_factory.mktemp("tiny-worker"), tokenizer=True, layers=LAYERS)
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-worker"), tokenizer=True, layers=LIVE_LAYERS)
     proc = VllmWorkerProcess(nats_url, WID, path, model=MODEL, deployment=DEPLOYMENT, kv_cache_blocks=256,
                              max_model_len=MAX_LEN, concurrency=4, heartbeat=0.3).start()
     try:

@@ -21,16 +21,12 @@ WID = WorkerId("wdead")
 #: still streaming when the kill comes, even after the seconds this VM can keep the test from
 #: running while vLLM works (the kill ends it early: a long request costs nothing)
 LONG = 16_000
-#: a model deep enough that vLLM's output handler keeps up with its steps, so token replies leave
-#: the worker while it runs (see ``write_tiny_model``); with 2 layers a loaded machine delivered
-#: the first 5 only after all 16,000 were made, and the kill came too late to fail anything
-LAYERS = 16
 
 
 async def test_engine_core_death_is_reported_and_the_worker_exits_1(nats_url, tmp_path):
     import psutil
 
-    from natsched.workers.tiny_model import write_tiny_model
+    from natsched.workers.tiny_model import LIVE_LAYERS, write_tiny_model
 
     bus = await Bus.connect(nats_url, name="test-vllm-death")
     await wipe(bus)
@@ -46,7 +42,7 @@ async def test_engine_core_death_is_reported_and_the_worker_exits_1(nats_url, tm
     await bus.subscribe(S.cache_events(WID), sink("kv", CacheEvent))
     await bus.subscribe(S.COMPLETIONS_ALL, sink("done", Completion))
     await bus.subscribe("resp.>", sink("reply", Reply))
-    proc = VllmWorkerProcess(nats_url, WID, write_tiny_model(tmp_path / "m", layers=LAYERS), model="tiny-d",
+    proc = VllmWorkerProcess(nats_url, WID, write_tiny_model(tmp_path / "m", layers=LIVE_LAYERS), model="tiny-d",
                              skip_tokenizer_init=True, heartbeat=0.3, max_model_len=LONG + 96,
                              kv_cache_blocks=LONG // 32 + 64).start()
     try:
