@@ -336,9 +336,8 @@ async def test_a_cancel_stops_generation_on_the_server(system):
 
     The LIVE_LAYERS model makes 900 tokens in ~15 s beside two CPU hogs; a test process stalled
     that long by a loaded machine sees its second token only after the server finished them all,
-    and no cancel can stop
-    what is done. So the experiment runs up to three times with fresh requests: lost cancels make
-    every run generate all 900 tokens, a stall spoils one run."""
+    and no cancel can stop what is done. So the experiment runs up to three times with fresh
+    requests: lost cancels make every run generate all 900 tokens, a stall spoils one run."""
     client = system.client
     srv = system.servers["s1"]
     made = []
