@@ -8,8 +8,10 @@ door (admission) and where it sends what it lets in (routing). The admission beh
   as ``admitter/service.py`` does (evaluate + apply per arrival, plan + commit dequeues on every
   completion and tick, release per completion), its total following the workers' capacity
   (:mod:`natsched.admitter.dynamic`); ``degrade`` parks batch/offline work for the offline path,
-  which runs it when usage falls below the degrade watermark; a dead worker's requests are
-  rescued (re-routed, reservation kept) after its lease expires.
+  which runs it when usage falls below the degrade watermark; a dead worker's requests whose
+  client has seen no output yet are rescued (re-routed, reservation kept) after its lease
+  expires. A stream that had output fails to its client, as the producer does
+  (:func:`natsched.client.producer._rerouted`), and the client retries as anyone's does.
 - ``dynamo``: :class:`DynamoGate`, Dynamo's busy-threshold rejection (docs, "Request Rejection"):
   a worker is busy when its active decode blocks exceed ``active_decode_blocks_threshold`` of its
   KV or its active prefill tokens exceed ``active_prefill_tokens_threshold``; when every worker
@@ -415,7 +417,7 @@ class Contender:
     name: str
     policy: str  # routing policy (natsched.router.policies.POLICIES)
     gate: Callable[[dict, dict], object] | None  # (tenants, SLOs) -> admission hook; None: no admission
-    rescue: bool = False  # re-routes a dead worker's requests itself
+    rescue: bool = False  # re-routes a dead worker's requests with no output yet itself
     doc: str = ""
     latency_health: bool = False  # natsched's half-open rule (natsched.router.health): natsched's own
 

@@ -24,9 +24,12 @@ The scenario suite (:mod:`natsched.sim.scenarios`) adds what a changing cluster 
 - ``events``: :class:`WorkerEvent` s at fixed virtual times — ``add`` a cold worker, ``kill`` one
   (its unfinished requests are lost on it), ``slow`` one to a share of its speed for a while (a
   noisy neighbour: ``SimCore.set_speed``, every step takes 1 / factor as long);
-- what happens to a killed worker's requests: with ``rescue_s`` set, the scheduler re-routes them
-  itself that long after the death (natsched's admitter rescue: the reservation stays held, the
-  dead worker is avoided); without it, the client sees an error and retries;
+- what happens to a killed worker's requests: with ``rescue_s`` set, the scheduler re-routes those
+  whose client has seen no output yet itself, that long after the death (natsched's admitter
+  rescue: the reservation stays held, the dead worker is avoided). A stream that had output
+  cannot be taken back: natsched's producer fails it with ``worker_lost``
+  (:func:`natsched.client.producer._rerouted`) and cancels the re-run, so here, as without
+  ``rescue_s``, the client sees an error and retries (every simulated client streams);
 - ``client_retry``: refused requests (admission rejects, no worker, a lost worker without rescue)
   come back after the client's backoff — ``retry_after`` when the refusal carries one, else the
   OpenAI SDK's exponential backoff (:class:`ClientRetry`) — until its retries run out. So a retry
@@ -646,28 +649,31 @@ class Simulator:
         # (their completions were never published)
         mine = [sid for sid, req in self._by_seq_id.items() if self.records[req.index].worker == w.id]
         lost = [self._by_seq_id.pop(sid) for sid in mine]
+        streamed: list[bool] = []  # whether its client has seen output of this attempt
         for sid, req in zip(mine, lost):  # first tokens it streamed before it died were seen
             seq = w.core.seqs.get(sid) or w.in_step.get(sid)
             first = seq.first_token_at if seq is not None else None
             rec = self.records[req.index]
-            if first is not None and first <= now and rec.first_token is None:
+            streamed.append(first is not None and first <= now)
+            if streamed[-1] and rec.first_token is None:
                 rec.first_token = first
         w.core.waiting.clear()
         w.core.running.clear()
         w.core.seqs.clear()
         log.info("worker %s killed at t=%.1f with %d request(s) on it", w.id, now, len(lost))
-        for req in lost:
-            self._lost(req, w, now)
+        for req, had_output in zip(lost, streamed):
+            self._lost(req, w, now, had_output)
 
-    def _lost(self, req: TraceRequest, w: _Worker, now: float) -> None:
-        """A request that died with ``w``: rescued by the scheduler (``rescue_s``) or failed to the client."""
+    def _lost(self, req: TraceRequest, w: _Worker, now: float, streamed: bool = False) -> None:
+        """A request that died with ``w``: rescued by the scheduler (``rescue_s``; only while its
+        client has seen no output of this attempt, ``streamed``) or failed to the client."""
         rr = self._route_reqs[req.index]
         rec = self.records[req.index]
         self._send(now, self._deliver_completion, Completion(
             request_id=rr.id, tenant=rr.tenant, cls=rr.cls, model=rr.model, status="error", worker=w.id,
             runtime_tokens=rr.runtime_tokens, reason="worker_lost", ts=now))
         rescue = self.settings.rescue_s
-        if rescue is not None:
+        if rescue is not None and not streamed:
             rec.rescued += 1
             rec.status = "queued"
             rr.avoid = rr.avoid | {w.id}

@@ -86,35 +86,44 @@ def test_a_refused_client_comes_back_after_retry_after_or_the_backoff():
     assert res.records[0].status == "rejected"
 
 
-def test_kill_with_rescue_reruns_the_work_elsewhere():
-    kill = WorkerEvent(0.5, "kill", "w0")
+def test_kill_with_rescue_reruns_the_work_no_client_has_seen_elsewhere():
+    kill = WorkerEvent(0.001, "kill", "w0")  # inside their first prefill step: no token out yet
     res = sim(long_rows(3), events=(kill,), rescue_s=3.0).run()
-    assert all(r.status == "ok" for r in res.records)
+    assert all(r.status == "ok" and r.attempts == 1 for r in res.records)
     assert all(r.rescued == 1 and r.worker == "w1" for r in res.records)
-    assert min(r.routed for r in res.records) == pytest.approx(1.0 + 0.5 + 3.0)  # warm-up + kill + rescue
+    assert min(r.routed for r in res.records) == pytest.approx(1.0 + 0.001 + 3.0)  # warm-up + kill + rescue
+    assert all(r.first_token > 1.0 + 0.001 + 3.0 for r in res.records)  # the re-run's first token
 
 
-def test_a_rescued_request_keeps_the_first_token_its_client_saw():
-    """It streamed its first token on w0 well before w0 died: that is its time to first token (the
-    re-run's first token comes seconds later); one that had none yet gets the re-run's."""
+def test_a_stream_with_output_is_failed_to_its_client_not_rescued():
+    """A stream cannot take back tokens it sent: natsched's producer fails it with ``worker_lost``
+    (``natsched.client.producer._rerouted``) and cancels the re-run. So only the request with no
+    token out yet is rescued; the other is the client's to retry, like any peer's."""
     rows = [trace_row(0, ids=[100], n_out=2000), trace_row(490, ids=[101], n_out=2000)]
     kill = WorkerEvent(0.5, "kill", "w0")
-    res = sim(rows, events=(kill,), rescue_s=3.0).run()
-    early, late = res.records
-    assert early.rescued == late.rescued == 1 and early.status == late.status == "ok"
-    assert early.first_token - early.arrival < 0.5  # before the death
-    assert late.first_token - late.arrival > 3.0  # after the rescue
+    early, late = sim(rows, events=(kill,), rescue_s=3.0).run().records
+    assert (early.status, early.reason, early.rescued, early.attempts) == ("failed", "worker_lost", 0, 1)
+    assert early.first_token - early.arrival < 0.5  # it had streamed before the death
+    assert (late.status, late.rescued, late.attempts) == ("ok", 1, 1)
+    assert late.first_token - late.arrival > 3.0  # the re-run's
+
+    early, late = sim(rows, events=(kill,), rescue_s=3.0, client_retry=ClientRetry()).run().records
+    # its retry reaches the router before it has noticed the death, lands on the dead worker
+    # with no output yet, and that attempt is rescued; its TTFT stays the first attempt's
+    assert (early.status, early.attempts, early.refused, early.worker) == ("ok", 2, 1, "w1")
+    assert early.first_token - early.arrival < 0.5
+    assert late.rescued == 1 and late.attempts == 1
 
 
 def test_a_request_finishing_in_the_step_a_kill_cuts_keeps_its_first_token():
     """Its last step is in flight when w0 dies: the engine core has already let the sequence go,
-    but the client saw its first token long before, and the rescue must not replace that time
-    with the re-run's (an elastic cell once read 52 s for a request served since 0.2 s)."""
+    but the client saw its first token long before, and the re-run must not replace that time
+    with its own (an elastic cell once read 52 s for a request served since 0.2 s)."""
     rows = [trace_row(0, ids=[100], n_out=400)]
     alone = sim(rows).run().records[0]
     kill = WorkerEvent(alone.finish - 1.0 - 0.0005, "kill", "w0")  # 1 s warm-up; inside the last step
-    r = sim(rows, events=(kill,), rescue_s=3.0).run().records[0]
-    assert r.rescued == 1 and r.status == "ok" and r.worker == "w1"
+    r = sim(rows, events=(kill,), rescue_s=3.0, client_retry=ClientRetry()).run().records[0]
+    assert r.status == "ok" and r.attempts == 2 and r.worker == "w1"
     assert r.first_token == pytest.approx(alone.first_token)  # the first token of the attempt that died
     assert r.finish > alone.finish + 3.0  # the re-run
 
