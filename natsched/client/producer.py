@@ -94,7 +94,8 @@ class Result:
     job_id: str | None = None
     statuses: list[ReplyStatus] = field(default_factory=list)  # queued / admitted / assigned, in order
     est_wait: float | None = None  # the admitter's estimate when it queued the request (None: not queued)
-    attempts: int = 1  # tries it took (more than one with a retry policy)
+    attempts: int = 1  # tries it took (more than one with a retry policy or a migration)
+    migrations: int = 0  # times its stream went on from another worker after one died mid-stream
 
 
 @dataclass
@@ -151,6 +152,10 @@ class _Progress:
     est_wait: float | None = None  # the admitter's estimate, once it queued the request
 
 
+#: migrations per stream by default: a second death of the same stream is rare, a third is a pattern
+MIGRATIONS = 2
+
+
 class Stream:
     """``async for chunk in stream`` yields :class:`Chunk`; afterwards ``stream.result`` is set.
 
@@ -192,10 +197,16 @@ class Stream:
 class Client:
     """Submit requests to natsched over an existing :class:`Bus` (or one it connects)."""
 
-    def __init__(self, bus: Bus, timeouts: Timeouts | None = None, retry: Retry | None = None) -> None:
+    def __init__(self, bus: Bus, timeouts: Timeouts | None = None, retry: Retry | None = None,
+                 migrations: int = MIGRATIONS) -> None:
         self.bus = bus
         self.timeouts = timeouts or Timeouts()
         self.retry = retry  # the default policy of submit/stream (None: one try)
+        if not isinstance(migrations, int) or isinstance(migrations, bool) or migrations < 0:
+            raise ClientSettingsError(f"migrations must be an integer >= 0, got {migrations!r}")
+        #: a stream whose worker dies mid-stream goes on from another worker this many times (0: it
+        #: fails with ``worker_lost``, as a stream that cannot be continued does)
+        self.migrations = migrations
         #: workers' replies not taken, by reason (natsched.wire.fence.reply_problem): forged,
         #: misattributed or stale output never reaches the caller
         self.refused_replies: dict[str, int] = {}
@@ -230,31 +241,45 @@ class Client:
     async def _attempts(self, request: Request, timeouts: Timeouts | None, retry: Retry | None,
                         stream: Stream | None = None) -> AsyncIterator[Chunk | Result]:
         """The exchange, tried again under ``retry`` after an outcome a retry can change, each try
-        under a fresh id (``<id>-r<n>``: every stage dedups on the id), never past the deadline."""
+        under a fresh id (``<id>-r<n>``: every stage dedups on the id), never past the deadline.
+        A stream whose worker died after output went out is *migrated* first (:class:`Migration`):
+        the next try continues after the output its consumer has."""
         timeouts = timeouts or self.timeouts
         retry = retry if retry is not None else self.retry
         timeouts.apply(request, time.time())
         attempt, current = 1, request
+        moved = Migration(request, self.migrations if stream is not None else 0)
         while True:
             progress = stream._progress if stream is not None else _Progress()
             produced = False
             exchange = self._exchange(current, timeouts, progress)
+            moved.begin()
             try:
                 async for item in exchange:
                     produced = produced or isinstance(item, Chunk)
                     if isinstance(item, Result):
                         item.attempts = attempt
-                    yield item
+                    yield moved.took(item)
                 return
             except RequestError as exc:
-                wait = retry.next_delay(exc, attempt, produced, time.time(), current.deadline) if retry else None
-                if wait is None:
-                    raise
-                log.info("request %s: %s; try %d in %.2fs", current.id, exc, attempt + 1, wait)
+                if moved.possible(exc):
+                    wait = 0.0  # the worker died, not an overload: go on at once
+                    log.info("request %s: %s; its stream goes on after %d tokens (try %d)", current.id, exc,
+                             len(moved.token_ids), attempt + 1)
+                else:
+                    # a continuation refused before new output is tried again as one: nothing is repeated
+                    again = moved.migrations > 0 and not produced
+                    wait = retry.next_delay(exc, attempt, moved.chunks > 0 and not again, time.time(),
+                                            current.deadline) if retry else None
+                    if wait is None:
+                        raise
+                    log.info("request %s: %s; try %d in %.2fs", current.id, exc, attempt + 1, wait)
+                    if not again:
+                        moved.restart()
             finally:  # closed at a yield (the consumer stopped): end the exchange now, not at GC
                 await exchange.aclose()
             await asyncio.sleep(wait)
-            current = _next_try(request, attempt)
+            current = moved.request(_next_try(request, attempt))
             attempt += 1
             if stream is not None:
                 stream._progress = _Progress()
@@ -401,6 +426,71 @@ class Client:
                     est_wait=progress.est_wait,
                 )
                 return
+
+
+class Migration:
+    """A stream's output so far, so that another worker can go on after it when its worker dies.
+
+    Why: on ``rerouted`` (its worker died, the admitter re-admitted it) a stream that had output
+    cannot start over: the consumer has the tokens, and a fresh run would not repeat them. With
+    every token id of it in hand, the next try carries them (``Request.resume_token_ids``): the
+    worker runs prompt + output so far and generates the rest, and the consumer's stream goes on
+    (chunk indexes continue, the result covers the whole stream). A chunk without token ids or a
+    gap in the chunk indexes (a lost core-NATS reply) leaves the output unknown: then it fails
+    with ``worker_lost`` as before, and a retry policy decides.
+    """
+
+    def __init__(self, request: Request, limit: int) -> None:
+        self.original = request
+        self.limit = limit
+        self.migrations = 0
+        self.token_ids: list[int] = []  # every output token id the consumer has
+        self.texts: list[str] = []
+        self.chunks = 0  # chunks yielded: the next one's index
+        self._base = 0  # output tokens the current try continues after
+        self._next_index = 0  # the index the current try's next chunk must have
+        self._whole = True
+
+    def begin(self) -> None:
+        self._base, self._next_index, self._whole = len(self.token_ids), 0, True
+
+    def took(self, item: "Chunk | Result") -> "Chunk | Result":
+        """``item`` as the consumer sees it: indexes and the result over the whole stream."""
+        if isinstance(item, Chunk):
+            if item.token_ids and item.index == self._next_index:
+                self.token_ids += item.token_ids
+            else:
+                self._whole = False
+            self._next_index = item.index + 1
+            self.texts.append(item.text)
+            self.chunks += 1
+            return Chunk(item.text, item.token_ids, self.chunks - 1)
+        if self.migrations and item.status == ResultStatus.COMPLETED:
+            # the worker counted the output it went on after as prompt, and generated the rest
+            item.text = "".join(self.texts)
+            item.prompt_tokens = max(0, item.prompt_tokens - self._base)
+            item.cached_tokens = min(item.cached_tokens, item.prompt_tokens)
+            item.output_tokens += self._base
+        item.migrations = self.migrations
+        return item
+
+    def possible(self, exc: Exception) -> bool:
+        """Whether another worker can continue the stream ``exc`` ended; if so, it will."""
+        if not (isinstance(exc, RequestFailed) and exc.reason == "worker_lost" and self._whole and self.token_ids
+                and self.migrations < self.limit and len(self.token_ids) < self.original.max_tokens):
+            return False
+        self.migrations += 1
+        return True
+
+    def restart(self) -> None:
+        """A retry starts over (``Retry.after_output``): the consumer sees the output again."""
+        self.token_ids, self.texts, self.chunks, self.migrations = [], [], 0, 0
+
+    def request(self, next_try: Request) -> Request:
+        """The next try, continuing after the output so far (when it is a migration)."""
+        if self.migrations:
+            next_try.resume_token_ids = list(self.token_ids)
+        return next_try
 
 
 def _fenced(reply_to: str) -> bool:

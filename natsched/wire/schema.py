@@ -68,6 +68,11 @@ class Request(Schema):
 
     Either ``prompt`` (text) or ``prompt_token_ids`` is set. ``system_prompt`` and
     ``kb_version`` are the *stable prefix segments* the router keys its cache affinity on.
+
+    ``resume_token_ids``: the output its consumer already has from an attempt whose worker died
+    mid-stream (:class:`natsched.client.producer.Client` migrates such a stream). The worker
+    continues after them, prompt + these tokens, and generates at most ``max_tokens`` minus
+    their number, so the stream goes on where it stopped instead of starting over.
     """
 
     id: RequestId
@@ -76,6 +81,7 @@ class Request(Schema):
     model: str = "default"
     prompt: str | None = None
     prompt_token_ids: list[TokenId] | None = None
+    resume_token_ids: list[TokenId] | None = None
     system_prompt: str | None = None
     kb_version: str | None = None
     max_tokens: int = 128
@@ -94,6 +100,9 @@ class Request(Schema):
         _check_id(self.tenant, "tenant")
         if self.prompt is None and self.prompt_token_ids is None:
             raise SchemaError("missing required field 'prompt' (or 'prompt_token_ids')", "prompt")
+        if self.resume_token_ids is not None and not 0 < len(self.resume_token_ids) < self.max_tokens:
+            raise SchemaError(f"field 'resume_token_ids' must hold 1 to max_tokens - 1 ({self.max_tokens - 1}) "
+                              f"token ids, got {len(self.resume_token_ids)}", "resume_token_ids")
         if self.idle_timeout is not None and not self.idle_timeout > 0:
             raise SchemaError(f"field 'idle_timeout' must be > 0 seconds, got {self.idle_timeout}", "idle_timeout")
         if self.reply is not None and not reply_allowed(self.reply, self.tenant):

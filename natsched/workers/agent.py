@@ -280,14 +280,16 @@ class WorkerAgent:
 
     async def _generate(self, a: Assignment, started: float, *, received: float) -> None:
         req = a.request
+        resumed = len(req.resume_token_ids or ())  # a migrated stream: continue after its output
         engine_req = EngineRequest(
             id=req.id,
-            prompt_tokens=estimate_prompt_tokens(req),
+            prompt_tokens=estimate_prompt_tokens(req) + resumed,
             hashes=request_block_hashes(req, self.engine.block_size),
-            max_tokens=req.max_tokens,
+            max_tokens=req.max_tokens - resumed,
             prompt=((req.system_prompt or "") + (req.prompt or "")) if req.prompt is not None else None,
             prompt_token_ids=req.prompt_token_ids,
-            output_tokens_hint=req.expected_output_tokens,
+            resume_token_ids=req.resume_token_ids,
+            output_tokens_hint=None if req.expected_output_tokens is None else max(1, req.expected_output_tokens - resumed),
             model=req.model,
             expected_cached_tokens=a.expected_cached_tokens,
         )

@@ -28,6 +28,9 @@ class EngineRequest:
     max_tokens: int
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    # a migrated stream's output so far (Request.resume_token_ids): the engine runs prompt + these
+    # and generates after them; ``prompt_tokens`` counts them, ``max_tokens`` is what is left
+    resume_token_ids: list[int] | None = None
     output_tokens_hint: int | None = None  # a simulated engine generates this many
     model: str | None = None  # the request's model (a LoRA adapter's name, for a server that has several)
     # of the prompt, what the router expected this engine to hold cached (the assignment's): its

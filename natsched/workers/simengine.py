@@ -45,6 +45,7 @@ class SimEngine:
         self.core = SimCore(profile, block_size, kv_blocks=kv_blocks, max_num_seqs=max_num_seqs, speed=speed,
                             host_blocks=host_blocks, host_bandwidth=host_bandwidth)
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
+        self._resumed: dict[str, int] = {}  # request id -> output tokens a migrated stream had
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._listener: CacheListener | None = None
@@ -106,6 +107,7 @@ class SimEngine:
             return
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._queues[request.id] = queue
+        self._resumed[request.id] = len(request.resume_token_ids or ())
         self.core.add(request.id, request.prompt_tokens, request.hashes, out_tokens, time.monotonic())
         self._wake.set()
         try:
@@ -115,6 +117,7 @@ class SimEngine:
                 if out.finished:
                     return
         finally:
+            self._resumed.pop(request.id, None)
             if self._queues.pop(request.id, None) is not None:
                 self.core.abort(request.id)
 
@@ -149,9 +152,10 @@ class SimEngine:
             queue = self._queues.get(seq_id)
             if queue is None:
                 continue
-            token = (hash((seq_id, index)) & 0x7FFFFFFF) % SYNTHETIC_VOCAB
             seq = done.get(seq_id)
-            out = EngineOutput(index, text=f" tok{index}", token_ids=[token])
+            n = index + self._resumed.get(seq_id, 0)  # a migrated stream's tokens go on numbering
+            token = n % SYNTHETIC_VOCAB
+            out = EngineOutput(index, text=f" tok{n}", token_ids=[token])
             if seq is not None:
                 out.finished, out.finish_reason = True, "length"
                 out.prompt_tokens, out.cached_tokens, out.output_tokens = seq.prompt_tokens, seq.cached_tokens, seq.generated

@@ -286,6 +286,7 @@ class VllmEngine:
         live = self._live[rid] = _Live(prompt_tokens=request.prompt_tokens, uncached_tokens=request.uncached_tokens)
         try:
             ids, aliases = await self._prepare(request)
+            ids = self._resumed(ids, request)
         except _Refused as exc:
             self._forget(rid)
             yield _error(str(exc), prompt_tokens=exc.prompt_tokens)
@@ -386,6 +387,15 @@ class VllmEngine:
         tok_hashes = token_block_hashes(ids, self.block_size, root_hash(self.model))
         pairs = text_aliases(text, offsets, len(ids), request.hashes, tok_hashes, self.block_size)
         return ids, pairs
+
+    def _resumed(self, ids: list[int], request: EngineRequest) -> list[int]:
+        """The prompt's ids, then a migrated stream's output so far: vLLM continues after it."""
+        resume = list(request.resume_token_ids or ())
+        if resume and self.vocab_size and (min(resume) < 0 or max(resume) >= self.vocab_size):
+            bad = next(t for t in resume if t < 0 or t >= self.vocab_size)
+            raise _Refused(f"invalid_request: resume token id {bad} is outside the model's vocabulary "
+                           f"[0, {self.vocab_size})", prompt_tokens=len(ids))
+        return ids + resume
 
     # ------------------------------------------------------------------ failure
     def _mark_dead(self, reason: str) -> None:

@@ -350,11 +350,16 @@ class ServerEngine:
             self._aborting.add(request_id)
             await resp.aclose()
 
-    def request_body(self, request: EngineRequest) -> dict[str, Any]:
+    def request_body(self, request: EngineRequest, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+        """``prompt_ids``: the prompt as the server tokenized it (a migrated stream's text prompt)."""
         s = self.settings
+        if prompt_ids is None and request.prompt_token_ids is not None:
+            prompt_ids = list(request.prompt_token_ids)
+        if prompt_ids is not None and request.resume_token_ids:
+            prompt_ids = prompt_ids + list(request.resume_token_ids)  # it continues after them
         body: dict[str, Any] = {
             "model": self.model if request.model is None else request.model,
-            "prompt": list(request.prompt_token_ids) if request.prompt_token_ids is not None else request.prompt,
+            "prompt": prompt_ids if prompt_ids is not None else request.prompt,
             "max_tokens": max(1, request.max_tokens),
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -388,7 +393,11 @@ class ServerEngine:
         self._live[rid] = request.uncached_tokens
         state = _StreamState(request)
         try:
-            resp = await self._open(request)
+            try:
+                resp = await self._open(request)
+            except _ResumeRefused as exc:
+                yield _error(str(exc), prompt_tokens=request.prompt_tokens)
+                return
             self._streams[rid] = resp
             try:
                 if resp.status_code != 200:
@@ -418,13 +427,28 @@ class ServerEngine:
             self._models.pop(rid, None)
             self._aborting.discard(rid)
 
+    async def _tokenized(self, request: EngineRequest) -> list[int]:
+        """A text prompt's ids, by the server's own tokenizer (vLLM's ``POST /tokenize``, special
+        tokens added as ``/v1/completions`` adds them): a migrated stream's output is appended to
+        them, and a completion's prompt is text or ids, never both."""
+        resp = await self._client.post("/tokenize", json={
+            "model": self.model if request.model is None else request.model, "prompt": request.prompt})
+        if resp.status_code != 200:
+            raise _ResumeRefused(f"resume_unsupported: {self.settings.url} did not tokenize the prompt "
+                                 f"(HTTP {resp.status_code}); a migrated stream needs POST /tokenize")
+        tokens = resp.json().get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise _ResumeRefused("resume_unsupported: POST /tokenize answered no token list")
+        return tokens
+
     async def _open(self, request: EngineRequest) -> Any:
         """POST the request, streaming; once more on a fresh connection when the first one dropped
         before the server answered (as :meth:`_get`). Nothing of the first try runs on: a server
         that read it sees its client gone, and vLLM aborts such a request."""
         import httpx
 
-        req = self._client.build_request("POST", "/v1/completions", json=self.request_body(request),
+        ids = await self._tokenized(request) if request.resume_token_ids and request.prompt_token_ids is None else None
+        req = self._client.build_request("POST", "/v1/completions", json=self.request_body(request, ids),
                                          headers={"x-request-id": request.id})
         try:
             return await self._client.send(req, stream=True)
@@ -487,6 +511,10 @@ class ServerEngine:
         pairs = text_aliases(req.prompt, None, len(ids), req.hashes, tok, self.block_size)
         for kind, hashes in self.translator.attach(pairs):
             self._emit(kind, hashes)
+
+
+class _ResumeRefused(Exception):
+    """A migrated stream this server cannot continue (it does not tokenize a text prompt)."""
 
 
 class _StreamState:
@@ -559,8 +587,9 @@ class _StreamState:
         if cached is not None and (not _count(cached) or cached > prompt):
             return f"bad_response: cached_tokens {cached!r} is not within [0, prompt_tokens={prompt}]"
         ids = self.request.prompt_token_ids
-        if ids is not None and prompt != len(ids):
-            return f"bad_response: usage says {prompt} prompt tokens; the request sent {len(ids)}"
+        sent = None if ids is None else len(ids) + len(self.request.resume_token_ids or ())
+        if sent is not None and prompt != sent:
+            return f"bad_response: usage says {prompt} prompt tokens; the request sent {sent}"
         if self.saw_ids and out != self.tokens:
             return f"bad_response: usage says {out} completion tokens; the stream carried {self.tokens}"
         if self.finish_reason is None:

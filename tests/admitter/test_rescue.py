@@ -132,6 +132,8 @@ async def test_a_reroute_before_any_output_is_invisible_and_late_tokens_of_the_d
 
 
 async def test_a_stream_that_already_had_output_fails_with_worker_lost(bus):
+    """Its output came without token ids, so nobody can go on after it (a migration needs them:
+    ``tests/client/test_retry_timeouts.py``): the consumer is told, not given a restart."""
     req = make_request(tenant="t1")
     rid = req.id
     script = [Reply(request_id=rid, kind="token", text="half", worker="wa"),
@@ -203,6 +205,39 @@ async def kill_wa_mid_run(bus, nats_url, *, restart: bool) -> None:
 
 async def test_kill_9_of_a_worker_mid_run_reroutes_its_work_with_one_outcome_each(bus, nats_url):
     await kill_wa_mid_run(bus, nats_url, restart=False)
+
+
+async def test_kill_9_of_a_worker_mid_stream_the_stream_goes_on_on_the_other(bus, nats_url):
+    """A stream of 120 tokens; its worker is killed with SIGKILL after 20 went out. The admitter
+    rescues it, the producer migrates it (the next try carries the 20 ids), and the survivor
+    goes on: the consumer reads tok0..tok119 exactly once, in order, from two workers."""
+    stack = await start_stack(nats_url, workers=0, timeouts=Timeouts(admission=20, idle=30))
+    procs = {w: start_worker(nats_url, w) for w in ("wa", "wb")}
+    try:
+        assert await wait_for(lambda: len(stack.router.core.workers) == 2, timeout=10)
+        request = make_request("a long story " * 8, max_tokens=120)
+        stream = stack.client.stream(request)
+        chunks, killed = [], None
+        async for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 20:
+                killed = stream._progress.worker
+                os.kill(procs[killed].pid, signal.SIGKILL)
+        assert "".join(c.text for c in chunks) == "".join(f" tok{i}" for i in range(120))
+        assert [c.index for c in chunks] == list(range(len(chunks)))
+        r = stream.result
+        assert (r.migrations, r.output_tokens, r.text) == (1, 120, "".join(c.text for c in chunks))
+        assert r.worker != killed
+        done = {Completion.decode(d).request_id: Completion.decode(d)
+                for _, d in await bus.stream_messages(S.STREAM_COMPLETIONS)}
+        assert done[f"{request.id}-r1"].status == "ok"  # the continuation; the rescued try was cancelled
+        assert await wait_for(lambda: stack.admitter.shared.usage.used == 0, timeout=10)  # nothing leaked
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        await stack.close()
 
 
 async def test_a_worker_that_died_between_its_completion_and_its_ack_is_not_run_again(bus, nats_url):

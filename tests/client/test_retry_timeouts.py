@@ -158,6 +158,97 @@ async def test_a_stream_that_streamed_output_is_retried_only_with_after_output(b
         await sub.unsubscribe()
 
 
+def _scripted(bus, tenant, scripts, tries):
+    """Answer each try of ``tenant``'s request with the next script of (kind, text, ids, index,
+    worker) replies, on the real bus; record every try's decoded Request."""
+    from natsched.wire import fence
+    from natsched.wire import subjects as S
+    from natsched.wire.schema import Reply, Request
+
+    async def on_request(subject, data, headers):
+        req = Request.decode(data)
+        if req.tenant != tenant:
+            return
+        tries.append(req)
+        for kind, text, ids, index, worker in scripts[len(tries) - 1]:
+            if kind == "reject":  # the admitter's answer, on the reply subject itself
+                await bus.publish(headers[S.HDR_REPLY], Reply(request_id=req.id, kind="error", status="rejected",
+                                                              reason="tenant_quota", retry_after=0.01))
+                continue
+            reply = Reply(request_id=req.id, kind=kind, text=text, token_ids=ids, index=index, worker=worker,
+                          status="rerouted" if kind == "status" else None,
+                          output_tokens=len(ids or ()) if kind == "result" else None,
+                          prompt_tokens=7 + len(req.resume_token_ids or ()) if kind == "result" else None)
+            if kind == "status":  # the services' news, on the reply subject itself
+                await bus.publish(headers[S.HDR_REPLY], reply)
+            else:  # a worker's output: on its own sub-subject with its reply fence
+                reply.fence = fence.reply_sign(fence.reply_key(None, req.tenant), req.id, worker, 0)
+                await bus.publish(S.worker_reply(headers[S.HDR_REPLY], worker), reply)
+
+    return bus.subscribe(S.REQUESTS_ALL, on_request)
+
+
+async def test_a_stream_whose_worker_dies_goes_on_after_its_output_on_another(bus):
+    """Two tokens out, then ``rerouted``: the next try carries their ids (resume_token_ids), and
+    the consumer's stream goes on — no output repeated, indexes continuing, the result whole."""
+    tries: list = []
+    scripts = [[("token", " a", [11], 0, "wa"), ("token", " b", [12], 1, "wa"), ("status", None, None, None, "wa")],
+               [("token", " c", [13], 0, "wb"), ("result", " c", [13], None, "wb")]]
+    sub = await _scripted(bus, "t-move", scripts, tries)
+    client = Client(bus, Timeouts(admission=5, idle=5))  # no retry policy: a migration is not a retry
+    try:
+        request = make_request("t-move", "x", max_tokens=8)
+        stream = client.stream(request)
+        chunks = [c async for c in stream]
+        assert [(c.text, c.index) for c in chunks] == [(" a", 0), (" b", 1), (" c", 2)]
+        assert [t.resume_token_ids for t in tries] == [None, [11, 12]]
+        assert tries[1].id == f"{request.id}-r1" and tries[1].max_tokens == 8
+        r = stream.result
+        assert (r.text, r.output_tokens, r.prompt_tokens, r.migrations, r.attempts) == (" a b c", 3, 7, 1, 2)
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_a_continuation_refused_before_new_output_is_retried_as_a_continuation(bus):
+    """The migrated try is rejected with ``retry_after`` (the tenant's quota): a plain retry policy
+    (no ``after_output``) tries it again carrying the same output ids, and nothing is repeated."""
+    tries: list = []
+    scripts = [[("token", " a", [11], 0, "wa"), ("status", None, None, None, "wa")],
+               [("reject", None, None, None, None)],
+               [("token", " b", [12], 0, "wb"), ("result", " b", [12], None, "wb")]]
+    sub = await _scripted(bus, "t-again", scripts, tries)
+    client = Client(bus, Timeouts(admission=5, idle=5), retry=Retry(attempts=3, base_s=0.01, cap_s=0.02))
+    try:
+        stream = client.stream(make_request("t-again", "x", max_tokens=4))
+        assert [(c.text, c.index) for c in [c async for c in stream]] == [(" a", 0), (" b", 1)]
+        assert [t.resume_token_ids for t in tries] == [None, [11], [11]]
+        assert (stream.result.text, stream.result.output_tokens, stream.result.attempts) == (" a b", 2, 3)
+    finally:
+        await sub.unsubscribe()
+
+
+@pytest.mark.parametrize("first", [
+    [("token", " a", [11], 0, "wa"), ("token", " b", [12], 2, "wa")],  # index 1 never came: output unknown
+    [("token", " a", None, 0, "wa")],  # a chunk without token ids
+])
+async def test_a_stream_whose_output_is_not_known_whole_is_not_migrated(bus, first):
+    tries: list = []
+    scripts = [first + [("status", None, None, None, "wa")], [("result", "never", [1], None, "wb")]]
+    sub = await _scripted(bus, "t-nomove", scripts, tries)
+    try:
+        with pytest.raises(RequestFailed) as err:
+            _ = [c async for c in Client(bus, Timeouts(admission=5, idle=5)).stream(make_request("t-nomove", "x"))]
+        assert err.value.reason == "worker_lost" and len(tries) == 1
+        tries.clear()  # nor with migrations off
+        scripts[0] = [("token", " a", [11], 0, "wa"), ("status", None, None, None, "wa")]
+        with pytest.raises(RequestFailed):
+            _ = [c async for c in Client(bus, Timeouts(admission=5, idle=5), migrations=0).stream(
+                make_request("t-nomove", "x"))]
+        assert len(tries) == 1
+    finally:
+        await sub.unsubscribe()
+
+
 async def test_without_retry_no_worker_fails_at_once(bus, nats_url):
     stack = await start_stack(nats_url, workers=0, no_worker_wait_s=0.2)
     try:

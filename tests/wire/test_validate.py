@@ -128,3 +128,17 @@ class WithPostInit(Schema):
 
 def test_a_message_with_a_post_init_is_built_through_it():
     assert WithPostInit.decode(msgpack.packb({"n": 3})).doubled == 6
+
+
+@pytest.mark.parametrize("ids, why", [([], "got 0"), (list(range(8)), "got 8"), ([1, 2**31], "outside")])
+def test_resume_token_ids_must_leave_a_token_to_generate_and_be_in_the_vocabulary(ids, why):
+    """A migrated stream's output so far (natsched.client.producer): empty, as long as
+    ``max_tokens`` (nothing left to generate) or out of range is refused, naming the field."""
+    from natsched.wire.schema import Request
+
+    req = {"id": "r", "tenant": "t", "class": "c", "prompt": "p", "max_tokens": 8, "resume_token_ids": ids}
+    with pytest.raises(SchemaError, match=why) as err:
+        Request.decode(msgpack.packb(req))
+    assert err.value.field == "resume_token_ids"
+    ok = Request.decode(msgpack.packb({**req, "resume_token_ids": [5, 6, 7]}))
+    assert ok.resume_token_ids == [5, 6, 7] and Request.decode(ok.encode()) == ok

@@ -225,6 +225,30 @@ async def test_bad_token_ids_are_refused_not_fatal(engine):
     assert (await run(engine, token_request(unique_ids(40, 30))[1]))[-1].error is None
 
 
+async def test_a_resumed_request_goes_on_after_its_output_so_far(engine):
+    """A migrated stream's next try (``resume_token_ids``): vLLM runs prompt + those ids and
+    generates the rest. Greedy for this test (the module's engine samples), so the 10 tokens of
+    one run, resumed after 4, must give the other 6; an id outside the vocabulary is refused."""
+    import dataclasses
+
+    sampling = engine.settings
+    engine.settings = dataclasses.replace(sampling, temperature=0.0)
+    try:
+        ids = unique_ids(60, 40)
+        whole = [t for o in await run(engine, token_request(ids, max_tokens=10)[1]) for t in (o.token_ids or [])]
+        _, er = token_request(ids, max_tokens=6)
+        er.resume_token_ids, er.prompt_tokens = whole[:4], len(ids) + 4
+        outs = await run(engine, er)
+        assert [t for o in outs for t in (o.token_ids or [])] == whole[4:]
+        assert (outs[-1].prompt_tokens, outs[-1].output_tokens) == (64, 6)
+    finally:
+        engine.settings = sampling
+    er.resume_token_ids = [5, 1024]
+    outs = await run(engine, er)
+    assert len(outs) == 1 and outs[0].error.startswith("invalid_request: resume token id 1024")
+    assert engine.failure is None
+
+
 async def test_text_prompt_without_tokenizer_is_refused(engine):
     er = EngineRequest(id="text-no-tok", prompt_tokens=5, hashes=[], max_tokens=4, prompt="hello there")
     outs = await run(engine, er)

@@ -284,6 +284,26 @@ async def test_text_and_token_prompts_stream_back(system):
                                                                    for t in (c.token_ids or []))
 
 
+async def test_a_migrated_stream_goes_on_where_it_stopped_on_the_server(system):
+    """What a migration asks of a worker (``Request.resume_token_ids``): run prompt + the output
+    so far and generate the rest. Greedy sampling makes it checkable: a text prompt's 12 tokens in
+    one run, then the same prompt resumed after its first 5, by the server's own tokenizer
+    (``POST /tokenize``), must give the other 7, and a token-id prompt likewise."""
+    async def ids_of(request):
+        stream = system.client.stream(request)
+        ids = [t async for c in stream for t in (c.token_ids or [])]
+        return ids, stream.result
+
+    for prompt in ({"prompt": "the fox resumes the story where the dead worker stopped"},
+                   {"prompt_token_ids": [1] + list(range(300, 340))}):
+        whole, r = await ids_of(make_request("t1", model=MODEL, max_tokens=12, **prompt))
+        assert len(whole) == 12 and r.output_tokens == 12
+        rest, resumed = await ids_of(make_request("t1", model=MODEL, max_tokens=12, resume_token_ids=whole[:5],
+                                                  **prompt))
+        assert rest == whole[5:]
+        assert (resumed.output_tokens, resumed.prompt_tokens) == (7, r.prompt_tokens + 5)
+
+
 async def test_repeated_long_prefix_lands_on_its_holder_with_the_servers_cached_tokens(system):
     client, watch = system.client, system.watch
     prefix = [1] + [7 + (i * 13) % 1000 for i in range(255)]  # 8 blocks of 32 tokens

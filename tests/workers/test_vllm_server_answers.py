@@ -558,3 +558,22 @@ async def test_lost_events_a_restarted_sequence_or_a_cleared_cache_void_the_view
         eng._sub.handle_frames(frames)
         assert eng.cached_hashes() == [] and "cleared" in seen
         assert eng.epoch > epoch  # the agent re-registers the worker with the router
+
+
+async def test_a_resumed_request_sends_its_output_after_the_prompt_or_is_refused_clearly():
+    """A migrated stream (``resume_token_ids``): a token prompt goes out as prompt + those ids (its
+    usage checked against both); a text prompt needs the server's ``POST /tokenize``, which this
+    fake, like a server without it, does not answer: ``resume_unsupported``, nothing generated."""
+    fake = Fake()
+    async with fake_server(fake) as (url, _), engine_for(url) as eng:
+        r = req(ids=list(range(1, 41)), prompt_tokens=43)
+        r.resume_token_ids = [7, 8, 9]
+        final = (await run(eng, r))[-1]
+        assert final.error is None and fake.bodies[-1]["prompt"] == list(range(1, 41)) + [7, 8, 9]
+        assert final.prompt_tokens == 43
+        sent = len(fake.bodies)
+        r = req(prompt="hello there")
+        r.resume_token_ids = [7]
+        final = (await run(eng, r))[-1]
+        assert final.finish_reason == "error" and final.error.startswith("resume_unsupported:"), final.error
+        assert len(fake.bodies) == sent  # no completion was asked for
