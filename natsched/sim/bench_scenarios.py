@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from natsched.sim.contenders import CONTENDERS, RESCUE_S, make_gate
+from natsched.sim.contenders import CONTENDERS, MIGRATIONS, RESCUE_S, make_gate
 from natsched.sim.des import ClientRetry, SimSettings, WorkerEvent, WorkerSpec, simulate
 from natsched.sim.errors import ScenarioError
 from natsched.sim.metrics import percentile, summarize
@@ -88,7 +88,8 @@ def sim_settings(sc: Scenario, policy: str, rescue: bool, events: bool = True,
                  router: dict | None = None) -> SimSettings:
     """``router``: RouterSettings fields of the contender (:meth:`natsched.sim.contenders.Contender.router_settings`)."""
     return SimSettings(policy=policy, worker_specs=worker_specs(sc), events=worker_events(sc) if events else (),
-                       client_retry=ClientRetry(), rescue_s=RESCUE_S if rescue else None, seed=sc.seed,
+                       client_retry=ClientRetry(), rescue_s=RESCUE_S if rescue else None,
+                       migrate=MIGRATIONS if rescue else 0, seed=sc.seed,
                        router=dict(router or {}))
 
 
@@ -250,6 +251,7 @@ def run_metrics(sc: Scenario, result, trace: Trace) -> dict[str, Any]:
     out["retries"] = sum(r.attempts - 1 for r in recs)
     out["degraded_completed"] = sum(1 for r in ok if r.degraded)
     out["rescued"] = sum(r.rescued for r in recs)
+    out["migrated"] = sum(r.migrated for r in recs)
     out["lost"] = m["failed"]
     out["batch_completed"] = sum(1 for r in ok if r.cls == "batch")
     out["offline_completed"] = sum(1 for r in ok if r.cls == "offline")
@@ -541,7 +543,7 @@ def judge(sc: Scenario, loads: list[Load], results: list[dict[str, Any]]) -> dic
     mean = {c: {m: _mean(by[c][lb].get(m) for lb in labels) for m in dict.fromkeys(metrics)} for c in by}
     for c in by:
         for m in ("completed", "rejected", "lost", "refusals", "refusals_retry_after", "retries", "degraded_completed",
-                  "rescued", "requests"):
+                  "rescued", "migrated", "requests"):
             mean[c][m] = sum(by[c][lb].get(m, 0) for lb in labels)
     verdicts = {}
     for m in dict.fromkeys([key, *sc.also, *phases]):
@@ -634,17 +636,18 @@ def scenario_table(name: str, j: dict[str, Any]) -> str:
     extra = [m for m in j["mean"][next(iter(j["mean"]))] if m not in (key, "ttft_p50_s", "ttft_p99_s", "hit_ratio")
              and not isinstance(j["mean"][next(iter(j["mean"]))][m], int)]
     head = ("contender", key, *extra, "ttft p50", "ttft p99", "hit", "done", "refused", "ra", "lost", "rescued",
-            "degraded")
+            "migrated", "degraded")
     rows = [head]
     for c, m in j["mean"].items():
         rows.append((c, _fmt(m[key], key), *[_fmt(m[x], x) for x in extra], _fmt(m["ttft_p50_s"]),
                      _fmt(m["ttft_p99_s"]), _fmt(m["hit_ratio"], "hit_ratio"), str(m["completed"]),
                      str(m["refusals"]), str(m["refusals_retry_after"]), str(m["lost"]), str(m["rescued"]),
-                     str(m["degraded_completed"])))
+                     str(m.get("migrated", 0)), str(m["degraded_completed"])))
     title = (f"scenario {name}: {j['description']} ({j['workers']} workers; means over {len(j['loads'])} loads: "
              f"{', '.join(j['loads'])})")
     foot = ("refused = refusals met (each retried by the client or final), ra = of which with retry_after; "
-            "lost = ended unfinished without a final answer; counts are totals over the loads")
+            "lost = ended unfinished without a final answer; rescued = re-run by the scheduler before any output; "
+            "migrated = streams continued after their output on another worker; counts are totals over the loads")
     return "\n".join([title, "", *_grid(rows), "", foot])
 
 

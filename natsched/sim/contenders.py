@@ -10,8 +10,8 @@ door (admission) and where it sends what it lets in (routing). The admission beh
   (:mod:`natsched.admitter.dynamic`); ``degrade`` parks batch/offline work for the offline path,
   which runs it when usage falls below the degrade watermark; a dead worker's requests whose
   client has seen no output yet are rescued (re-routed, reservation kept) after its lease
-  expires. A stream that had output fails to its client, as the producer does
-  (:func:`natsched.client.producer._rerouted`), and the client retries as anyone's does.
+  expires. A stream that had output is migrated by the producer once the rescue tells it
+  (:class:`natsched.client.producer.Migration`: the next try continues after the output so far).
 - ``dynamo``: :class:`DynamoGate`, Dynamo's busy-threshold rejection (docs, "Request Rejection"):
   a worker is busy when its active decode blocks exceed ``active_decode_blocks_threshold`` of its
   KV or its active prefill tokens exceed ``active_prefill_tokens_threshold``; when every worker
@@ -78,6 +78,9 @@ from natsched.wire import subjects as S
 from natsched.wire.schema import Completion, Request, RequestId, TenantId
 
 RESCUE_S = 3.0  # natsched: a dead worker's lease expires after ~3 missed 1 s heartbeats
+#: natsched's producer: a stream with output goes on after it on another worker this many times
+#: (natsched.client.producer.MIGRATIONS; not imported: the simulator runs without the bus)
+MIGRATIONS = 2
 
 
 def _request(req: TraceRequest, model: str = "default") -> Request:

@@ -27,9 +27,11 @@ The scenario suite (:mod:`natsched.sim.scenarios`) adds what a changing cluster 
 - what happens to a killed worker's requests: with ``rescue_s`` set, the scheduler re-routes those
   whose client has seen no output yet itself, that long after the death (natsched's admitter
   rescue: the reservation stays held, the dead worker is avoided). A stream that had output
-  cannot be taken back: natsched's producer fails it with ``worker_lost``
-  (:func:`natsched.client.producer._rerouted`) and cancels the re-run, so here, as without
-  ``rescue_s``, the client sees an error and retries (every simulated client streams);
+  cannot be taken back: when the rescue tells natsched's producer (``rerouted``, ``rescue_s``
+  after the death) it cancels the re-run and, with ``migrate``, sends the next try continuing
+  after the output so far (:class:`natsched.client.producer.Migration`: prompt + those tokens,
+  the rest to generate), else fails it with ``worker_lost`` and the client retries (every
+  simulated client streams);
 - ``client_retry``: refused requests (admission rejects, no worker, a lost worker without rescue)
   come back after the client's backoff — ``retry_after`` when the refusal carries one, else the
   OpenAI SDK's exponential backoff (:class:`ClientRetry`) — until its retries run out. So a retry
@@ -161,6 +163,7 @@ class SimSettings:
     events: tuple[WorkerEvent, ...] = ()
     client_retry: ClientRetry | None = None  # None: a refusal is final
     rescue_s: float | None = None  # re-route a dead worker's requests after this long (None: the client's error)
+    migrate: int = 0  # with rescue_s: a stream with output goes on after it this many times (the producer's migrations)
     seed: int = 0  # the clients' retry jitter
     worker_profiles: list[str] | None = None  # per worker, in turn (a mixed cluster); None: ``profile``
     host_blocks: int = 0  # host-tier KV blocks per engine (0: no host tier)
@@ -297,6 +300,7 @@ class Simulator:
         ]
         self._route_reqs: dict[int, RouteRequest] = {}
         self._admitted_at: dict[int, float] = {}
+        self._resumed: dict[int, int] = {}  # request index -> output tokens its migrated stream had
         self._by_seq_id: dict[str, TraceRequest] = {}
         self._heap: list = []
         self._seq = 0
@@ -477,8 +481,9 @@ class Simulator:
     def _admit(self, req: TraceRequest, now: float) -> None:
         s = self.settings
         self._admitted_at[req.index] = now
-        prompt = max(1, req.input_length)
-        output = max(1, req.output_length)
+        resumed = self._resumed.get(req.index, 0)  # a migrated stream: prompt + its output so far
+        prompt = max(1, req.input_length) + resumed
+        output = max(1, req.output_length) - resumed
         too_long = s.max_model_len is not None and prompt + output > s.max_model_len
         if too_long or not self._fits(prompt, output, req.model or s.model):
             # the engine refuses it (SimEngine.generate); nothing to route
@@ -650,23 +655,26 @@ class Simulator:
         mine = [sid for sid, req in self._by_seq_id.items() if self.records[req.index].worker == w.id]
         lost = [self._by_seq_id.pop(sid) for sid in mine]
         streamed: list[bool] = []  # whether its client has seen output of this attempt
+        generated: list[int] = []  # ... and how many tokens of it
         for sid, req in zip(mine, lost):  # first tokens it streamed before it died were seen
             seq = w.core.seqs.get(sid) or w.in_step.get(sid)
             first = seq.first_token_at if seq is not None else None
             rec = self.records[req.index]
             streamed.append(first is not None and first <= now)
+            generated.append(seq.generated if seq is not None and streamed[-1] else 0)
             if streamed[-1] and rec.first_token is None:
                 rec.first_token = first
         w.core.waiting.clear()
         w.core.running.clear()
         w.core.seqs.clear()
         log.info("worker %s killed at t=%.1f with %d request(s) on it", w.id, now, len(lost))
-        for req, had_output in zip(lost, streamed):
-            self._lost(req, w, now, had_output)
+        for req, had_output, n in zip(lost, streamed, generated):
+            self._lost(req, w, now, had_output, n)
 
-    def _lost(self, req: TraceRequest, w: _Worker, now: float, streamed: bool = False) -> None:
+    def _lost(self, req: TraceRequest, w: _Worker, now: float, streamed: bool = False, generated: int = 0) -> None:
         """A request that died with ``w``: rescued by the scheduler (``rescue_s``; only while its
-        client has seen no output of this attempt, ``streamed``) or failed to the client."""
+        client has seen no output of this attempt, ``streamed``: else :meth:`_stream_broken`
+        once the rescue tells the producer) or failed to the client."""
         rr = self._route_reqs[req.index]
         rec = self.records[req.index]
         self._send(now, self._deliver_completion, Completion(
@@ -681,7 +689,26 @@ class Simulator:
             self._push(now + rescue, _RETRY, req)
             return
         del self._route_reqs[req.index]
+        if rescue is not None:  # the producer hears of it from the rescue: rerouted, at lease expiry
+            self._push(now + rescue, _DELIVER, self._stream_broken, (req, generated))
+            return
         self.admission.on_finish(req, False, now)
+        self._refuse(req, None, "worker_lost", now, status="failed")
+
+    def _stream_broken(self, req: TraceRequest, generated: int, now: float) -> None:
+        """natsched's producer is told ``rerouted`` for a stream with ``generated`` tokens out: it
+        cancels the re-run (the reservation is released) and migrates the stream (``migrate``: a
+        new try through admission, prompt + the output so far, the rest to generate) or fails it."""
+        self.admission.on_finish(req, False, now)
+        rec = self.records[req.index]
+        done = self._resumed.get(req.index, 0) + generated
+        if rec.migrated < self.settings.migrate and done < max(1, req.output_length):
+            self._resumed[req.index] = done
+            rec.migrated += 1
+            rec.attempts += 1
+            self._arrive(req, now)
+            return
+        self._resumed.pop(req.index, None)  # a retry starts over
         self._refuse(req, None, "worker_lost", now, status="failed")
 
     # ------------------------------------------------------------------ reports

@@ -58,6 +58,7 @@ class RequestRecord:
     refused_retry_after: int = 0  # ... of which carried a retry_after
     degraded: bool = False  # the admission moved it to the offline path
     rescued: int = 0  # times the scheduler re-ran it elsewhere after its worker died
+    migrated: int = 0  # times its stream went on after its output so far on another worker
 
 
 def ceiling_hit_ratio(requests: Iterable[TraceRequest], block_size: int) -> float:

@@ -108,11 +108,29 @@ def test_a_stream_with_output_is_failed_to_its_client_not_rescued():
     assert late.first_token - late.arrival > 3.0  # the re-run's
 
     early, late = sim(rows, events=(kill,), rescue_s=3.0, client_retry=ClientRetry()).run().records
-    # its retry reaches the router before it has noticed the death, lands on the dead worker
-    # with no output yet, and that attempt is rescued; its TTFT stays the first attempt's
-    assert (early.status, early.attempts, early.refused, early.worker) == ("ok", 2, 1, "w1")
+    # its producer hears of the death from the rescue (3 s on), its client retries from scratch
+    # on w1 (the router has excluded w0 by then); its TTFT stays the first attempt's
+    assert (early.status, early.attempts, early.refused, early.rescued, early.worker) == ("ok", 2, 1, 0, "w1")
+    assert early.routed > 1.0 + 0.5 + 3.0
     assert early.first_token - early.arrival < 0.5
     assert late.rescued == 1 and late.attempts == 1
+
+
+def test_a_migrated_stream_goes_on_after_its_output_once_the_rescue_tells_its_producer():
+    """With ``migrate`` (natsched's producer): 3 s after the death the producer hears ``rerouted``
+    and sends the next try continuing after the tokens it has, so w1 generates only the rest —
+    sooner done than the client's restart from scratch, with the same first token."""
+    rows = [trace_row(0, ids=[100], n_out=2000)]
+    kill = WorkerEvent(5.0, "kill", "w0")
+    moved = sim(rows, events=(kill,), rescue_s=3.0, migrate=2).run().records[0]
+    over = sim(rows, events=(kill,), rescue_s=3.0, client_retry=ClientRetry()).run().records[0]
+    assert (moved.status, moved.migrated, moved.rescued, moved.attempts, moved.worker) == ("ok", 1, 0, 2, "w1")
+    assert moved.routed == pytest.approx(1.0 + 5.0 + 3.0)  # warm-up + kill + the rescue's news
+    assert moved.first_token == pytest.approx(over.first_token) and moved.first_token < 1.0 + 5.0
+    alone = sim(rows).run().records[0]
+    rest = alone.finish - (1.0 + 5.0)  # what w0 had left to generate
+    assert moved.finish - moved.routed == pytest.approx(rest, rel=0.1)  # the rest, plus one prefill
+    assert over.finish - over.routed == pytest.approx(alone.finish - 1.0, rel=0.1)  # a restart: all 2000 again
 
 
 def test_a_request_finishing_in_the_step_a_kill_cuts_keeps_its_first_token():
@@ -234,3 +252,15 @@ def test_a_request_released_by_a_completion_joins_the_next_step_not_a_second_one
     ok = [r for r in res.records if r.status == "ok"]
     assert len(ok) == 12
     assert all((r.finish - r.first_token) / (r.output_tokens - 1) >= step * 0.999 for r in ok)
+
+
+def test_the_simulated_producer_migrates_as_the_real_one_does():
+    from natsched.client.producer import MIGRATIONS as REAL
+    from natsched.sim.bench_scenarios import sim_settings
+    from natsched.sim.contenders import MIGRATIONS
+    from natsched.sim.scenario import BUILTIN_DIR, load_scenario
+
+    sc = load_scenario(BUILTIN_DIR / "elastic.yaml")
+    assert MIGRATIONS == REAL
+    assert sim_settings(sc, "natsched", rescue=True).migrate == REAL
+    assert sim_settings(sc, "llm-d", rescue=False).migrate == 0  # a peer's client cannot: no rerouted news
