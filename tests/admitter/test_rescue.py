@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 
@@ -19,9 +17,8 @@ from natsched.wire import subjects as S
 from natsched.client.producer import Client, Timeouts
 from natsched.client.errors import RequestFailed
 from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
-from natsched.hosting.runtime import READY_PREFIX
 from tests.factories.core import make_completion, make_request, wait_for
-from tests.factories.stack import start_stack
+from tests.factories.stack import start_stack, start_worker
 from tests.admitter.test_service import start_admitter, stop
 from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
 from natsched.bus.connection import Bus
@@ -149,16 +146,6 @@ async def test_a_stream_that_already_had_output_fails_with_worker_lost(bus):
 
 
 # --- kill -9 of a real worker process mid-run ------------------------------------------------------
-
-def start_worker(url: str, worker: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "natsched", "worker", "--nats-url", url, "--id", worker,
-                             "--engine", "sim", "--time-scale", "1.0", "--heartbeat", "0.2", "--concurrency", "4"],
-                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-    for line in proc.stdout:  # bounded: the process prints READY or exits
-        if line.startswith(READY_PREFIX):
-            return proc
-    raise RuntimeError(f"worker {worker} exited with {proc.wait()}")
-
 
 async def kill_wa_mid_run(bus, nats_url, *, restart: bool) -> None:
     """wa and wb run 8 long requests; wa is killed with SIGKILL (and, with ``restart``, started

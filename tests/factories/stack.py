@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
 from natsched.client.producer import Client, Timeouts
+from natsched.hosting.runtime import READY_PREFIX
 from natsched.bus.connection import Bus
 from tests.serverwatch import wait_gone
 from natsched.router.core import RouterSettings
@@ -80,3 +83,15 @@ async def start_stack(
             break
         await asyncio.sleep(0.02)
     return stack
+
+
+def start_worker(url: str, worker: str) -> subprocess.Popen:
+    """A real ``natsched worker`` process (sim engine, real-time decode, 0.2 s heartbeats), for
+    tests that kill one with SIGKILL; returns once it printed READY."""
+    proc = subprocess.Popen([sys.executable, "-m", "natsched", "worker", "--nats-url", url, "--id", worker,
+                             "--engine", "sim", "--time-scale", "1.0", "--heartbeat", "0.2", "--concurrency", "4"],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:  # bounded: the process prints READY or exits
+        if line.startswith(READY_PREFIX):
+            return proc
+    raise RuntimeError(f"worker {worker} exited with {proc.wait()}")

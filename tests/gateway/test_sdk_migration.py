@@ -1,0 +1,54 @@
+"""A stream outlives its worker: the official ``openai`` SDK streams through the gateway while
+the worker decoding it is killed with SIGKILL (real ``natsched worker`` processes, real-time sim
+decode, a real nats-server).
+
+The gateway's producer migrates the stream (``natsched.client.producer.Migration``): the SDK's
+stream goes on from the other worker after the tokens it already has, none repeated, and ends
+normally with the whole answer and its usage.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import openai
+
+from natsched.client.producer import Timeouts
+from tests.factories.core import wait_for
+from tests.factories.gateway import ALPHA, start_gateway
+from tests.factories.stack import start_stack, start_worker
+
+N = 150
+
+
+async def test_an_sdk_stream_goes_on_when_its_worker_is_killed_mid_stream(bus, nats_url):
+    stack = await start_stack(nats_url, workers=0, timeouts=Timeouts(admission=20, idle=30))
+    procs = {w: start_worker(nats_url, w) for w in ("wa", "wb")}
+    gw = await start_gateway(nats_url)
+    try:
+        await gw.wait_for_workers(2)
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=ALPHA, max_retries=0)
+        stream = await client.completions.create(model="default", prompt="tell it all " * 6, max_tokens=N,
+                                                 stream=True, stream_options={"include_usage": True})
+        texts, usage, killed = [], None, None
+        async for chunk in stream:
+            texts += [c.text for c in chunk.choices]
+            usage = chunk.usage or usage
+            if len(texts) == 25 and killed is None:
+                leases = stack.admitter.leases.workers
+                assert await wait_for(lambda: any(lease.inflight for lease in leases.values()))
+                killed = next(w for w, lease in leases.items() if lease.inflight)
+                os.kill(procs[killed].pid, signal.SIGKILL)
+        assert killed is not None
+        assert "".join(texts) == "".join(f" tok{i}" for i in range(N))  # every token once, in order
+        assert usage is not None and usage.completion_tokens == N
+        assert procs["wb" if killed == "wa" else "wa"].poll() is None  # the survivor finished it
+        assert await wait_for(lambda: stack.admitter.shared.usage.used == 0, timeout=10)  # nothing leaked
+    finally:
+        await gw.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        await stack.close()
