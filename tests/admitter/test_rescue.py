@@ -195,14 +195,15 @@ async def test_kill_9_of_a_worker_mid_run_reroutes_its_work_with_one_outcome_eac
 
 
 async def test_kill_9_of_a_worker_mid_stream_the_stream_goes_on_on_the_other(bus, nats_url):
-    """A stream of 120 tokens; its worker is killed with SIGKILL after 20 went out. The admitter
+    """A stream of 600 tokens (~4 s of real-time decode: the kill lands mid-stream even when this
+    reader lags); its worker is killed with SIGKILL after 20 went out. The admitter
     rescues it, the producer migrates it (the next try carries the 20 ids), and the survivor
-    goes on: the consumer reads tok0..tok119 exactly once, in order, from two workers."""
+    goes on: the consumer reads tok0..tok599 exactly once, in order, from two workers."""
     stack = await start_stack(nats_url, workers=0, timeouts=Timeouts(admission=20, idle=30))
     procs = {w: start_worker(nats_url, w) for w in ("wa", "wb")}
     try:
         assert await wait_for(lambda: len(stack.router.core.workers) == 2, timeout=10)
-        request = make_request("a long story " * 8, max_tokens=120)
+        request = make_request("a long story " * 8, max_tokens=600)
         stream = stack.client.stream(request)
         chunks, killed = [], None
         async for chunk in stream:
@@ -210,10 +211,10 @@ async def test_kill_9_of_a_worker_mid_stream_the_stream_goes_on_on_the_other(bus
             if len(chunks) == 20:
                 killed = stream._progress.worker
                 os.kill(procs[killed].pid, signal.SIGKILL)
-        assert "".join(c.text for c in chunks) == "".join(f" tok{i}" for i in range(120))
+        assert "".join(c.text for c in chunks) == "".join(f" tok{i}" for i in range(600))
         assert [c.index for c in chunks] == list(range(len(chunks)))
         r = stream.result
-        assert (r.migrations, r.output_tokens, r.text) == (1, 120, "".join(c.text for c in chunks))
+        assert (r.migrations, r.output_tokens, r.text) == (1, 600, "".join(c.text for c in chunks))
         assert r.worker != killed
         done = {Completion.decode(d).request_id: Completion.decode(d)
                 for _, d in await bus.stream_messages(S.STREAM_COMPLETIONS)}

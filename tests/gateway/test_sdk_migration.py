@@ -19,7 +19,7 @@ from tests.factories.core import wait_for
 from tests.factories.gateway import ALPHA, start_gateway
 from tests.factories.stack import start_stack, start_worker
 
-N = 150
+N = 600  # ~4 s of real-time decode: the kill lands mid-stream even when the reader lags
 
 
 async def test_an_sdk_stream_goes_on_when_its_worker_is_killed_mid_stream(bus, nats_url):
