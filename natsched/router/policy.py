@@ -37,12 +37,13 @@ class RouteRequest:
     @classmethod
     def from_request(cls, request: Request, block_size: int, runtime_tokens: int = 0) -> "RouteRequest":
         hashes = request_block_hashes(request, block_size)
+        resumed = len(request.resume_token_ids or ())  # a migrated stream: prefilled, not generated
         return cls(
             id=request.id,
             tenant=request.tenant,
-            prompt_tokens=estimate_prompt_tokens(request),
+            prompt_tokens=estimate_prompt_tokens(request) + resumed,
             hashes=hashes,
-            expected_output=request.expected_output_tokens or request.max_tokens,
+            expected_output=max(1, (request.expected_output_tokens or request.max_tokens) - resumed),
             runtime_tokens=runtime_tokens,
             cls=request.cls,
             model=request.model,

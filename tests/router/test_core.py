@@ -325,3 +325,18 @@ def test_stats_counts_states():
     st = core.stats(NOW + 1.5)  # within 2 heartbeat periods (1 s)
     assert st["workers"] == {"healthy": 2, "backoff": 1} and st["policy"] == "natsched"
     assert core.stats(NOW + 20)["workers"] == {"stale": 3}
+
+
+def test_a_migrated_stream_is_routed_as_prefill_of_prompt_and_output_so_far_and_decode_of_the_rest():
+    """``resume_token_ids`` (natsched.client.producer.Migration): what the worker will prefill is
+    the prompt plus them, and what it will generate is only the rest."""
+    from natsched.router.policy import RouteRequest
+    from natsched.wire.schema import Request
+
+    plain = Request(id="m", tenant="t", cls="online", prompt_token_ids=list(range(64)), max_tokens=100)
+    moved = Request(id="m", tenant="t", cls="online", prompt_token_ids=list(range(64)), max_tokens=100,
+                    resume_token_ids=list(range(30)))
+    a, b = RouteRequest.from_request(plain, 32), RouteRequest.from_request(moved, 32)
+    assert (a.prompt_tokens, a.expected_output) == (64, 100)
+    assert (b.prompt_tokens, b.expected_output) == (94, 70)
+    assert b.hashes == a.hashes  # the prompt's blocks: where its prefix is cached
