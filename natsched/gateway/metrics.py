@@ -37,3 +37,6 @@ class GatewayMetrics:
                                  "(disconnect, timeout, ttft_timeout, idle_timeout)", ["reason"], registry=r)
         self.keepalives = Counter("natsched_gateway_sse_keepalives", "SSE comment lines sent on quiet streams",
                                   registry=r)
+        self.migrations = Counter("natsched_gateway_stream_migrations", "Streams that went on from another worker "
+                                  "after theirs died mid-stream (natsched.client.producer.Migration)", ["tenant"],
+                                  registry=r)

@@ -258,6 +258,8 @@ class Gateway:
         m.tokens.labels(tenant, "prompt").inc(result.prompt_tokens)
         m.tokens.labels(tenant, "cached").inc(result.cached_tokens)
         m.tokens.labels(tenant, "output").inc(result.output_tokens)
+        if result.migrations:
+            m.migrations.labels(tenant).inc(result.migrations)
         if result.tpot is not None:
             m.tpot.labels(call.endpoint).observe(result.tpot)
 

@@ -43,6 +43,8 @@ async def test_an_sdk_stream_goes_on_when_its_worker_is_killed_mid_stream(bus, n
         assert killed is not None
         assert "".join(texts) == "".join(f" tok{i}" for i in range(N))  # every token once, in order
         assert usage is not None and usage.completion_tokens == N
+        assert gw.gateway.metrics.registry.get_sample_value("natsched_gateway_stream_migrations_total",
+                                                            {"tenant": "alpha"}) == 1
         assert procs["wb" if killed == "wa" else "wa"].poll() is None  # the survivor finished it
         assert await wait_for(lambda: stack.admitter.shared.usage.used == 0, timeout=10)  # nothing leaked
     finally:
