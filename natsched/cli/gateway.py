@@ -41,6 +41,9 @@ def add_parsers(sub) -> None:
                     help="an SSE comment line on a stream quiet for S seconds (default 15)")
     gw.add_argument("--max-body", type=int, default=768 * 1024, help="largest request body in bytes (413 above)")
     gw.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens when a request names none")
+    gw.add_argument("--stream-migrations", type=int, default=2, metavar="N",
+                    help="a stream whose worker dies goes on from another worker after the tokens it sent, up to "
+                         "N times (default 2; 0: such a stream ends with an error)")
     gw.add_argument("--no-status", action="store_true", help="do not serve /status (nor follow decisions for it)")
     edge = gw.add_argument_group("edge limits", "what a connection may cost before it is a call (docs/gateway.md)")
     edge.add_argument("--max-connections", type=int, default=1024,
@@ -95,7 +98,7 @@ def settings_from_args(args: argparse.Namespace):
                                max_connections=args.max_connections, header_timeout_s=args.header_timeout,
                                body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout,
                                max_per_key=args.max_per_key, allowed_hosts=tuple(args.allowed_hosts),
-                               allowed_origins=tuple(args.allowed_origins))
+                               allowed_origins=tuple(args.allowed_origins), stream_migrations=args.stream_migrations)
     return settings, keys
 
 
@@ -127,7 +130,7 @@ async def _serve(args: argparse.Namespace, settings, keys) -> int:
     holder: dict[str, GatewayServer] = {}
 
     async def start(bus) -> str:
-        client = Client(bus, Timeouts(queued=settings.max_wait_s))
+        client = Client(bus, Timeouts(queued=settings.max_wait_s), migrations=settings.stream_migrations)
         holder["server"] = server = await GatewayServer(Gateway(client, keys, settings)).start()
         who = f"open as tenant {keys.open_principal.tenant}" if keys.is_open else f"{len(keys)} keys"
         return f"{server.url} ({who})"

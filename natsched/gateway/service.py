@@ -51,7 +51,7 @@ import orjson
 from natsched.bus.metrics import watch as watch_bus
 from natsched.client.batch import JobStore
 from natsched.wire import subjects as S
-from natsched.client.producer import Chunk, Client, Result, ResultStatus, Timeouts
+from natsched.client.producer import MIGRATIONS, Chunk, Client, Result, ResultStatus, Timeouts
 from natsched.wire.blocks import estimate_prompt_tokens
 from natsched.errors import NatschedError
 from natsched.client.errors import DuplicateRequest, Rejected, RequestError, RequestFailed, RequestTimeout
@@ -102,8 +102,14 @@ class GatewaySettings:
     max_prompt_token_ids: int = 131072  # token ids in one prompt (400 above)
     allowed_hosts: tuple[str, ...] = ()  # open mode: Host names accepted besides loopback and --host ("*": any)
     allowed_origins: tuple[str, ...] = ()  # open mode: browser origins that may call (besides the gateway's own)
+    #: a stream whose worker dies goes on from another worker this many times (0: the stream ends
+    #: with an error, as before); natsched.client.producer.Migration
+    stream_migrations: int = MIGRATIONS
 
     def __post_init__(self) -> None:
+        m = self.stream_migrations
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ConfigError(f"gateway setting stream_migrations must be an integer >= 0, got {m!r}")
         for name in ("max_wait_s", "min_wait_s", "keepalive_s", "ttft_timeout_s", "stream_idle_timeout_s"):
             value = getattr(self, name)
             if value is None and name in ("ttft_timeout_s", "stream_idle_timeout_s"):

@@ -72,6 +72,7 @@ async def start_gateway(
     bus = await Bus.connect(nats_url, name="gateway", credentials=credentials)
     ring = KeyRing.open(open_tenant) if open_tenant else KeyRing.from_json(orjson.dumps(KEYS if keys is None else keys))
     settings.setdefault("port", free_port())
-    client = Client(bus, timeouts or Timeouts(admission=10, idle=20))
-    server = TestGateway(Gateway(client, ring, GatewaySettings(**settings)))
+    gs = GatewaySettings(**settings)
+    client = Client(bus, timeouts or Timeouts(admission=10, idle=20), migrations=gs.stream_migrations)
+    server = TestGateway(Gateway(client, ring, gs))
     return await server.start()  # type: ignore[return-value]

@@ -264,3 +264,13 @@ def test_hashed_keys_work_and_the_secret_need_not_be_on_disk():
     ring = KeyRing.from_json(orjson.dumps({f"sha256:{digest}": {"tenant": "t1", "class": "batch"}}))
     assert ring.authenticate("Bearer sk-secret-value").tenant == "t1"
     assert os.environ.get("NOT_USED") is None  # (keys never come from the environment)
+
+
+def test_stream_migrations_default_to_the_producers_and_a_bad_count_is_refused():
+    from natsched.client.producer import MIGRATIONS
+
+    settings, _ = settings_from_args(gateway_args("--insecure-open"))
+    assert settings.stream_migrations == MIGRATIONS
+    assert settings_from_args(gateway_args("--insecure-open", "--stream-migrations", "0"))[0].stream_migrations == 0
+    with pytest.raises(ConfigError, match="stream_migrations must be an integer >= 0, got -1"):
+        settings_from_args(gateway_args("--insecure-open", "--stream-migrations", "-1"))

@@ -13,6 +13,7 @@ import os
 import signal
 
 import openai
+import pytest
 
 from natsched.client.producer import Timeouts
 from tests.factories.core import wait_for
@@ -22,31 +23,58 @@ from tests.factories.stack import start_stack, start_worker
 N = 600  # ~4 s of real-time decode: the kill lands mid-stream even when the reader lags
 
 
+async def read_killing_after_25(stack, procs, gw):
+    """Stream N tokens through the SDK; SIGKILL the worker running it after 25 chunks."""
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=ALPHA, max_retries=0)
+    stream = await client.completions.create(model="default", prompt="tell it all " * 6, max_tokens=N,
+                                             stream=True, stream_options={"include_usage": True})
+    texts, usage, killed = [], None, None
+    async for chunk in stream:
+        texts += [c.text for c in chunk.choices]
+        usage = chunk.usage or usage
+        if len(texts) == 25 and killed is None:
+            leases = stack.admitter.leases.workers
+            assert await wait_for(lambda: any(lease.inflight for lease in leases.values()))
+            killed = next(w for w, lease in leases.items() if lease.inflight)
+            os.kill(procs[killed].pid, signal.SIGKILL)
+    assert killed is not None
+    return texts, usage, killed
+
+
 async def test_an_sdk_stream_goes_on_when_its_worker_is_killed_mid_stream(bus, nats_url):
     stack = await start_stack(nats_url, workers=0, timeouts=Timeouts(admission=20, idle=30))
     procs = {w: start_worker(nats_url, w) for w in ("wa", "wb")}
     gw = await start_gateway(nats_url)
     try:
         await gw.wait_for_workers(2)
-        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=ALPHA, max_retries=0)
-        stream = await client.completions.create(model="default", prompt="tell it all " * 6, max_tokens=N,
-                                                 stream=True, stream_options={"include_usage": True})
-        texts, usage, killed = [], None, None
-        async for chunk in stream:
-            texts += [c.text for c in chunk.choices]
-            usage = chunk.usage or usage
-            if len(texts) == 25 and killed is None:
-                leases = stack.admitter.leases.workers
-                assert await wait_for(lambda: any(lease.inflight for lease in leases.values()))
-                killed = next(w for w, lease in leases.items() if lease.inflight)
-                os.kill(procs[killed].pid, signal.SIGKILL)
-        assert killed is not None
+        texts, usage, killed = await read_killing_after_25(stack, procs, gw)
         assert "".join(texts) == "".join(f" tok{i}" for i in range(N))  # every token once, in order
         assert usage is not None and usage.completion_tokens == N
         assert gw.gateway.metrics.registry.get_sample_value("natsched_gateway_stream_migrations_total",
                                                             {"tenant": "alpha"}) == 1
         assert procs["wb" if killed == "wa" else "wa"].poll() is None  # the survivor finished it
         assert await wait_for(lambda: stack.admitter.shared.usage.used == 0, timeout=10)  # nothing leaked
+    finally:
+        await gw.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        await stack.close()
+
+
+async def test_with_stream_migrations_off_the_sdk_stream_ends_with_an_error(bus, nats_url):
+    """``--stream-migrations 0``: the stream cannot go on, and the SDK is told so, not given a
+    restart of the answer it already has half of."""
+    stack = await start_stack(nats_url, workers=0, timeouts=Timeouts(admission=20, idle=30))
+    procs = {w: start_worker(nats_url, w) for w in ("wa", "wb")}
+    gw = await start_gateway(nats_url, stream_migrations=0)
+    try:
+        await gw.wait_for_workers(2)
+        with pytest.raises(openai.APIError, match="worker_lost"):
+            await read_killing_after_25(stack, procs, gw)
+        assert gw.gateway.metrics.registry.get_sample_value("natsched_gateway_stream_migrations_total",
+                                                            {"tenant": "alpha"}) is None
     finally:
         await gw.close()
         for p in procs.values():
