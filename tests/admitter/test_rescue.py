@@ -18,7 +18,7 @@ from natsched.client.producer import Client, Timeouts
 from natsched.client.errors import RequestFailed
 from natsched.wire.schema import Admitted, Assignment, Completion, Decision, Reply, WorkerId
 from tests.factories.core import make_completion, make_request, wait_for
-from tests.factories.stack import start_stack, start_worker
+from tests.factories.stack import start_stack, start_worker, stop_workers
 from tests.admitter.test_service import start_admitter, stop
 from natsched.admitter.service import AdmitterService, AdmitterServiceSettings
 from natsched.bus.connection import Bus
@@ -183,10 +183,7 @@ async def kill_wa_mid_run(bus, nats_url, *, restart: bool) -> None:
         else:
             assert await bus.stream_messages(S.STREAM_WORK) == []
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        stop_workers(procs)
         await stack.close()
 
 
@@ -221,10 +218,7 @@ async def test_kill_9_of_a_worker_mid_stream_the_stream_goes_on_on_the_other(bus
         assert done[f"{request.id}-r1"].status == "ok"  # the continuation; the rescued try was cancelled
         assert await wait_for(lambda: stack.admitter.shared.usage.used == 0, timeout=10)  # nothing leaked
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        stop_workers(procs.values())
         await stack.close()
 
 

@@ -95,3 +95,11 @@ def start_worker(url: str, worker: str) -> subprocess.Popen:
         if line.startswith(READY_PREFIX):
             return proc
     raise RuntimeError(f"worker {worker} exited with {proc.wait()}")
+
+
+def stop_workers(procs) -> None:
+    """Kill what is still running of ``start_worker``'s processes and reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()

@@ -9,6 +9,7 @@ normally with the whole answer and its usage.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -18,7 +19,7 @@ import pytest
 from natsched.client.producer import Timeouts
 from tests.factories.core import wait_for
 from tests.factories.gateway import ALPHA, start_gateway
-from tests.factories.stack import start_stack, start_worker
+from tests.factories.stack import start_stack, start_worker, stop_workers
 
 N = 600  # ~4 s of real-time decode: the kill lands mid-stream even when the reader lags
 
@@ -41,44 +42,40 @@ async def read_killing_after_25(stack, procs, gw):
     return texts, usage, killed
 
 
-async def test_an_sdk_stream_goes_on_when_its_worker_is_killed_mid_stream(bus, nats_url):
+@contextlib.asynccontextmanager
+async def killable_cluster(nats_url, **gateway_settings):
+    """A stack with two real worker processes, and a gateway that has seen both."""
     stack = await start_stack(nats_url, workers=0, timeouts=Timeouts(admission=20, idle=30))
     procs = {w: start_worker(nats_url, w) for w in ("wa", "wb")}
-    gw = await start_gateway(nats_url)
+    gw = await start_gateway(nats_url, **gateway_settings)
     try:
         await gw.wait_for_workers(2)
+        yield stack, procs, gw
+    finally:
+        await gw.close()
+        stop_workers(procs.values())
+        await stack.close()
+
+
+def migrations_counted(gw):
+    return gw.gateway.metrics.registry.get_sample_value("natsched_gateway_stream_migrations_total",
+                                                        {"tenant": "alpha"})
+
+
+async def test_an_sdk_stream_goes_on_when_its_worker_is_killed_mid_stream(bus, nats_url):
+    async with killable_cluster(nats_url) as (stack, procs, gw):
         texts, usage, killed = await read_killing_after_25(stack, procs, gw)
         assert "".join(texts) == "".join(f" tok{i}" for i in range(N))  # every token once, in order
         assert usage is not None and usage.completion_tokens == N
-        assert gw.gateway.metrics.registry.get_sample_value("natsched_gateway_stream_migrations_total",
-                                                            {"tenant": "alpha"}) == 1
+        assert migrations_counted(gw) == 1
         assert procs["wb" if killed == "wa" else "wa"].poll() is None  # the survivor finished it
         assert await wait_for(lambda: stack.admitter.shared.usage.used == 0, timeout=10)  # nothing leaked
-    finally:
-        await gw.close()
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        await stack.close()
 
 
 async def test_with_stream_migrations_off_the_sdk_stream_ends_with_an_error(bus, nats_url):
     """``--stream-migrations 0``: the stream cannot go on, and the SDK is told so, not given a
     restart of the answer it already has half of."""
-    stack = await start_stack(nats_url, workers=0, timeouts=Timeouts(admission=20, idle=30))
-    procs = {w: start_worker(nats_url, w) for w in ("wa", "wb")}
-    gw = await start_gateway(nats_url, stream_migrations=0)
-    try:
-        await gw.wait_for_workers(2)
+    async with killable_cluster(nats_url, stream_migrations=0) as (stack, procs, gw):
         with pytest.raises(openai.APIError, match="worker_lost"):
             await read_killing_after_25(stack, procs, gw)
-        assert gw.gateway.metrics.registry.get_sample_value("natsched_gateway_stream_migrations_total",
-                                                            {"tenant": "alpha"}) is None
-    finally:
-        await gw.close()
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        await stack.close()
+        assert migrations_counted(gw) is None
