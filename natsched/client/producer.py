@@ -262,7 +262,7 @@ class Client:
                     yield moved.took(item)
                 return
             except RequestError as exc:
-                if moved.possible(exc):
+                if moved.migrates(exc):
                     wait = 0.0  # the worker died, not an overload: go on at once
                     log.info("request %s: %s; its stream goes on after %d tokens (try %d)", current.id, exc,
                              len(moved.token_ids), attempt + 1)
@@ -474,8 +474,9 @@ class Migration:
         item.migrations = self.migrations
         return item
 
-    def possible(self, exc: Exception) -> bool:
-        """Whether another worker can continue the stream ``exc`` ended; if so, it will."""
+    def migrates(self, exc: Exception) -> bool:
+        """Whether another worker can continue the stream ``exc`` ended; if so, it is counted and
+        the next :meth:`request` carries the output so far."""
         if not (isinstance(exc, RequestFailed) and exc.reason == "worker_lost" and self._whole and self.token_ids
                 and self.migrations < self.limit and len(self.token_ids) < self.original.max_tokens):
             return False

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
+from natsched.wire.blocks import estimate_prefill_tokens, request_block_hashes
 from natsched.wire.schema import Request, RequestId, TenantId, WorkerId
 from natsched.wire.ids import BlockHash
 
@@ -41,7 +41,7 @@ class RouteRequest:
         return cls(
             id=request.id,
             tenant=request.tenant,
-            prompt_tokens=estimate_prompt_tokens(request) + resumed,
+            prompt_tokens=estimate_prefill_tokens(request),
             hashes=hashes,
             expected_output=max(1, (request.expected_output_tokens or request.max_tokens) - resumed),
             runtime_tokens=runtime_tokens,

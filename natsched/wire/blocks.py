@@ -73,6 +73,12 @@ def estimate_prompt_tokens(request: Request) -> int:
     return max(1, -(-text_len // CHARS_PER_TOKEN))
 
 
+def estimate_prefill_tokens(request: Request) -> int:
+    """What the engine prefills: the prompt, and a migrated stream's output so far after it
+    (``resume_token_ids``, which its ``max_tokens`` already counts)."""
+    return estimate_prompt_tokens(request) + len(request.resume_token_ids or ())
+
+
 def request_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     """The prefix chain of a request, as the router and the workers compute it."""
     if request.prompt_token_ids is not None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from natsched.wire import subjects as S
 from natsched.wire import msgids as M
-from natsched.wire.blocks import estimate_prompt_tokens, request_block_hashes
+from natsched.wire.blocks import estimate_prefill_tokens, request_block_hashes
 from natsched.bus.aio import RECANCEL_S
 from natsched.bus.connection import Bus, ConsumerSpec, Delivery, transport_failure
 from natsched.bus.metrics import watch as watch_bus
@@ -283,7 +283,7 @@ class WorkerAgent:
         resumed = len(req.resume_token_ids or ())  # a migrated stream: continue after its output
         engine_req = EngineRequest(
             id=req.id,
-            prompt_tokens=estimate_prompt_tokens(req) + resumed,
+            prompt_tokens=estimate_prefill_tokens(req),
             hashes=request_block_hashes(req, self.engine.block_size),
             max_tokens=req.max_tokens - resumed,
             prompt=((req.system_prompt or "") + (req.prompt or "")) if req.prompt is not None else None,

@@ -369,10 +369,7 @@ class VllmEngine:
             ids = list(request.prompt_token_ids)
             if not ids:
                 raise _Refused("invalid_request: prompt_token_ids is empty")
-            if self.vocab_size and (min(ids) < 0 or max(ids) >= self.vocab_size):
-                bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
-                raise _Refused(f"invalid_request: token id {bad} is outside the model's vocabulary "
-                               f"[0, {self.vocab_size})", prompt_tokens=len(ids))
+            self._check_vocab(ids, "token id", len(ids))
             return ids, []
         if request.prompt is None:
             raise _Refused("invalid_request: the request has neither prompt nor prompt_token_ids")
@@ -391,11 +388,16 @@ class VllmEngine:
     def _resumed(self, ids: list[int], request: EngineRequest) -> list[int]:
         """The prompt's ids, then a migrated stream's output so far: vLLM continues after it."""
         resume = list(request.resume_token_ids or ())
-        if resume and self.vocab_size and (min(resume) < 0 or max(resume) >= self.vocab_size):
-            bad = next(t for t in resume if t < 0 or t >= self.vocab_size)
-            raise _Refused(f"invalid_request: resume token id {bad} is outside the model's vocabulary "
-                           f"[0, {self.vocab_size})", prompt_tokens=len(ids))
+        if resume:
+            self._check_vocab(resume, "resume token id", len(ids))
         return ids + resume
+
+    def _check_vocab(self, ids: list[int], what: str, prompt_tokens: int) -> None:
+        """Refuse an id outside the model's vocabulary (vLLM would fail the whole engine on it)."""
+        if self.vocab_size and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
+            raise _Refused(f"invalid_request: {what} {bad} is outside the model's vocabulary "
+                           f"[0, {self.vocab_size})", prompt_tokens=prompt_tokens)
 
     # ------------------------------------------------------------------ failure
     def _mark_dead(self, reason: str) -> None:

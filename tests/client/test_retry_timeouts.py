@@ -118,32 +118,15 @@ async def test_a_stream_retries_through_no_worker_and_streams_its_output(bus, na
 
 
 async def test_a_stream_that_streamed_output_is_retried_only_with_after_output(bus):
-    """Its worker dies after a token went out (the admitter re-admits it: ``rerouted``): a default
-    policy raises ``worker_lost`` (the consumer already has output), ``after_output`` tries again.
-    The services' replies are scripted on the real bus, answering each try as it is published."""
-    from natsched.wire import fence
-    from natsched.wire import subjects as S
-    from natsched.wire.schema import Reply, Request
-
-    tries: list[str] = []
-
-    async def on_request(subject, data, headers):
-        req = Request.decode(data)
-        if req.tenant != "t-retry":
-            return
-        tries.append(req.id)
-        script = [Reply(request_id=req.id, kind="token", text="half ", worker="wa"),
-                  Reply(request_id=req.id, kind="status", status="rerouted", worker="wa")] if len(tries) == 1 else \
-            [Reply(request_id=req.id, kind="token", text="whole", worker="wb"),
-             Reply(request_id=req.id, kind="result", worker="wb", output_tokens=1)]
-        for reply in script:
-            if reply.kind == "status":  # the services' news, on the reply subject itself
-                await bus.publish(headers[S.HDR_REPLY], reply)
-            else:  # a worker's output: on its own sub-subject with its reply fence (natsched.wire.fence)
-                reply.fence = fence.reply_sign(fence.reply_key(None, req.tenant), req.id, reply.worker, 0)
-                await bus.publish(S.worker_reply(headers[S.HDR_REPLY], reply.worker), reply)
-
-    sub = await bus.subscribe(S.REQUESTS_ALL, on_request)
+    """Its worker dies after a token went out (the admitter re-admits it: ``rerouted``), and the
+    token came without its id, so the stream cannot be migrated: a default policy raises
+    ``worker_lost`` (the consumer already has output), ``after_output`` tries again. The
+    services' replies are scripted on the real bus, answering each try as it is published."""
+    tries: list = []
+    half = [("token", "half ", None, None, "wa"), ("status", None, None, None, "wa")]
+    whole = [("token", "whole", None, None, "wb"), ("result", None, [1], None, "wb")]
+    scripts = [half, whole]  # each stream's first try, then its second
+    sub = await _scripted(bus, "t-retry", scripts, tries)
     client = Client(bus, Timeouts(admission=5, idle=5), retry=Retry(attempts=3, base_s=0.05, cap_s=0.1))
     try:
         with pytest.raises(RequestFailed) as err:
@@ -153,7 +136,7 @@ async def test_a_stream_that_streamed_output_is_retried_only_with_after_output(b
         request = make_request("t-retry", "x")
         stream = client.stream(request, retry=Retry(attempts=3, base_s=0.05, cap_s=0.1, after_output=True))
         assert [c.text async for c in stream] == ["half ", "whole"]  # the consumer sees the output again
-        assert tries == [request.id, f"{request.id}-r1"] and stream.result.attempts == 2
+        assert [t.id for t in tries] == [request.id, f"{request.id}-r1"] and stream.result.attempts == 2
     finally:
         await sub.unsubscribe()
 
