@@ -457,12 +457,13 @@ class Migration:
     def took(self, item: "Chunk | Result") -> "Chunk | Result":
         """``item`` as the consumer sees it: indexes and the result over the whole stream."""
         if isinstance(item, Chunk):
-            if item.token_ids and item.index == self._next_index:
-                self.token_ids += item.token_ids
-            else:
-                self._whole = False
-            self._next_index = item.index + 1
-            self.texts.append(item.text)
+            if self.limit:  # kept only for a stream that may migrate
+                if item.token_ids and item.index == self._next_index:
+                    self.token_ids += item.token_ids
+                else:
+                    self._whole = False
+                self._next_index = item.index + 1
+                self.texts.append(item.text)
             self.chunks += 1
             return Chunk(item.text, item.token_ids, self.chunks - 1)
         if self.migrations and item.status == ResultStatus.COMPLETED:
