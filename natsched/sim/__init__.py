@@ -4,6 +4,7 @@
 - :mod:`natsched.sim.des`          the discrete-event simulator (RouterCore + one SimCore per worker)
 - :mod:`natsched.sim.admission`    the pluggable admission hook (allow / queue / reject before routing)
 - :mod:`natsched.sim.metrics`      per-request records and the benchmark metrics (incl. the reuse ceiling)
+- :mod:`natsched.sim.ideal`        the ideal cluster's TTFT per request (the floor of a TTFT headline)
 - :mod:`natsched.sim.calibrate`    the speed-up that yields a target busy fraction
 - :mod:`natsched.sim.bench_routing` every routing policy side by side (``natsched bench routing``)
 - :mod:`natsched.sim.scenario`     scenario files (cluster + traffic + events + SLOs + headline), checked

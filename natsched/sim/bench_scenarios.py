@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from natsched.sim.contenders import CONTENDERS, MIGRATIONS, RESCUE_S, make_gate
 from natsched.sim.des import ClientRetry, SimSettings, WorkerEvent, WorkerSpec, simulate
 from natsched.sim.errors import ScenarioError
+from natsched.sim.ideal import fastest_per_model, ideal_ttfts
 from natsched.sim.metrics import percentile, summarize
 from natsched.sim.pool import context, make_pool
 from natsched.sim.progress import Progress
@@ -272,6 +273,27 @@ def run_metrics(sc: Scenario, result, trace: Trace) -> dict[str, Any]:
             out[phase_key(i)] = ph["ttft_p99_s"]  # judged one by one: "ahead in every phase"
     if any(e.kind == "add" for e in sc.events):
         out["fair_share_s"] = _fair_share_time(sc, recs, t0, sc.n_workers)
+    out.update(ideal_metrics(sc, trace))
+    return out
+
+
+def ideal_metrics(sc: Scenario, trace: Trace) -> dict[str, float | None]:
+    """``ideal_<metric>``: each TTFT metric of the run computed on the requests' ideal TTFTs
+    (sim/ideal.py) instead of their TTFTs: a floor under every contender's value, the same for all
+    of a cell (it depends on the arrivals and the cluster's profiles alone)."""
+    specs = [*worker_specs(sc), *(e.spec for e in worker_events(sc) if e.kind == "add")]
+    fastest = fastest_per_model((s.model, s.engine_profile()) for s in specs)
+    floors = ideal_ttfts(trace.requests, trace.block_size, fastest)
+    vals = list(floors.values())
+    out: dict[str, float | None] = {"ideal_ttft_p50_s": percentile(vals, 50), "ideal_ttft_p99_s": percentile(vals, 99)}
+    if sc.phases:
+        edges = [0.0, *sc.phases, math.inf]
+        per = [percentile([floors[r.index] for r in trace.requests if a <= r.arrival < b], 99)
+               for a, b in zip(edges, edges[1:])]
+        for i, v in enumerate(per):
+            out["ideal_" + phase_key(i)] = v
+        known = [v for v in per if v is not None]
+        out["ideal_phase_ttft_p99_s"] = max(known) if known else None
     return out
 
 
@@ -553,6 +575,7 @@ def judge(sc: Scenario, loads: list[Load], results: list[dict[str, Any]]) -> dic
             "best_peer": head.get("peer"), "ratio": head.get("ratio"), "verdict": head.get("verdict"),
             "paired": verdicts, "ttfts": ttfts, "description": sc.description,
             "workers": sc.n_workers, "ceiling": goodput_ceiling(key, by, labels, head.get("peer")),
+            "ideal": ideal_bounds(by, labels, verdicts),
             "phases": [{"from_s": a, "to_s": b, "metric": k} for a, b, k in
                        zip([0.0, *sc.phases], [*sc.phases, None], phases)]}
 
@@ -571,6 +594,23 @@ def goodput_ceiling(key: str, by, labels, peer: str | None) -> dict[str, Any] | 
     if not offered:
         return None
     return {"offered": offered, "max_ratio": offered / theirs if theirs else None, "by_contender": parts}
+
+
+def ideal_bounds(by, labels, verdicts: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """For each judged TTFT metric: the ideal cluster's value (``ideal``, the mean over the cells of
+    :func:`ideal_metrics`) and ``min_ratio`` = ideal ÷ the best peer's value, the least
+    ``natsched ÷ best peer`` can be on these arrivals (a "level" verdict near 1.0 with a
+    ``min_ratio`` near 1.0 has nothing left to win; far below it, the room is real)."""
+    if not by:
+        return {}
+    src = by[OURS] if OURS in by else next(iter(by.values()))
+    out = {}
+    for m, v in verdicts.items():
+        ideal = _mean(src[lb].get("ideal_" + m) for lb in labels)
+        if ideal is None or not v.get("theirs"):
+            continue
+        out[m] = {"ideal": ideal, "min_ratio": ideal / v["theirs"]}
+    return out
 
 
 def _higher(metric: str) -> bool:
@@ -661,6 +701,7 @@ def summary_table(report: dict[str, Any]) -> str:
                      "-" if p.get("ratio") is None else f"{p['ratio']:.2f}", p.get("verdict") or "-",
                      str(p.get("loads", 0))))
     notes = [ceiling_line(n, j) for n, j in report["scenarios"].items() if j.get("ceiling")]
+    notes += [ideal_line(n, j) for n, j in report["scenarios"].items() if (j.get("ideal") or {}).get(j["headline"])]
     notes += [phase_line(n, j) for n, j in report["scenarios"].items() if j.get("phases")]
     return "\n".join(_grid(rows) + notes)
 
@@ -671,9 +712,20 @@ def phase_line(name: str, j: dict[str, Any]) -> str:
     for ph in j["phases"]:
         p = j["paired"].get(ph["metric"]) or {}
         span = f"{ph['from_s']:g}-{'end' if ph['to_s'] is None else format(ph['to_s'], 'g')} s"
+        ideal = (j.get("ideal") or {}).get(ph["metric"])
         parts.append(f"{span} {_fmt(p.get('ours'))} / {p.get('peer') or '-'} {_fmt(p.get('theirs'))} "
-                     f"{p.get('verdict') or '-'}")  # a phase nobody arrived in: "-"
+                     f"{p.get('verdict') or '-'}"  # a phase nobody arrived in: "-"
+                     + (f" (ideal {_fmt(ideal['ideal'])})" if ideal else ""))
     return f"{name} per phase (TTFT p99 s, {OURS} / best peer of the phase): " + "; ".join(parts)
+
+
+def ideal_line(name: str, j: dict[str, Any]) -> str:
+    """One sentence on how low a TTFT headline could go on its arrivals (sim/ideal.py)."""
+    key, p = j["headline"], j["paired"][j["headline"]]
+    b = j["ideal"][key]
+    return (f"{name}: {key} of the ideal cluster (each request alone on an idle engine of the fastest profile, "
+            f"every earlier prompt cached) {_fmt(b['ideal'])} s; {OURS} {_fmt(p.get('ours'))}, "
+            f"{p.get('peer')} {_fmt(p.get('theirs'))} -> {OURS}/peer can be no lower than {b['min_ratio']:.2f}")
 
 
 def ceiling_line(name: str, j: dict[str, Any]) -> str:
