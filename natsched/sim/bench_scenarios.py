@@ -287,9 +287,8 @@ def ideal_metrics(sc: Scenario, trace: Trace) -> dict[str, float | None]:
     vals = list(floors.values())
     out: dict[str, float | None] = {"ideal_ttft_p50_s": percentile(vals, 50), "ideal_ttft_p99_s": percentile(vals, 99)}
     if sc.phases:
-        edges = [0.0, *sc.phases, math.inf]
         per = [percentile([floors[r.index] for r in trace.requests if a <= r.arrival < b], 99)
-               for a, b in zip(edges, edges[1:])]
+               for a, b in _phase_spans(sc)]
         for i, v in enumerate(per):
             out["ideal_" + phase_key(i)] = v
         known = [v for v in per if v is not None]
@@ -381,10 +380,15 @@ def _floor_ratios(sc: Scenario, good, recs) -> dict[str, float]:
     return out
 
 
+def _phase_spans(sc: Scenario) -> list[tuple[float, float]]:
+    """``[from, to)`` of each phase in seconds after the first arrival (the last one open)."""
+    edges = [0.0, *sc.phases, math.inf]
+    return list(zip(edges, edges[1:]))
+
+
 def _phases(sc: Scenario, ok, t0: float) -> list[dict[str, Any]]:
-    edges = [0.0] + [p for p in sc.phases] + [math.inf]
     out = []
-    for a, b in zip(edges, edges[1:]):
+    for a, b in _phase_spans(sc):
         xs = [r.first_token - r.arrival for r in ok if a <= r.arrival - t0 < b]
         out.append({"from_s": a, "to_s": None if b == math.inf else b, "requests": len(xs),
                     "ttft_p99_s": percentile(xs, 99)})

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
+from natsched.sim.metrics import reusable_blocks
 from natsched.sim.trace import TraceRequest
 from natsched.workers.profiles import EngineProfile
 
@@ -67,12 +68,7 @@ def ideal_ttfts(requests: Iterable[TraceRequest], block_size: int,
         profile = fastest.get(r.model or "default", default)
         if profile is None:
             raise ValueError("ideal_ttfts needs at least one worker profile")
-        n = 0
-        for h in r.hashes:  # chained hashes: a block seen implies its whole prefix was
-            if h not in seen:
-                break
-            n += 1
-        n = min(n, (max(1, r.input_length) - 1) // block_size)
+        n = reusable_blocks(r, seen, block_size)
         out[r.index] = prefill_alone_s(profile, r.input_length, n * block_size) / speed
         seen.update(r.hashes)
     return out

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Container, Iterable, Sequence
 
 from natsched.stats import percentile  # the sim metrics name it here too
 from natsched.sim.trace import TraceRequest
@@ -77,12 +77,7 @@ def pooled_hit_ratio(requests: Iterable[TraceRequest], block_size: int, capacity
     lru: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
     for r in sorted(requests, key=lambda r: r.index):
-        n = 0
-        for h in r.hashes:
-            if h not in lru:
-                break
-            n += 1
-        n = min(n, (max(1, r.input_length) - 1) // block_size)
+        n = reusable_blocks(r, lru, block_size)
         hit += n * block_size
         total += max(1, r.input_length)
         for h in reversed(r.hashes):
@@ -92,6 +87,17 @@ def pooled_hit_ratio(requests: Iterable[TraceRequest], block_size: int, capacity
             while len(lru) > capacity_blocks:
                 lru.popitem(last=False)
     return hit / total if total else 0.0
+
+
+def reusable_blocks(r: TraceRequest, cached: Container[int], block_size: int) -> int:
+    """Leading blocks of ``r`` found in ``cached`` (chained hashes: a block implies its whole
+    prefix), capped as the engine caps a match so that the last prompt token is computed."""
+    n = 0
+    for h in r.hashes:
+        if h not in cached:
+            break
+        n += 1
+    return min(n, (max(1, r.input_length) - 1) // block_size)
 
 
 def migration_rate(records: Iterable[RequestRecord]) -> float:
