@@ -46,6 +46,10 @@ changes the copy, never the core, so planning has no side effects. The order is:
    (:meth:`Planner.contended`). A *saturated* model — every engine of it has requests waiting
    (:mod:`natsched.admitter.engines`) — is held at what it holds, and is contended while any of
    its requests is queued.
+8. **Adaptive LIFO** (``lifo``, :meth:`natsched.admitter.standing.StandingQueues.forming`): in a
+   (model, class) lane whose oldest request has waited past the standing target, the newest
+   request goes first — ahead of that lane's older ones and of aging — and an arrival of it goes
+   before them too. Everything else keeps the order above.
 """
 
 from __future__ import annotations
@@ -132,7 +136,8 @@ class Planner:
                  aging_s: float, reserve_long_share: float, class_rank: dict[str, int], scan_limit: int,
                  book: ClassBook | None = None, pressure: bool = False,
                  model_totals: dict[str, int | None] | None = None,
-                 saturated: frozenset[str] = frozenset()) -> None:
+                 saturated: frozenset[str] = frozenset(),
+                 lifo: frozenset[tuple[str, str]] = frozenset()) -> None:
         self.queue = queue
         self.quotas = quotas
         self.total = total
@@ -154,17 +159,23 @@ class Planner:
         self.pressure = pressure  # class before tenant (module docstring, 5.)
         self.model_totals = model_totals  # per-model capacity (module docstring, 7.); None: no bound
         self.saturated = saturated  # models held at what they hold now (module docstring, 7.)
+        self.lifo = lifo  # (model, class) lanes served newest first (module docstring, 8.)
 
     # ------------------------------------------------------------------ ranks
     def rank(self, tenant: str) -> Rank:
         return tenant_rank(self.quotas.tenant_quota(tenant), self.tenant_used.get(tenant, 0), self.total)
 
     def entry_key(self, e: Entry) -> tuple:
+        if (e.model, e.cls) in self.lifo:  # newest first, aging off (module docstring, 8.)
+            return (1, self.class_rank.get(e.cls, 99), -e.enqueued_at, -e.seq)
         if self.now - e.enqueued_at >= self.aging_s:
             return (0, 0, e.enqueued_at, e.seq)
         return (1, self.class_rank.get(e.cls, 99), e.enqueued_at, e.seq)
 
-    def arrival_key(self, cls: str) -> tuple:
+    def arrival_key(self, cls: str, model: str | None = None) -> tuple:
+        """An arrival's key against :meth:`entry_key`'s: it loses every tie."""
+        if (model, cls) in self.lifo:  # the newest of its lane
+            return (1, self.class_rank.get(cls, 99), -self.now, math.inf)
         if self.aging_s <= 0:
             return (0, 0, self.now, math.inf)
         return (1, self.class_rank.get(cls, 99), self.now, math.inf)
@@ -271,7 +282,8 @@ class Planner:
         return queued > 0 and held + queued > bound and bound - held < self.total - self.used
 
     def _oldest_of(self, model: str, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
-        """The eligible queued request of ``model`` first by (aged, class, arrival), of any tenant."""
+        """The eligible queued request of ``model`` first by (aged, class, arrival), of any tenant
+        (by :meth:`entry_key`: newest first in a LIFO lane)."""
         found, found_key = None, None
         for rank, tenant in order:
             quota = self.quotas.tenant_quota(tenant)
@@ -287,7 +299,8 @@ class Planner:
     def _cursor(self, tenant: str, lane: Lane, entries) -> _Cursor:
         cursor = self._cursors.get((tenant, lane))
         if cursor is None:
-            cursor = self._cursors[(tenant, lane)] = _Cursor(entries.values())
+            values = reversed(entries.values()) if (lane[2], lane[0]) in self.lifo else entries.values()
+            cursor = self._cursors[(tenant, lane)] = _Cursor(values)
         return cursor
 
     def _top_by_class(self, order: list[tuple[Rank, str]]) -> tuple[Entry, Rank] | None:
@@ -346,10 +359,10 @@ class Planner:
         entry, top_rank = top
         mine = self.rank(request.tenant)
         if self.pressure:  # class before tenant (module docstring, 5.); it still loses every tie
-            a = self.pressure_key(self.arrival_key(request.cls), request.cls, mine)[:3]
+            a = self.pressure_key(self.arrival_key(request.cls, request.model), request.cls, mine)[:3]
             b = self.pressure_key(self.entry_key(entry), entry.cls, top_rank)[:3]
             if a != b:
                 return a < b
         if request.tenant != entry.tenant:
             return mine < top_rank
-        return self.arrival_key(request.cls) < self.entry_key(entry)
+        return self.arrival_key(request.cls, request.model) < self.entry_key(entry)

@@ -138,6 +138,7 @@ class AdmissionSettings:
     standing_shed: bool = True  # shed a (model, class) queue that stands (natsched.admitter.standing)
     standing_target_s: float = 1.0  # ... a queue whose oldest waited longer than this ...
     standing_interval_s: float = 5.0  # ... for this long stands
+    adaptive_lifo: bool = True  # a shed class's forming (model, class) queue goes newest first (standing.py)
     hold_saturated: bool = True  # hold a model's requests while all its engines have some waiting (engines.py)
 
     def __post_init__(self) -> None:
@@ -369,8 +370,8 @@ class AdmitterCore:
             return None
         if not plan.arrival_outranks(request, plan.top()):
             return None
-        if plan.contended(request.model):  # its model's queue goes first, by age (planner.py 7.)
-            return None
+        if plan.contended(request.model):
+            return None  # its model's queue goes first, by age (planner.py 7.; newest first: 8.)
         return plan.loan(request.cls, cost)
 
     def _queue_or_reject(self, request: Request, cost: int, now: float) -> AdmissionDecision:
@@ -675,7 +676,16 @@ class AdmitterCore:
         return Planner(self.queue, self.quotas, self.total, usage, now,
                        aging_s=s.aging_s, reserve_long_share=s.reserve_long_share, class_rank=s.class_rank,
                        scan_limit=s.scan_limit, book=self._class_book(usage, pressure), pressure=pressure,
-                       model_totals=self.model_totals, saturated=self._held_models())
+                       model_totals=self.model_totals, saturated=self._held_models(),
+                       lifo=self._lifo_lanes(now))
+
+    def _lifo_lanes(self, now: float) -> frozenset[tuple[str, str]]:
+        """The (model, class) lanes the planner serves newest first (natsched.admitter.standing):
+        forming queues of the classes a standing queue sheds."""
+        s = self.settings
+        if not (s.adaptive_lifo and s.standing_shed):
+            return frozenset()
+        return frozenset(lane for lane in self.standing.forming(now) if self._sheds(lane[1]))
 
     def _held_models(self) -> frozenset[str]:
         return self.saturated if self.settings.hold_saturated else frozenset()

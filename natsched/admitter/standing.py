@@ -20,6 +20,16 @@ batch and degradable work is meant to wait):
 - it stops once its oldest request stayed within ``target_s`` for ``interval_s`` with nothing
   shed: the overload is over.
 
+**Adaptive LIFO** (the same article's companion to CoDel): while a lane's oldest request is past
+``target_s`` — a queue is forming — or the lane stands, the door serves that lane *newest first*
+(:meth:`StandingQueues.forming`; the planner's rule 8). First-come order makes every request of a
+forming queue wait the whole backlog; newest-first serves the requests that can still be served
+soon, and leaves the backlog to the old ones, which the standing rule sheds (told, with
+``retry_after``) once the queue stands. So a forming queue's wait falls on the fewest requests,
+and for no longer than the interval plus a retry. Measured on ``hetero``, whose second model's
+two L4s are offered more than they serve (docs/scenarios.md, "Adaptive LIFO at the door"). Off
+with ``admission.adaptive_lifo``.
+
 A burst the queue drains within ``interval_s`` is never shed. The defaults, and why: the
 interval is one step of the capacity-following total (``DynamicTotalSettings.interval_s``, 5 s),
 so a queue that stands through a whole step is not one the total was about to absorb; the
@@ -66,6 +76,11 @@ class StandingQueues:
             return True
         last = self.shedding.get(lane)
         return last is not None and now - last < self.interval_s
+
+    def forming(self, now: float) -> list[Hashable]:
+        """The lanes served newest first at ``now``: their oldest request is past the target (at
+        the last :meth:`observe`), or they stand."""
+        return [k for k in {**self.above, **self.shedding} if k in self.above or self.standing(k, now)]
 
     def lanes(self, now: float) -> list[Hashable]:
         """The lanes standing at ``now``."""

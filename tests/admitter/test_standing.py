@@ -4,7 +4,7 @@ shed; SLO, batch and degradable work keep their own rules."""
 
 from natsched.admitter.policy import ALLOW, DEGRADE, QUEUE, REJECT
 from natsched.admitter.standing import StandingQueues
-from tests.admitter.test_dequeue import drain, finish, make_core, sized, submit
+from tests.admitter.test_dequeue import allowed, drain, finish, make_core, sized, submit
 
 
 def test_a_lane_stands_only_after_a_whole_interval_past_the_target_and_stops_after_a_calm_one():
@@ -92,3 +92,78 @@ def test_a_class_with_a_ttft_slo_keeps_its_own_rule():
     submit(core, r, 2.0)
     picks = [p for t in (3.0, 5.0, 7.0, 8.5) for p in drain(core, t)]
     assert [(p.id, d.decision, d.reason) for p, d in picks] == [(r.id, DEGRADE, "slo")]  # at 2 s, not shed
+
+
+# ------------------------------------------------------------------ adaptive LIFO
+
+
+def test_a_lane_is_forming_as_soon_as_its_oldest_is_past_the_target_and_not_after_it_drains():
+    sq = StandingQueues(target_s=1.0, interval_s=5.0)
+    lane = ("m", "online")
+    sq.observe({lane: 0.9}, now=1.0)
+    assert sq.forming(1.0) == []
+    sq.observe({lane: 1.5}, now=2.0)
+    assert sq.forming(2.0) == [lane] and not sq.standing(lane, 2.0)  # forming long before it stands
+    sq.observe({}, now=3.0)
+    assert sq.forming(3.0) == []
+
+
+def forming_core(**settings):
+    """:func:`serving_core` with three requests of 60 queued behind the filler at 6.0 / 6.3 / 6.6
+    (the model's rate is measured from t=6) and a plan at 7.5, when the oldest has waited 1.5 s."""
+    core, filler = serving_core(**settings)
+    queued = [sized(60, model="m") for _ in range(3)]
+    for r, t in zip(queued, (6.0, 6.3, 6.6)):
+        assert submit(core, r, t).decision == QUEUE
+    assert drain(core, 7.5) == []
+    finish(core, filler, 7.6)  # room for one of them
+    return core, queued
+
+
+def test_a_forming_queue_is_served_newest_first_and_first_come_without_the_rule():
+    core, (a, b, c) = forming_core()
+    assert allowed(drain(core, 7.6)) == [c.id]
+    core, (a, b, c) = forming_core(adaptive_lifo=False)
+    assert allowed(drain(core, 7.6)) == [a.id]
+
+
+def test_an_arrival_at_a_forming_queue_goes_before_the_older_requests():
+    core, _ = forming_core()
+    assert submit(core, sized(60, model="m"), 7.6).decision == ALLOW
+    core, _ = forming_core(adaptive_lifo=False)
+    assert submit(core, sized(60, model="m"), 7.6).decision == QUEUE
+
+
+def test_a_class_with_a_ttft_slo_stays_first_come():
+    """An SLO class degrades what waited past its share instead (measured: newest first there cost
+    burst's online goodput, docs/scenarios.md)."""
+    core, (a, b, c) = forming_core(slo_ttft_s={"online": 100.0})
+    assert allowed(drain(core, 7.6)) == [a.id]
+
+
+def test_a_contended_models_forming_queue_goes_newest_first_across_tenants():
+    core = make_core(total=10_000)
+    core.set_model_totals({"big": 10_000, "small": 150})
+    warm = [sized(10, model="small") for _ in range(10)]
+    for i, r in enumerate(warm):
+        assert submit(core, r, i * 0.1).decision == ALLOW
+    for i, r in enumerate(warm):
+        finish(core, r, 1.0 + i * 0.1)  # "small" serves: its release rate is measured from t=6
+    assert submit(core, sized(5_000, model="big", tenant="a"), 2.0).decision == ALLOW
+    running = sized(100, model="small", tenant="b")
+    assert submit(core, running, 2.0).decision == ALLOW
+    older, newer = sized(100, model="small", tenant="a"), sized(100, model="small", tenant="b")
+    assert [submit(core, older, 6.0).decision, submit(core, newer, 6.5).decision] == [QUEUE, QUEUE]
+    assert drain(core, 7.2) == []  # the oldest has waited 1.2 s: the lane is forming
+    finish(core, running, 7.3)
+    assert allowed(drain(core, 7.3)) == [newer.id]
+
+
+def test_adaptive_lifo_is_a_live_knob():
+    from natsched.admitter import knobs as K
+    assert "admission.adaptive_lifo" in K.names()
+    off = K.apply(K.Knobs(), dict([K.parse_assignment("admission.adaptive_lifo=false")]))
+    assert off.admission.adaptive_lifo is False
+    core, (a, _, _) = forming_core()
+    core.set_settings(off.admission)  # what an admitter does when the quotas bucket changes it
+    assert allowed(drain(core, 7.6)) == [a.id]
