@@ -48,8 +48,9 @@ changes the copy, never the core, so planning has no side effects. The order is:
    its requests is queued.
 8. **Adaptive LIFO** (``lifo``, :meth:`natsched.admitter.standing.StandingQueues.forming`): in a
    (model, class) lane whose oldest request has waited past the standing target, the newest
-   request goes first — ahead of that lane's older ones and of aging — and an arrival of it goes
-   before them too. Everything else keeps the order above.
+   request goes first — ahead of that lane's older ones and of aging — and an arrival of it
+   outranks them too (where its model's room is contended it still queues, as 7. says, and is the
+   first pick of the next dequeue). Everything else keeps the order above.
 """
 
 from __future__ import annotations
