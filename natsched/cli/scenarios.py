@@ -10,13 +10,13 @@ import orjson
 from natsched.cli.argtypes import positive_int
 from natsched.sim.bench_scenarios import (
     CONTENDERS, OURS, QUICK_TRACE_LIMIT, ScenarioError, SuiteSettings, plot_suite, run_suite, scenario_table,
-    summary_table, to_json,
+    summary_table, tail_table, to_json,
 )
 
 
 def add_scenarios_parser(bsub) -> None:
     """``natsched bench scenarios [FILE|DIR ...] [--only NAME] [--quick] [--sweep N] [--seeds N] [--json OUT]
-    [--plot DIR]``."""
+    [--plot DIR] [--tails]``."""
     sp = bsub.add_parser(
         "scenarios", help="every contender (admission + routing) through the scenario suite",
         description="Run the scenario files (default: the built-in suite) with every contender on identical "
@@ -38,6 +38,9 @@ def add_scenarios_parser(bsub) -> None:
     sp.add_argument("--jobs", type=positive_int, default=2, help="runs in parallel processes (default 2)")
     sp.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
     sp.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write one PNG per scenario here")
+    sp.add_argument("--tails", action="store_true",
+                    help="also print where each contender's slowest requests waited (door, engine, missed cache; "
+                         "per model); the JSON always has it")
     sp.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     sp.set_defaults(handler=cmd_scenarios)
 
@@ -69,6 +72,9 @@ def cmd_scenarios(args) -> int:
     for name, j in report["scenarios"].items():
         print(scenario_table(name, j))
         print()
+        if args.tails:
+            print(tail_table(name, j))
+            print()
     print("summary (natsched against the best peer on each scenario's headline; verdict paired over the loads)")
     print(summary_table(report))
     print(f"wall {report['wall_s']:.1f} s" + (" (--quick)" if args.quick else ""))

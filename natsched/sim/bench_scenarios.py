@@ -27,12 +27,13 @@ from typing import Any, TextIO
 from natsched.sim.contenders import CONTENDERS, MIGRATIONS, RESCUE_S, make_gate
 from natsched.sim.des import ClientRetry, SimSettings, WorkerEvent, WorkerSpec, simulate
 from natsched.sim.errors import ScenarioError
-from natsched.sim.ideal import fastest_per_model, ideal_ttfts
+from natsched.sim.ideal import fastest_per_model, ideal_cached, ideal_ttfts
 from natsched.sim.metrics import percentile, summarize
 from natsched.sim.pool import context, make_pool
 from natsched.sim.progress import Progress
 from natsched.sim.scenario import Scenario
 from natsched.sim.sweep import verdict
+from natsched.sim.tails import ALL as WHOLE_TAIL, merge_tails, tail_split
 from natsched.sim.trace import MOONCAKE_TRACE, Trace, load_mooncake
 from natsched.sim.traffic import generate, session_rate_for
 
@@ -273,17 +274,25 @@ def run_metrics(sc: Scenario, result, trace: Trace) -> dict[str, Any]:
             out[phase_key(i)] = ph["ttft_p99_s"]  # judged one by one: "ahead in every phase"
     if any(e.kind == "add" for e in sc.events):
         out["fair_share_s"] = _fair_share_time(sc, recs, t0, sc.n_workers)
-    out.update(ideal_metrics(sc, trace))
+    floors = ideal_floors(sc, trace)
+    out.update(ideal_metrics(sc, trace, floors))
+    out["tail"] = tail_split(recs, {r.index: r.model or "default" for r in trace.requests}, floors,
+                             ideal_cached(trace.requests, trace.block_size))
     return out
 
 
-def ideal_metrics(sc: Scenario, trace: Trace) -> dict[str, float | None]:
-    """``ideal_<metric>``: each TTFT metric of the run computed on the requests' ideal TTFTs
-    (sim/ideal.py) instead of their TTFTs: a floor under every contender's value, the same for all
-    of a cell (it depends on the arrivals and the cluster's profiles alone)."""
+def ideal_floors(sc: Scenario, trace: Trace) -> dict[int, float]:
+    """Request index -> its ideal TTFT on the scenario's cluster (sim/ideal.py; every worker it ever
+    has counts, added ones included)."""
     specs = [*worker_specs(sc), *(e.spec for e in worker_events(sc) if e.kind == "add")]
     fastest = fastest_per_model((s.model, s.engine_profile()) for s in specs)
-    floors = ideal_ttfts(trace.requests, trace.block_size, fastest)
+    return ideal_ttfts(trace.requests, trace.block_size, fastest)
+
+
+def ideal_metrics(sc: Scenario, trace: Trace, floors: dict[int, float]) -> dict[str, float | None]:
+    """``ideal_<metric>``: each TTFT metric of the run computed on the requests' ideal TTFTs
+    (``floors``) instead of their TTFTs: a floor under every contender's value, the same for all
+    of a cell (it depends on the arrivals and the cluster's profiles alone)."""
     vals = list(floors.values())
     out: dict[str, float | None] = {"ideal_ttft_p50_s": percentile(vals, 50), "ideal_ttft_p99_s": percentile(vals, 99)}
     if sc.phases:
@@ -580,6 +589,7 @@ def judge(sc: Scenario, loads: list[Load], results: list[dict[str, Any]]) -> dic
             "paired": verdicts, "ttfts": ttfts, "description": sc.description,
             "workers": sc.n_workers, "ceiling": goodput_ceiling(key, by, labels, head.get("peer")),
             "ideal": ideal_bounds(by, labels, verdicts),
+            "tails": {c: merge_tails(by[c][lb].get("tail") for lb in labels) for c in by},
             "phases": [{"from_s": a, "to_s": b, "metric": k} for a, b, k in
                        zip([0.0, *sc.phases], [*sc.phases, None], phases)]}
 
@@ -692,6 +702,29 @@ def scenario_table(name: str, j: dict[str, Any]) -> str:
     foot = ("refused = refusals met (each retried by the client or final), ra = of which with retry_after; "
             "lost = ended unfinished without a final answer; rescued = re-run by the scheduler before any output; "
             "migrated = streams continued after their output on another worker; counts are totals over the loads")
+    return "\n".join([title, "", *_grid(rows), "", foot])
+
+
+def tail_table(name: str, j: dict[str, Any]) -> str:
+    """Where each contender's slowest requests waited (sim/tails.py): one row per contender, model and
+    class, with the whole tail's row first where it has several."""
+    rows = [("contender", "model", "class", "tail n", "ttft s", "door s", "engine s", "floor s", "missed cache",
+             "attempts", "degraded")]
+    for c, tail in j.get("tails", {}).items():
+        parts = [t for t in tail if t["model"] != WHOLE_TAIL]
+        for t in [t for t in tail if t["model"] == WHOLE_TAIL and len(parts) > 1] + parts:
+            rows.append((c, "all" if t["model"] == WHOLE_TAIL else t["model"],
+                         "all" if t["cls"] == WHOLE_TAIL else t["cls"], str(t["n"]),
+                         *(f"{t[k]:.3f}" for k in ("ttft_s", "door_s", "engine_s", "floor_s")),
+                         f"{t['missed_cache']:.1%}", f"{t['attempts']:.2f}", f"{t['degraded']:.0%}"))
+    title = (f"where the tail waits ({name}): the served requests at or past each run's TTFT p99, pooled over "
+             f"the {len(j['loads'])} cells")
+    if len(rows) == 1:
+        return f"{title}: none served"
+    foot = ("door = arrival to the worker that gave the first token (the admission's queue, refusals and the client's "
+            "backoff, the router's waits, an attempt lost with a worker); engine = the rest (its queue and the "
+            "prefill); floor = the ideal cluster's TTFT of the same requests; missed cache = prompt share the ideal "
+            "cluster had cached and the run computed; degraded = share moved to the offline path")
     return "\n".join([title, "", *_grid(rows), "", foot])
 
 

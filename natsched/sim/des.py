@@ -526,6 +526,8 @@ class Simulator:
             return
         rec.worker = decision.worker
         rec.routed = now
+        if rec.first_routed is None:
+            rec.first_routed = now
         rec.status = "running"
         rec.expected_cached_tokens = decision.expected_cached_tokens
         w = self.workers.get(decision.worker)

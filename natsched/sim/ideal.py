@@ -6,7 +6,8 @@ policies are level because both are near it. The goodput headline has its ceilin
 request served in time); this is the same for the TTFT headlines: how far down any contender could go
 on these arrivals, so that "level" can be told apart from "nothing left to win".
 
-``ideal_ttfts`` gives each request of a trace the first-token time of an ideal cluster:
+``ideal_ttfts`` gives each request of a trace the first-token time of an ideal cluster
+(``ideal_cached``, the prompt tokens that cluster has cached for it):
 
 - its longest prefix seen in *any* earlier prompt is cached (the reuse ceiling's infinite cache,
   :func:`~natsched.sim.metrics.ceiling_hit_ratio`), capped as the engine caps it so that the last
@@ -55,20 +56,30 @@ def fastest_per_model(profiles: Iterable[tuple[str, EngineProfile]]) -> dict[str
     return best
 
 
+def ideal_cached(requests: Iterable[TraceRequest], block_size: int) -> dict[int, int]:
+    """Request index -> the prompt tokens the ideal cluster has cached for it: its longest prefix
+    seen in any earlier prompt, capped as the engine caps it."""
+    seen: set[int] = set()
+    out: dict[int, int] = {}
+    for r in sorted(requests, key=lambda r: (r.arrival, r.index)):
+        out[r.index] = reusable_blocks(r, seen, block_size) * block_size
+        seen.update(r.hashes)
+    return out
+
+
 def ideal_ttfts(requests: Iterable[TraceRequest], block_size: int,
                 fastest: Mapping[str, EngineProfile], speed: float = 1.0) -> dict[int, float]:
     """Request index -> its ideal TTFT (see the module docstring). ``speed``: the largest speed
     factor any worker runs at (1.0 unless a scenario speeds one up)."""
     if not speed > 0:
         raise ValueError(f"speed must be > 0, got {speed!r}")
-    seen: set[int] = set()
-    out: dict[int, float] = {}
+    requests = list(requests)
+    cached = ideal_cached(requests, block_size)
     default = next(iter(fastest.values()), None)
-    for r in sorted(requests, key=lambda r: (r.arrival, r.index)):
+    out: dict[int, float] = {}
+    for r in requests:
         profile = fastest.get(r.model or "default", default)
         if profile is None:
             raise ValueError("ideal_ttfts needs at least one worker profile")
-        n = reusable_blocks(r, seen, block_size)
-        out[r.index] = prefill_alone_s(profile, r.input_length, n * block_size) / speed
-        seen.update(r.hashes)
+        out[r.index] = prefill_alone_s(profile, r.input_length, cached[r.index]) / speed
     return out

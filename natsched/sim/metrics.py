@@ -45,6 +45,7 @@ class RequestRecord:
     first_block: int | None  # hash of the first full block, or None
     worker: str | None = None
     routed: float | None = None  # when it was handed to a worker
+    first_routed: float | None = None  # when it was first handed to a worker (a rescue routes it again)
     first_token: float | None = None  # the first token the client saw (of any attempt)
     finish: float | None = None
     cached_tokens: int = 0

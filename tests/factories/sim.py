@@ -50,9 +50,10 @@ def write_trace(path: str | Path, rows: Iterable[dict[str, Any] | str]) -> Path:
 
 def make_record(index: int = 0, *, arrival: float = 0.0, cls: str = "online", status: str = "ok",
                 ttft: float | None = 0.1, degraded: bool = False, tenant: str = "a", prompt_tokens: int = 100,
-                output_tokens: int = 4) -> RequestRecord:
-    """One simulated request's outcome; ``ttft`` sets its first token after ``arrival`` (None: none)."""
+                output_tokens: int = 4, door: float = 0.0, cached_tokens: int = 0, attempts: int = 1) -> RequestRecord:
+    """One simulated request's outcome; ``ttft`` sets its first token after ``arrival`` (None: none),
+    ``door`` its hand-off to a worker."""
     first = None if ttft is None or status != "ok" else arrival + ttft
-    return RequestRecord(index, arrival, prompt_tokens, output_tokens, None, worker="w0", routed=arrival,
-                         first_token=first, finish=first, status=status, tenant=tenant, cls=cls,
-                         degraded=degraded)
+    return RequestRecord(index, arrival, prompt_tokens, output_tokens, None, worker="w0", routed=arrival + door,
+                         first_routed=arrival + door, first_token=first, finish=first, cached_tokens=cached_tokens,
+                         status=status, tenant=tenant, cls=cls, degraded=degraded, attempts=attempts)

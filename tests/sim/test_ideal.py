@@ -10,7 +10,7 @@ import pytest
 from natsched.sim import bench_scenarios as B
 from natsched.sim.contenders import CONTENDERS, make_gate
 from natsched.sim.des import simulate
-from natsched.sim.ideal import fastest_per_model, ideal_ttfts, prefill_alone_s
+from natsched.sim.ideal import fastest_per_model, ideal_cached, ideal_ttfts, prefill_alone_s
 from natsched.sim.scenario import parse_scenario
 from natsched.sim.traffic import generate
 from natsched.workers.profiles import H100_27B_INT4, H100_LLAMA8B
@@ -61,6 +61,7 @@ def test_ideal_ttfts_cache_every_earlier_prompt_and_take_each_models_fastest_pro
     assert got[1] == pytest.approx(prefill_alone_s(H100_LLAMA8B, 192, 128))  # blocks 1, 2 seen
     # all three blocks seen, capped so that the last prompt token is computed; on the big model
     assert got[2] == pytest.approx(prefill_alone_s(H100_27B_INT4, 192, 128))
+    assert ideal_cached(reversed(trace.requests), BS) == {0: 0, 1: 128, 2: 128}  # by arrival, whatever the order
     assert ideal_ttfts(trace.requests, BS, fastest, speed=2.0)[0] == pytest.approx(got[0] / 2)
     with pytest.raises(ValueError):
         ideal_ttfts(trace.requests, BS, {})
