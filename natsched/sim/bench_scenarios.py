@@ -277,7 +277,7 @@ def run_metrics(sc: Scenario, result, trace: Trace) -> dict[str, Any]:
     floors = ideal_floors(sc, trace)
     out.update(ideal_metrics(sc, trace, floors))
     out["tail"] = tail_split(recs, {r.index: r.model or "default" for r in trace.requests}, floors,
-                             ideal_cached(trace.requests, trace.block_size))
+                             ideal_cached(trace.requests, trace.block_size), result.profiles)
     return out
 
 
@@ -708,22 +708,22 @@ def scenario_table(name: str, j: dict[str, Any]) -> str:
 def tail_table(name: str, j: dict[str, Any]) -> str:
     """Where each contender's slowest requests waited (sim/tails.py): one row per contender, model and
     class, with the whole tail's row first where it has several."""
-    rows = [("contender", "model", "class", "tail n", "ttft s", "door s", "engine s", "floor s", "missed cache",
-             "attempts", "degraded")]
+    rows = [("contender", "model", "class", "tail n", "ttft s", "door s", "queue s", "prefill s", "floor s",
+             "missed cache", "attempts", "degraded")]
     for c, tail in j.get("tails", {}).items():
         parts = [t for t in tail if t["model"] != WHOLE_TAIL]
         for t in [t for t in tail if t["model"] == WHOLE_TAIL and len(parts) > 1] + parts:
             rows.append((c, "all" if t["model"] == WHOLE_TAIL else t["model"],
                          "all" if t["cls"] == WHOLE_TAIL else t["cls"], str(t["n"]),
-                         *(f"{t[k]:.3f}" for k in ("ttft_s", "door_s", "engine_s", "floor_s")),
+                         *(f"{t[k]:.3f}" for k in ("ttft_s", "door_s", "queue_s", "prefill_s", "floor_s")),
                          f"{t['missed_cache']:.1%}", f"{t['attempts']:.2f}", f"{t['degraded']:.0%}"))
     title = (f"where the tail waits ({name}): the served requests at or past each run's TTFT p99, pooled over "
              f"the {len(j['loads'])} cells")
     if len(rows) == 1:
         return f"{title}: none served"
     foot = ("door = arrival to the worker that gave the first token (the admission's queue, refusals and the client's "
-            "backoff, the router's waits, an attempt lost with a worker); engine = the rest (its queue and the "
-            "prefill); floor = the ideal cluster's TTFT of the same requests; missed cache = prompt share the ideal "
+            "backoff, the router's waits, an attempt lost with a worker); then queue + prefill = the engine's part "
+            "(prefill = its own prefill alone on that engine with the cache it found; queue = the rest); floor = the ideal cluster's TTFT of the same requests; missed cache = prompt share the ideal "
             "cluster had cached and the run computed; degraded = share moved to the offline path")
     return "\n".join([title, "", *_grid(rows), "", foot])
 

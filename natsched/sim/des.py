@@ -261,6 +261,7 @@ class SimResult:
     backoff_changes: int = 0
     predictions: dict = field(default_factory=dict)  # RouterCore.predictions (keep_predictions > 0)
     health_changes: list = field(default_factory=list)  # (t, worker, state) of the router's health
+    profiles: dict = field(default_factory=dict)  # worker -> its EngineProfile (added ones included)
 
     def metrics(self) -> dict:
         return summarize(self.records, self.busy_time, self.busy_window, self.window)
@@ -424,6 +425,7 @@ class Simulator:
             wall_s=time.perf_counter() - started,
             predictions={w: list(v) for w, v in getattr(self.router, "predictions", {}).items()},
             health_changes=list(getattr(getattr(self.router, "health", None), "transitions", ())),
+            profiles={w.id: w.core.profile for w in self.workers.values()},
         )
 
     def _stalled(self, now: float) -> None:

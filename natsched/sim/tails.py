@@ -16,7 +16,9 @@ each with the tail's size ``n`` and these means:
   worker, and any earlier attempt lost with a dead worker (a stream migrated after its first
   token counts its first hand-off);
 - ``engine_s``: from there to the first token — that worker's queue and the prefill;
-  ``door_s + engine_s = ttft_s``;
+  ``door_s + engine_s = ttft_s``. It splits in two: ``prefill_s``, the request's own prefill
+  alone on that worker's engine at full speed with the cache it found there, and ``queue_s``,
+  the rest — waiting behind other work, sharing steps with it, a slowed engine;
 - ``floor_s``: the ideal cluster's TTFT of the same requests (:mod:`natsched.sim.ideal`): each
   alone on an idle engine of the fastest profile with every earlier prompt cached — the part no
   scheduler removes;
@@ -34,18 +36,21 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable, Mapping
 
+from natsched.sim.ideal import prefill_alone_s
 from natsched.sim.metrics import RequestRecord
 from natsched.stats import percentile
+from natsched.workers.profiles import EngineProfile
 
 ALL = "*"  # the model and class of the whole tail's row
-PARTS = ("ttft_s", "door_s", "engine_s", "floor_s", "missed_cache", "attempts", "degraded")
+PARTS = ("ttft_s", "door_s", "engine_s", "prefill_s", "queue_s", "floor_s", "missed_cache", "attempts", "degraded")
 
 
 def tail_split(records: Iterable[RequestRecord], models: Mapping[int, str], floors: Mapping[int, float],
-               ideal_cached: Mapping[int, int], q: float = 99) -> list[dict[str, Any]]:
+               ideal_cached: Mapping[int, int], profiles: Mapping[str, EngineProfile],
+               q: float = 99) -> list[dict[str, Any]]:
     """The rows of the module docstring over the served requests whose TTFT is at or past the run's
-    ``q``-th percentile. ``models``, ``floors`` and ``ideal_cached`` are keyed by request index; an
-    empty run has no tail ([])."""
+    ``q``-th percentile. ``models``, ``floors`` and ``ideal_cached`` are keyed by request index,
+    ``profiles`` by worker; an empty run has no tail ([])."""
     served = [r for r in records if r.status == "ok" and r.first_token is not None]
     cut = percentile([r.first_token - r.arrival for r in served], q)
     if cut is None:
@@ -54,14 +59,22 @@ def tail_split(records: Iterable[RequestRecord], models: Mapping[int, str], floo
     groups: dict[tuple[str, str], list[RequestRecord]] = {}
     for r in tail:
         groups.setdefault((models.get(r.index, "default"), r.cls), []).append(r)
-    return [{"model": m, "cls": c, **_means(rs, floors, ideal_cached)}
+    return [{"model": m, "cls": c, **_means(rs, floors, ideal_cached, profiles)}
             for (m, c), rs in [((ALL, ALL), tail), *sorted(groups.items())]]
 
 
-def _means(tail: list[RequestRecord], floors: Mapping[int, float], ideal_cached: Mapping[int, int]) -> dict[str, float]:
+def _means(tail: list[RequestRecord], floors: Mapping[int, float], ideal_cached: Mapping[int, int],
+           profiles: Mapping[str, EngineProfile]) -> dict[str, float]:
     def door(r: RequestRecord) -> float:
         handed = r.routed if r.routed is not None and r.routed <= r.first_token else r.first_routed
         return min(r.first_token if handed is None else handed, r.first_token) - r.arrival
+
+    def engine(r: RequestRecord) -> float:
+        return r.first_token - r.arrival - door(r)
+
+    def prefill(r: RequestRecord) -> float:  # at most what the engine took (a migrated stream's worker is its last)
+        p = profiles.get(r.worker) if r.worker is not None else None
+        return 0.0 if p is None else min(engine(r), prefill_alone_s(p, r.prompt_tokens, r.cached_tokens))
 
     def missed(r: RequestRecord) -> float:
         return max(0, ideal_cached.get(r.index, 0) - r.cached_tokens) / max(1, r.prompt_tokens)
@@ -69,7 +82,9 @@ def _means(tail: list[RequestRecord], floors: Mapping[int, float], ideal_cached:
     return {"n": len(tail),
             "ttft_s": statistics.fmean(r.first_token - r.arrival for r in tail),
             "door_s": statistics.fmean(door(r) for r in tail),
-            "engine_s": statistics.fmean(r.first_token - r.arrival - door(r) for r in tail),
+            "engine_s": statistics.fmean(engine(r) for r in tail),
+            "prefill_s": statistics.fmean(prefill(r) for r in tail),
+            "queue_s": statistics.fmean(engine(r) - prefill(r) for r in tail),
             "floor_s": statistics.fmean(floors.get(r.index, 0.0) for r in tail),
             "missed_cache": statistics.fmean(missed(r) for r in tail),
             "attempts": statistics.fmean(r.attempts for r in tail),
