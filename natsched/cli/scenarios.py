@@ -39,8 +39,8 @@ def add_scenarios_parser(bsub) -> None:
     sp.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON here")
     sp.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write one PNG per scenario here")
     sp.add_argument("--tails", action="store_true",
-                    help="also print where each contender's slowest requests waited (door, engine, missed cache; "
-                         "per model); the JSON always has it")
+                    help="also print where each contender's slowest requests spent their time (door, engine "
+                         "queue, own prefill, missed cache; per model and class); the JSON always has it")
     sp.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     sp.set_defaults(handler=cmd_scenarios)
 

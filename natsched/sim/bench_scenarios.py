@@ -274,19 +274,20 @@ def run_metrics(sc: Scenario, result, trace: Trace) -> dict[str, Any]:
             out[phase_key(i)] = ph["ttft_p99_s"]  # judged one by one: "ahead in every phase"
     if any(e.kind == "add" for e in sc.events):
         out["fair_share_s"] = _fair_share_time(sc, recs, t0, sc.n_workers)
-    floors = ideal_floors(sc, trace)
+    cached = ideal_cached(trace.requests, trace.block_size)
+    floors = ideal_floors(sc, trace, cached)
     out.update(ideal_metrics(sc, trace, floors))
-    out["tail"] = tail_split(recs, {r.index: r.model or "default" for r in trace.requests}, floors,
-                             ideal_cached(trace.requests, trace.block_size), result.profiles)
+    out["tail"] = tail_split(recs, {r.index: r.model or "default" for r in trace.requests}, floors, cached,
+                             result.profiles)
     return out
 
 
-def ideal_floors(sc: Scenario, trace: Trace) -> dict[int, float]:
+def ideal_floors(sc: Scenario, trace: Trace, cached: dict[int, int] | None = None) -> dict[int, float]:
     """Request index -> its ideal TTFT on the scenario's cluster (sim/ideal.py; every worker it ever
-    has counts, added ones included)."""
+    has counts, added ones included); ``cached``: the trace's :func:`ideal_cached`, if at hand."""
     specs = [*worker_specs(sc), *(e.spec for e in worker_events(sc) if e.kind == "add")]
     fastest = fastest_per_model((s.model, s.engine_profile()) for s in specs)
-    return ideal_ttfts(trace.requests, trace.block_size, fastest)
+    return ideal_ttfts(trace.requests, trace.block_size, fastest, cached=cached)
 
 
 def ideal_metrics(sc: Scenario, trace: Trace, floors: dict[int, float]) -> dict[str, float | None]:

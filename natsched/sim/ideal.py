@@ -68,13 +68,16 @@ def ideal_cached(requests: Iterable[TraceRequest], block_size: int) -> dict[int,
 
 
 def ideal_ttfts(requests: Iterable[TraceRequest], block_size: int,
-                fastest: Mapping[str, EngineProfile], speed: float = 1.0) -> dict[int, float]:
+                fastest: Mapping[str, EngineProfile], speed: float = 1.0,
+                cached: Mapping[int, int] | None = None) -> dict[int, float]:
     """Request index -> its ideal TTFT (see the module docstring). ``speed``: the largest speed
-    factor any worker runs at (1.0 unless a scenario speeds one up)."""
+    factor any worker runs at (1.0 unless a scenario speeds one up); ``cached``:
+    :func:`ideal_cached` of the same requests, when the caller has it already."""
     if not speed > 0:
         raise ValueError(f"speed must be > 0, got {speed!r}")
     requests = list(requests)
-    cached = ideal_cached(requests, block_size)
+    if cached is None:
+        cached = ideal_cached(requests, block_size)
     default = next(iter(fastest.values()), None)
     out: dict[int, float] = {}
     for r in requests:

@@ -65,30 +65,24 @@ def tail_split(records: Iterable[RequestRecord], models: Mapping[int, str], floo
 
 def _means(tail: list[RequestRecord], floors: Mapping[int, float], ideal_cached: Mapping[int, int],
            profiles: Mapping[str, EngineProfile]) -> dict[str, float]:
-    def door(r: RequestRecord) -> float:
-        handed = r.routed if r.routed is not None and r.routed <= r.first_token else r.first_routed
-        return min(r.first_token if handed is None else handed, r.first_token) - r.arrival
+    parts = [_parts(r, floors, ideal_cached, profiles) for r in tail]
+    return {"n": len(tail), **{p: statistics.fmean(x[p] for x in parts) for p in PARTS}}
 
-    def engine(r: RequestRecord) -> float:
-        return r.first_token - r.arrival - door(r)
 
-    def prefill(r: RequestRecord) -> float:  # at most what the engine took (a migrated stream's worker is its last)
-        p = profiles.get(r.worker) if r.worker is not None else None
-        return 0.0 if p is None else min(engine(r), prefill_alone_s(p, r.prompt_tokens, r.cached_tokens))
-
-    def missed(r: RequestRecord) -> float:
-        return max(0, ideal_cached.get(r.index, 0) - r.cached_tokens) / max(1, r.prompt_tokens)
-
-    return {"n": len(tail),
-            "ttft_s": statistics.fmean(r.first_token - r.arrival for r in tail),
-            "door_s": statistics.fmean(door(r) for r in tail),
-            "engine_s": statistics.fmean(engine(r) for r in tail),
-            "prefill_s": statistics.fmean(prefill(r) for r in tail),
-            "queue_s": statistics.fmean(engine(r) - prefill(r) for r in tail),
-            "floor_s": statistics.fmean(floors.get(r.index, 0.0) for r in tail),
-            "missed_cache": statistics.fmean(missed(r) for r in tail),
-            "attempts": statistics.fmean(r.attempts for r in tail),
-            "degraded": statistics.fmean(r.degraded for r in tail)}
+def _parts(r: RequestRecord, floors: Mapping[int, float], ideal_cached: Mapping[int, int],
+           profiles: Mapping[str, EngineProfile]) -> dict[str, float]:
+    """One tail request's :data:`PARTS` (the module docstring)."""
+    ttft = r.first_token - r.arrival
+    handed = r.routed if r.routed is not None and r.routed <= r.first_token else r.first_routed
+    door = min(r.first_token if handed is None else handed, r.first_token) - r.arrival
+    engine = ttft - door
+    profile = profiles.get(r.worker) if r.worker is not None else None
+    # at most what the engine took (a stream migrated after its first token is costed on its last worker)
+    prefill = 0.0 if profile is None else min(engine, prefill_alone_s(profile, r.prompt_tokens, r.cached_tokens))
+    return {"ttft_s": ttft, "door_s": door, "engine_s": engine, "prefill_s": prefill, "queue_s": engine - prefill,
+            "floor_s": floors.get(r.index, 0.0),
+            "missed_cache": max(0, ideal_cached.get(r.index, 0) - r.cached_tokens) / max(1, r.prompt_tokens),
+            "attempts": float(r.attempts), "degraded": float(r.degraded)}
 
 
 def merge_tails(cells: Iterable[list[Mapping[str, Any]] | None]) -> list[dict[str, Any]]:
